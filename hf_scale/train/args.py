@@ -1,0 +1,58 @@
+"""Command-line arguments of train.py that are not `TrainingArguments` flags.
+
+Parsed together with transformers' `TrainingArguments` and the data pipeline's `DataArguments` by
+`HfArgumentParser`, so every Trainer flag users know keeps working in both loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub id or local directory of a causal LM. Default: the tiny Llama shipped with hf_scale "
+            "(offline demo)."
+        },
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer to use when it differs from --model_name_or_path."}
+    )
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = field(
+        default=None,
+        metadata={"help": "Attention kernel. Default: flash_attention_2 when installed and on GPU, else sdpa."},
+    )
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="float32",
+        metadata={
+            "help": "dtype the weights are loaded in. Keep float32 for mixed precision (--bf16/--fp16 keep an "
+            "fp32 master copy); DeepSpeed casts to its own precision."
+        },
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the Hub."})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 (default) trains all weights."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata={"help": "Comma-separated module names to adapt, or 'all-linear' (peft's shortcut)."},
+    )
+
+
+@dataclass
+class ScaleArguments:
+    loop: Literal["trainer", "accelerate"] = field(
+        default="trainer",
+        metadata={"help": "'trainer': the HF Trainer. 'accelerate': hf_scale's manual Accelerator loop."},
+    )
+    hf_scale_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "A DistributedConfig YAML (see `hf-scale generate`). Its strategy, world size, batch and "
+            "precision are checked against the launcher and the flags; a conflict is an error."
+        },
+    )

@@ -1,0 +1,191 @@
+"""The manual Accelerator loop (`--loop accelerate`).
+
+Gradient accumulation follows the same rule as the transformers Trainer so both loops train
+identically: each optimizer step takes `gradient_accumulation_steps` micro-batches per rank, counts
+the target tokens of the whole window on all ranks, and every micro-batch's summed token loss is
+divided by that global count (and multiplied by the world size, because DDP and ZeRO average
+gradients over ranks). Micro 2 x accumulation 4 therefore equals micro 8, and 2 ranks equal 1 rank.
+Gradient sync is skipped on all but the last micro-batch of a window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
+from transformers import Trainer, TrainingArguments, get_scheduler
+
+from hf_scale.train import guard
+from hf_scale.train.data import count_target_tokens, make_train_dataloader
+from hf_scale.train.metrics import StepMetrics, count_real_tokens
+
+
+@dataclass
+class LoopResult:
+    accelerator: Accelerator
+    model: torch.nn.Module
+    """The prepared (wrapped) model."""
+    metrics: StepMetrics
+
+
+def _take(iterator, n: int) -> list:
+    window = []
+    for _ in range(n):
+        try:
+            window.append(next(iterator))
+        except StopIteration:
+            break
+    return window
+
+
+def _optimizer_and_scheduler(model, args: TrainingArguments, ds_config: dict | None, total_steps: int):
+    """The Trainer's optimizer and scheduler choices, so both loops train identically.
+
+    Mirrors transformers' `create_optimizer` / `deepspeed_optim_sched`: DeepSpeed's own optimizer when
+    the JSON has an `optimizer` block (so optimizer offload runs its CPU Adam), with the torch scheduler
+    of --lr_scheduler_type built on it; otherwise --optim with weight decay off for biases and norms.
+    """
+
+    def make_scheduler(optimizer):
+        return get_scheduler(
+            args.lr_scheduler_type,
+            optimizer=optimizer,
+            num_warmup_steps=args.get_warmup_steps(total_steps),
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+        )
+
+    if ds_config is not None and "optimizer" in ds_config:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = DummyOptim(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+        return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=make_scheduler)
+
+    # get_decay_parameter_names does not use the Trainer instance; calling it unbound avoids building one.
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n in decay],
+         "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n not in decay],
+         "weight_decay": 0.0},
+    ]
+    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
+    return optimizer, make_scheduler(optimizer)
+
+
+def run(
+    *,
+    args: TrainingArguments,
+    model,
+    train_dataset,
+    collator,
+    expected: guard.Expected,
+    loaded_partitioned: bool | None,
+    flops_per_token: float | None,
+    report_config: dict,
+) -> LoopResult:
+    ds_plugin = getattr(args, "deepspeed_plugin", None)
+    accelerator = Accelerator(
+        deepspeed_plugin=ds_plugin,
+        mixed_precision=expected.precision,
+        # This loop does the accumulation (like the Trainer), so accelerate must not divide the loss again.
+        gradient_accumulation_steps=args.gradient_accumulation_steps if ds_plugin else 1,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # The schedule counts optimizer steps of the whole job (as in the Trainer); by default accelerate
+        # would advance it once per process on every step.
+        step_scheduler_with_optimizer=False,
+        log_with=[r for r in args.report_to if r != "none"] or None,
+        project_dir=args.output_dir,
+    )
+    dataloader = make_train_dataloader(
+        train_dataset, collator, args.per_device_train_batch_size, args.seed,
+        num_workers=args.dataloader_num_workers,
+    )
+    batches_per_epoch = math.ceil(len(dataloader) / accelerator.num_processes)
+    steps_per_epoch = max(1, math.ceil(batches_per_epoch / args.gradient_accumulation_steps))
+    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * math.ceil(args.num_train_epochs)
+
+    ds_config = None
+    if ds_plugin is not None:
+        hf_ds_config = ds_plugin.hf_ds_config
+        hf_ds_config.trainer_config_finalize(args, model, total_steps)
+        ds_config = hf_ds_config.config
+    optimizer, scheduler = _optimizer_and_scheduler(model, args, ds_config, total_steps)
+    model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+
+    guard.verify_runtime(
+        expected,
+        guard.observe(accelerator, model, dataloader.total_batch_size // accelerator.num_processes
+                      if not getattr(dataloader, "split_batches", False) else None,
+                      loaded_partitioned=loaded_partitioned),
+    )
+    if accelerator.log_with:
+        accelerator.init_trackers("hf_scale", config=report_config)
+
+    is_deepspeed = ds_plugin is not None
+    metrics = StepMetrics(
+        args.output_dir, is_main=accelerator.is_main_process, total_steps=total_steps,
+        world_size=accelerator.num_processes, flops_per_token=flops_per_token,
+    )
+    model.train()
+    step = 0
+    epoch = 0
+    while step < total_steps:
+        dataloader.set_epoch(epoch)
+        batches = iter(dataloader)
+        windows_in_epoch = 0
+        while step < total_steps:
+            window = _take(batches, args.gradient_accumulation_steps)
+            if not window:
+                break
+            local_targets = torch.tensor(sum(count_target_tokens(b) for b in window), device=accelerator.device)
+            global_targets = accelerator.reduce(local_targets, reduction="sum")
+            local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
+            lr = optimizer.param_groups[0]["lr"]  # the rate this update uses (read before the scheduler moves)
+            loss_sum = torch.zeros((), device=accelerator.device)
+            for i, batch in enumerate(window):
+                last = i == len(window) - 1
+                # Same mechanism as transformers' Trainer: tell accelerate (and through it DeepSpeed's
+                # accumulation boundary) whether this micro-batch ends the window.
+                accelerator.gradient_state._set_sync_gradients(last)
+                sync_context = (
+                    contextlib.nullcontext() if last or is_deepspeed else accelerator.no_sync(model)
+                )
+                with sync_context:
+                    outputs = model(**batch, num_items_in_batch=global_targets)
+                    # The model's loss is sum(token losses) / global_targets; gradients are averaged over ranks.
+                    loss = outputs.loss * accelerator.num_processes
+                    backward_kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
+                    accelerator.backward(loss, **backward_kwargs)
+                loss_sum += loss.detach() / accelerator.num_processes
+            # DeepSpeed clips inside its step and reports the norm; otherwise clip here (inf = only measure).
+            grad_norm = accelerator.clip_grad_norm_(
+                model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf
+            )
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            windows_in_epoch += 1
+            step_loss = accelerator.reduce(loss_sum, reduction="sum").item()
+            tokens = int(accelerator.reduce(local_tokens, reduction="sum").item())
+            record = metrics.log_step(
+                step=step, loss=step_loss, lr=lr, grad_norm=_as_float(grad_norm), tokens=tokens,
+                epoch=epoch + windows_in_epoch / steps_per_epoch,
+            )
+            if accelerator.log_with:
+                accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
+        epoch += 1
+    if accelerator.log_with:
+        accelerator.end_training()
+    return LoopResult(accelerator=accelerator, model=model, metrics=metrics)
+
+
+def _as_float(value) -> float | None:
+    if value is None:
+        return None
+    return float(value.item() if torch.is_tensor(value) else value)

@@ -1,0 +1,196 @@
+"""train.py, top to bottom: parse → find out what the launcher wants → set up the process group →
+data → model → train (Trainer or manual loop) → save → prove the save → shut down."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from transformers import HfArgumentParser, TrainingArguments, set_seed
+
+from hf_scale.errors import UserError, exit_with_user_error
+from hf_scale.train import distributed, guard
+from hf_scale.train.args import ModelArguments, ScaleArguments
+from hf_scale.train.data import (
+    DataArguments,
+    check_max_seq_length,
+    load_raw_datasets,
+    make_collator,
+    tokenize_dataset,
+)
+from hf_scale.train.metrics import flops_per_token
+from hf_scale.train.model import load_model, load_model_config, load_tokenizer, resolve_model_path
+from hf_scale.train.save import live_logits, save_with_accelerator, verify_saved_model
+
+DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
+PROBE_TOKENS = 16
+
+
+class _OneLineParser(HfArgumentParser):
+    """argparse prints usage and exits; hf_scale reports bad flags as one line (exit 2) instead."""
+
+    def error(self, message):
+        raise UserError(message)
+
+
+def build_parser() -> HfArgumentParser:
+    parser = _OneLineParser(
+        (ModelArguments, DataArguments, ScaleArguments, TrainingArguments),
+        description="Fine-tune a causal LM with the HF Trainer or hf_scale's Accelerator loop. Every "
+        "TrainingArguments flag works. With no model/data flags it fine-tunes the tiny Llama shipped with "
+        "hf_scale on its sample dataset (CPU, seconds). Launch unchanged with python, torchrun, "
+        "accelerate launch or deepspeed.",
+    )
+    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", save_strategy="no", logging_steps=1)
+    return parser
+
+
+def _validate_flags(ns) -> None:
+    if ns.bf16 and ns.fp16:
+        raise UserError("--bf16 and --fp16 are both set; choose one precision")
+    if ns.gradient_accumulation_steps < 1:
+        raise UserError(f"--gradient_accumulation_steps={ns.gradient_accumulation_steps}: must be >= 1")
+    if ns.per_device_train_batch_size < 1:
+        raise UserError(f"--per_device_train_batch_size={ns.per_device_train_batch_size}: must be >= 1")
+    if ns.max_steps <= 0 and ns.num_train_epochs <= 0:
+        raise UserError(f"--num_train_epochs={ns.num_train_epochs}: must be > 0 (or set --max_steps)")
+    if ns.learning_rate < 0:
+        raise UserError(f"--learning_rate={ns.learning_rate}: must be >= 0")
+
+
+def _dataclass_from(namespace, cls):
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+
+
+def train(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
+    _validate_flags(ns)
+
+    # 1. What the launcher asks for, and a process group that really delivers it.
+    request = distributed.detect_launch(ns.deepspeed)
+    if ns.hf_scale_config:
+        from hf_scale.train.reconcile import apply_hf_scale_config
+
+        request, ns.deepspeed = apply_hf_scale_config(ns.hf_scale_config, request, ns)
+    elif request.deepspeed_config_file and not ns.deepspeed:
+        ns.deepspeed = request.deepspeed_config_file  # accelerate launch: let the Trainer's resolver fill "auto"
+    state = distributed.init_process_state(request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
+
+    model_args = _dataclass_from(ns, ModelArguments)
+    data_args = _dataclass_from(ns, DataArguments)
+    scale_args = _dataclass_from(ns, ScaleArguments)
+    ns.accelerator_config = {"use_configured_state": True}
+    # Non-reentrant checkpointing (works with LoRA's frozen inputs and ZeRO-3 hooks); the flag was
+    # renamed activation_checkpointing_kwargs in transformers 5.
+    ckpt_kwargs = "activation_checkpointing_kwargs" if hasattr(ns, "activation_checkpointing_kwargs") \
+        else "gradient_checkpointing_kwargs"
+    if getattr(ns, ckpt_kwargs) is None:
+        setattr(ns, ckpt_kwargs, {"use_reentrant": False})
+    try:
+        # Creating TrainingArguments with --deepspeed registers the DeepSpeed config globally, so that
+        # from_pretrained below builds a ZeRO-3 model already partitioned.
+        args = _dataclass_from(ns, TrainingArguments)
+    except (ValueError, TypeError) as error:
+        raise UserError(f"training arguments: {' '.join(str(error).split())}") from None
+
+    set_seed(args.seed)
+    model_path = resolve_model_path(model_args)
+    model_config = load_model_config(model_path, model_args.trust_remote_code)
+    check_max_seq_length(data_args.max_seq_length, model_config)
+    tokenizer = load_tokenizer(model_args)
+
+    # 2. Data: tokenised once on the main process (cached), then read by the others.
+    with state.main_process_first():
+        raw = load_raw_datasets(data_args)
+        train_dataset = tokenize_dataset(raw["train"], tokenizer, data_args)
+    collator = make_collator(tokenizer, packing=data_args.packing)
+
+    # 3. Model.
+    model = load_model(model_args, gradient_checkpointing=args.gradient_checkpointing)
+    loaded_partitioned = guard.zero3_weights_partitioned(model) if request.zero_stage == 3 else None
+    expected = guard.Expected(
+        strategy=request.strategy,
+        world_size=request.world_size,
+        micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        precision=guard.expected_precision(args.bf16, args.fp16),
+        zero_stage=request.zero_stage,
+        zero3_init=request.zero_stage == 3 and bool(getattr(args, "deepspeed_plugin", None))
+        and bool(args.deepspeed_plugin.zero3_init_flag),
+    )
+    n_params = sum(p.numel() for p in model.parameters()) if loaded_partitioned is not True else sum(
+        getattr(p, "ds_numel", p.numel()) for p in model.parameters()
+    )
+    fpt = flops_per_token(model_config, n_params, data_args.max_seq_length)
+    is_lora = model_args.lora_r > 0
+
+    # 4. Train.
+    if scale_args.loop == "accelerate":
+        from hf_scale.train import loop
+
+        result = loop.run(
+            args=args, model=model, train_dataset=train_dataset, collator=collator, expected=expected,
+            loaded_partitioned=loaded_partitioned, flops_per_token=fpt,
+            report_config={"argv": sys.argv[1:]},
+        )
+        accelerator, wrapped, metrics = result.accelerator, result.model, result.metrics
+        save_with_accelerator(accelerator, wrapped, tokenizer, args.output_dir)
+    else:
+        from hf_scale.train.trainer import GuardAndMetricsCallback, HfScaleTrainer
+
+        trainer = HfScaleTrainer(model=model, args=args, train_dataset=train_dataset, data_collator=collator,
+                                 processing_class=tokenizer)
+        callback = GuardAndMetricsCallback(trainer, expected, loaded_partitioned, fpt)
+        trainer.add_callback(callback)
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        trainer.save_model(args.output_dir)
+        accelerator, wrapped, metrics = trainer.accelerator, trainer.model_wrapped, callback.metrics
+
+    # 5. Prove the save: the reloaded directory reproduces the trained model's logits.
+    probe = train_dataset[0]["input_ids"][:PROBE_TOKENS]
+    import torch
+
+    probe_ids = torch.tensor([probe])
+    logits = live_logits(wrapped, probe_ids, accelerator.device)
+    report = None
+    if accelerator.is_main_process:
+        report = verify_saved_model(args.output_dir, probe_ids, logits, is_lora=is_lora)
+    summary = metrics.summary()
+    metrics.close()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        summary["model_dir"] = os.path.abspath(args.output_dir)
+        summary["strategy"] = request.strategy
+        summary["world_size"] = request.world_size
+        summary["saved_model_verified"] = report["ok"]
+        with open(os.path.join(args.output_dir, "train_summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(
+            f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+            f"{summary['tokens_per_sec']:.0f} tokens/s, peak memory {summary['peak_memory_bytes'] / 2**20:.0f} MiB"
+            + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
+            + f"; model saved to {summary['model_dir']}",
+            flush=True,
+        )
+        if not report["ok"]:
+            print(f"hf_scale: ERROR: the saved model does not reproduce the trained logits "
+                  f"(max abs diff {report['max_abs_diff']:.3g} > {report['tolerance']})", file=sys.stderr)
+    distributed.shutdown()
+    return 0 if report is None or report["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = train(argv)
+    except UserError as error:
+        # Tear the group down without a barrier (other ranks may be gone): a live gloo group aborts the
+        # interpreter at exit and would turn exit code 2 into SIGABRT.
+        distributed.shutdown(barrier=False)
+        exit_with_user_error("train.py", error)
+    sys.exit(code)

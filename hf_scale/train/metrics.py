@@ -1,0 +1,127 @@
+"""Per-step training metrics: `OUTPUT_DIR/metrics.jsonl`, the progress bar and the end-of-run summary.
+
+Both loops feed :class:`StepMetrics` with already globally-reduced values; only the main process
+writes. MFU uses the usual dense-transformer count (6·N + 12·L·H·T FLOPs per token, N = trainable
++ frozen parameters in matmuls, L layers, H hidden size, T sequence length) and is reported only when
+the device's peak FLOP/s is known.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+# Dense bf16/fp16 tensor-core peaks (no sparsity), by substring of torch.cuda.get_device_name().
+_PEAK_FLOPS_BY_DEVICE = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+}
+
+
+def device_peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in _PEAK_FLOPS_BY_DEVICE.items() if key in name), None)
+
+
+def flops_per_token(model_config, num_parameters: int, seq_len: int) -> float:
+    layers = getattr(model_config, "num_hidden_layers", 0)
+    hidden = getattr(model_config, "hidden_size", 0)
+    return 6.0 * num_parameters + 12.0 * layers * hidden * seq_len
+
+
+def count_real_tokens(batch) -> int:
+    """Non-padding tokens of a micro-batch (a packed batch has no padding)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
+
+
+def peak_memory_bytes() -> int:
+    """Peak accelerator memory of this process; peak resident memory on CPU-only runs."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # Linux reports KiB
+
+
+class StepMetrics:
+    """Writes one JSON object per optimizer step and drives the progress bar (main process only)."""
+
+    def __init__(self, output_dir: str, *, is_main: bool, total_steps: int, world_size: int,
+                 flops_per_token: float | None, progress_bar: bool = True):
+        self.is_main = is_main
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        self.peak_flops = device_peak_flops()
+        self.history: list[dict] = []
+        self._file = None
+        self._bar = None
+        self._start = time.perf_counter()
+        self._last = self._start
+        if is_main:
+            path = Path(output_dir)
+            path.mkdir(parents=True, exist_ok=True)
+            self._file = (path / "metrics.jsonl").open("w")
+            if progress_bar:
+                self._bar = tqdm(total=total_steps, desc="training", unit="step", dynamic_ncols=True)
+
+    def log_step(self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int,
+                 epoch: float) -> dict:
+        now = time.perf_counter()
+        elapsed = max(now - self._last, 1e-9)
+        self._last = now
+        record = {
+            "step": step,
+            "epoch": round(epoch, 4),
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": tokens,
+            "tokens_per_sec": tokens / elapsed,
+            "step_time_s": elapsed,
+            "peak_memory_bytes": peak_memory_bytes(),
+        }
+        if self.peak_flops and self.flops_per_token:
+            achieved = record["tokens_per_sec"] * self.flops_per_token
+            record["mfu"] = achieved / (self.peak_flops * self.world_size)
+        self.history.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        return record
+
+    def summary(self) -> dict:
+        elapsed = time.perf_counter() - self._start
+        tokens = sum(r["tokens"] for r in self.history)
+        summary = {
+            "steps": len(self.history),
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "tokens": tokens,
+            "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
+            "peak_memory_bytes": peak_memory_bytes(),
+            "train_time_s": elapsed,
+        }
+        if self.peak_flops and self.flops_per_token:
+            summary["mfu"] = summary["tokens_per_sec"] * self.flops_per_token / (self.peak_flops * self.world_size)
+        return summary
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()

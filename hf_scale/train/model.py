@@ -1,0 +1,115 @@
+"""Loading the model and tokenizer, LoRA, and the final Hugging Face save.
+
+The model is always created with `AutoModelForCausalLM.from_pretrained`. Under ZeRO-3 the caller has
+already built `TrainingArguments(deepspeed=...)`, whose `HfTrainerDeepSpeedConfig` registers itself
+globally; `from_pretrained` sees it and builds the model inside `deepspeed.zero.Init`, so no process
+materialises the full weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from hf_scale.errors import UserError
+from hf_scale.train.args import ModelArguments
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def resolve_model_path(model_args: ModelArguments) -> str:
+    from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+
+    return model_args.model_name_or_path or str(EMBEDDED_MODEL_DIR)
+
+
+def load_model_config(model_path: str, trust_remote_code: bool):
+    try:
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        looks_local = Path(model_path).exists() or model_path.startswith((".", "/", "~"))
+        what = "local directory without a valid config.json" if looks_local else "Hub id that could not be loaded"
+        raise UserError(
+            f"--model_name_or_path={model_path}: {what} ({str(error).splitlines()[0][:160]}); "
+            "pass a local model directory or a reachable Hub id"
+        ) from None
+
+
+def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
+    name = model_args.tokenizer_name_or_path or resolve_model_path(model_args)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise UserError(
+            f"--tokenizer_name_or_path={name}: no tokenizer could be loaded ({str(error).splitlines()[0][:160]})"
+        ) from None
+    if tokenizer.pad_token is None:
+        # Llama-family tokenizers ship without a pad token; padding positions are masked out of the loss.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def default_attn_implementation() -> str:
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
+    path = resolve_model_path(model_args)
+    load_model_config(path, model_args.trust_remote_code)  # one-line error for a bad path before the heavy load
+    attn = model_args.attn_implementation or default_attn_implementation()
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise UserError("--attn_implementation=flash_attention_2: the flash_attn package is not installed; "
+                        "use sdpa or eager, or pip install flash-attn")
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=_DTYPES[model_args.torch_dtype],
+        attn_implementation=attn,
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and with ZeRO-3's parameter hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if model_args.lora_r > 0:
+        model = apply_lora(model, model_args)
+    return model
+
+
+def apply_lora(model, model_args: ModelArguments):
+    from peft import LoraConfig, get_peft_model
+
+    if model_args.lora_r < 0:
+        raise UserError(f"--lora_r={model_args.lora_r}: must be >= 0 (0 disables LoRA)")
+    targets = model_args.lora_target_modules
+    target_modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    config = LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as error:
+        raise UserError(f"--lora_target_modules={targets}: {str(error).splitlines()[0][:200]}") from None
+    if model_args.lora_r and getattr(model, "is_gradient_checkpointing", False):
+        model.enable_input_require_grads()
+    return model
+
+
+def decoder_layer_classes(model) -> list[str]:
+    """The model's own block class names (what FSDP wraps), from `_no_split_modules`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = list(getattr(base, "_no_split_modules", None) or [])
+    if not names:
+        raise UserError(
+            f"model class {type(base).__name__} declares no _no_split_modules; set "
+            "fsdp.transformer_layer_cls_to_wrap in the hf_scale config"
+        )
+    return names

@@ -1,0 +1,84 @@
+"""The HF Trainer path (`--loop trainer`).
+
+The stock Trainer already normalises the loss by the target tokens of the whole accumulation window
+across ranks (`average_tokens_across_devices`). hf_scale adds the runtime guard before the first
+step and the same per-step `metrics.jsonl` as the manual loop, with unrounded losses (the Trainer's
+own log rounds to 4 digits).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from hf_scale.train import guard
+from hf_scale.train.metrics import StepMetrics, count_real_tokens
+
+
+class HfScaleTrainer(Trainer):
+    """A Trainer that remembers each optimizer step's loss, token count and gradient norm."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.window_loss = 0.0
+        self.window_tokens = 0
+        self.last_grad_norm = None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.window_tokens += count_real_tokens(inputs)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # With token-normalised accumulation the returned loss is sum(token losses) * world / global targets.
+        self.window_loss += float(loss) / self.accelerator.num_processes
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Private Trainer hook (transformers 5): the only place the step's gradient norm is visible.
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.last_grad_norm = grad_norm
+        return grad_norm
+
+
+class GuardAndMetricsCallback(TrainerCallback):
+    """Runs the runtime guard once the model is wrapped and writes metrics.jsonl per optimizer step."""
+
+    def __init__(self, trainer: HfScaleTrainer, expected: guard.Expected, loaded_partitioned: bool | None,
+                 flops_per_token: float | None):
+        self.trainer = trainer
+        self.expected = expected
+        self.loaded_partitioned = loaded_partitioned
+        self.flops_per_token = flops_per_token
+        self.metrics: StepMetrics | None = None
+        self.lr = 0.0
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        trainer = self.trainer
+        micro = getattr(train_dataloader, "total_batch_size", None)
+        if micro is not None and not getattr(train_dataloader, "split_batches", False):
+            micro //= trainer.accelerator.num_processes
+        guard.verify_runtime(
+            self.expected,
+            guard.observe(trainer.accelerator, trainer.model_wrapped, micro,
+                          loaded_partitioned=self.loaded_partitioned),
+        )
+        self.metrics = StepMetrics(
+            args.output_dir, is_main=state.is_world_process_zero, total_steps=state.max_steps,
+            world_size=trainer.accelerator.num_processes, flops_per_token=self.flops_per_token,
+            progress_bar=False,  # the Trainer draws its own
+        )
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.lr = optimizer.param_groups[0]["lr"]  # the rate this update uses
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        device = trainer.accelerator.device
+        totals = torch.tensor([trainer.window_loss, float(trainer.window_tokens)], dtype=torch.float64,
+                              device=device)
+        loss, tokens = trainer.accelerator.reduce(totals, reduction="sum").tolist()
+        grad_norm = trainer.last_grad_norm
+        self.metrics.log_step(
+            step=state.global_step, loss=loss, lr=self.lr,
+            grad_norm=None if grad_norm is None else float(grad_norm), tokens=int(tokens), epoch=state.epoch or 0.0,
+        )
+        trainer.window_loss = 0.0
+        trainer.window_tokens = 0
