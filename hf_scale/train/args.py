@@ -56,3 +56,10 @@ class ScaleArguments:
             "precision are checked against the launcher and the flags; a conflict is an error."
         },
     )
+    warmup_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": "Fraction of the steps used for linear warmup (the transformers 4 flag; transformers 5 "
+            "takes a fraction < 1 in --warmup_steps, which this sets)."
+        },
+    )

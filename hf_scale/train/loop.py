@@ -94,7 +94,10 @@ def run(
         mixed_precision=expected.precision,
         # This loop does the accumulation (like the Trainer), so accelerate must not divide the loss again.
         gradient_accumulation_steps=args.gradient_accumulation_steps if ds_plugin else 1,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # Every rank shuffles with the same seed (the Trainer's choice too: --data_seed, else --seed).
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=args.data_seed if args.data_seed is not None else args.seed
+        ),
         # The schedule counts optimizer steps of the whole job (as in the Trainer); by default accelerate
         # would advance it once per process on every step.
         step_scheduler_with_optimizer=False,

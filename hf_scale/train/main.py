@@ -38,6 +38,7 @@ class _OneLineParser(HfArgumentParser):
 def build_parser() -> HfArgumentParser:
     parser = _OneLineParser(
         (ModelArguments, DataArguments, ScaleArguments, TrainingArguments),
+        allow_abbrev=False,  # a typo like --learning_rat must not silently mean --learning_rate
         description="Fine-tune a causal LM with the HF Trainer or hf_scale's Accelerator loop. Every "
         "TrainingArguments flag works. With no model/data flags it fine-tunes the tiny Llama shipped with "
         "hf_scale on its sample dataset (CPU, seconds). Launch unchanged with python, torchrun, "
@@ -56,6 +57,12 @@ def _validate_flags(ns) -> None:
         raise UserError(f"--per_device_train_batch_size={ns.per_device_train_batch_size}: must be >= 1")
     if ns.max_steps <= 0 and ns.num_train_epochs <= 0:
         raise UserError(f"--num_train_epochs={ns.num_train_epochs}: must be > 0 (or set --max_steps)")
+    if ns.warmup_ratio is not None:
+        if not 0 <= ns.warmup_ratio < 1:
+            raise UserError(f"--warmup_ratio={ns.warmup_ratio}: must be in [0, 1)")
+        if ns.warmup_steps:
+            raise UserError(f"--warmup_ratio={ns.warmup_ratio} and --warmup_steps={ns.warmup_steps}: set only one")
+        ns.warmup_steps = ns.warmup_ratio
     if ns.learning_rate < 0:
         raise UserError(f"--learning_rate={ns.learning_rate}: must be >= 0")
 
@@ -77,7 +84,7 @@ def train(argv: list[str] | None = None) -> int:
     if ns.hf_scale_config:
         from hf_scale.train.reconcile import apply_hf_scale_config
 
-        request, ns.deepspeed = apply_hf_scale_config(ns.hf_scale_config, request, ns)
+        request, ns.deepspeed = apply_hf_scale_config(ns.hf_scale_config, request, ns, argv)
     elif request.deepspeed_config_file and not ns.deepspeed:
         ns.deepspeed = request.deepspeed_config_file  # accelerate launch: let the Trainer's resolver fill "auto"
     state = distributed.init_process_state(request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)

@@ -71,16 +71,18 @@ def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
         attn_implementation=attn,
         trust_remote_code=model_args.trust_remote_code,
     )
+    # Training never needs the KV cache, and with it on transformers ignores packed position_ids: packed
+    # examples would silently attend to each other.
+    model.config.use_cache = False
     if gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and with ZeRO-3's parameter hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     if model_args.lora_r > 0:
-        model = apply_lora(model, model_args)
+        model = apply_lora(model, model_args, gradient_checkpointing=gradient_checkpointing)
     return model
 
 
-def apply_lora(model, model_args: ModelArguments):
+def apply_lora(model, model_args: ModelArguments, *, gradient_checkpointing: bool):
     from peft import LoraConfig, get_peft_model
 
     if model_args.lora_r < 0:
@@ -98,7 +100,8 @@ def apply_lora(model, model_args: ModelArguments):
         model = get_peft_model(model, config)
     except ValueError as error:
         raise UserError(f"--lora_target_modules={targets}: {str(error).splitlines()[0][:200]}") from None
-    if model_args.lora_r and getattr(model, "is_gradient_checkpointing", False):
+    if gradient_checkpointing:
+        # Checkpointed blocks need an input that requires grad; with frozen embeddings nothing would.
         model.enable_input_require_grads()
     return model
 

@@ -1,0 +1,233 @@
+"""`hf-scale generate`, `hf-scale presets` and `hf-scale schema`.
+
+``generate`` validates everything (config, overrides, name, output directory, files it would replace)
+before writing anything, then writes each file atomically (temporary file + rename). It refuses to
+replace a file whose content differs unless ``--force``: a hand-edited YAML is never lost silently;
+identical files are left untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from hf_scale.config import DistributedConfig, config_warnings, load_config
+from hf_scale.errors import UserError
+from hf_scale.generators import render_files
+from hf_scale.generators.deepspeed_json import MODES
+from hf_scale.presets import PRESETS
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_EXECUTABLE_SUFFIXES = (".sh", ".sbatch")
+
+GENERATE_EPILOG = """\
+writes (DIR defaults to the current directory):
+  DIR/accelerate_configs/NAME.yaml   for `accelerate launch --config_file`
+  DIR/ds_configs/NAME.json           DeepSpeed config (strategy deepspeed only)
+  DIR/launch/NAME.accelerate.sh      accelerate launch on one machine (every strategy)
+  DIR/launch/NAME.torchrun.sh        torchrun (not for fsdp, which needs accelerate's plugin)
+  DIR/launch/NAME.deepspeed.sh       deepspeed launcher (+ NAME.hostfile for multi-node)
+  DIR/launch/NAME.sbatch             SLURM: one task per node, USR1 before the time limit, requeue
+
+--deepspeed-mode auto (default) leaves "auto" exactly where the HF Trainer fills values from its
+flags (batch sizes, accumulation, clipping, AdamW lr/betas/eps/weight_decay); resolved writes the
+config's numbers everywhere (manual Accelerator loop, `deepspeed` launcher).
+
+An existing file with different content is not replaced unless --force. Warnings about risky but
+legal settings go to stderr as `hf-scale: warning: ...`.
+
+examples:
+  hf-scale generate --preset zero3
+  hf-scale generate --preset zero2 --set deepspeed.offload_optimizer=cpu --name zero2_cpu
+  hf-scale generate my_run.yaml --set topology.processes_per_machine=4 --set batch.global_batch_size=64
+  hf-scale generate --preset ddp_multinode --set topology.main_process_ip=10.1.2.3 --output-dir runs/a
+  hf-scale generate --preset zero3_offload --deepspeed-mode resolved --set deepspeed.torch_adam=true
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the generate, presets and schema sub-commands."""
+    generate = subparsers.add_parser(
+        "generate",
+        help="write accelerate YAML, DeepSpeed JSON and launch scripts from a config or preset",
+        description="Validate a DistributedConfig (a YAML file or a preset, plus --set overrides) and write "
+        "every file needed to launch it.",
+        epilog=GENERATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    generate.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="DistributedConfig YAML file")
+    generate.add_argument("--preset", metavar="NAME", help="start from a preset (see `hf-scale presets`)")
+    generate.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field by its dotted path, value parsed as YAML (repeatable), "
+        "e.g. --set deepspeed.zero_stage=3 --set optimizer.betas=[0.9,0.95]",
+    )
+    generate.add_argument(
+        "--name", help="base name of the generated files (default: the preset name or the config file's stem)"
+    )
+    generate.add_argument(
+        "--output-dir",
+        default=".",
+        metavar="DIR",
+        help="directory to write into (default: current directory)",
+    )
+    generate.add_argument(
+        "--deepspeed-mode",
+        choices=MODES,
+        default="auto",
+        help='DeepSpeed JSON: "auto" values for the HF Trainer (default) or resolved numbers',
+    )
+    generate.add_argument("--force", action="store_true", help="replace existing files whose content differs")
+    generate.set_defaults(func=run_generate)
+
+    presets = subparsers.add_parser(
+        "presets",
+        help="list the built-in presets",
+        description="List the presets usable with `hf-scale generate --preset NAME`.",
+        epilog="example:\n  hf-scale presets\n  hf-scale generate --preset zero3_offload",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    presets.set_defaults(func=run_presets)
+
+    schema = subparsers.add_parser(
+        "schema",
+        help="print the JSON Schema of the config",
+        description="Print the JSON Schema of DistributedConfig, for editor completion and validation "
+        "(e.g. a `# yaml-language-server: $schema=hf-scale.schema.json` line in your YAML).",
+        epilog="example:\n  hf-scale schema > hf-scale.schema.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    schema.set_defaults(func=run_schema)
+
+
+def regenerate_command(args: argparse.Namespace, name: str) -> str:
+    """The command line that reproduces these files when run in the output directory."""
+    parts = ["hf-scale", "generate"]
+    if args.config is not None:
+        parts.append(args.config)
+    if args.preset is not None:
+        parts += ["--preset", args.preset]
+    for override in args.overrides:
+        parts += ["--set", override]
+    if name != _default_name(args):
+        parts += ["--name", name]
+    if args.deepspeed_mode != "auto":
+        parts += ["--deepspeed-mode", args.deepspeed_mode]
+    parts += ["--output-dir", "."]
+    return shlex.join(parts)
+
+
+def _default_name(args: argparse.Namespace) -> str | None:
+    if args.preset is not None:
+        return args.preset
+    if args.config is not None:
+        return Path(args.config).stem
+    return None
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if args.config is None and args.preset is None:
+        raise UserError("give a CONFIG.yaml or --preset NAME (see `hf-scale presets`)")
+    name = args.name if args.name is not None else _default_name(args)
+    if not _NAME.fullmatch(name):
+        raise UserError(
+            f"--name {name!r} is invalid: use letters, digits, '_', '-' and '.', starting with a letter "
+            "or digit"
+        )
+    cfg = load_config(args.config, preset=args.preset, overrides=args.overrides)
+    header = f"Generated by hf-scale; do not edit. Regenerate with:\n  {regenerate_command(args, name)}"
+    files = render_files(cfg, name=name, deepspeed_mode=args.deepspeed_mode, header=header)
+    changed = _plan_writes(Path(args.output_dir), files, force=args.force)
+    for warning in config_warnings(cfg):
+        print(f"hf-scale: warning: {warning}", file=sys.stderr)
+    for rel_path, text in files.items():
+        path = Path(args.output_dir) / rel_path
+        if rel_path in changed:
+            _write_atomically(path, text, executable=rel_path.endswith(_EXECUTABLE_SUFFIXES))
+            print(f"wrote {path}")
+        else:
+            print(f"unchanged {path}")
+    _print_summary(cfg, name)
+    return 0
+
+
+def _plan_writes(output_dir: Path, files: dict[str, str], *, force: bool) -> set[str]:
+    """Check every target before anything is written; return the relative paths that need writing."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"--output-dir {output_dir} is not a directory")
+    changed = set()
+    for rel_path, text in files.items():
+        path = output_dir / rel_path
+        for parent in reversed(path.relative_to(output_dir).parents):
+            if (output_dir / parent).exists() and not (output_dir / parent).is_dir():
+                raise UserError(f"cannot write {path}: {output_dir / parent} exists and is not a directory")
+        if path.is_dir():
+            raise UserError(f"cannot write {path}: it is a directory")
+        if path.exists():
+            try:
+                current = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                raise UserError(f"cannot read existing {path}: {error}") from None
+            if current == text:
+                continue
+            if not force:
+                raise UserError(
+                    f"{path} exists with different content; pass --force to replace it, or choose another "
+                    "--name/--output-dir"
+                )
+        changed.add(rel_path)
+    return changed
+
+
+def _write_atomically(path: Path, text: str, *, executable: bool) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+                handle.write(text)
+            os.chmod(tmp, 0o755 if executable else 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        raise UserError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def _print_summary(cfg: DistributedConfig, name: str) -> None:
+    topo = cfg.topology
+    print(
+        f"{name}: strategy={cfg.strategy} precision={cfg.precision} world_size={cfg.world_size} "
+        f"({topo.num_machines} machine(s) x {topo.processes_per_machine} process(es)) "
+        f"global_batch_size={cfg.batch.global_batch_size} micro_batch_size={cfg.batch.micro_batch_size} "
+        f"gradient_accumulation_steps={cfg.batch.gradient_accumulation_steps}"
+    )
+
+
+def run_presets(args: argparse.Namespace) -> int:
+    rows = [("NAME", "STRATEGY", "PROCESSES", "DESCRIPTION")]
+    for preset in PRESETS.values():
+        cfg = load_config(preset=preset.name)
+        rows.append((preset.name, cfg.strategy, str(cfg.world_size), preset.description))
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
+        )
+    return 0
+
+
+def run_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(DistributedConfig.model_json_schema(), indent=2))
+    return 0

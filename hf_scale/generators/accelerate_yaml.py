@@ -1,0 +1,122 @@
+"""accelerate config YAML (``accelerate launch --config_file``) from a DistributedConfig.
+
+Written the way ``accelerate config`` writes it (sorted keys, its key names), with the choices that
+accelerate 1.x needs to be told explicitly:
+
+* ``num_processes`` is the TOTAL over all machines (accelerate divides by ``num_machines``).
+* DeepSpeed points at the generated JSON through ``deepspeed_config_file`` and repeats nothing that is in
+  it: with a config file, accelerate raises at launch on ``gradient_accumulation_steps``,
+  ``gradient_clipping``, ``zero_stage``, ``offload_*``, ``zero3_save_16bit_model`` in ``deepspeed_config``
+  and on a top-level ``mixed_precision`` (``DeepSpeedPlugin._deepspeed_config_checks``); the precision
+  comes from the JSON's bf16/fp16 blocks.
+* FSDP hybrid sharding under FSDP2 is a 2-D device mesh: accelerate builds it from
+  ``parallelism_config`` (dp_replicate = machines, dp_shard = processes per machine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from hf_scale.config import DistributedConfig
+
+_DISTRIBUTED_TYPE = {"single": "NO", "ddp": "MULTI_GPU", "deepspeed": "DEEPSPEED", "fsdp": "FSDP"}
+_FSDP1_SHARDING = {
+    "full_shard": "FULL_SHARD",
+    "shard_grad_op": "SHARD_GRAD_OP",
+    "hybrid_shard": "HYBRID_SHARD",
+    "no_shard": "NO_SHARD",
+}
+_STATE_DICT_TYPE = {"sharded": "SHARDED_STATE_DICT", "full": "FULL_STATE_DICT"}
+
+
+def accelerate_config(cfg: DistributedConfig, *, deepspeed_config_file: str | None) -> dict[str, Any]:
+    """The accelerate ClusterConfig as a dict. ``deepspeed_config_file`` (a path relative to the
+    directory ``accelerate launch`` runs in) is required for, and only for, strategy deepspeed."""
+    if (cfg.strategy == "deepspeed") != (deepspeed_config_file is not None):
+        raise ValueError("deepspeed_config_file is required for strategy deepspeed and only for it")
+    topo = cfg.topology
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": _DISTRIBUTED_TYPE[cfg.strategy],
+        "machine_rank": topo.machine_rank,
+        "main_training_function": "main",
+        "num_machines": topo.num_machines,
+        "num_processes": cfg.world_size,
+        "rdzv_backend": topo.rdzv_backend,
+        "same_network": topo.same_network,
+        # Never true: with use_cpu accelerate's simple launcher starts ONE process, whatever
+        # num_processes says.
+        "use_cpu": False,
+    }
+    if cfg.strategy != "deepspeed":
+        config["mixed_precision"] = cfg.precision
+    if cfg.strategy != "single":
+        config["main_process_port"] = topo.main_process_port
+    if topo.num_machines > 1:
+        config["main_process_ip"] = topo.main_process_ip
+    if cfg.strategy == "deepspeed":
+        config["deepspeed_config"] = _deepspeed_section(cfg, deepspeed_config_file)
+    if cfg.strategy == "fsdp":
+        config["fsdp_config"] = _fsdp_section(cfg)
+        if cfg.fsdp.version == 2 and cfg.fsdp.sharding == "hybrid_shard":
+            config["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": topo.num_machines,
+                "parallelism_config_dp_shard_size": topo.processes_per_machine,
+            }
+    return config
+
+
+def accelerate_yaml(cfg: DistributedConfig, *, deepspeed_config_file: str | None, header: str) -> str:
+    """The YAML text: ``header`` as ``#`` comment lines, then the config with sorted keys."""
+    comment = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+    body = yaml.safe_dump(
+        accelerate_config(cfg, deepspeed_config_file=deepspeed_config_file),
+        sort_keys=True,
+        default_flow_style=False,
+    )
+    return comment + body
+
+
+def _deepspeed_section(cfg: DistributedConfig, deepspeed_config_file: str | None) -> dict[str, Any]:
+    section: dict[str, Any] = {
+        "deepspeed_config_file": deepspeed_config_file,
+        # accelerate warns and resets the flag below stage 3; write what will actually happen.
+        "zero3_init_flag": cfg.deepspeed.zero3_init and cfg.deepspeed.zero_stage == 3,
+    }
+    if cfg.topology.num_machines > 1:
+        # "standard": one `accelerate launch` per machine with a torchrun rendezvous (what SLURM's srun
+        # or a manual start per node does); pdsh needs passwordless ssh and is what
+        # launch/NAME.deepspeed.sh is for.
+        section["deepspeed_multinode_launcher"] = "standard"
+    return section
+
+
+def _fsdp_section(cfg: DistributedConfig) -> dict[str, Any]:
+    fsdp = cfg.fsdp
+    section: dict[str, Any] = {
+        "fsdp_version": fsdp.version,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_state_dict_type": _STATE_DICT_TYPE[fsdp.state_dict_type],
+        "fsdp_cpu_ram_efficient_loading": fsdp.cpu_ram_efficient_loading,
+        "fsdp_offload_params": fsdp.offload_params,
+        "fsdp_activation_checkpointing": fsdp.activation_checkpointing,
+    }
+    if fsdp.transformer_layer_cls_to_wrap:
+        # Absent = accelerate wraps the classes in the model's _no_split_modules.
+        section["fsdp_transformer_layer_cls_to_wrap"] = ",".join(fsdp.transformer_layer_cls_to_wrap)
+    if fsdp.version == 2:
+        # FSDP2 only knows "reshard after forward" (full_shard) or not (shard_grad_op); hybrid sharding is the
+        # parallelism_config mesh, which reshards within the machine.
+        section["fsdp_reshard_after_forward"] = fsdp.sharding != "shard_grad_op"
+    else:
+        section["fsdp_reshard_after_forward"] = _FSDP1_SHARDING[fsdp.sharding]
+        section["fsdp_backward_prefetch"] = "BACKWARD_PRE"
+        section["fsdp_forward_prefetch"] = False
+        # use_orig_params keeps PEFT/LoRA and per-parameter optimizer groups working under FSDP1.
+        section["fsdp_use_orig_params"] = True
+        # Required by accelerate when cpu_ram_efficient_loading is on (rank 0 loads, the rest receive).
+        section["fsdp_sync_module_states"] = True
+    return section

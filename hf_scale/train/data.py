@@ -1,0 +1,457 @@
+"""Data pipeline of train.py: load, detect the format, tokenize with label masking, collate, shard.
+
+Three dataset formats are understood (column names are auto-detected or given explicitly):
+
+- ``text``: one column of plain text; every token is a target.
+- ``prompt_response``: a prompt column and a response column (instruction/response,
+  prompt/completion or question/answer); the tokens are ``bos + prompt + response + eos``.
+- ``messages``: a list of ``{"role", "content"}`` dicts rendered by the tokenizer's chat template.
+
+With completion-only loss (the default for the last two formats) only response/assistant tokens
+are targets; the rest carry label ``-100``. Batches are either padded to the longest example or
+packed padding-free (examples concatenated into one row, position ids restarting per example).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import datasets
+import torch
+from torch.utils.data import DataLoader, RandomSampler
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PretrainedConfig
+
+from hf_scale.errors import UserError
+from hf_scale.train.embedded import EMBEDDED_DATA_FILE
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+"""Label of a token that is not a target; transformers' causal-LM loss skips it."""
+
+DatasetFormat = Literal["text", "prompt_response", "messages"]
+
+# File extension -> `datasets` packaged builder.
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+# Auto-detected column names, in order of preference; any prompt name pairs with any response name.
+PROMPT_COLUMNS = ("instruction", "prompt", "question")
+RESPONSE_COLUMNS = ("response", "completion", "answer")
+MESSAGES_COLUMN = "messages"
+TEXT_COLUMN = "text"
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Hub dataset id or local dataset directory, loaded with `datasets.load_dataset`."},
+    )
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "Configuration (subset) of --dataset_name, if it has several."}
+    )
+    train_file: str | None = field(
+        default=None,
+        metadata={"help": "Training data file: .json, .jsonl, .csv, .parquet or .txt (by extension)."},
+    )
+    validation_file: str | None = field(
+        default=None, metadata={"help": "Validation data file; same formats as --train_file."}
+    )
+    train_split: str = field(default="train", metadata={"help": "Split of --dataset_name used for training."})
+    text_column: str | None = field(
+        default=None, metadata={"help": "Column of plain text (every token is a target). Auto: 'text'."}
+    )
+    prompt_column: str | None = field(
+        default=None,
+        metadata={"help": "Prompt column of prompt/response data. Auto: instruction, prompt or question."},
+    )
+    response_column: str | None = field(
+        default=None,
+        metadata={"help": "Response column of prompt/response data. Auto: response, completion or answer."},
+    )
+    messages_column: str | None = field(
+        default=None,
+        metadata={"help": "Column of chat messages (list of {role, content}), rendered with the tokenizer's "
+                  "chat template. Auto: 'messages'."},
+    )
+    max_seq_length: int = field(
+        default=512,
+        metadata={"help": "Examples are truncated to this many tokens; at most the model's "
+                  "max_position_embeddings."},
+    )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Padding-free packing: concatenate the examples of a micro-batch into one row with "
+                  "position ids restarting per example (no attention across examples, no pad tokens)."},
+    )
+    completion_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "true/false: train only on response / assistant tokens. Unset: true for "
+                  "prompt/response and messages data, false for plain text (where true is an error)."},
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes used to tokenize the dataset (datasets.map num_proc)."}
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N training examples (quick runs, tests)."}
+    )
+
+
+@dataclass(frozen=True)
+class ResolvedFormat:
+    """A dataset format together with the columns it reads."""
+
+    kind: DatasetFormat
+    columns: tuple[str, ...]
+
+
+def _describe(column_names: list[str]) -> str:
+    return ", ".join(column_names) if column_names else "(none)"
+
+
+def _load_file(flag: str, path_str: str) -> datasets.Dataset:
+    path = Path(path_str)
+    if not path.is_file():
+        raise UserError(f"--{flag} {path_str}: no such file")
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise UserError(
+            f"--{flag} {path_str}: unsupported extension '{path.suffix}'; allowed: {', '.join(FILE_BUILDERS)}"
+        )
+    empty = UserError(f"--{flag} {path_str}: the dataset is empty; it needs at least one example")
+    # An empty file makes some builders stop without a useful error, so catch it first.
+    if path.stat().st_size == 0:
+        raise empty
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except (datasets.exceptions.DatasetsError, ValueError) as error:
+        if "corresponds to no data" in str(error):  # datasets' words for a file with no rows ("[]", a header)
+            raise empty from error
+        # datasets wraps the parser's error (JSON/CSV syntax, ...); the cause is what the user can fix.
+        cause = error.__cause__ or error
+        raise UserError(f"--{flag} {path_str}: could not be read as {builder}: {cause}") from error
+
+
+def _load_named(args: DataArguments) -> datasets.DatasetDict:
+    try:
+        loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+    except (datasets.exceptions.DatasetsError, FileNotFoundError, ConnectionError, ValueError) as error:
+        raise UserError(f"--dataset_name {args.dataset_name}: could not be loaded: {error}") from error
+    if args.train_split not in loaded:
+        raise UserError(
+            f"--train_split {args.train_split}: no such split in {args.dataset_name}; "
+            f"available: {_describe(list(loaded))}"
+        )
+    splits = {"train": loaded[args.train_split]}
+    if "validation" in loaded and args.train_split != "validation":
+        splits["validation"] = loaded["validation"]
+    return datasets.DatasetDict(splits)
+
+
+def load_raw_datasets(args: DataArguments) -> datasets.DatasetDict:
+    """Load ``train`` (and ``validation`` when available) from the Hub/a directory, files, or the sample.
+
+    With no data argument at all, the sample dataset shipped with hf_scale is used.
+    """
+    if args.dataset_name and (args.train_file or args.validation_file):
+        raise UserError("--dataset_name and --train_file/--validation_file are mutually exclusive; pass one")
+    if args.max_train_samples is not None and args.max_train_samples <= 0:
+        raise UserError(
+            f"--max_train_samples {args.max_train_samples}: must be a positive number of examples"
+        )
+    if args.dataset_name:
+        raw = _load_named(args)
+    else:
+        if args.validation_file and not args.train_file:
+            raise UserError("--validation_file needs --train_file")
+        raw = datasets.DatasetDict(
+            {"train": _load_file("train_file", args.train_file or str(EMBEDDED_DATA_FILE))}
+        )
+        if args.validation_file:
+            raw["validation"] = _load_file("validation_file", args.validation_file)
+    for split, dataset in raw.items():
+        if len(dataset) == 0:
+            raise UserError(f"the {split} dataset is empty; it needs at least one example")
+    if args.max_train_samples is not None:
+        raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
+    return raw
+
+
+def _require_column(flag: str, name: str, column_names: list[str]) -> None:
+    if name not in column_names:
+        raise UserError(f"--{flag} {name}: no such column; available: {_describe(column_names)}")
+
+
+def _first_present(candidates: tuple[str, ...], column_names: list[str]) -> str | None:
+    return next((name for name in candidates if name in column_names), None)
+
+
+def resolve_format(column_names: list[str], args: DataArguments) -> ResolvedFormat:
+    """Decide the format and its columns: explicit column flags win, else common names are detected."""
+    explicit = {
+        "text_column": args.text_column,
+        "prompt_column": args.prompt_column,
+        "response_column": args.response_column,
+        "messages_column": args.messages_column,
+    }
+    for flag, name in explicit.items():
+        if name is not None:
+            _require_column(flag, name, column_names)
+    chosen = {
+        kind
+        for kind, flags in (
+            ("text", ("text_column",)),
+            ("prompt_response", ("prompt_column", "response_column")),
+            ("messages", ("messages_column",)),
+        )
+        if any(explicit[flag] is not None for flag in flags)
+    }
+    if len(chosen) > 1:
+        given = ", ".join(f"--{flag} {name}" for flag, name in explicit.items() if name is not None)
+        raise UserError(f"{given}: these select different dataset formats; pass the columns of one format")
+
+    if chosen == {"text"}:
+        return ResolvedFormat("text", (args.text_column,))
+    if chosen == {"messages"}:
+        return ResolvedFormat("messages", (args.messages_column,))
+    if chosen == {"prompt_response"}:
+        prompt = args.prompt_column or _first_present(PROMPT_COLUMNS, column_names)
+        response = args.response_column or _first_present(RESPONSE_COLUMNS, column_names)
+        missing = "prompt_column" if prompt is None else "response_column" if response is None else None
+        if missing:
+            raise UserError(f"--{missing} is needed too; available columns: {_describe(column_names)}")
+        return ResolvedFormat("prompt_response", (prompt, response))
+
+    if MESSAGES_COLUMN in column_names:
+        return ResolvedFormat("messages", (MESSAGES_COLUMN,))
+    prompt = _first_present(PROMPT_COLUMNS, column_names)
+    response = _first_present(RESPONSE_COLUMNS, column_names)
+    if prompt and response:
+        return ResolvedFormat("prompt_response", (prompt, response))
+    if TEXT_COLUMN in column_names:
+        return ResolvedFormat("text", (TEXT_COLUMN,))
+    raise UserError(
+        f"cannot tell the dataset format from its columns ({_describe(column_names)}); pass --text_column, "
+        "--prompt_column/--response_column or --messages_column"
+    )
+
+
+def detect_format(column_names: list[str], args: DataArguments) -> DatasetFormat:
+    """The dataset format implied by ``column_names`` and the column flags (see :func:`resolve_format`)."""
+    return resolve_format(column_names, args).kind
+
+
+def resolve_completion_only(kind: DatasetFormat, args: DataArguments) -> bool:
+    """``--completion_only_loss`` with its default filled in: on for prompt/response and chat data."""
+    if args.completion_only_loss is None:
+        return kind != "text"
+    if args.completion_only_loss and kind == "text":
+        raise UserError(
+            "--completion_only_loss true: the dataset is plain text, which has no prompt to mask; "
+            "use a prompt/response or messages dataset, or --completion_only_loss false"
+        )
+    return args.completion_only_loss
+
+
+def _check_tokenizer(tokenizer: Any, kind: DatasetFormat, completion_only: bool) -> None:
+    if kind != "messages":
+        if tokenizer.eos_token_id is None:
+            raise UserError(
+                "the tokenizer has no eos_token; it is appended to every example so the model learns to stop"
+            )
+        return
+    template = tokenizer.chat_template
+    if not template:
+        raise UserError("the dataset has chat messages but the tokenizer has no chat_template to render them")
+    if completion_only and not _GENERATION_TAG.search(str(template)):
+        raise UserError(
+            "--completion_only_loss true: the tokenizer's chat template has no {% generation %} block, so "
+            "assistant tokens cannot be told apart; use a template that marks them, or "
+            "--completion_only_loss false"
+        )
+
+
+def _encode_text(tokenizer: Any, texts: list[str | None]) -> list[tuple[list[int], list[int]]]:
+    encoded = tokenizer([text or "" for text in texts])["input_ids"]
+    return [(ids + [tokenizer.eos_token_id], ids + [tokenizer.eos_token_id]) for ids in encoded]
+
+
+def _encode_prompt_response(
+    tokenizer: Any, prompts: list[str | None], responses: list[str | None], completion_only: bool
+) -> list[tuple[list[int], list[int]]]:
+    # Prompt and response are tokenized separately so the boundary between them is exact.
+    prompt_ids = tokenizer([p or "" for p in prompts])["input_ids"]
+    response_ids = tokenizer([r or "" for r in responses], add_special_tokens=False)["input_ids"]
+    examples = []
+    for prompt, response in zip(prompt_ids, response_ids, strict=True):
+        target = response + [tokenizer.eos_token_id]
+        prompt_labels = [IGNORE_INDEX] * len(prompt) if completion_only else prompt
+        examples.append((prompt + target, prompt_labels + target))
+    return examples
+
+
+def _encode_messages(
+    tokenizer: Any, conversations: list[list[dict]], completion_only: bool
+) -> list[tuple[list[int], list[int]]]:
+    examples = []
+    for messages in conversations:
+        encoded = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=completion_only
+        )
+        ids = list(encoded["input_ids"])
+        if completion_only:
+            labels = [t if m else IGNORE_INDEX for t, m in zip(ids, encoded["assistant_masks"], strict=True)]
+        else:
+            labels = list(ids)
+        examples.append((ids, labels))
+    return examples
+
+
+def _tokenize_batch(
+    batch: dict[str, list],
+    *,
+    tokenizer: Any,
+    fmt: ResolvedFormat,
+    max_seq_length: int,
+    completion_only: bool,
+) -> dict[str, list[list[int]]]:
+    if fmt.kind == "text":
+        examples = _encode_text(tokenizer, batch[fmt.columns[0]])
+    elif fmt.kind == "prompt_response":
+        examples = _encode_prompt_response(
+            tokenizer, batch[fmt.columns[0]], batch[fmt.columns[1]], completion_only
+        )
+    else:
+        examples = _encode_messages(tokenizer, batch[fmt.columns[0]], completion_only)
+    out: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+    for ids, labels in examples:
+        ids, labels = ids[:max_seq_length], labels[:max_seq_length]
+        # Label 0 is never predicted (the loss shifts labels left by one), so it does not count.
+        if any(label != IGNORE_INDEX for label in labels[1:]):
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+    return out
+
+
+def tokenize_dataset(dataset: datasets.Dataset, tokenizer: Any, args: DataArguments) -> datasets.Dataset:
+    """Tokenize into ``input_ids`` and ``labels`` (``-100`` on non-targets), truncated to max_seq_length.
+
+    Examples left with no target token (e.g. a prompt longer than max_seq_length) are dropped and
+    counted in one warning. Runs through ``datasets.map``, so the result is cached next to the data
+    files and reused by a later run with the same tokenizer and arguments; call it inside
+    ``accelerator.main_process_first()`` so that only one rank tokenizes.
+    """
+    fmt = resolve_format(dataset.column_names, args)
+    completion_only = resolve_completion_only(fmt.kind, args)
+    _check_tokenizer(tokenizer, fmt.kind, completion_only)
+    # Only what changes the output goes into the function, so that the cache fingerprint (a hash of
+    # the function and its arguments) does not move when an unrelated flag such as --packing does.
+    tokenize = partial(
+        _tokenize_batch,
+        tokenizer=tokenizer,
+        fmt=fmt,
+        max_seq_length=args.max_seq_length,
+        completion_only=completion_only,
+    )
+    tokenized = dataset.map(
+        tokenize,
+        batched=True,
+        remove_columns=dataset.column_names,
+        num_proc=args.preprocessing_num_workers,
+        desc="Tokenizing",
+    )
+    dropped = len(dataset) - len(tokenized)
+    if len(tokenized) == 0:
+        raise UserError(
+            f"--max_seq_length {args.max_seq_length}: no example has a target token left after truncation"
+        )
+    if dropped:
+        logger.warning(
+            "dropped %d of %d examples with no target token left after truncation to max_seq_length=%d",
+            dropped, len(dataset), args.max_seq_length,
+        )
+    return tokenized
+
+
+def check_max_seq_length(max_seq_length: int, model_config: PretrainedConfig) -> None:
+    """Reject a sequence length the model cannot attend over (positions past its rotary/embedding range)."""
+    if max_seq_length <= 0:
+        raise UserError(f"--max_seq_length {max_seq_length}: must be a positive number of tokens")
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and max_seq_length > limit:
+        raise UserError(
+            f"--max_seq_length {max_seq_length} is above the model's max_position_embeddings {limit}; "
+            f"use at most {limit}"
+        )
+
+
+def make_collator(tokenizer: Any, packing: bool):
+    """Collate a list of tokenized examples into a dict of tensors for ``model(**batch)``.
+
+    - ``packing=True``: transformers' padding-free ``DataCollatorWithFlattening``. The micro-batch
+      becomes one row ``[1, total_tokens]``; ``position_ids`` restart at 0 for every example, from
+      which the model builds a block-diagonal causal mask (no attention across examples), and the
+      first label of every example is ``-100`` so no example predicts the next one's first token.
+      The model must run with ``use_cache=False`` (the Trainer's default; set
+      ``model.config.use_cache = False`` in a manual loop): with a cache transformers does not look
+      for packed sequences and the examples would attend to each other.
+    - ``packing=False``: pad to the longest example; ``attention_mask`` marks the padding and
+      padded labels are ``-100``.
+    """
+    if packing:
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
+    if tokenizer.pad_token is None:
+        # Many base-model tokenizers (Llama 3, Mistral) have no pad token. Padded positions are masked
+        # out of attention and of the loss, so which id fills them does not matter; eos is always there.
+        tokenizer.pad_token = tokenizer.eos_token
+    return DataCollatorForSeq2Seq(
+        tokenizer, label_pad_token_id=IGNORE_INDEX, padding="longest", return_tensors="pt"
+    )
+
+
+def make_train_dataloader(
+    dataset: datasets.Dataset, collator, micro_batch_size: int, seed: int, num_workers: int = 0
+) -> DataLoader:
+    """A shuffling DataLoader of micro-batches, meant to go through ``accelerator.prepare``.
+
+    Prepare it with ``DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed)`` and call
+    ``dataloader.set_epoch(epoch)`` at the start of every epoch. accelerate then draws one
+    permutation per epoch (seed + epoch: same on every rank, different every epoch) and hands whole
+    micro-batches round-robin to the ranks, so the ranks see disjoint samples. Pass ``data_seed``
+    (or call ``accelerate.utils.set_seed`` on every rank): otherwise accelerate re-seeds this
+    sampler from each process's ``torch.initial_seed()``, and ranks with different seeds would
+    overlap.
+
+    The tail: nothing is dropped (``drop_last=False``). With accelerate's default
+    ``even_batches=True``, when the number of micro-batches is not a multiple of the number of
+    ranks, or the last one is short, the last micro-batches are completed with samples from the
+    start of the same epoch's order, so every rank runs the same number of full micro-batches and
+    up to ``num_processes * micro_batch_size - 1`` samples are seen twice in that epoch.
+    """
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=RandomSampler(dataset, generator=generator),
+        collate_fn=collator,
+        drop_last=False,
+        num_workers=num_workers,
+    )
+
+
+def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens that contribute to the loss, counted exactly as the Trainer counts ``num_items_in_batch``.
+
+    transformers' ``ForCausalLMLoss`` shifts labels left by one (logit ``t`` predicts label ``t+1``),
+    so label 0 of each row is never a target: count ``labels[..., 1:] != -100``.
+    """
+    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+

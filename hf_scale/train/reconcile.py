@@ -1,0 +1,86 @@
+"""`--hf_scale_config`: a DistributedConfig supplies what the launcher and the flags leave open, and
+anything it disagrees with is an error — never a silent override.
+
+- world size: the config's num_machines x processes_per_machine must equal the launcher's WORLD_SIZE;
+- strategy: an engine chosen by the launcher (accelerate's YAML, `--deepspeed`) must be the config's;
+  under plain `torchrun`/`python` a `deepspeed` config supplies the DeepSpeed JSON itself ("auto" mode,
+  resolved by the Trainer's resolver from the flags below);
+- ZeRO stage of a launcher-supplied JSON must be the config's;
+- micro batch, gradient accumulation, precision and gradient clipping fill the flags left unset and must
+  match the flags that were given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from hf_scale.errors import UserError
+from hf_scale.train.distributed import LaunchRequest
+
+
+def _given(flag: str, argv: list[str]) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+
+
+def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None):
+    """Returns the (possibly completed) launch request and the value for `--deepspeed`."""
+    from hf_scale.config import load_config
+    from hf_scale.generators.deepspeed_json import deepspeed_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = load_config(path)
+    where = f"--hf_scale_config={path}"
+
+    if cfg.world_size != request.world_size:
+        raise UserError(
+            f"{where}: world_size={cfg.world_size} ({cfg.topology.num_machines} machines x "
+            f"{cfg.topology.processes_per_machine} processes_per_machine) but the {request.launcher} launcher "
+            f"started WORLD_SIZE={request.world_size}"
+        )
+
+    launcher_chose_engine = request.strategy in ("deepspeed", "fsdp")
+    wanted = cfg.strategy
+    deepspeed_value = ns.deepspeed
+    if launcher_chose_engine and request.strategy != wanted:
+        raise UserError(f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}")
+    if not launcher_chose_engine and wanted == "fsdp":
+        raise UserError(
+            f"{where}: strategy=fsdp is configured through accelerate; launch with "
+            "`accelerate launch --config_file accelerate_configs/NAME.yaml train.py` (see `hf-scale generate`)"
+        )
+    if wanted == "deepspeed":
+        if request.deepspeed_config_file is None:
+            deepspeed_value = deepspeed_config(cfg, "auto")
+            request = dataclasses.replace(request, strategy="deepspeed", zero_stage=cfg.deepspeed.zero_stage)
+        elif request.zero_stage != cfg.deepspeed.zero_stage:
+            raise UserError(
+                f"{where}: deepspeed.zero_stage={cfg.deepspeed.zero_stage} but {request.deepspeed_config_file} "
+                f"has zero_optimization.stage={request.zero_stage}"
+            )
+        else:
+            deepspeed_value = request.deepspeed_config_file
+    elif wanted in ("ddp", "single") and request.strategy != ("ddp" if request.world_size > 1 else "single"):
+        raise UserError(f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}")
+
+    _fill_or_match(ns, argv, where, "per_device_train_batch_size", "batch.micro_batch_size",
+                   cfg.batch.micro_batch_size)
+    _fill_or_match(ns, argv, where, "gradient_accumulation_steps", "batch.gradient_accumulation_steps",
+                   cfg.batch.gradient_accumulation_steps)
+    _fill_or_match(ns, argv, where, "max_grad_norm", "gradient_clipping", cfg.gradient_clipping or 0.0)
+    flags_precision = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "no"
+    if (_given("--bf16", argv) or _given("--fp16", argv)) and flags_precision != cfg.precision:
+        raise UserError(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
+    ns.bf16, ns.fp16 = cfg.precision == "bf16", cfg.precision == "fp16"
+    if request.mixed_precision not in (None, cfg.precision) and request.strategy != "deepspeed":
+        raise UserError(
+            f"{where}: precision={cfg.precision} but the accelerate config has mixed_precision="
+            f"{request.mixed_precision}"
+        )
+    return request, deepspeed_value
+
+
+def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value) -> None:
+    if _given(f"--{flag}", argv) and getattr(ns, flag) != value:
+        raise UserError(f"{where}: {field}={value} but --{flag}={getattr(ns, flag)}")
+    setattr(ns, flag, value)

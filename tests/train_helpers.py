@@ -1,0 +1,98 @@
+"""Shared by the train.py tests: launching real processes and reading what they wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_PY = str(REPO / "train.py")
+LAUNCH_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(tmp_cache: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",  # 2 cores, 2 ranks
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if tmp_cache is not None:
+        env["HF_DATASETS_CACHE"] = str(tmp_cache)
+    return env
+
+
+def launcher_command(launcher: str, nproc: int = 2, *, config: Path | None = None) -> list[str]:
+    """The command prefix for `python`, `torchrun`, `accelerate` (needs config) or `deepspeed`."""
+    if launcher == "python":
+        return [sys.executable, TRAIN_PY]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port()), TRAIN_PY]
+    if launcher == "accelerate":
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                "--main_process_port", str(free_port()), TRAIN_PY]
+    if launcher == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+                "--master_port", str(free_port()), TRAIN_PY]
+    raise ValueError(launcher)
+
+
+def run(command: list[str], *, cwd: Path = REPO, env: dict | None = None,
+        timeout: int = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, env=env or child_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_ok(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    result = run(command, **kwargs)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def losses(output_dir: Path) -> list[float]:
+    return [record["loss"] for record in read_metrics(output_dir)]
+
+
+def generate_config(out_dir: Path, name: str, *, preset: str, sets: list[str], extra: tuple[str, ...] = ()) -> Path:
+    """`hf-scale generate` into out_dir (the real CLI in a subprocess); returns out_dir."""
+    command = [sys.executable, "-m", "hf_scale.cli", "generate", "--preset", preset, "--name", name,
+               "--output-dir", str(out_dir), *extra]
+    for item in sets:
+        command += ["--set", item]
+    run_ok(command, timeout=120)
+    return out_dir
+
+
+def assert_saved_model_reproduces(output_dir: Path) -> None:
+    """Load the saved directory with plain from_pretrained and compare with the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    report = json.loads((Path(output_dir) / "hf_scale_verify.json").read_text())
+    assert report["ok"], report
+    probe = torch.load(Path(output_dir) / "hf_scale_verify.pt")
+    model = AutoModelForCausalLM.from_pretrained(output_dir)
+    assert (Path(output_dir) / "model.safetensors").is_file() or \
+        (Path(output_dir) / "model.safetensors.index.json").is_file()
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits.float()
+    torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
