@@ -35,8 +35,13 @@ def deepspeed_config(stage: int, *, accum: int = ACCUM, bf16: bool = False) -> d
 
 
 def expected(strategy: str, **overrides) -> guard.Expected:
-    fields = {"strategy": strategy, "world_size": 2, "micro_batch_size": MICRO,
-              "gradient_accumulation_steps": ACCUM, "precision": "no"}
+    fields = {
+        "strategy": strategy,
+        "world_size": 2,
+        "micro_batch_size": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "precision": "no",
+    }
     fields.update(overrides)
     return guard.Expected(**fields)
 
@@ -76,15 +81,20 @@ def scenario(mode: str) -> list[str]:
         return guard.find_problems(expected("fsdp"), guard.observe(accelerator, model, MICRO))
     if mode == "zero_stage_mismatch":
         accelerator, model = prepare_deepspeed(deepspeed_config(stage=2))
-        return guard.find_problems(expected("deepspeed", zero_stage=3),
-                                   guard.observe(accelerator, model, MICRO))
+        return guard.find_problems(
+            expected("deepspeed", zero_stage=3), guard.observe(accelerator, model, MICRO)
+        )
     if mode == "accumulation_mismatch":
         # accelerate silently keeps DeepSpeed's accumulation when it disagrees with the loop's.
         accelerator, model = prepare_deepspeed(deepspeed_config(stage=2, accum=4))
-        return guard.find_problems(expected("deepspeed", zero_stage=2), guard.observe(accelerator, model, MICRO))
+        return guard.find_problems(
+            expected("deepspeed", zero_stage=2), guard.observe(accelerator, model, MICRO)
+        )
     if mode == "precision_mismatch":
         accelerator, model = prepare_deepspeed(deepspeed_config(stage=2, bf16=True))
-        return guard.find_problems(expected("deepspeed", zero_stage=2), guard.observe(accelerator, model, MICRO))
+        return guard.find_problems(
+            expected("deepspeed", zero_stage=2), guard.observe(accelerator, model, MICRO)
+        )
     if mode == "zero3_loaded_full":
         # The model is loaded before any DeepSpeed config exists: every rank materialises full weights.
         model = load_model()

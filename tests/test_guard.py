@@ -12,8 +12,18 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _guard_problems(mode: str, tmp_path) -> list[list[str]]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(REPO / "tests" / "_guard_worker.py"), mode, str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "tests" / "_guard_worker.py"),
+        mode,
+        str(tmp_path),
+    ]
     result = run(command, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text())["problems"] for r in (0, 1)]
@@ -40,9 +50,16 @@ def test_guard_passes_real_ddp(tmp_path):
 
 
 def _accelerate_yaml(path, **fields) -> None:
-    config = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",
-              "num_machines": 1, "num_processes": 2, "rdzv_backend": "static", "same_network": True,
-              "mixed_precision": "no"}
+    config = {
+        "compute_environment": "LOCAL_MACHINE",
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "num_machines": 1,
+        "num_processes": 2,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "mixed_precision": "no",
+    }
     config.update(fields)
     import yaml
 
@@ -53,20 +70,32 @@ def test_train_refuses_accelerate_cpu_launch_that_starts_one_process(tmp_path):
     # `use_cpu: true` + num_processes 2: accelerate's simple launcher starts ONE process, no error.
     config = tmp_path / "cpu2.yaml"
     _accelerate_yaml(config, distributed_type="MULTI_CPU", use_cpu=True)
-    result = run(launcher_command("accelerate", config=config) + ["--max_steps", "1", "--output_dir",
-                 str(tmp_path / "out")], env=child_env())
+    result = run(
+        launcher_command("accelerate", config=config)
+        + ["--max_steps", "1", "--output_dir", str(tmp_path / "out")],
+        env=child_env(),
+    )
     # accelerate's launcher turns train.py's exit 2 into its own exit 1 (with its own traceback).
     assert result.returncode != 0
-    assert "train.py: error: runtime guard: accelerate started ONE process" in result.stderr, result.stderr[-3000:]
+    assert "train.py: error: runtime guard: accelerate started ONE process" in result.stderr, result.stderr[
+        -3000:
+    ]
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_train_refuses_fsdp_that_accelerate_cannot_run_on_cpu(tmp_path):
     config = tmp_path / "fsdp.yaml"
-    _accelerate_yaml(config, distributed_type="FSDP", use_cpu=False,
-                     fsdp_config={"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
-    result = run(launcher_command("accelerate", config=config) + ["--max_steps", "1", "--loop", "accelerate",
-                 "--output_dir", str(tmp_path / "out")], env=child_env())
+    _accelerate_yaml(
+        config,
+        distributed_type="FSDP",
+        use_cpu=False,
+        fsdp_config={"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
+    )
+    result = run(
+        launcher_command("accelerate", config=config)
+        + ["--max_steps", "1", "--loop", "accelerate", "--output_dir", str(tmp_path / "out")],
+        env=child_env(),
+    )
     assert result.returncode != 0
     assert "runtime guard: " in result.stderr and "FSDP was requested" in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "out" / "model.safetensors").exists()

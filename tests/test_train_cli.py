@@ -10,7 +10,10 @@ import yaml
 from train_helpers import REPO, TRAIN_PY, child_env, launcher_command, run, run_ok
 
 BAD_INPUTS = {
-    "missing-model-path": (["--model_name_or_path", "/nonexistent/model"], "--model_name_or_path=/nonexistent/model"),
+    "missing-model-path": (
+        ["--model_name_or_path", "/nonexistent/model"],
+        "--model_name_or_path=/nonexistent/model",
+    ),
     "unknown-column": (["--text_column", "body"], "body"),
     "seq-len-above-model-limit": (["--max_seq_length", "100000"], "max_seq_length"),
     "seq-len-zero": (["--max_seq_length", "0"], "max_seq_length"),
@@ -24,15 +27,20 @@ BAD_INPUTS = {
     "train-file-missing": (["--train_file", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
     "unknown-flag": (["--learning_rat", "1e-4"], "--learning_rat"),
     "warmup-ratio-out-of-range": (["--warmup_ratio", "2"], "--warmup_ratio=2"),
-    "completion-only-on-plain-text": (["--train_file", "{tmp}/plain.txt", "--completion_only_loss", "true"],
-                                      "completion"),
+    "completion-only-on-plain-text": (
+        ["--train_file", "{tmp}/plain.txt", "--completion_only_loss", "true"],
+        "completion",
+    ),
     "hf-scale-config-world-size": (["--hf_scale_config", "{tmp}/two_procs.yaml"], "world_size=2"),
     "hf-scale-config-missing": (["--hf_scale_config", "/nonexistent/cfg.yaml"], "/nonexistent/cfg.yaml"),
     "hf-scale-config-conflicting-micro": (
         ["--hf_scale_config", "{tmp}/single.yaml", "--per_device_train_batch_size", "3"],
         "batch.micro_batch_size=4 but --per_device_train_batch_size=3",
     ),
-    "lora-unknown-target": (["--lora_r", "4", "--lora_target_modules", "no_such_proj"], "--lora_target_modules"),
+    "lora-unknown-target": (
+        ["--lora_r", "4", "--lora_target_modules", "no_such_proj"],
+        "--lora_target_modules",
+    ),
 }
 
 
@@ -41,10 +49,12 @@ def bad_files(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "stage7.json").write_text(json.dumps({"zero_optimization": {"stage": 7}}))
     (tmp_path / "plain.txt").write_text("hello world\nsecond line\n")
-    (tmp_path / "two_procs.yaml").write_text(yaml.safe_dump(
-        {"strategy": "ddp", "topology": {"processes_per_machine": 2}}))
-    (tmp_path / "single.yaml").write_text(yaml.safe_dump(
-        {"strategy": "single", "precision": "no", "batch": {"micro_batch_size": 4}}))
+    (tmp_path / "two_procs.yaml").write_text(
+        yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2}})
+    )
+    (tmp_path / "single.yaml").write_text(
+        yaml.safe_dump({"strategy": "single", "precision": "no", "batch": {"micro_batch_size": 4}})
+    )
     return tmp_path
 
 
@@ -52,7 +62,9 @@ def bad_files(tmp_path):
 def test_bad_input_is_one_line_and_exit_2(flags, fragment, bad_files):
     out = bad_files / "out"
     flags = [f.replace("{tmp}", str(bad_files)) for f in flags]
-    result = run([sys.executable, TRAIN_PY, "--max_steps", "1", "--output_dir", str(out), *flags], timeout=180)
+    result = run(
+        [sys.executable, TRAIN_PY, "--max_steps", "1", "--output_dir", str(out), *flags], timeout=180
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
@@ -63,23 +75,40 @@ def test_bad_input_is_one_line_and_exit_2(flags, fragment, bad_files):
 
 def test_help_lists_trainer_and_hf_scale_flags():
     result = run_ok([sys.executable, TRAIN_PY, "--help"], timeout=120)
-    for flag in ("--per_device_train_batch_size", "--deepspeed", "--loop", "--hf_scale_config", "--packing",
-                 "--lora_r", "--model_name_or_path", "--train_file", "--max_seq_length"):
+    for flag in (
+        "--per_device_train_batch_size",
+        "--deepspeed",
+        "--loop",
+        "--hf_scale_config",
+        "--packing",
+        "--lora_r",
+        "--model_name_or_path",
+        "--train_file",
+        "--max_seq_length",
+    ):
         assert flag in result.stdout
 
 
 @pytest.mark.multiprocess
 def test_hf_scale_config_supplies_deepspeed_under_torchrun(tmp_path):
     config = tmp_path / "zero2.yaml"
-    config.write_text(yaml.safe_dump({
-        "strategy": "deepspeed", "precision": "no",
-        "topology": {"processes_per_machine": 2},
-        "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 2},
-        "deepspeed": {"zero_stage": 2, "torch_adam": True},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "strategy": "deepspeed",
+                "precision": "no",
+                "topology": {"processes_per_machine": 2},
+                "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 2},
+                "deepspeed": {"zero_stage": 2, "torch_adam": True},
+            }
+        )
+    )
     out = tmp_path / "out"
-    run_ok(launcher_command("torchrun") + ["--hf_scale_config", str(config), "--max_steps", "2",
-                                           "--output_dir", str(out)], env=child_env())
+    run_ok(
+        launcher_command("torchrun")
+        + ["--hf_scale_config", str(config), "--max_steps", "2", "--output_dir", str(out)],
+        env=child_env(),
+    )
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["strategy"] == "deepspeed" and summary["world_size"] == 2
     assert summary["saved_model_verified"] is True
@@ -89,18 +118,46 @@ def test_lora_saves_a_nonempty_adapter_that_reloads(tmp_path):
     from peft import AutoPeftModelForCausalLM
     from safetensors.torch import load_file
 
-    run_ok([sys.executable, TRAIN_PY, "--lora_r", "4", "--max_steps", "2", "--learning_rate", "1e-2",
-            "--output_dir", str(tmp_path)], timeout=300)
+    run_ok(
+        [
+            sys.executable,
+            TRAIN_PY,
+            "--lora_r",
+            "4",
+            "--max_steps",
+            "2",
+            "--learning_rate",
+            "1e-2",
+            "--output_dir",
+            str(tmp_path),
+        ],
+        timeout=300,
+    )
     adapter = load_file(tmp_path / "adapter_model.safetensors")
     assert adapter and all(t.numel() > 0 for t in adapter.values())
-    assert any(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name)  # trained, not the zero init
+    assert any(
+        t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name
+    )  # trained, not the zero init
     AutoPeftModelForCausalLM.from_pretrained(tmp_path)
     assert json.loads((tmp_path / "hf_scale_verify.json").read_text())["ok"]
 
 
 def test_packing_run_trains_and_saves(tmp_path):
-    run_ok([sys.executable, TRAIN_PY, "--packing", "--loop", "accelerate", "--max_steps", "2",
-            "--output_dir", str(tmp_path)], cwd=REPO, timeout=300)
+    run_ok(
+        [
+            sys.executable,
+            TRAIN_PY,
+            "--packing",
+            "--loop",
+            "accelerate",
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        timeout=300,
+    )
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["tokens"] > 0 for r in records)
     assert json.loads((tmp_path / "hf_scale_verify.json").read_text())["ok"]

@@ -27,10 +27,28 @@ from train_helpers import (
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 5
-COMMON = ["--max_steps", str(STEPS), "--learning_rate", "1e-3", "--seed", "11", "--warmup_ratio", "0",
-          "--lr_scheduler_type", "linear", "--max_grad_norm", "1.0"]
-CPU_2PROC = ["topology.processes_per_machine=2", "deepspeed.torch_adam=true", "precision='no'",
-             "batch.micro_batch_size=2", "batch.gradient_accumulation_steps=2", "optimizer.lr=1e-3"]
+COMMON = [
+    "--max_steps",
+    str(STEPS),
+    "--learning_rate",
+    "1e-3",
+    "--seed",
+    "11",
+    "--warmup_ratio",
+    "0",
+    "--lr_scheduler_type",
+    "linear",
+    "--max_grad_norm",
+    "1.0",
+]
+CPU_2PROC = [
+    "topology.processes_per_machine=2",
+    "deepspeed.torch_adam=true",
+    "precision='no'",
+    "batch.micro_batch_size=2",
+    "batch.gradient_accumulation_steps=2",
+    "optimizer.lr=1e-3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +60,9 @@ def configs(tmp_path_factory):
         generate_config(root, f"zero{stage}", preset=f"zero{stage}", sets=CPU_2PROC)
     generate_config(root, "zero3_offload", preset="zero3_offload", sets=CPU_2PROC)
     # The `deepspeed` launcher with concrete numbers instead of "auto".
-    generate_config(root / "resolved", "zero3", preset="zero3", sets=CPU_2PROC, extra=("--deepspeed-mode", "resolved"))
+    generate_config(
+        root / "resolved", "zero3", preset="zero3", sets=CPU_2PROC, extra=("--deepspeed-mode", "resolved")
+    )
     return root
 
 
@@ -86,7 +106,9 @@ def test_two_processes_match_one_process(launcher, config_name, loop, configs, r
     extra = MICRO2_ACC2 + ["--loop", loop]
     cwd = configs
     if launcher == "accelerate":
-        got = _train(launcher, out, extra, config=configs / "accelerate_configs" / f"{config_name}.yaml", cwd=cwd)
+        got = _train(
+            launcher, out, extra, config=configs / "accelerate_configs" / f"{config_name}.yaml", cwd=cwd
+        )
     else:
         if config_name is not None:
             parent, _, name = config_name.rpartition("/")
@@ -100,8 +122,11 @@ def test_two_processes_match_one_process(launcher, config_name, loop, configs, r
 
 
 def test_accumulation_equals_larger_micro_batch(reference, tmp_path):
-    got = _train("python", tmp_path, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
-                                      "4", "--loop", "accelerate"])
+    got = _train(
+        "python",
+        tmp_path,
+        ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--loop", "accelerate"],
+    )
     _assert_same_losses(got, reference)
 
 
@@ -112,21 +137,50 @@ def test_trainer_path_equals_manual_loop(reference, tmp_path):
 
 def test_multinode_config_runs_as_two_machines_on_localhost(configs, reference, tmp_path):
     """The generated ddp_multinode config, 2 "machines" x 1 process on 127.0.0.1."""
-    generate_config(tmp_path, "multi", preset="ddp_multinode", sets=[
-        "topology.processes_per_machine=1", "topology.num_machines=2", "topology.main_process_ip=127.0.0.1",
-        "precision='no'", "batch.micro_batch_size=2", "batch.gradient_accumulation_steps=2",
-    ])
+    generate_config(
+        tmp_path,
+        "multi",
+        preset="ddp_multinode",
+        sets=[
+            "topology.processes_per_machine=1",
+            "topology.num_machines=2",
+            "topology.main_process_ip=127.0.0.1",
+            "precision='no'",
+            "batch.micro_batch_size=2",
+            "batch.gradient_accumulation_steps=2",
+        ],
+    )
     port = str(free_port())
     out = tmp_path / "out"
     procs = []
     for machine_rank in (0, 1):
-        command = [
-            sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(tmp_path / "accelerate_configs" / "multi.yaml"), "--machine_rank", str(machine_rank),
-            "--main_process_port", port, launcher_command("python")[1],
-        ] + COMMON + MICRO2_ACC2 + ["--output_dir", str(out), "--loop", "accelerate"]
-        procs.append(subprocess.Popen(command, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        command = (
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                str(tmp_path / "accelerate_configs" / "multi.yaml"),
+                "--machine_rank",
+                str(machine_rank),
+                "--main_process_port",
+                port,
+                launcher_command("python")[1],
+            ]
+            + COMMON
+            + MICRO2_ACC2
+            + ["--output_dir", str(out), "--loop", "accelerate"]
+        )
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=tmp_path,
+                env=child_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results = [p.communicate(timeout=420) for p in procs]
     for proc, (_, stderr) in zip(procs, results, strict=True):
         assert proc.returncode == 0, stderr[-4000:]

@@ -41,26 +41,54 @@ def launcher_command(launcher: str, nproc: int = 2, *, config: Path | None = Non
     if launcher == "python":
         return [sys.executable, TRAIN_PY]
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(free_port()), TRAIN_PY]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            TRAIN_PY,
+        ]
     if launcher == "accelerate":
-        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                "--main_process_port", str(free_port()), TRAIN_PY]
+        return [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(free_port()),
+            TRAIN_PY,
+        ]
     if launcher == "deepspeed":
-        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-                "--master_port", str(free_port()), TRAIN_PY]
+        return [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            TRAIN_PY,
+        ]
     raise ValueError(launcher)
 
 
-def run(command: list[str], *, cwd: Path = REPO, env: dict | None = None,
-        timeout: int = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=cwd, env=env or child_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def run(
+    command: list[str], *, cwd: Path = REPO, env: dict | None = None, timeout: int = LAUNCH_TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, cwd=cwd, env=env or child_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_ok(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     result = run(command, **kwargs)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    )
     return result
 
 
@@ -73,10 +101,23 @@ def losses(output_dir: Path) -> list[float]:
     return [record["loss"] for record in read_metrics(output_dir)]
 
 
-def generate_config(out_dir: Path, name: str, *, preset: str, sets: list[str], extra: tuple[str, ...] = ()) -> Path:
+def generate_config(
+    out_dir: Path, name: str, *, preset: str, sets: list[str], extra: tuple[str, ...] = ()
+) -> Path:
     """`hf-scale generate` into out_dir (the real CLI in a subprocess); returns out_dir."""
-    command = [sys.executable, "-m", "hf_scale.cli", "generate", "--preset", preset, "--name", name,
-               "--output-dir", str(out_dir), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "hf_scale.cli",
+        "generate",
+        "--preset",
+        preset,
+        "--name",
+        name,
+        "--output-dir",
+        str(out_dir),
+        *extra,
+    ]
     for item in sets:
         command += ["--set", item]
     run_ok(command, timeout=120)
@@ -91,8 +132,9 @@ def assert_saved_model_reproduces(output_dir: Path) -> None:
     assert report["ok"], report
     probe = torch.load(Path(output_dir) / "hf_scale_verify.pt")
     model = AutoModelForCausalLM.from_pretrained(output_dir)
-    assert (Path(output_dir) / "model.safetensors").is_file() or \
-        (Path(output_dir) / "model.safetensors.index.json").is_file()
+    assert (Path(output_dir) / "model.safetensors").is_file() or (
+        Path(output_dir) / "model.safetensors.index.json"
+    ).is_file()
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits.float()
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)

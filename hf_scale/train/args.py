@@ -24,7 +24,9 @@ class ModelArguments:
     )
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = field(
         default=None,
-        metadata={"help": "Attention kernel. Default: flash_attention_2 when installed and on GPU, else sdpa."},
+        metadata={
+            "help": "Attention kernel. Default: flash_attention_2 when installed and on GPU, else sdpa."
+        },
     )
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         default="float32",
@@ -33,7 +35,9 @@ class ModelArguments:
             "fp32 master copy); DeepSpeed casts to its own precision."
         },
     )
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the Hub."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow custom modelling code from the Hub."}
+    )
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 (default) trains all weights."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})

@@ -59,7 +59,9 @@ def _read_deepspeed_json(path: str, flag: str) -> dict:
     except json.JSONDecodeError as error:
         raise UserError(f"{flag}={path}: not valid JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(config, dict):
-        raise UserError(f"{flag}={path}: a DeepSpeed config must be a JSON object, got {type(config).__name__}")
+        raise UserError(
+            f"{flag}={path}: a DeepSpeed config must be a JSON object, got {type(config).__name__}"
+        )
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise UserError(f"{flag}={path}: zero_optimization.stage={stage!r} is not allowed; use 0, 1, 2 or 3")
@@ -80,7 +82,11 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         launcher = "python"
 
     accelerate_ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if by_accelerate else None
-    if deepspeed_flag and accelerate_ds_file and Path(deepspeed_flag).resolve() != Path(accelerate_ds_file).resolve():
+    if (
+        deepspeed_flag
+        and accelerate_ds_file
+        and Path(deepspeed_flag).resolve() != Path(accelerate_ds_file).resolve()
+    ):
         raise UserError(
             f"--deepspeed={deepspeed_flag} conflicts with the accelerate config's deepspeed_config_file="
             f"{accelerate_ds_file}; pass only one of them"

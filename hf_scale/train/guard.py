@@ -73,7 +73,9 @@ def _wrapper_kind(model) -> str:
     return "none"
 
 
-def observe(accelerator, model, micro_batch_size: int | None, *, loaded_partitioned: bool | None = None) -> Observed:
+def observe(
+    accelerator, model, micro_batch_size: int | None, *, loaded_partitioned: bool | None = None
+) -> Observed:
     """Collect the live facts from the prepared model and accelerate's state.
 
     `loaded_partitioned` is :func:`zero3_weights_partitioned` measured right after `from_pretrained`
@@ -151,7 +153,9 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
     ds = observed.deepspeed
     if ds is not None:
         if expected.zero_stage is not None and ds["zero_stage"] != expected.zero_stage:
-            problems.append(f"ZeRO stage {expected.zero_stage} was requested but the engine runs stage {ds['zero_stage']}")
+            problems.append(
+                f"ZeRO stage {expected.zero_stage} was requested but the engine runs stage {ds['zero_stage']}"
+            )
         if ds["micro_batch_size"] != expected.micro_batch_size:
             problems.append(
                 f"DeepSpeed train_micro_batch_size_per_gpu={ds['micro_batch_size']} but "
@@ -169,7 +173,9 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"accumulation {expected.gradient_accumulation_steps} x world size {expected.world_size} = {implied}"
             )
         if ds["precision"] != expected.precision:
-            problems.append(f"DeepSpeed runs precision {ds['precision']} but the flags ask for {expected.precision}")
+            problems.append(
+                f"DeepSpeed runs precision {ds['precision']} but the flags ask for {expected.precision}"
+            )
         if expected.zero_stage == 3 and expected.zero3_init and observed.zero3_partitioned is False:
             problems.append(
                 "ZeRO-3 with zero3_init: the model was built unpartitioned (every process held the full "

@@ -67,10 +67,14 @@ def _optimizer_and_scheduler(model, args: TrainingArguments, ds_config: dict | N
     # get_decay_parameter_names does not use the Trainer instance; calling it unbound avoids building one.
     decay = set(Trainer.get_decay_parameter_names(None, model))
     groups = [
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n in decay],
-         "weight_decay": args.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n not in decay],
-         "weight_decay": 0.0},
+        {
+            "params": [p for n, p in model.named_parameters() if p.requires_grad and n in decay],
+            "weight_decay": args.weight_decay,
+        },
+        {
+            "params": [p for n, p in model.named_parameters() if p.requires_grad and n not in decay],
+            "weight_decay": 0.0,
+        },
     ]
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
@@ -105,7 +109,10 @@ def run(
         project_dir=args.output_dir,
     )
     dataloader = make_train_dataloader(
-        train_dataset, collator, args.per_device_train_batch_size, args.seed,
+        train_dataset,
+        collator,
+        args.per_device_train_batch_size,
+        args.seed,
         num_workers=args.dataloader_num_workers,
     )
     batches_per_epoch = math.ceil(len(dataloader) / accelerator.num_processes)
@@ -122,17 +129,25 @@ def run(
 
     guard.verify_runtime(
         expected,
-        guard.observe(accelerator, model, dataloader.total_batch_size // accelerator.num_processes
-                      if not getattr(dataloader, "split_batches", False) else None,
-                      loaded_partitioned=loaded_partitioned),
+        guard.observe(
+            accelerator,
+            model,
+            dataloader.total_batch_size // accelerator.num_processes
+            if not getattr(dataloader, "split_batches", False)
+            else None,
+            loaded_partitioned=loaded_partitioned,
+        ),
     )
     if accelerator.log_with:
         accelerator.init_trackers("hf_scale", config=report_config)
 
     is_deepspeed = ds_plugin is not None
     metrics = StepMetrics(
-        args.output_dir, is_main=accelerator.is_main_process, total_steps=total_steps,
-        world_size=accelerator.num_processes, flops_per_token=flops_per_token,
+        args.output_dir,
+        is_main=accelerator.is_main_process,
+        total_steps=total_steps,
+        world_size=accelerator.num_processes,
+        flops_per_token=flops_per_token,
     )
     model.train()
     step = 0
@@ -145,10 +160,14 @@ def run(
             window = _take(batches, args.gradient_accumulation_steps)
             if not window:
                 break
-            local_targets = torch.tensor(sum(count_target_tokens(b) for b in window), device=accelerator.device)
+            local_targets = torch.tensor(
+                sum(count_target_tokens(b) for b in window), device=accelerator.device
+            )
             global_targets = accelerator.reduce(local_targets, reduction="sum")
             local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
-            lr = optimizer.param_groups[0]["lr"]  # the rate this update uses (read before the scheduler moves)
+            lr = optimizer.param_groups[0][
+                "lr"
+            ]  # the rate this update uses (read before the scheduler moves)
             loss_sum = torch.zeros((), device=accelerator.device)
             for i, batch in enumerate(window):
                 last = i == len(window) - 1
@@ -177,7 +196,11 @@ def run(
             step_loss = accelerator.reduce(loss_sum, reduction="sum").item()
             tokens = int(accelerator.reduce(local_tokens, reduction="sum").item())
             record = metrics.log_step(
-                step=step, loss=step_loss, lr=lr, grad_norm=_as_float(grad_norm), tokens=tokens,
+                step=step,
+                loss=step_loss,
+                lr=lr,
+                grad_norm=_as_float(grad_norm),
+                tokens=tokens,
                 epoch=epoch + windows_in_epoch / steps_per_epoch,
             )
             if accelerator.log_with:

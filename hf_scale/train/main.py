@@ -61,7 +61,9 @@ def _validate_flags(ns) -> None:
         if not 0 <= ns.warmup_ratio < 1:
             raise UserError(f"--warmup_ratio={ns.warmup_ratio}: must be in [0, 1)")
         if ns.warmup_steps:
-            raise UserError(f"--warmup_ratio={ns.warmup_ratio} and --warmup_steps={ns.warmup_steps}: set only one")
+            raise UserError(
+                f"--warmup_ratio={ns.warmup_ratio} and --warmup_steps={ns.warmup_steps}: set only one"
+            )
         ns.warmup_steps = ns.warmup_ratio
     if ns.learning_rate < 0:
         raise UserError(f"--learning_rate={ns.learning_rate}: must be >= 0")
@@ -86,7 +88,9 @@ def train(argv: list[str] | None = None) -> int:
 
         request, ns.deepspeed = apply_hf_scale_config(ns.hf_scale_config, request, ns, argv)
     elif request.deepspeed_config_file and not ns.deepspeed:
-        ns.deepspeed = request.deepspeed_config_file  # accelerate launch: let the Trainer's resolver fill "auto"
+        ns.deepspeed = (
+            request.deepspeed_config_file
+        )  # accelerate launch: let the Trainer's resolver fill "auto"
     state = distributed.init_process_state(request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
 
     model_args = _dataclass_from(ns, ModelArguments)
@@ -95,8 +99,11 @@ def train(argv: list[str] | None = None) -> int:
     ns.accelerator_config = {"use_configured_state": True}
     # Non-reentrant checkpointing (works with LoRA's frozen inputs and ZeRO-3 hooks); the flag was
     # renamed activation_checkpointing_kwargs in transformers 5.
-    ckpt_kwargs = "activation_checkpointing_kwargs" if hasattr(ns, "activation_checkpointing_kwargs") \
+    ckpt_kwargs = (
+        "activation_checkpointing_kwargs"
+        if hasattr(ns, "activation_checkpointing_kwargs")
         else "gradient_checkpointing_kwargs"
+    )
     if getattr(ns, ckpt_kwargs) is None:
         setattr(ns, ckpt_kwargs, {"use_reentrant": False})
     try:
@@ -128,11 +135,14 @@ def train(argv: list[str] | None = None) -> int:
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         precision=guard.expected_precision(args.bf16, args.fp16),
         zero_stage=request.zero_stage,
-        zero3_init=request.zero_stage == 3 and bool(getattr(args, "deepspeed_plugin", None))
+        zero3_init=request.zero_stage == 3
+        and bool(getattr(args, "deepspeed_plugin", None))
         and bool(args.deepspeed_plugin.zero3_init_flag),
     )
-    n_params = sum(p.numel() for p in model.parameters()) if loaded_partitioned is not True else sum(
-        getattr(p, "ds_numel", p.numel()) for p in model.parameters()
+    n_params = (
+        sum(p.numel() for p in model.parameters())
+        if loaded_partitioned is not True
+        else sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     )
     fpt = flops_per_token(model_config, n_params, data_args.max_seq_length)
     is_lora = model_args.lora_r > 0
@@ -142,8 +152,13 @@ def train(argv: list[str] | None = None) -> int:
         from hf_scale.train import loop
 
         result = loop.run(
-            args=args, model=model, train_dataset=train_dataset, collator=collator, expected=expected,
-            loaded_partitioned=loaded_partitioned, flops_per_token=fpt,
+            args=args,
+            model=model,
+            train_dataset=train_dataset,
+            collator=collator,
+            expected=expected,
+            loaded_partitioned=loaded_partitioned,
+            flops_per_token=fpt,
             report_config={"argv": sys.argv[1:]},
         )
         accelerator, wrapped, metrics = result.accelerator, result.model, result.metrics
@@ -151,8 +166,13 @@ def train(argv: list[str] | None = None) -> int:
     else:
         from hf_scale.train.trainer import GuardAndMetricsCallback, HfScaleTrainer
 
-        trainer = HfScaleTrainer(model=model, args=args, train_dataset=train_dataset, data_collator=collator,
-                                 processing_class=tokenizer)
+        trainer = HfScaleTrainer(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            data_collator=collator,
+            processing_class=tokenizer,
+        )
         callback = GuardAndMetricsCallback(trainer, expected, loaded_partitioned, fpt)
         trainer.add_callback(callback)
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
@@ -186,8 +206,11 @@ def train(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if not report["ok"]:
-            print(f"hf_scale: ERROR: the saved model does not reproduce the trained logits "
-                  f"(max abs diff {report['max_abs_diff']:.3g} > {report['tolerance']})", file=sys.stderr)
+            print(
+                f"hf_scale: ERROR: the saved model does not reproduce the trained logits "
+                f"(max abs diff {report['max_abs_diff']:.3g} > {report['tolerance']})",
+                file=sys.stderr,
+            )
     distributed.shutdown()
     return 0 if report is None or report["ok"] else 1
 

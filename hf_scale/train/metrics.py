@@ -59,8 +59,16 @@ def peak_memory_bytes() -> int:
 class StepMetrics:
     """Writes one JSON object per optimizer step and drives the progress bar (main process only)."""
 
-    def __init__(self, output_dir: str, *, is_main: bool, total_steps: int, world_size: int,
-                 flops_per_token: float | None, progress_bar: bool = True):
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        is_main: bool,
+        total_steps: int,
+        world_size: int,
+        flops_per_token: float | None,
+        progress_bar: bool = True,
+    ):
         self.is_main = is_main
         self.world_size = world_size
         self.flops_per_token = flops_per_token
@@ -77,8 +85,9 @@ class StepMetrics:
             if progress_bar:
                 self._bar = tqdm(total=total_steps, desc="training", unit="step", dynamic_ncols=True)
 
-    def log_step(self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int,
-                 epoch: float) -> dict:
+    def log_step(
+        self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, epoch: float
+    ) -> dict:
         now = time.perf_counter()
         elapsed = max(now - self._last, 1e-9)
         self._last = now
@@ -117,7 +126,9 @@ class StepMetrics:
             "train_time_s": elapsed,
         }
         if self.peak_flops and self.flops_per_token:
-            summary["mfu"] = summary["tokens_per_sec"] * self.flops_per_token / (self.peak_flops * self.world_size)
+            summary["mfu"] = (
+                summary["tokens_per_sec"] * self.flops_per_token / (self.peak_flops * self.world_size)
+            )
         return summary
 
     def close(self) -> None:

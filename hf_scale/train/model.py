@@ -31,7 +31,11 @@ def load_model_config(model_path: str, trust_remote_code: bool):
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         looks_local = Path(model_path).exists() or model_path.startswith((".", "/", "~"))
-        what = "local directory without a valid config.json" if looks_local else "Hub id that could not be loaded"
+        what = (
+            "local directory without a valid config.json"
+            if looks_local
+            else "Hub id that could not be loaded"
+        )
         raise UserError(
             f"--model_name_or_path={model_path}: {what} ({str(error).splitlines()[0][:160]}); "
             "pass a local model directory or a reachable Hub id"
@@ -60,11 +64,15 @@ def default_attn_implementation() -> str:
 
 def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
     path = resolve_model_path(model_args)
-    load_model_config(path, model_args.trust_remote_code)  # one-line error for a bad path before the heavy load
+    load_model_config(
+        path, model_args.trust_remote_code
+    )  # one-line error for a bad path before the heavy load
     attn = model_args.attn_implementation or default_attn_implementation()
     if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise UserError("--attn_implementation=flash_attention_2: the flash_attn package is not installed; "
-                        "use sdpa or eager, or pip install flash-attn")
+        raise UserError(
+            "--attn_implementation=flash_attention_2: the flash_attn package is not installed; "
+            "use sdpa or eager, or pip install flash-attn"
+        )
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=_DTYPES[model_args.torch_dtype],
@@ -88,7 +96,9 @@ def apply_lora(model, model_args: ModelArguments, *, gradient_checkpointing: boo
     if model_args.lora_r < 0:
         raise UserError(f"--lora_r={model_args.lora_r}: must be >= 0 (0 disables LoRA)")
     targets = model_args.lora_target_modules
-    target_modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    target_modules = (
+        targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    )
     config = LoraConfig(
         r=model_args.lora_r,
         lora_alpha=model_args.lora_alpha,

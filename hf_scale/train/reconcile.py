@@ -43,7 +43,9 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
     wanted = cfg.strategy
     deepspeed_value = ns.deepspeed
     if launcher_chose_engine and request.strategy != wanted:
-        raise UserError(f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}")
+        raise UserError(
+            f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
+        )
     if not launcher_chose_engine and wanted == "fsdp":
         raise UserError(
             f"{where}: strategy=fsdp is configured through accelerate; launch with "
@@ -61,12 +63,21 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
         else:
             deepspeed_value = request.deepspeed_config_file
     elif wanted in ("ddp", "single") and request.strategy != ("ddp" if request.world_size > 1 else "single"):
-        raise UserError(f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}")
+        raise UserError(
+            f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
+        )
 
-    _fill_or_match(ns, argv, where, "per_device_train_batch_size", "batch.micro_batch_size",
-                   cfg.batch.micro_batch_size)
-    _fill_or_match(ns, argv, where, "gradient_accumulation_steps", "batch.gradient_accumulation_steps",
-                   cfg.batch.gradient_accumulation_steps)
+    _fill_or_match(
+        ns, argv, where, "per_device_train_batch_size", "batch.micro_batch_size", cfg.batch.micro_batch_size
+    )
+    _fill_or_match(
+        ns,
+        argv,
+        where,
+        "gradient_accumulation_steps",
+        "batch.gradient_accumulation_steps",
+        cfg.batch.gradient_accumulation_steps,
+    )
     _fill_or_match(ns, argv, where, "max_grad_norm", "gradient_clipping", cfg.gradient_clipping or 0.0)
     flags_precision = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "no"
     if (_given("--bf16", argv) or _given("--fp16", argv)) and flags_precision != cfg.precision:

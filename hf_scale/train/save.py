@@ -46,7 +46,9 @@ def live_logits(wrapped_model, input_ids: torch.Tensor, device) -> torch.Tensor:
     return logits
 
 
-def verify_saved_model(output_dir: str, input_ids: torch.Tensor, logits: torch.Tensor, *, is_lora: bool) -> dict:
+def verify_saved_model(
+    output_dir: str, input_ids: torch.Tensor, logits: torch.Tensor, *, is_lora: bool
+) -> dict:
     """Reload `output_dir` without DeepSpeed (main process) and compare its logits with the live ones."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -66,8 +68,12 @@ def verify_saved_model(output_dir: str, input_ids: torch.Tensor, logits: torch.T
     dtype = str(next(reloaded.parameters()).dtype).removeprefix("torch.")
     # fp32 weights must reproduce the logits up to kernel-order noise; 16-bit saves within bf16 precision.
     tolerance = 1e-4 if dtype == "float32" else 5e-2
-    report = {"max_abs_diff": max_abs_diff, "tolerance": tolerance, "saved_dtype": dtype,
-              "ok": max_abs_diff <= tolerance}
+    report = {
+        "max_abs_diff": max_abs_diff,
+        "tolerance": tolerance,
+        "saved_dtype": dtype,
+        "ok": max_abs_diff <= tolerance,
+    }
     torch.save({"input_ids": input_ids, "logits": logits}, Path(output_dir) / VERIFY_FILE)
     (Path(output_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report

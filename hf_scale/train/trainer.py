@@ -41,8 +41,13 @@ class HfScaleTrainer(Trainer):
 class GuardAndMetricsCallback(TrainerCallback):
     """Runs the runtime guard once the model is wrapped and writes metrics.jsonl per optimizer step."""
 
-    def __init__(self, trainer: HfScaleTrainer, expected: guard.Expected, loaded_partitioned: bool | None,
-                 flops_per_token: float | None):
+    def __init__(
+        self,
+        trainer: HfScaleTrainer,
+        expected: guard.Expected,
+        loaded_partitioned: bool | None,
+        flops_per_token: float | None,
+    ):
         self.trainer = trainer
         self.expected = expected
         self.loaded_partitioned = loaded_partitioned
@@ -57,12 +62,16 @@ class GuardAndMetricsCallback(TrainerCallback):
             micro //= trainer.accelerator.num_processes
         guard.verify_runtime(
             self.expected,
-            guard.observe(trainer.accelerator, trainer.model_wrapped, micro,
-                          loaded_partitioned=self.loaded_partitioned),
+            guard.observe(
+                trainer.accelerator, trainer.model_wrapped, micro, loaded_partitioned=self.loaded_partitioned
+            ),
         )
         self.metrics = StepMetrics(
-            args.output_dir, is_main=state.is_world_process_zero, total_steps=state.max_steps,
-            world_size=trainer.accelerator.num_processes, flops_per_token=self.flops_per_token,
+            args.output_dir,
+            is_main=state.is_world_process_zero,
+            total_steps=state.max_steps,
+            world_size=trainer.accelerator.num_processes,
+            flops_per_token=self.flops_per_token,
             progress_bar=False,  # the Trainer draws its own
         )
 
@@ -72,13 +81,18 @@ class GuardAndMetricsCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer
         device = trainer.accelerator.device
-        totals = torch.tensor([trainer.window_loss, float(trainer.window_tokens)], dtype=torch.float64,
-                              device=device)
+        totals = torch.tensor(
+            [trainer.window_loss, float(trainer.window_tokens)], dtype=torch.float64, device=device
+        )
         loss, tokens = trainer.accelerator.reduce(totals, reduction="sum").tolist()
         grad_norm = trainer.last_grad_norm
         self.metrics.log_step(
-            step=state.global_step, loss=loss, lr=self.lr,
-            grad_norm=None if grad_norm is None else float(grad_norm), tokens=int(tokens), epoch=state.epoch or 0.0,
+            step=state.global_step,
+            loss=loss,
+            lr=self.lr,
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            tokens=int(tokens),
+            epoch=state.epoch or 0.0,
         )
         trainer.window_loss = 0.0
         trainer.window_tokens = 0
