@@ -29,10 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hf-scale {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from hf_scale import check, generate
+    from hf_scale import check, demo, generate, plan
 
     generate.register(subparsers)
     check.register(subparsers)
+    demo.register(subparsers)
+    plan.register(subparsers)
     return parser
 
 

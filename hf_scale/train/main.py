@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
@@ -75,6 +76,8 @@ def _dataclass_from(namespace, cls):
 
 
 def train(argv: list[str] | None = None) -> int:
+    # DeepSpeed 0.19 calls collectives that torch 2.13 deprecated, once per step and rank: noise, not news.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
     if unknown:

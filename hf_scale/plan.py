@@ -1,0 +1,199 @@
+"""`hf-scale plan MODEL ...`: per-GPU memory of every distributed strategy and the fastest that fits.
+
+The same arguments drive ``hf-scale generate --strategy auto --model MODEL`` (:func:`add_plan_arguments`,
+:func:`plan_from_args`), so both commands plan identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from hf_scale.errors import UserError
+from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
+from hf_scale.planner.model_shapes import model_shapes
+from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, distributed_config, make_plan
+from hf_scale.planner.report import format_table, plan_dict, write_plot
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+
+PLAN_EPILOG = """\
+MODEL is a Hub id (only its config.json is fetched), a local model directory, or a path to a config.json.
+Memory sizes take units B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024); an
+"80 GB" H100/A100 has 80GiB.
+
+examples:
+  hf-scale plan meta-llama/Llama-3.1-8B --gpus-per-machine 8 --gpu-memory 80GiB --seq-len 4096
+  hf-scale plan ./config.json --gpu-memory 24GiB --gpus-per-machine 4 --lora-r 16 --json
+  hf-scale plan ./my-model --machines 2 --cpu-memory 1TiB --plot plan.png --write-config plan.yaml
+  hf-scale generate plan.yaml        # or both at once: hf-scale generate --strategy auto --model MODEL
+"""
+
+
+def parse_size(flag: str, text: str) -> int:
+    """'80GiB' -> bytes. A one-line UserError naming the flag for anything else."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise UserError(
+            f"{flag} {text!r} is invalid: expected a positive number with a unit, e.g. 80GiB or 80GB "
+            "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Hardware and training flags shared by `plan` and `generate --strategy auto`."""
+    group = parser.add_argument_group("planning")
+    group.add_argument("--gpus-per-machine", type=int, default=8, metavar="N", help="GPUs per machine (default 8)")
+    group.add_argument("--machines", type=int, default=1, metavar="N", help="number of machines (default 1)")
+    group.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="memory of one GPU (default 80GiB)")
+    group.add_argument(
+        "--cpu-memory", metavar="SIZE", help="CPU RAM per machine, checked for offload (default: not checked)"
+    )
+    group.add_argument("--seq-len", type=int, default=4096, metavar="TOKENS", help="sequence length (default 4096)")
+    group.add_argument("--micro-batch", type=int, default=1, metavar="N", help="sequences per GPU per step (default 1)")
+    group.add_argument("--precision", choices=("no", "fp16", "bf16"), default="bf16", help="default bf16")
+    group.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw", help="default adamw")
+    group.add_argument("--lora-r", type=int, metavar="R", help="LoRA rank (frozen base); default: full fine-tune")
+    group.add_argument(
+        "--activation-checkpointing",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto (default) considers both and prefers no checkpointing when it fits",
+    )
+    group.add_argument(
+        "--safety-margin",
+        type=float,
+        default=DEFAULT_SAFETY_MARGIN,
+        metavar="FRACTION",
+        help=f"fraction of memory kept free for CUDA context, NCCL and fragmentation (default {DEFAULT_SAFETY_MARGIN})",
+    )
+
+
+def plan_argv(args: argparse.Namespace) -> list[str]:
+    """The planning flags of ``args`` that differ from their defaults, as command-line arguments."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_plan_arguments(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.option_strings and value != action.default:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
+    """Validate the flags (one-line UserError each) and plan."""
+    for flag, value in (
+        ("--gpus-per-machine", args.gpus_per_machine),
+        ("--machines", args.machines),
+        ("--seq-len", args.seq_len),
+        ("--micro-batch", args.micro_batch),
+    ):
+        if value <= 0:
+            raise UserError(f"{flag} {value} is invalid: must be an integer > 0")
+    if args.lora_r is not None and args.lora_r <= 0:
+        raise UserError(f"--lora-r {args.lora_r} is invalid: must be an integer > 0 (omit it for a full fine-tune)")
+    if not 0 <= args.safety_margin < 1:
+        raise UserError(f"--safety-margin {args.safety_margin} is invalid: allowed 0 <= fraction < 1, e.g. 0.1")
+    gpu_memory = parse_size("--gpu-memory", args.gpu_memory)
+    cpu_memory = None if args.cpu_memory is None else parse_size("--cpu-memory", args.cpu_memory)
+    workload = Workload(
+        shapes=model_shapes(model),
+        gpus_per_machine=args.gpus_per_machine,
+        machines=args.machines,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        lora_r=args.lora_r,
+    )
+    return make_plan(
+        workload,
+        gpu_memory=gpu_memory,
+        cpu_memory=cpu_memory,
+        activation_checkpointing=args.activation_checkpointing,
+        safety_margin=args.safety_margin,
+    )
+
+
+def planned_config_yaml(plan: Plan) -> str:
+    """The recommended DistributedConfig as YAML (only the fields that differ from the defaults)."""
+    if plan.recommended is None:
+        raise UserError("no candidate fits, so there is no config to write: " + _refusal(plan))
+    cfg = distributed_config(plan, plan.recommended)
+    data = cfg.model_dump(mode="json", exclude_unset=True)
+    header = f"# hf-scale plan: {plan.recommended.candidate.label} for {plan.workload.shapes.name}\n"
+    return header + yaml.safe_dump(data, sort_keys=False)
+
+
+def _refusal(plan: Plan) -> str:
+    return "; ".join(f"{a.candidate.label}: {a.reason}" for a in plan.assessments[:3])
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the plan sub-command."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="estimate per-GPU memory of every strategy and recommend the fastest that fits",
+        description="Count the model's parameters exactly (meta device), estimate per-GPU memory of DDP, "
+        "ZeRO-1/2/3 (with offload) and FSDP2 with and without activation checkpointing, and recommend the "
+        "fastest candidate that fits.",
+        epilog=PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", metavar="MODEL", help="Hub id, model directory or config.json")
+    add_plan_arguments(parser)
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    output.add_argument("--plot", metavar="PLAN.png", help="write a stacked-bar chart of every candidate")
+    output.add_argument("--write-config", metavar="PLAN.yaml", help="write the recommended DistributedConfig")
+    parser.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args, args.model)
+    # Everything that can fail is computed before any file is written.
+    config_text = planned_config_yaml(plan) if args.write_config else None
+    if args.plot:
+        write_plot(plan, Path(args.plot))
+    if config_text is not None:
+        _write_text(Path(args.write_config), config_text)
+    print(json.dumps(plan_dict(plan), indent=2) if args.json else format_table(plan), end="" if not args.json else "\n")
+    if args.write_config and not args.json:
+        print(f"wrote {args.write_config} (turn it into launch files with: hf-scale generate {args.write_config})")
+    return 0
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        raise UserError(f"cannot write {path}: {error.strerror or error}") from None

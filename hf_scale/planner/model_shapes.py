@@ -1,0 +1,131 @@
+"""Exact parameter counts of a causal LM, from its config alone.
+
+The model is built on PyTorch's meta device (shapes, no storage, nothing downloaded but ``config.json``),
+so counts are those of the real ``AutoModelForCausalLM`` class: tied embeddings are counted once, biases,
+norms and any architecture quirk included.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from hf_scale.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the memory estimates need to know about a model."""
+
+    name: str
+    """How the user named the model (Hub id or path)."""
+    model_type: str
+    """transformers model_type, e.g. llama."""
+    decoder_layer_class: str
+    """Class of the repeated decoder block (FSDP wrap unit), from the model's _no_split_modules."""
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    param_numels: tuple[int, ...]
+    """Element count of every unique parameter tensor (tied ones once), in model order."""
+    decoder_layer_params: int
+    """Parameters of one decoder layer (the unit ZeRO-3/FSDP gathers at a time)."""
+    largest_layer_params: int
+    """Largest parameter count directly owned by one module (DeepSpeed's "largest layer", usually the
+    embedding or lm_head)."""
+    lora_params_per_rank: int
+    """LoRA adapter parameters per unit of rank r: sum of (in + out) over the decoder layers' nn.Linear
+    modules (PEFT target_modules="all-linear", which leaves lm_head out)."""
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.param_numels)
+
+    def lora_params(self, rank: int) -> int:
+        """Trainable adapter parameters for LoRA rank ``rank`` (A: r x in, B: out x r per linear)."""
+        return rank * self.lora_params_per_rank
+
+
+def load_model_config(model: str) -> PretrainedConfig:
+    """MODEL as a Hub id, a local model directory or a path to a config.json -> its transformers config."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return _config_from_file(path, model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"MODEL {model!r}: directory has no config.json (pass a model directory or a config.json)")
+        return _config_from_file(path / "config.json", model)
+    if model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1:
+        raise UserError(f"MODEL {model!r}: no such file or directory (expected a Hub id, a model directory or a config.json)")
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        reason = " ".join(str(error).split()).split(". ")[0].rstrip(".")
+        raise UserError(
+            f"MODEL {model!r}: cannot get its config.json from the Hugging Face Hub or the local cache ({reason[:200]}); "
+            "offline, download config.json elsewhere and pass its path (hf-scale plan ./config.json) or a local "
+            "model directory"
+        ) from None
+
+
+def _config_from_file(path: Path, model: str) -> PretrainedConfig:
+    try:
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"MODEL {model!r}: {path} is not a readable JSON config ({error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise UserError(f"MODEL {model!r}: {path} has no \"model_type\" (expected a transformers config.json)")
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as error:
+        raise UserError(f"MODEL {model!r}: model_type {model_type!r} is unknown to transformers ({error})") from None
+
+
+def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> ModelShapes:
+    """Build the causal LM on the meta device and measure it."""
+    config = load_model_config(model) if isinstance(model, str) else model
+    name = name or (model if isinstance(model, str) else config.model_type)
+    try:
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(config)
+    except ValueError as error:
+        raise UserError(f"MODEL {name!r}: transformers has no causal LM for this config ({' '.join(str(error).split())[:200]})") from None
+    unique = {id(p): p for p in lm.parameters()}  # parameters() already yields a tied tensor once
+    layer_classes = list(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise UserError(f"MODEL {name!r}: cannot find its decoder layers (_no_split_modules={layer_classes})")
+    layer = layers[0]
+    lora_per_rank = sum(
+        m.in_features + m.out_features for block in layers for m in block.modules() if isinstance(m, torch.nn.Linear)
+    )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return ModelShapes(
+        name=name,
+        model_type=config.model_type,
+        decoder_layer_class=type(layer).__name__,
+        num_layers=len(layers),
+        hidden_size=text.hidden_size,
+        intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab_size=text.vocab_size,
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        param_numels=tuple(p.numel() for p in unique.values()),
+        decoder_layer_params=sum(p.numel() for p in layer.parameters()),
+        largest_layer_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in lm.modules()),
+        lora_params_per_rank=lora_per_rank,
+    )

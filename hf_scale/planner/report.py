@@ -1,0 +1,173 @@
+"""A plan as a table, as JSON, or as a stacked-bar chart. Pure functions except :func:`write_plot`."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hf_scale.errors import UserError
+from hf_scale.planner.rank import Plan, distributed_config, gib
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "logits", "buffers")
+_GIB = 2**30
+
+
+def _fmt(n: int) -> str:
+    return f"{n / _GIB:.1f}"
+
+
+def _workload_line(plan: Plan) -> str:
+    w = plan.workload
+    s = w.shapes
+    tuning = f"LoRA r={w.lora_r} ({w.trainable_params:,} trainable)" if w.lora_r else "full fine-tune"
+    return (
+        f"{s.name}: {s.total_params:,} parameters ({s.model_type}, {s.num_layers} x {s.decoder_layer_class}), "
+        f"{tuning}, {w.optimizer}, precision {w.precision}, micro-batch {w.micro_batch} x {w.seq_len} tokens\n"
+        f"hardware: {w.machines} machine(s) x {w.gpus_per_machine} GPU(s) x {gib(plan.gpu_memory)}"
+        + (f", {gib(plan.cpu_memory)} CPU RAM per machine" if plan.cpu_memory is not None else ", CPU RAM not checked")
+        + f"; usable per GPU {gib(plan.gpu_budget)} ({plan.safety_margin:.0%} safety margin)"
+    )
+
+
+def format_table(plan: Plan) -> str:
+    """The human-readable plan: one row per candidate (fastest first), then the verdict."""
+    header = ("candidate", "AC", *CATEGORIES, "GPU total", "CPU/machine", "speed", "fits")
+    rows = [header]
+    for a in plan.assessments:
+        e = a.estimate
+        mark = "<- best" if a is plan.recommended else ("yes" if a.fits else "no")
+        rows.append(
+            (
+                a.candidate.label,
+                "on" if a.candidate.activation_checkpointing else "off",
+                *(_fmt(v) for v in e.breakdown().values()),
+                _fmt(e.gpu_total),
+                _fmt(e.cpu_per_machine) if e.cpu_per_machine else "-",
+                f"{a.speed:.2f}",
+                mark,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [_workload_line(plan), "memory per GPU in GiB; speed relative to DDP (higher is faster)", ""]
+    for row in rows:
+        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
+        cells += [cell.rjust(width) for cell, width in zip(row[2:-1], widths[2:-1], strict=True)]
+        lines.append("  ".join(cells + [row[-1]]).rstrip())
+    lines.append("")
+    lines += verdict_lines(plan)
+    return "\n".join(lines) + "\n"
+
+
+def verdict_lines(plan: Plan) -> list[str]:
+    """The recommendation and why each faster candidate was rejected."""
+    lines = []
+    if plan.recommended is None:
+        lines.append("no candidate fits; every one was rejected:")
+    else:
+        best = plan.recommended
+        ac = " with activation checkpointing" if best.candidate.activation_checkpointing else ""
+        lines.append(
+            f"recommended: {best.candidate.label}{ac} ({best.slug}): {gib(best.estimate.gpu_total)} per GPU "
+            f"of {gib(plan.gpu_budget)} usable"
+        )
+        if plan.rejected_faster:
+            lines.append("faster candidates rejected:")
+    for a in plan.rejected_faster:
+        ac = " + AC" if a.candidate.activation_checkpointing else ""
+        lines.append(f"  {a.candidate.label}{ac}: {a.reason}")
+    if plan.recommended is None:
+        lines.append(
+            "try more GPUs or machines, LoRA (--lora-r 16), a shorter --seq-len, or --cpu-memory if the "
+            "machines have more RAM"
+        )
+    return lines
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """JSON-ready plan: inputs, model, every candidate with its byte breakdown, the recommendation."""
+    w, s = plan.workload, plan.workload.shapes
+    candidates = []
+    for a in plan.assessments:
+        e, c = a.estimate, a.candidate
+        candidates.append(
+            {
+                "key": a.slug,
+                "label": c.label,
+                "activation_checkpointing": c.activation_checkpointing,
+                "bytes_per_gpu": {**e.breakdown(), "total": e.gpu_total},
+                "cpu_bytes_per_machine": e.cpu_per_machine,
+                "speed": round(a.speed, 4),
+                "fits": a.fits,
+                "rejected_because": a.reason or None,
+            }
+        )
+    best = plan.recommended
+    return {
+        "model": {
+            "name": s.name,
+            "model_type": s.model_type,
+            "parameters": s.total_params,
+            "trainable_parameters": w.trainable_params,
+            "largest_layer_parameters": s.largest_layer_params,
+            "decoder_layer_class": s.decoder_layer_class,
+            "num_layers": s.num_layers,
+        },
+        "workload": {
+            "machines": w.machines,
+            "gpus_per_machine": w.gpus_per_machine,
+            "gpu_memory_bytes": plan.gpu_memory,
+            "cpu_memory_bytes": plan.cpu_memory,
+            "safety_margin": plan.safety_margin,
+            "seq_len": w.seq_len,
+            "micro_batch": w.micro_batch,
+            "precision": w.precision,
+            "optimizer": w.optimizer,
+            "lora_r": w.lora_r,
+        },
+        "candidates": candidates,
+        "recommended": best.slug if best else None,
+        "recommended_config": distributed_config(plan, best).model_dump(mode="json") if best else None,
+        "verdict": verdict_lines(plan),
+    }
+
+
+def write_plot(plan: Plan, path: Path) -> None:
+    """Stacked bar per candidate (GiB per GPU by category) against the GPU memory and usable lines."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'hf-scale[plot]'") from None
+    matplotlib.use("Agg")  # files only; never open a window
+    import matplotlib.pyplot as plt
+
+    labels = [a.candidate.label + (" +AC" if a.candidate.activation_checkpointing else "") for a in plan.assessments]
+    fig, ax = plt.subplots(figsize=(max(8, 0.75 * len(labels)), 5.5), layout="constrained")
+    bottoms = [0.0] * len(labels)
+    for category in CATEGORIES:
+        values = [a.estimate.breakdown()[category] / _GIB for a in plan.assessments]
+        ax.bar(labels, values, bottom=bottoms, label=category)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    ax.axhline(plan.gpu_memory / _GIB, color="black", linewidth=1.5, label=f"GPU memory {gib(plan.gpu_memory)}")
+    ax.axhline(plan.gpu_budget / _GIB, color="black", linestyle="--", linewidth=1, label="usable (safety margin)")
+    if plan.recommended is not None:
+        index = plan.assessments.index(plan.recommended)
+        ax.annotate("recommended", (index, bottoms[index]), ha="center", va="bottom", fontsize=9, weight="bold")
+    ax.set_ylim(0, max(plan.gpu_memory / _GIB * 1.6, 1e-9))
+    ax.set_ylabel("GiB per GPU")
+    s, w = plan.workload.shapes, plan.workload
+    ax.set_title(
+        f"{s.name} on {w.machines}x{w.gpus_per_machine} GPUs, {w.micro_batch}x{w.seq_len} tokens, {w.precision}"
+    )
+    ax.tick_params(axis="x", labelrotation=60)
+    ax.legend(fontsize=8, loc="upper left")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
