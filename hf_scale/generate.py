@@ -24,7 +24,7 @@ from hf_scale.errors import UserError
 from hf_scale.generators import render_files
 from hf_scale.generators.deepspeed_json import MODES
 from hf_scale.plan import add_plan_arguments, plan_argv, plan_from_args
-from hf_scale.planner.rank import distributed_config
+from hf_scale.planner.rank import planned_config_data
 from hf_scale.planner.report import verdict_lines
 from hf_scale.presets import PRESETS
 
@@ -102,7 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("auto",),
         help="auto: plan the fastest strategy that fits --model on the hardware given by the planning flags",
     )
-    generate.add_argument("--model", metavar="MODEL", help="with --strategy auto: Hub id, model directory or config.json")
+    generate.add_argument(
+        "--model", metavar="MODEL", help="with --strategy auto: Hub id, model directory or config.json"
+    )
     add_plan_arguments(generate)
     generate.set_defaults(func=run_generate)
 
@@ -160,7 +162,9 @@ def run_generate(args: argparse.Namespace) -> int:
     elif args.model is not None:
         raise UserError("--model is only used with --strategy auto (plan the config for that model)")
     elif args.config is None and args.preset is None:
-        raise UserError("give a CONFIG.yaml or --preset NAME (see `hf-scale presets`), or --strategy auto --model MODEL")
+        raise UserError(
+            "give a CONFIG.yaml or --preset NAME (see `hf-scale presets`), or --strategy auto --model MODEL"
+        )
     name = args.name if args.name is not None else _default_name(args)
     if not _NAME.fullmatch(name):
         raise UserError(
@@ -197,7 +201,7 @@ def _planned_overrides(args: argparse.Namespace) -> list[str]:
     if plan.recommended is None:
         raise UserError(f"--strategy auto: no strategy fits {args.model} on this hardware (see the reasons above)")
     args.planned_name = plan.recommended.slug
-    data = distributed_config(plan, plan.recommended).model_dump(mode="json", exclude_unset=True)
+    data = planned_config_data(plan, plan.recommended)
     return [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}" for key, value in _dotted(data)]
 
 

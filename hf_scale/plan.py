@@ -18,7 +18,7 @@ import yaml
 from hf_scale.errors import UserError
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
 from hf_scale.planner.model_shapes import model_shapes
-from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, distributed_config, make_plan
+from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, make_plan, planned_config_data
 from hf_scale.planner.report import format_table, plan_dict, write_plot
 
 _UNITS = {
@@ -139,8 +139,7 @@ def planned_config_yaml(plan: Plan) -> str:
     """The recommended DistributedConfig as YAML (only the fields that differ from the defaults)."""
     if plan.recommended is None:
         raise UserError("no candidate fits, so there is no config to write: " + _refusal(plan))
-    cfg = distributed_config(plan, plan.recommended)
-    data = cfg.model_dump(mode="json", exclude_unset=True)
+    data = planned_config_data(plan, plan.recommended)
     header = f"# hf-scale plan: {plan.recommended.candidate.label} for {plan.workload.shapes.name}\n"
     return header + yaml.safe_dump(data, sort_keys=False)
 

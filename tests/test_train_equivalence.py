@@ -186,3 +186,17 @@ def test_multinode_config_runs_as_two_machines_on_localhost(configs, reference, 
         assert proc.returncode == 0, stderr[-4000:]
     _assert_same_losses(losses(out), reference)
     assert_saved_model_reproduces(out)
+
+
+def test_fsdp2_from_hf_scale_config_matches_one_process(reference, tmp_path):
+    """FSDP2 (torch's fully_shard over gloo: accelerate cannot shard on CPU) with the model's own
+    decoder-layer class from _no_split_modules, configured by a DistributedConfig."""
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text(
+        "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 2}\n"
+        "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\n"
+    )
+    out = tmp_path / "out"
+    got = _train("torchrun", out, ["--hf_scale_config", str(config), "--loop", "accelerate"])
+    _assert_same_losses(got, reference)
+    assert_saved_model_reproduces(out)

@@ -66,13 +66,16 @@ def load_model_config(model: str) -> PretrainedConfig:
             raise UserError(f"MODEL {model!r}: directory has no config.json (pass a model directory or a config.json)")
         return _config_from_file(path / "config.json", model)
     if model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1:
-        raise UserError(f"MODEL {model!r}: no such file or directory (expected a Hub id, a model directory or a config.json)")
+        raise UserError(
+            f"MODEL {model!r}: no such file or directory (expected a Hub id, a model directory or a config.json)"
+        )
     try:
         return AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as error:
         reason = " ".join(str(error).split()).split(". ")[0].rstrip(".")
         raise UserError(
-            f"MODEL {model!r}: cannot get its config.json from the Hugging Face Hub or the local cache ({reason[:200]}); "
+            f"MODEL {model!r}: cannot get its config.json from the Hugging Face Hub or the local cache "
+            f"({reason[:200]}); "
             "offline, download config.json elsewhere and pass its path (hf-scale plan ./config.json) or a local "
             "model directory"
         ) from None
@@ -84,7 +87,7 @@ def _config_from_file(path: Path, model: str) -> PretrainedConfig:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise UserError(f"MODEL {model!r}: {path} is not a readable JSON config ({error})") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise UserError(f"MODEL {model!r}: {path} has no \"model_type\" (expected a transformers config.json)")
+        raise UserError(f'MODEL {model!r}: {path} has no "model_type" (expected a transformers config.json)')
     model_type = data.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **data)
@@ -100,7 +103,9 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(config)
     except ValueError as error:
-        raise UserError(f"MODEL {name!r}: transformers has no causal LM for this config ({' '.join(str(error).split())[:200]})") from None
+        raise UserError(
+            f"MODEL {name!r}: transformers has no causal LM for this config ({' '.join(str(error).split())[:160]})"
+        ) from None
     unique = {id(p): p for p in lm.parameters()}  # parameters() already yields a tied tensor once
     layer_classes = list(getattr(lm, "_no_split_modules", None) or [])
     layers = [m for m in lm.modules() if type(m).__name__ in layer_classes]

@@ -183,3 +183,11 @@ def distributed_config(plan: Plan, assessment: Assessment) -> DistributedConfig:
             "offload_params": "cpu" if c.offload_params else "none",
         }
     return validate_config(data)
+
+
+def planned_config_data(plan: Plan, assessment: Assessment) -> dict:
+    """The fields the plan sets, as plain data for YAML or ``--set`` overrides. The global batch size is left
+    to follow from micro batch x accumulation x world size, so a later topology override stays consistent."""
+    data = distributed_config(plan, assessment).model_dump(mode="json", exclude_unset=True)
+    data["batch"].pop("global_batch_size", None)
+    return data

@@ -48,6 +48,8 @@ class LaunchRequest:
     """`zero_optimization.stage` of that JSON (0 when the JSON has no zero section)."""
     mixed_precision: str | None
     """accelerate's `mixed_precision` from the YAML (`ACCELERATE_MIXED_PRECISION`), None if not launched by it."""
+    fsdp_settings: dict | None = None
+    """The `fsdp` section of a `--hf_scale_config` when it (not accelerate's YAML) asks for FSDP."""
 
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:
@@ -136,7 +138,10 @@ def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backen
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     kwargs: dict = {"timeout": timedelta(seconds=ddp_timeout_s)}
     if not has_gpu():
-        if request.strategy in ("ddp", "single"):
+        # FSDP from --hf_scale_config is sharded by torch's fully_shard on CPU (train/fsdp.py); accelerate
+        # then only needs its MULTI_CPU state. FSDP from an accelerate YAML stays as asked, and the
+        # runtime guard reports that accelerate cannot shard on CPU.
+        if request.strategy in ("ddp", "single") or request.fsdp_settings is not None:
             kwargs["cpu"] = True
         if request.world_size > 1 or request.strategy == "deepspeed":
             kwargs["backend"] = "gloo"

@@ -19,8 +19,9 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
-from hf_scale.train import guard
+from hf_scale.train import fsdp, guard
 from hf_scale.train.data import count_target_tokens, make_train_dataloader
+from hf_scale.train.distributed import has_gpu
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 
 
@@ -91,10 +92,20 @@ def run(
     loaded_partitioned: bool | None,
     flops_per_token: float | None,
     report_config: dict,
+    fsdp_settings: dict | None = None,
 ) -> LoopResult:
+    """`fsdp_settings`: the `fsdp` section of a `--hf_scale_config` (FSDP not configured by accelerate launch)."""
     ds_plugin = getattr(args, "deepspeed_plugin", None)
+    fsdp_plugin = None
+    shard_ourselves = False  # FSDP2 on CPU: torch's fully_shard, since accelerate cannot (see fsdp.py)
+    if fsdp_settings is not None:
+        if has_gpu():
+            fsdp_plugin = fsdp.accelerate_plugin(model, fsdp_settings)
+        else:
+            shard_ourselves = True
     accelerator = Accelerator(
         deepspeed_plugin=ds_plugin,
+        fsdp_plugin=fsdp_plugin,
         mixed_precision=expected.precision,
         # This loop does the accumulation (like the Trainer), so accelerate must not divide the loss again.
         gradient_accumulation_steps=args.gradient_accumulation_steps if ds_plugin else 1,
@@ -124,8 +135,14 @@ def run(
         hf_ds_config = ds_plugin.hf_ds_config
         hf_ds_config.trainer_config_finalize(args, model, total_steps)
         ds_config = hf_ds_config.config
+    if shard_ourselves:
+        model = fsdp.shard_on_cpu(model, fsdp_settings)
     optimizer, scheduler = _optimizer_and_scheduler(model, args, ds_config, total_steps)
-    model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+    if shard_ourselves:
+        # Preparing the model would wrap the already sharded model in DDP (accelerate's MULTI_CPU).
+        optimizer, dataloader, scheduler = accelerator.prepare(optimizer, dataloader, scheduler)
+    else:
+        model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
 
     guard.verify_runtime(
         expected,
@@ -165,18 +182,17 @@ def run(
             )
             global_targets = accelerator.reduce(local_targets, reduction="sum")
             local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
-            lr = optimizer.param_groups[0][
-                "lr"
-            ]  # the rate this update uses (read before the scheduler moves)
+            lr = optimizer.param_groups[0]["lr"]  # the rate of this update (read before the scheduler moves)
             loss_sum = torch.zeros((), device=accelerator.device)
             for i, batch in enumerate(window):
                 last = i == len(window) - 1
                 # Same mechanism as transformers' Trainer: tell accelerate (and through it DeepSpeed's
                 # accumulation boundary) whether this micro-batch ends the window.
                 accelerator.gradient_state._set_sync_gradients(last)
-                sync_context = (
-                    contextlib.nullcontext() if last or is_deepspeed else accelerator.no_sync(model)
-                )
+                if shard_ourselves:
+                    fsdp.set_gradient_sync(model, last)
+                no_sync_needed = not (last or is_deepspeed or shard_ourselves)
+                sync_context = accelerator.no_sync(model) if no_sync_needed else contextlib.nullcontext()
                 with sync_context:
                     outputs = model(**batch, num_items_in_batch=global_targets)
                     # The model's loss is sum(token losses) / global_targets; gradients are averaged over ranks.
@@ -214,4 +230,4 @@ def run(
 def _as_float(value) -> float | None:
     if value is None:
         return None
-    return float(value.item() if torch.is_tensor(value) else value)
+    return fsdp.as_local_float(value) if torch.is_tensor(value) else float(value)

@@ -163,6 +163,7 @@ def train(argv: list[str] | None = None) -> int:
             loaded_partitioned=loaded_partitioned,
             flops_per_token=fpt,
             report_config={"argv": sys.argv[1:]},
+            fsdp_settings=request.fsdp_settings,
         )
         accelerator, wrapped, metrics = result.accelerator, result.model, result.metrics
         save_with_accelerator(accelerator, wrapped, tokenizer, args.output_dir)

@@ -47,10 +47,12 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
             f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
         )
     if not launcher_chose_engine and wanted == "fsdp":
-        raise UserError(
-            f"{where}: strategy=fsdp is configured through accelerate; launch with "
-            "`accelerate launch --config_file accelerate_configs/NAME.yaml train.py` (see `hf-scale generate`)"
-        )
+        if ns.loop != "accelerate":
+            raise UserError(
+                f"{where}: strategy=fsdp under {request.launcher} runs in the manual loop only; add --loop "
+                "accelerate, or launch the Trainer with `accelerate launch --config_file accelerate_configs/NAME.yaml`"
+            )
+        request = dataclasses.replace(request, strategy="fsdp", fsdp_settings=cfg.fsdp.model_dump())
     if wanted == "deepspeed":
         if request.deepspeed_config_file is None:
             deepspeed_value = deepspeed_config(cfg, "auto")

@@ -21,7 +21,7 @@ REPORT_FILE = "hf_scale_verify.json"
 def save_with_accelerator(accelerator, model, tokenizer, output_dir: str) -> None:
     """Manual loop: gather (ZeRO-3: 16-bit weights) and write safetensors + tokenizer."""
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every rank calls it
+    state_dict = _gathered_state_dict(accelerator, model)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(
         output_dir,
@@ -33,6 +33,17 @@ def save_with_accelerator(accelerator, model, tokenizer, output_dir: str) -> Non
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
+
+
+def _gathered_state_dict(accelerator, model) -> dict:
+    """The full state dict; a collective under ZeRO-3 and FSDP (every rank calls it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) and accelerator.distributed_type.name != "FSDP":
+        from hf_scale.train.fsdp import full_state_dict
+
+        return full_state_dict(model)  # sharded by hf_scale.train.fsdp.shard_on_cpu; accelerate can't gather it
+    return accelerator.get_state_dict(model)
 
 
 @torch.no_grad()
