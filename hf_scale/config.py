@@ -20,7 +20,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from hf_scale.errors import UserError
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
-Precision = Literal["no", "fp16", "bf16"]
+def _yaml_no_is_no(value: Any) -> Any:
+    # YAML 1.1 reads a bare `no` as false; `precision: no` (or `--set precision=no`) means "no" here.
+    return "no" if value is False else value
+
+
+Precision = Annotated[Literal["no", "fp16", "bf16"], BeforeValidator(_yaml_no_is_no)]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 

@@ -279,3 +279,11 @@ def test_json_schema_documents_every_field():
             if "$ref" not in prop:
                 assert prop.get("description"), name
     assert json.loads(json.dumps(schema)) == schema
+
+
+def test_bare_yaml_no_means_precision_no(tmp_path):
+    # YAML 1.1 reads `no` as false; for precision it must still mean "no".
+    path = tmp_path / "run.yaml"
+    path.write_text("strategy: single\nprecision: no\n")
+    assert load_config(path).precision == "no"
+    assert load_config(preset="ddp", overrides=["precision=no"]).precision == "no"
