@@ -90,7 +90,6 @@ BAD = [
     (["plan", TINY, "--seq-len", "-5"], "--seq-len -5 is invalid"),
     (["plan", TINY, "--lora-r", "0"], "--lora-r 0 is invalid"),
     (["plan", "./no/such/model"], "MODEL './no/such/model': no such file or directory"),
-    (["plan", "no-such-org/no-such-model"], "offline, download config.json elsewhere and pass its path"),
     (["plan", TINY, "--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
     (["generate", "--strategy", "auto"], "--strategy auto needs --model MODEL"),
     (["generate", "--preset", "zero2", "--strategy", "auto", "--model", TINY], "drop CONFIG.yaml/--preset"),
@@ -99,17 +98,30 @@ BAD = [
 
 
 @pytest.mark.parametrize(("argv", "fragment"), BAD, ids=[" ".join(a[1:]) for a, _ in BAD])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, fragment, tmp_path):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, fragment, tmp_path, capsys):
     config = tmp_path / "plan.yaml"
     extra = ["--write-config", str(config)] if argv[0] == "plan" else ["--output-dir", str(tmp_path / "gen")]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # fail fast instead of retrying the network
-    done = subprocess.run(
-        [sys.executable, "-m", "hf_scale.cli", *argv, *extra], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert done.returncode == 2, done.stderr
-    lines = [line for line in done.stderr.splitlines() if "error" in line]
-    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in done.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, *extra])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and fragment in lines[0]
     assert not config.exists() and not (tmp_path / "gen").exists()
+
+
+def test_unreachable_hub_model_tells_how_to_pass_a_local_config(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # no network here: fail at once instead of retrying
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_scale.cli", "plan", "no-such-org/no-such-model"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "error" in line]
+    assert line.startswith("hf-scale: error: MODEL 'no-such-org/no-such-model': cannot get its config.json")
+    assert "pass its path (hf-scale plan ./config.json) or a local model directory" in line
 
 
 def test_no_candidate_fits_gives_a_refusal_and_no_config(tmp_path, llama8b, capsys):

@@ -160,8 +160,8 @@ def write_plot(plan: Plan, path: Path) -> None:
     ax.set_title(
         f"{s.name} on {w.machines}x{w.gpus_per_machine} GPUs, {w.micro_batch}x{w.seq_len} tokens, {w.precision}"
     )
-    ax.tick_params(axis="x", labelrotation=60)
-    ax.legend(fontsize=8, loc="upper left")
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right", rotation_mode="anchor")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)

@@ -69,3 +69,26 @@ def as_local_float(norm) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
+
+
+DCP_DIR = "fsdp_sharded"
+"""Where a checkpoint keeps the FSDP2 model and optimizer shards (torch.distributed.checkpoint format)."""
+
+
+def save_sharded(model, optimizer, path) -> None:
+    """Every rank writes its own shards (collective); DCP reshards on load, also at another world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+
+
+def load_sharded(model, optimizer, path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -11,15 +11,19 @@ Gradient sync is skipped on all but the last micro-batch of a window.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
-from hf_scale.train import fsdp, guard
+from hf_scale.errors import UserError
+from hf_scale.train import checkpoint, fsdp, guard
 from hf_scale.train.data import count_target_tokens, make_train_dataloader
 from hf_scale.train.distributed import has_gpu
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
@@ -31,6 +35,8 @@ class LoopResult:
     model: torch.nn.Module
     """The prepared (wrapped) model."""
     metrics: StepMetrics
+    preempted: bool = False
+    """Stopped by SIGTERM/SIGUSR1 after saving a checkpoint."""
 
 
 def _take(iterator, n: int) -> list:
@@ -86,15 +92,21 @@ def run(
     *,
     args: TrainingArguments,
     model,
+    tokenizer,
     train_dataset,
     collator,
     expected: guard.Expected,
     loaded_partitioned: bool | None,
     flops_per_token: float | None,
     report_config: dict,
+    resume_dir: Path | None = None,
+    stop: checkpoint.StopRequest | None = None,
     fsdp_settings: dict | None = None,
 ) -> LoopResult:
-    """`fsdp_settings`: the `fsdp` section of a `--hf_scale_config` (FSDP not configured by accelerate launch)."""
+    """Train with `args`; save `checkpoint-STEP` every --save_steps and at the end; resume from `resume_dir`.
+
+    `fsdp_settings`: the `fsdp` section of a `--hf_scale_config` (FSDP not configured by accelerate launch).
+    """
     ds_plugin = getattr(args, "deepspeed_plugin", None)
     fsdp_plugin = None
     shard_ourselves = False  # FSDP2 on CPU: torch's fully_shard, since accelerate cannot (see fsdp.py)
@@ -139,8 +151,9 @@ def run(
         model = fsdp.shard_on_cpu(model, fsdp_settings)
     optimizer, scheduler = _optimizer_and_scheduler(model, args, ds_config, total_steps)
     if shard_ourselves:
-        # Preparing the model would wrap the already sharded model in DDP (accelerate's MULTI_CPU).
-        optimizer, dataloader, scheduler = accelerator.prepare(optimizer, dataloader, scheduler)
+        # accelerate would wrap the sharded model in DDP (MULTI_CPU) and save the sharded optimizer state
+        # of rank 0 only; both stay with torch (fsdp.save_sharded / load_sharded).
+        dataloader, scheduler = accelerator.prepare(dataloader, scheduler)
     else:
         model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
 
@@ -158,6 +171,10 @@ def run(
     if accelerator.log_with:
         accelerator.init_trackers("hf_scale", config=report_config)
 
+    saver = _CheckpointSaver(args, accelerator, model, optimizer, tokenizer, expected, shard_ourselves)
+    step, epoch, skip_batches = 0, 0, 0
+    if resume_dir is not None:
+        step, epoch, skip_batches = saver.load(resume_dir)
     is_deepspeed = ds_plugin is not None
     metrics = StepMetrics(
         args.output_dir,
@@ -165,21 +182,20 @@ def run(
         total_steps=total_steps,
         world_size=accelerator.num_processes,
         flops_per_token=flops_per_token,
+        first_step=step,
     )
     model.train()
-    step = 0
-    epoch = 0
-    while step < total_steps:
+    preempted = False
+    while step < total_steps and not preempted:
         dataloader.set_epoch(epoch)
-        batches = iter(dataloader)
-        windows_in_epoch = 0
+        batches = iter(accelerator.skip_first_batches(dataloader, skip_batches) if skip_batches else dataloader)
+        batches_in_epoch = skip_batches
+        skip_batches = 0
         while step < total_steps:
             window = _take(batches, args.gradient_accumulation_steps)
             if not window:
                 break
-            local_targets = torch.tensor(
-                sum(count_target_tokens(b) for b in window), device=accelerator.device
-            )
+            local_targets = torch.tensor(sum(count_target_tokens(b) for b in window), device=accelerator.device)
             global_targets = accelerator.reduce(local_targets, reduction="sum")
             local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
             lr = optimizer.param_groups[0]["lr"]  # the rate of this update (read before the scheduler moves)
@@ -208,7 +224,7 @@ def run(
             scheduler.step()
             optimizer.zero_grad()
             step += 1
-            windows_in_epoch += 1
+            batches_in_epoch += len(window)
             step_loss = accelerator.reduce(loss_sum, reduction="sum").item()
             tokens = int(accelerator.reduce(local_tokens, reduction="sum").item())
             record = metrics.log_step(
@@ -217,14 +233,108 @@ def run(
                 lr=lr,
                 grad_norm=_as_float(grad_norm),
                 tokens=tokens,
-                epoch=epoch + windows_in_epoch / steps_per_epoch,
+                epoch=epoch + batches_in_epoch / batches_per_epoch,
             )
             if accelerator.log_with:
                 accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
-        epoch += 1
+            # Checkpoints only at optimizer-step boundaries: never with accumulation half done.
+            preempted = stop is not None and stop.agreed(accelerator)
+            if preempted or saver.due(step, total_steps):
+                saver.save(step, epoch, batches_in_epoch)
+            if preempted:
+                break
+        if not preempted:
+            epoch += 1
     if accelerator.log_with:
         accelerator.end_training()
-    return LoopResult(accelerator=accelerator, model=model, metrics=metrics)
+    return LoopResult(accelerator=accelerator, model=model, metrics=metrics, preempted=preempted)
+
+
+class _CheckpointSaver:
+    """Full training state through accelerate's `save_state` (DeepSpeed / FSDP formats underneath),
+    published atomically by hf_scale.train.checkpoint."""
+
+    def __init__(self, args, accelerator, model, optimizer, tokenizer, expected: guard.Expected,
+                 shard_ourselves: bool):
+        self.args = args
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.tokenizer = tokenizer
+        self.expected = expected
+        self.shard_ourselves = shard_ourselves
+        self.interval = _save_interval(args)
+
+    def due(self, step: int, total_steps: int) -> bool:
+        if self.interval is None:
+            return False
+        interval = self.interval if self.interval >= 1 else max(1, math.ceil(self.interval * total_steps))
+        return step % interval == 0 or step == total_steps
+
+    def save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
+        accelerator, args = self.accelerator, self.args
+        tmp = Path(args.output_dir) / f"{checkpoint.TMP_PREFIX}{step}"
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        if self.shard_ourselves:
+            fsdp.save_sharded(self.model, self.optimizer, tmp / fsdp.DCP_DIR)
+        if accelerator.is_main_process:
+            samples_per_batch_row = args.per_device_train_batch_size * accelerator.num_processes
+            state = {
+                "step": step,
+                "epoch": epoch,
+                "samples_consumed_in_epoch": batches_in_epoch * samples_per_batch_row,
+                "world_size": accelerator.num_processes,
+                "strategy": self.expected.strategy,
+                "zero_stage": self.expected.zero_stage,
+                "micro_batch_size": args.per_device_train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "loop": "accelerate",
+            }
+            (tmp / checkpoint.STATE).write_text(json.dumps(state, indent=2) + "\n")
+            accelerator.unwrap_model(self.model).config.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+        accelerator.wait_for_everyone()
+        final = tmp.parent / f"{checkpoint.PREFIX}{step}"
+        if accelerator.is_main_process:
+            checkpoint.publish(tmp, step)
+            checkpoint.rotate(args.output_dir, args.save_total_limit)
+        accelerator.wait_for_everyone()
+        return final
+
+    def load(self, path: Path) -> tuple[int, int, int]:
+        """Restore everything; returns (step, epoch, micro-batches per rank to skip in that epoch)."""
+        state = json.loads((path / checkpoint.STATE).read_text())
+        world = self.accelerator.num_processes
+        samples_per_batch_row = self.args.per_device_train_batch_size * world
+        if state["world_size"] != world:
+            raise UserError(
+                f"--resume_from_checkpoint={path}: saved by {state['world_size']} processes, resumed with {world}; "
+                "resuming at another world size is not supported by this loop yet: convert the checkpoint with "
+                "`hf-scale export` and start a new run from the exported model"
+            )
+        if state["samples_consumed_in_epoch"] % samples_per_batch_row:
+            raise UserError(
+                f"--resume_from_checkpoint={path}: {state['samples_consumed_in_epoch']} samples of epoch "
+                f"{state['epoch']} were consumed, not a whole number of micro-batches of "
+                f"{self.args.per_device_train_batch_size} x {world} processes"
+            )
+        self.accelerator.load_state(str(path))
+        if self.shard_ourselves:
+            fsdp.load_sharded(self.model, self.optimizer, path / fsdp.DCP_DIR)
+        return state["step"], state["epoch"], state["samples_consumed_in_epoch"] // samples_per_batch_row
+
+
+def _save_interval(args) -> float | None:
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if strategy == "no":
+        return None
+    if strategy != "steps":
+        raise UserError(f"--save_strategy={strategy}: the accelerate loop saves by steps; use steps or no")
+    return args.save_steps
 
 
 def _as_float(value) -> float | None:

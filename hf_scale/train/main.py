@@ -12,7 +12,7 @@ import warnings
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train import distributed, guard
+from hf_scale.train import checkpoint, distributed, guard
 from hf_scale.train.args import ModelArguments, ScaleArguments
 from hf_scale.train.data import (
     DataArguments,
@@ -45,7 +45,7 @@ def build_parser() -> HfArgumentParser:
         "hf_scale on its sample dataset (CPU, seconds). Launch unchanged with python, torchrun, "
         "accelerate launch or deepspeed.",
     )
-    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", save_strategy="no", logging_steps=1)
+    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1)
     return parser
 
 
@@ -95,6 +95,9 @@ def train(argv: list[str] | None = None) -> int:
             request.deepspeed_config_file
         )  # accelerate launch: let the Trainer's resolver fill "auto"
     state = distributed.init_process_state(request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
+    # From here on SIGTERM/SIGUSR1 mean "checkpoint after the current optimizer step and exit 75".
+    stop = checkpoint.StopRequest()
+    stop.install()
 
     model_args = _dataclass_from(ns, ModelArguments)
     data_args = _dataclass_from(ns, DataArguments)
@@ -115,6 +118,15 @@ def train(argv: list[str] | None = None) -> int:
         args = _dataclass_from(ns, TrainingArguments)
     except (ValueError, TypeError) as error:
         raise UserError(f"training arguments: {' '.join(str(error).split())}") from None
+
+    # Interrupted saves are removed before anything picks a checkpoint; `auto` takes the newest complete one.
+    if state.is_main_process:
+        for path in checkpoint.remove_incomplete(args.output_dir):
+            print(f"hf_scale: removed incomplete checkpoint {path}", file=sys.stderr)
+    state.wait_for_everyone()
+    resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if resume_dir is not None and state.is_main_process:
+        print(f"hf_scale: resuming from {resume_dir}", file=sys.stderr)
 
     set_seed(args.seed)
     model_path = resolve_model_path(model_args)
@@ -157,18 +169,22 @@ def train(argv: list[str] | None = None) -> int:
         result = loop.run(
             args=args,
             model=model,
+            tokenizer=tokenizer,
             train_dataset=train_dataset,
             collator=collator,
             expected=expected,
             loaded_partitioned=loaded_partitioned,
             flops_per_token=fpt,
             report_config={"argv": sys.argv[1:]},
+            resume_dir=resume_dir,
+            stop=stop,
             fsdp_settings=request.fsdp_settings,
         )
-        accelerator, wrapped, metrics = result.accelerator, result.model, result.metrics
-        save_with_accelerator(accelerator, wrapped, tokenizer, args.output_dir)
+        accelerator, wrapped, metrics, preempted = result.accelerator, result.model, result.metrics, result.preempted
+        if not preempted:
+            save_with_accelerator(accelerator, wrapped, tokenizer, args.output_dir)
     else:
-        from hf_scale.train.trainer import GuardAndMetricsCallback, HfScaleTrainer
+        from hf_scale.train.trainer import CheckpointCallback, GuardAndMetricsCallback, HfScaleTrainer
 
         trainer = HfScaleTrainer(
             model=model,
@@ -179,9 +195,21 @@ def train(argv: list[str] | None = None) -> int:
         )
         callback = GuardAndMetricsCallback(trainer, expected, loaded_partitioned, fpt)
         trainer.add_callback(callback)
-        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-        trainer.save_model(args.output_dir)
+        checkpoints = CheckpointCallback(trainer, stop, expected)
+        trainer.add_callback(checkpoints)
+        trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
+        preempted = checkpoints.preempted
+        if not preempted:
+            trainer.save_model(args.output_dir)
         accelerator, wrapped, metrics = trainer.accelerator, trainer.model_wrapped, callback.metrics
+
+    if preempted:
+        metrics.close()
+        if accelerator.is_main_process:
+            print(f"hf_scale: stopped by {stop.signal_name or 'a signal on another rank'}; checkpoint saved in "
+                  f"{args.output_dir}; run again with --resume_from_checkpoint auto", file=sys.stderr, flush=True)
+        distributed.shutdown()
+        return checkpoint.EXIT_PREEMPTED
 
     # 5. Prove the save: the reloaded directory reproduces the trained model's logits.
     probe = train_dataset[0]["input_ids"][:PROBE_TOKENS]

@@ -68,6 +68,7 @@ class StepMetrics:
         world_size: int,
         flops_per_token: float | None,
         progress_bar: bool = True,
+        first_step: int = 0,
     ):
         self.is_main = is_main
         self.world_size = world_size
@@ -81,9 +82,11 @@ class StepMetrics:
         if is_main:
             path = Path(output_dir)
             path.mkdir(parents=True, exist_ok=True)
-            self._file = (path / "metrics.jsonl").open("w")
+            # A resumed run continues the same file after the steps it already has.
+            self._file = (path / "metrics.jsonl").open("a" if first_step else "w")
             if progress_bar:
-                self._bar = tqdm(total=total_steps, desc="training", unit="step", dynamic_ncols=True)
+                self._bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step",
+                                 dynamic_ncols=True)
 
     def log_step(
         self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, epoch: float

@@ -8,10 +8,13 @@ own log rounds to 4 digits).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_scale.train import guard
+from hf_scale.train import checkpoint, guard
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 
 
@@ -96,3 +99,42 @@ class GuardAndMetricsCallback(TrainerCallback):
         )
         trainer.window_loss = 0.0
         trainer.window_tokens = 0
+
+
+class CheckpointCallback(TrainerCallback):
+    """The Trainer keeps its own checkpoint format; hf_scale adds what makes it trustworthy: the
+    completeness manifest once every rank has written, a final checkpoint, and stop-on-signal."""
+
+    def __init__(self, trainer: HfScaleTrainer, stop: checkpoint.StopRequest, expected: guard.Expected):
+        self.trainer = trainer
+        self.stop = stop
+        self.expected = expected
+        self.preempted = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop.agreed(self.trainer.accelerator):
+            self.preempted = True
+            control.should_save = True
+            control.should_training_stop = True
+        elif str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps" and (
+            state.global_step == state.max_steps
+        ):
+            control.should_save = True  # the full state at the end, not only the final model
+
+    def on_save(self, args, state, control, **kwargs):
+        accelerator = self.trainer.accelerator
+        accelerator.wait_for_everyone()  # every rank's shards are on disk
+        if state.is_world_process_zero:
+            path = Path(args.output_dir) / f"{checkpoint.PREFIX}{state.global_step}"
+            meta = {
+                "step": state.global_step,
+                "world_size": accelerator.num_processes,
+                "strategy": self.expected.strategy,
+                "zero_stage": self.expected.zero_stage,
+                "micro_batch_size": args.per_device_train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "loop": "trainer",
+            }
+            (path / checkpoint.STATE).write_text(json.dumps(meta, indent=2) + "\n")
+            checkpoint.write_manifest(path, state.global_step)
+        accelerator.wait_for_everyone()
