@@ -295,7 +295,11 @@ class _CheckpointSaver:
                 "loop": "accelerate",
             }
             (tmp / checkpoint.STATE).write_text(json.dumps(state, indent=2) + "\n")
-            accelerator.unwrap_model(self.model).config.save_pretrained(tmp)
+            # What `hf-scale export` needs to rebuild a Hub-ready directory from the shards.
+            unwrapped = accelerator.unwrap_model(self.model)
+            unwrapped.config.save_pretrained(tmp)
+            if getattr(unwrapped, "generation_config", None) is not None:
+                unwrapped.generation_config.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
         accelerator.wait_for_everyone()
         final = tmp.parent / f"{checkpoint.PREFIX}{step}"
