@@ -161,3 +161,32 @@ def test_packing_run_trains_and_saves(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["tokens"] > 0 for r in records)
     assert json.loads((tmp_path / "hf_scale_verify.json").read_text())["ok"]
+
+
+def _tensorboard_scalars(root) -> dict[str, list[float]]:
+    """Read the scalar summaries of every TensorBoard event file under root (TFRecord framing)."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[float]] = {}
+    for path in Path(root).rglob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(value.simple_value)
+    return scalars
+
+
+@pytest.mark.parametrize("loop", ["accelerate", "trainer"])
+def test_report_to_tensorboard_logs_the_loss_in_both_loops(loop, tmp_path):
+    run_ok([sys.executable, TRAIN_PY, "--max_steps", "3", "--loop", loop, "--report_to", "tensorboard",
+            "--output_dir", str(tmp_path)], timeout=300)
+    scalars = _tensorboard_scalars(tmp_path)
+    loss_tag = next(tag for tag in scalars if tag.endswith("loss"))
+    assert len(scalars[loss_tag]) == 3

@@ -91,9 +91,8 @@ def train(argv: list[str] | None = None) -> int:
 
         request, ns.deepspeed = apply_hf_scale_config(ns.hf_scale_config, request, ns, argv)
     elif request.deepspeed_config_file and not ns.deepspeed:
-        ns.deepspeed = (
-            request.deepspeed_config_file
-        )  # accelerate launch: let the Trainer's resolver fill "auto"
+        # accelerate launch with a DeepSpeed YAML: the Trainer's resolver fills the JSON's "auto" values.
+        ns.deepspeed = request.deepspeed_config_file
     state = distributed.init_process_state(request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
     # From here on SIGTERM/SIGUSR1 mean "checkpoint after the current optimizer step and exit 75".
     stop = checkpoint.StopRequest()

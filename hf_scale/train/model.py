@@ -63,10 +63,8 @@ def default_attn_implementation() -> str:
 
 
 def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
+    """The caller has already validated the path with load_model_config (one-line error, no traceback)."""
     path = resolve_model_path(model_args)
-    load_model_config(
-        path, model_args.trust_remote_code
-    )  # one-line error for a bad path before the heavy load
     attn = model_args.attn_implementation or default_attn_implementation()
     if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UserError(
