@@ -29,12 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hf-scale {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from hf_scale import check, demo, generate, plan
+    from hf_scale import check, demo, export, generate, plan, plot
 
     generate.register(subparsers)
     check.register(subparsers)
+    export.register(subparsers)
     demo.register(subparsers)
     plan.register(subparsers)
+    plot.register(subparsers)
     return parser
 
 

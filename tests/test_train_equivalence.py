@@ -200,3 +200,14 @@ def test_fsdp2_from_hf_scale_config_matches_one_process(reference, tmp_path):
     got = _train("torchrun", out, ["--hf_scale_config", str(config), "--loop", "accelerate"])
     _assert_same_losses(got, reference)
     assert_saved_model_reproduces(out)
+
+
+def test_deepspeed_under_plain_python_runs_one_process(configs, reference, tmp_path):
+    """`python train.py --deepspeed …` (no launcher): one DeepSpeed process, same training."""
+    got = _train(
+        "python",
+        tmp_path / "out",
+        ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--loop", "accelerate",
+         "--deepspeed", str(configs / "ds_configs" / "zero2.json")],
+    )
+    _assert_same_losses(got, reference)

@@ -136,6 +136,11 @@ def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backen
     if request.strategy == "deepspeed":
         # What TrainingArguments does for `--deepspeed` too: accelerate decides DEEPSPEED from this variable.
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        if "MASTER_ADDR" not in os.environ:
+            # `python train.py --deepspeed …`: DeepSpeed needs a process group even for one process; give it
+            # the single-process rendezvous a launcher would have set (what the HF docs do in notebooks).
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
     kwargs: dict = {"timeout": timedelta(seconds=ddp_timeout_s)}
     if not has_gpu():
         # FSDP from --hf_scale_config is sharded by torch's fully_shard on CPU (train/fsdp.py); accelerate
@@ -148,6 +153,14 @@ def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backen
     elif ddp_backend:
         kwargs["backend"] = ddp_backend
     return PartialState(**kwargs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def shutdown(*, barrier: bool = True) -> None:

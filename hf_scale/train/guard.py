@@ -205,6 +205,9 @@ def expected_precision(bf16: bool, fp16: bool) -> str:
 
 
 def zero3_weights_partitioned(model) -> bool:
-    """True when every parameter is a ZeRO-3 partition (empty locally) — the zero.Init load path."""
-    params = list(model.parameters())
+    """True when every weight `from_pretrained` loaded is a ZeRO-3 partition (empty locally) — the zero.Init
+    load path. LoRA adapters are created afterwards, outside zero.Init (deepspeed.initialize partitions them),
+    so for a peft model only the frozen base weights count."""
+    is_peft = hasattr(model, "peft_config")
+    params = [p for p in model.parameters() if not (is_peft and p.requires_grad)]
     return bool(params) and all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)

@@ -23,7 +23,7 @@ from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, fsdp, guard
+from hf_scale.train import checkpoint, fsdp, guard, reshard
 from hf_scale.train.data import count_target_tokens, make_train_dataloader
 from hf_scale.train.distributed import has_gpu
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
@@ -301,6 +301,8 @@ class _CheckpointSaver:
             if getattr(unwrapped, "generation_config", None) is not None:
                 unwrapped.generation_config.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
+            if getattr(unwrapped, "peft_config", None):  # LoRA: what `hf-scale export` rebuilds the adapter from
+                unwrapped.peft_config[unwrapped.active_adapter].save_pretrained(tmp)
         accelerator.wait_for_everyone()
         final = tmp.parent / f"{checkpoint.PREFIX}{step}"
         if accelerator.is_main_process:
@@ -310,23 +312,23 @@ class _CheckpointSaver:
         return final
 
     def load(self, path: Path) -> tuple[int, int, int]:
-        """Restore everything; returns (step, epoch, micro-batches per rank to skip in that epoch)."""
+        """Restore everything, also at another world size (hf_scale.train.reshard; main.py has already
+        refused what cannot resume); returns (step, epoch, micro-batches per rank to skip in that epoch)."""
         state = json.loads((path / checkpoint.STATE).read_text())
         world = self.accelerator.num_processes
         samples_per_batch_row = self.args.per_device_train_batch_size * world
-        if state["world_size"] != world:
-            raise UserError(
-                f"--resume_from_checkpoint={path}: saved by {state['world_size']} processes, resumed with {world}; "
-                "resuming at another world size is not supported by this loop yet: convert the checkpoint with "
-                "`hf-scale export` and start a new run from the exported model"
-            )
         if state["samples_consumed_in_epoch"] % samples_per_batch_row:
             raise UserError(
                 f"--resume_from_checkpoint={path}: {state['samples_consumed_in_epoch']} samples of epoch "
                 f"{state['epoch']} were consumed, not a whole number of micro-batches of "
                 f"{self.args.per_device_train_batch_size} x {world} processes"
             )
-        self.accelerator.load_state(str(path))
+        if state["world_size"] != world and self.expected.strategy == "deepspeed":
+            with reshard.deepspeed_universal(path, self.accelerator, self.model, Path(self.args.output_dir)) as view:
+                self.accelerator.load_state(str(view))
+        else:
+            # Full states (DDP, one process) load at any world size; FSDP2's DCP shards reshard on load.
+            self.accelerator.load_state(str(path))
         if self.shard_ourselves:
             fsdp.load_sharded(self.model, self.optimizer, path / fsdp.DCP_DIR)
         return state["step"], state["epoch"], state["samples_consumed_in_epoch"] // samples_per_batch_row

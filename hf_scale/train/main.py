@@ -12,7 +12,7 @@ import warnings
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train import checkpoint, distributed, guard
+from hf_scale.train import checkpoint, distributed, guard, reshard
 from hf_scale.train.args import ModelArguments, ScaleArguments
 from hf_scale.train.data import (
     DataArguments,
@@ -124,6 +124,9 @@ def train(argv: list[str] | None = None) -> int:
             print(f"hf_scale: removed incomplete checkpoint {path}", file=sys.stderr)
     state.wait_for_everyone()
     resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if resume_dir is not None:  # refuse what cannot resume (another loop, strategy, or world size for the Trainer)
+        reshard.check_resumable(resume_dir, loop=scale_args.loop, world_size=request.world_size,
+                                strategy=request.strategy, zero_stage=request.zero_stage)
     if resume_dir is not None and state.is_main_process:
         print(f"hf_scale: resuming from {resume_dir}", file=sys.stderr)
 

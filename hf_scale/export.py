@@ -1,0 +1,316 @@
+"""`hf-scale export CHECKPOINT_DIR OUT_DIR`: a training checkpoint -> a Hugging Face model directory.
+
+Reads any complete `checkpoint-STEP` train.py writes — DeepSpeed ZeRO-1/2/3 partitions (both loops),
+FSDP2 shards (torch.distributed.checkpoint), the plain DDP / one-process `model.safetensors` — and writes
+config, sharded safetensors with their index (`save_pretrained(max_shard_size=...)`), tokenizer and
+generation config, loadable by `from_pretrained` without DeepSpeed. LoRA checkpoints export the adapter
+or the merged model.
+
+Memory: the model is built on the meta device and every tensor is put in place one at a time, read
+lazily from the shards (DeepSpeed's `zero_to_fp32` lazy mode, DCP reads of a few tensors at a time,
+safetensors' `safe_open`), so one full copy of the weights is held, in the output dtype. (ZeRO-1/2 is
+the exception DeepSpeed imposes: its consolidation concatenates the fp32 partitions first, so a 16-bit
+export of a ZeRO-1/2 checkpoint holds that fp32 copy too.) The result is written to a temporary
+directory beside OUT_DIR and renamed into place: OUT_DIR appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from hf_scale.errors import UserError
+
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+LORA_MODES = ("adapter", "merged")
+ADAPTER_CONFIG = "adapter_config.json"
+
+EPILOG = """\
+CHECKPOINT_DIR is a complete OUTPUT_DIR/checkpoint-STEP written by train.py (either loop; DeepSpeed
+ZeRO-1/2/3, FSDP2 or DDP). An incomplete one (no hf_scale_complete.json) is refused.
+
+examples:
+  hf-scale export outputs/run/checkpoint-500 exported/                      # the dtype it was trained in
+  hf-scale export outputs/run/checkpoint-500 exported-bf16/ --dtype bf16 --max-shard-size 2GB
+  hf-scale export outputs/lora/checkpoint-200 adapter/                      # LoRA: the adapter only
+  hf-scale export outputs/lora/checkpoint-200 merged/ --lora merged         # LoRA merged into the base
+  python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('exported/')"
+"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="turn a training checkpoint (ZeRO-1/2/3, FSDP2, DDP) into a Hugging Face model directory",
+        description="Consolidate a train.py checkpoint into config + sharded safetensors (with index) + "
+        "tokenizer + generation config that from_pretrained loads without DeepSpeed.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a complete OUTPUT_DIR/checkpoint-STEP")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="where the model goes (must not exist, or be empty)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights' dtype; auto (default) = the dtype in the checkpoint's config.json (what training loaded)",
+    )
+    parser.add_argument(
+        "--lora",
+        choices=LORA_MODES,
+        help="LoRA checkpoints: adapter (default; adapter_model.safetensors + adapter_config.json) or merged "
+        "(the adapter merged into the base weights: a plain model)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors file, e.g. 5GB, 500MB (default 5GB); bigger models are split, with an index",
+    )
+    parser.set_defaults(func=_handle)
+
+
+def _handle(args) -> int:
+    export(
+        Path(args.checkpoint_dir),
+        Path(args.out_dir),
+        dtype=args.dtype,
+        lora=args.lora,
+        max_shard_size=args.max_shard_size,
+    )
+    return 0
+
+
+def _log(message: str) -> None:
+    print(f"hf-scale export: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Source:
+    """Where a checkpoint's weights are, read lazily: names and a reader for a few of them at a time."""
+
+    description: str
+    names: list[str]
+    read: Callable[[list[str]], dict]
+    """names -> {name: tensor} (fp32 or the saved dtype), reading only those."""
+
+
+def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: str | None = None,
+           max_shard_size: str = "5GB") -> Path:
+    """Write the Hugging Face directory for `checkpoint_dir` to `out_dir` (atomically); returns out_dir."""
+    from hf_scale.train import checkpoint
+
+    _validate_shard_size(max_shard_size)
+    if not checkpoint_dir.is_dir():
+        raise UserError(f"CHECKPOINT_DIR {checkpoint_dir}: no such directory")
+    if not checkpoint.is_complete(checkpoint_dir):
+        raise UserError(
+            f"CHECKPOINT_DIR {checkpoint_dir}: incomplete or corrupt checkpoint (no valid {checkpoint.MANIFEST}); "
+            "export a complete OUTPUT_DIR/checkpoint-STEP"
+        )
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"OUT_DIR {out_dir}: already exists and is not empty; choose a new directory")
+    is_lora = (checkpoint_dir / ADAPTER_CONFIG).is_file()
+    if lora and not is_lora:
+        raise UserError(f"--lora {lora}: {checkpoint_dir} is not a LoRA checkpoint (no {ADAPTER_CONFIG})")
+    lora_mode = (lora or "adapter") if is_lora else None
+
+    source = _find_source(checkpoint_dir)
+    torch_dtype = _resolve_dtype(dtype, checkpoint_dir)
+    _log(f"reading {checkpoint_dir} ({source.description}, {len(source.names)} tensors)")
+
+    tmp = out_dir.parent / f".tmp-export-{out_dir.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        model = _build_model(checkpoint_dir, torch_dtype, is_lora)
+        wanted = [n for n in source.names if "lora_" in n] if lora_mode == "adapter" else source.names
+        _fill(model, source, wanted, torch_dtype, only_adapter=lora_mode == "adapter")
+        if lora_mode == "merged":
+            _log("merging the LoRA adapter into the base weights")
+            model = model.merge_and_unload()
+        what = "LoRA adapter" if lora_mode == "adapter" else f"model ({str(torch_dtype).removeprefix('torch.')})"
+        _log(f"writing the {what} to {out_dir} (shards of at most {max_shard_size})")
+        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
+        if lora_mode == "adapter":
+            _check_adapter(tmp)
+        _save_tokenizer(checkpoint_dir, tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above); rename needs the name free
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = sorted(p.name for p in out_dir.iterdir())
+    _log(f"done: {out_dir} ({', '.join(files)})")
+    return out_dir
+
+
+def _validate_shard_size(size: str) -> None:
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        valid = convert_file_size_to_int(size) > 0
+    except (ValueError, TypeError):
+        valid = False
+    if not valid:
+        raise UserError(f"--max-shard-size {size!r}: expected a size like 5GB, 500MB or 2GiB")
+
+
+def _resolve_dtype(dtype: str, checkpoint_dir: Path):
+    import torch
+
+    named = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if dtype != "auto":
+        return named[dtype]
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    saved = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, saved) if isinstance(getattr(torch, str(saved), None), torch.dtype) else torch.float32
+
+
+def _find_source(path: Path) -> Source:
+    """The checkpoint's layout, from the files train.py's loops write."""
+    from hf_scale.train import fsdp
+
+    if (path / fsdp.DCP_DIR / ".metadata").is_file():
+        return _dcp_source(path / fsdp.DCP_DIR)
+    if (path / "latest").is_file():
+        return _deepspeed_source(path)
+    if (path / "model.safetensors").is_file():
+        return _safetensors_source(path / "model.safetensors")
+    if (path / "adapter_model.safetensors").is_file():
+        raise UserError(
+            f"CHECKPOINT_DIR {path}: holds only a LoRA adapter (the Trainer's save without DeepSpeed); it already "
+            "is a PEFT adapter directory: load it with peft's AutoPeftModelForCausalLM"
+        )
+    raise UserError(
+        f"CHECKPOINT_DIR {path}: no model weights found (expected a DeepSpeed tag named in 'latest', "
+        f"{fsdp.DCP_DIR}/ or model.safetensors)"
+    )
+
+
+def _deepspeed_source(path: Path) -> Source:
+    """DeepSpeed's own consolidation, lazily: ZeRO-3 tensors are gathered from the partitions one at a time."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag = (path / "latest").read_text().strip()
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress; stdout stays clean
+        lazy = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag, lazy_mode=True)
+
+    def read(names):
+        return {n: lazy[n] if isinstance(lazy[n], torch.Tensor) else lazy[n].contiguous() for n in names}
+
+    from hf_scale.train import checkpoint
+
+    stage = json.loads((path / checkpoint.STATE).read_text()).get("zero_stage")
+    return Source(f"DeepSpeed ZeRO-{stage} partitions in {tag}/", list(lazy), read)
+
+
+def _dcp_source(path: Path) -> Source:
+    """FSDP2 shards: torch.distributed.checkpoint reads the requested tensors (any world size) without
+    a process group."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "model."
+    names = [k.removeprefix(prefix) for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")]
+
+    def read(wanted):
+        state = {
+            prefix + n: torch.empty(tuple(metadata[prefix + n].size), dtype=metadata[prefix + n].properties.dtype)
+            for n in wanted
+        }
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        return {n: state[prefix + n] for n in wanted}
+
+    return Source(f"FSDP2 shards in {path.name}/", names, read)
+
+
+def _safetensors_source(file: Path) -> Source:
+    from safetensors import safe_open
+
+    handle = safe_open(str(file), framework="pt")
+    return Source(f"full weights in {file.name}", list(handle.keys()), lambda ns: {n: handle.get_tensor(n) for n in ns})
+
+
+def _build_model(checkpoint_dir: Path, torch_dtype, is_lora: bool):
+    """The model with every weight on the meta device (no memory); buffers computed on the CPU."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    # train.py turns the KV cache off for training; the exported model is for inference.
+    config.use_cache = True
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        if is_lora:
+            from peft import LoraConfig, get_peft_model
+
+            lora_config = LoraConfig.from_pretrained(str(checkpoint_dir))
+            base_path = lora_config.base_model_name_or_path
+            model = get_peft_model(model, lora_config)
+            # get_peft_model records the config's directory (the checkpoint) as the base; keep the real one.
+            model.peft_config[model.active_adapter].base_model_name_or_path = base_path
+    if (checkpoint_dir / "generation_config.json").is_file():
+        base = model.get_base_model() if is_lora else model
+        base.generation_config = GenerationConfig.from_pretrained(checkpoint_dir)
+    return model
+
+
+def _batches(names: list[str], size: int = 16) -> Iterator[list[str]]:
+    """A few names at a time: DCP reads its metadata once per call, and few tensors are in flight."""
+    for start in range(0, len(names), size):
+        yield names[start : start + size]
+
+
+def _fill(model, source: Source, names: list[str], torch_dtype, *, only_adapter: bool) -> None:
+    """Put every tensor in place (cast to the output dtype), then check nothing is missing."""
+    from accelerate.utils import set_module_tensor_to_device
+    from tqdm import tqdm
+
+    targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    unknown = [n for n in names if n not in targets]
+    if unknown:
+        raise UserError(
+            f"checkpoint tensor {unknown[0]} (and {len(unknown) - 1} more) does not exist in the model built from "
+            "the checkpoint's config.json; the checkpoint and its config do not belong together"
+        )
+    with tqdm(total=len(names), desc="loading tensors", unit="tensor", file=sys.stderr) as progress:
+        for group in _batches(names):
+            for name, tensor in source.read(group).items():
+                cast = torch_dtype if tensor.is_floating_point() else None
+                set_module_tensor_to_device(model, name, "cpu", value=tensor, dtype=cast)
+                progress.update(1)
+    # Weights shared with another (tied embeddings) are saved once; tie them again.
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta and not (only_adapter and "lora_" not in n)]
+    if missing:
+        raise UserError(f"checkpoint lacks {len(missing)} weights of the model, e.g. {missing[0]}")
+
+
+def _check_adapter(out: Path) -> None:
+    """The classic ZeRO-3 failure is an adapter file without tensors; never write one."""
+    from safetensors import safe_open
+
+    file = out / "adapter_model.safetensors"
+    with safe_open(str(file), framework="pt") as handle:
+        keys = list(handle.keys())
+        empty = [k for k in keys if 0 in handle.get_slice(k).get_shape()]
+    if not keys or empty:
+        raise UserError(f"the exported adapter {file} has {len(keys)} tensors, {len(empty)} of them empty")
+
+
+def _save_tokenizer(checkpoint_dir: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(checkpoint_dir).save_pretrained(out)
