@@ -31,7 +31,7 @@ def _ok(script: str, tmp_path: Path, *args: str) -> dict:
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     assert f"wrote {output}" in result.stdout
     data = json.loads(output.read_text())
-    assert ENVIRONMENT_KEYS <= set(data["environment"])
+    assert set(data["environment"]) >= ENVIRONMENT_KEYS
     return data
 
 
@@ -49,7 +49,7 @@ def test_gpu_script_without_gpu_fails_in_one_line_and_records_not_run(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("gpu.py: error: no CUDA GPU")
     data = json.loads(output.read_text())
-    assert data["status"] == "not run" and ENVIRONMENT_KEYS <= set(data["environment"])
+    assert data["status"] == "not run" and set(data["environment"]) >= ENVIRONMENT_KEYS
     # Results of a real GPU run are never replaced by a "not run" record.
     output.write_text(json.dumps({"status": "ok", "results": {"baseline": {}}}))
     assert _bench("gpu.py", "--output", str(output), timeout=120).returncode == 2
