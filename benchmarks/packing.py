@@ -86,8 +86,8 @@ def run_variant(variant: str, args, model_dir: Path, data_file: Path, run_dir: P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5, help="runs per variant (default 5)")
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run (default 12)")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps not measured (default 2)")
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per run (default 24)")
+    parser.add_argument("--warmup", type=int, default=4, help="first steps not measured (default 4)")
     parser.add_argument("--micro-batch", type=int, default=8, help="examples per micro-batch (default 8)")
     parser.add_argument("--rows", type=int, default=2000, help="synthetic examples (default 2000)")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per process (default 1)")

@@ -240,7 +240,9 @@ def _safetensors_source(file: Path) -> Source:
     from safetensors import safe_open
 
     handle = safe_open(str(file), framework="pt")
-    return Source(f"full weights in {file.name}", list(handle.keys()), lambda ns: {n: handle.get_tensor(n) for n in ns})
+    # A --torch_compile run saves the compiled wrapper's names (`_orig_mod.` prefix); export the module's own.
+    saved = {name.removeprefix("_orig_mod."): name for name in handle.keys()}
+    return Source(f"full weights in {file.name}", list(saved), lambda ns: {n: handle.get_tensor(saved[n]) for n in ns})
 
 
 def _build_model(checkpoint_dir: Path, torch_dtype, is_lora: bool):

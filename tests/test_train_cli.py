@@ -190,3 +190,21 @@ def test_report_to_tensorboard_logs_the_loss_in_both_loops(loop, tmp_path):
     scalars = _tensorboard_scalars(tmp_path)
     loss_tag = next(tag for tag in scalars if tag.endswith("loss"))
     assert len(scalars[loss_tag]) == 3
+
+
+def test_torch_compile_in_the_manual_loop_saves_and_exports_plain_weights(tmp_path):
+    """--torch_compile wraps the model; the saved model and the export must use the module's own names."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_scale.cli import main as cli_main
+
+    run_ok([sys.executable, TRAIN_PY, "--torch_compile", "--loop", "accelerate", "--max_steps", "2",
+            "--save_steps", "2", "--output_dir", str(tmp_path / "run")], timeout=400)
+    assert json.loads((tmp_path / "run" / "hf_scale_verify.json").read_text())["ok"]
+    assert cli_main(["export", str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "exported")]) == 0
+    import torch
+
+    probe = torch.load(tmp_path / "run" / "hf_scale_verify.pt")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=probe["input_ids"]).logits, probe["logits"], rtol=1e-5, atol=1e-5)

@@ -130,6 +130,7 @@ def run(
         step_scheduler_with_optimizer=False,
         log_with=[r for r in args.report_to if r != "none"] or None,
         project_dir=args.output_dir,
+        dynamo_plugin=_dynamo_plugin(args),
     )
     dataloader = make_train_dataloader(
         train_dataset,
@@ -332,6 +333,15 @@ class _CheckpointSaver:
         if self.shard_ourselves:
             fsdp.load_sharded(self.model, self.optimizer, path / fsdp.DCP_DIR)
         return state["step"], state["epoch"], state["samples_consumed_in_epoch"] // samples_per_batch_row
+
+
+def _dynamo_plugin(args):
+    """--torch_compile / --torch_compile_backend / --torch_compile_mode, as the Trainer reads them."""
+    if not args.torch_compile:
+        return None
+    from accelerate.utils import TorchDynamoPlugin
+
+    return TorchDynamoPlugin(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
 
 
 def _save_interval(args) -> float | None:

@@ -21,8 +21,14 @@ from hf_scale.train.data import (
     make_collator,
     tokenize_dataset,
 )
-from hf_scale.train.metrics import flops_per_token
-from hf_scale.train.model import load_model, load_model_config, load_tokenizer, resolve_model_path
+from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
+from hf_scale.train.model import (
+    default_attn_implementation,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_model_path,
+)
 from hf_scale.train.save import live_logits, save_with_accelerator, verify_saved_model
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
@@ -141,6 +147,13 @@ def train(argv: list[str] | None = None) -> int:
         raw = load_raw_datasets(data_args)
         train_dataset = tokenize_dataset(raw["train"], tokenizer, data_args)
     collator = make_collator(tokenizer, packing=data_args.packing)
+    attn = model_args.attn_implementation or default_attn_implementation()
+    if data_args.packing and attn != "flash_attention_2" and state.is_main_process:
+        # Correct either way (packed examples never attend to each other), but only flash-attention skips the
+        # masked-out blocks: sdpa/eager compute attention over the whole packed row.
+        print(f"hf_scale: warning: --packing with attn_implementation={attn} masks attention over the whole "
+              "packed row (cost grows with the row length squared); install flash-attn for the full speed-up",
+              file=sys.stderr)
 
     # 3. Model.
     model = load_model(model_args, gradient_checkpointing=args.gradient_checkpointing)
@@ -156,12 +169,7 @@ def train(argv: list[str] | None = None) -> int:
         and bool(getattr(args, "deepspeed_plugin", None))
         and bool(args.deepspeed_plugin.zero3_init_flag),
     )
-    n_params = (
-        sum(p.numel() for p in model.parameters())
-        if loaded_partitioned is not True
-        else sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    )
-    fpt = flops_per_token(model_config, n_params, data_args.max_seq_length)
+    fpt = flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_dataset))
     is_lora = model_args.lora_r > 0
 
     # 4. Train.

@@ -1,9 +1,10 @@
 """Per-step training metrics: `OUTPUT_DIR/metrics.jsonl`, the progress bar and the end-of-run summary.
 
 Both loops feed :class:`StepMetrics` with already globally-reduced values; only the main process
-writes. MFU uses the usual dense-transformer count (6·N + 12·L·H·T FLOPs per token, N = trainable
-+ frozen parameters in matmuls, L layers, H hidden size, T sequence length) and is reported only when
-the device's peak FLOP/s is known.
+writes. MFU uses the usual dense-transformer count (6·N + 12·L·H·T FLOPs per token: N parameters taking
+part in matmuls — all but an untied input embedding, which is a lookup —, L layers, H hidden size, T the
+mean example length, over which each token attends) and is reported only when the device's peak FLOP/s
+is known.
 """
 
 from __future__ import annotations
@@ -35,7 +36,26 @@ def device_peak_flops() -> float | None:
     return next((peak for key, peak in _PEAK_FLOPS_BY_DEVICE.items() if key in name), None)
 
 
-def flops_per_token(model_config, num_parameters: int, seq_len: int) -> float:
+def matmul_parameters(model) -> int:
+    """Parameters used in a matmul for every token (ZeRO-3 partitions counted at their full size)."""
+
+    def numel(param) -> int:
+        return getattr(param, "ds_numel", param.numel())
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    total = sum(numel(p) for p in model.parameters())
+    embedding = base.get_input_embeddings().weight
+    output = base.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    return total if tied else total - numel(embedding)
+
+
+def mean_example_length(dataset, sample: int = 10_000) -> float:
+    lengths = [len(ids) for ids in dataset.select(range(min(len(dataset), sample)))["input_ids"]]
+    return sum(lengths) / max(1, len(lengths))
+
+
+def flops_per_token(model_config, num_parameters: int, seq_len: float) -> float:
     layers = getattr(model_config, "num_hidden_layers", 0)
     hidden = getattr(model_config, "hidden_size", 0)
     return 6.0 * num_parameters + 12.0 * layers * hidden * seq_len

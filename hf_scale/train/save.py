@@ -22,7 +22,11 @@ def save_with_accelerator(accelerator, model, tokenizer, output_dir: str) -> Non
     """Manual loop: gather (ZeRO-3: 16-bit weights) and write safetensors + tokenizer."""
     accelerator.wait_for_everyone()
     state_dict = _gathered_state_dict(accelerator, model)
-    unwrapped = accelerator.unwrap_model(model)
+    # --torch_compile: accelerate keeps the compiled wrapper, whose keys carry `_orig_mod.`; a saved model
+    # must use the plain module's names (found by the save verification below).
+    if state_dict is not None:  # ZeRO-3 gathers onto the main process only
+        state_dict = {key.removeprefix("_orig_mod."): value for key, value in state_dict.items()}
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     unwrapped.save_pretrained(
         output_dir,
         is_main_process=accelerator.is_main_process,
