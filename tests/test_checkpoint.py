@@ -37,9 +37,11 @@ def ds_configs(tmp_path_factory):
 CASES = [
     ("single-trainer", "python", None, "trainer"),
     ("ddp-loop", "torchrun", None, "accelerate"),
+    ("ddp-trainer", "torchrun", None, "trainer"),
     ("zero2-loop", "torchrun", "zero2", "accelerate"),
     ("zero2-trainer", "torchrun", "zero2", "trainer"),
     ("zero3-loop", "torchrun", "zero3", "accelerate"),
+    ("zero3-trainer", "torchrun", "zero3", "trainer"),
 ]
 
 

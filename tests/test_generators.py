@@ -708,3 +708,44 @@ def test_generate_marks_scripts_executable(tmp_path):
     for path in (tmp_path / "launch").iterdir():
         executable = bool(path.stat().st_mode & stat.S_IXUSR)
         assert executable == path.name.endswith((".sh", ".sbatch")), path
+
+
+SLURM_STANDINS = {
+    # Stand-ins for the two SLURM commands the script calls (SLURM itself is not installed here).
+    "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
+    "scontrol": '#!/usr/bin/env bash\nif [ "$1" = show ]; then echo node-a; echo node-b;'
+    ' else echo "$*" >> "$SCONTROL_LOG"; fi\n',
+}
+EXIT_75_PROBE = """\
+import pathlib, signal, sys, psutil
+pathlib.Path(sys.argv[1], "argv").write_text(" ".join(sys.argv[2:]))
+# What SLURM's --signal=USR1 does to the job step (the srun task's processes): the step's shell hears it,
+# train.py saves a checkpoint and exits 75.
+for proc in psutil.Process().parents():
+    if any(part.endswith(".accelerate.sh") for part in proc.cmdline()):
+        proc.send_signal(signal.SIGUSR1)
+sys.exit(75)
+"""
+
+
+@pytest.mark.parametrize("given", [[], ["--resume_from_checkpoint", "runs/x/checkpoint-7"]])
+def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path):
+    cfg = validate_config({"strategy": "single", "precision": "no"})
+    generate_into(tmp_path, cfg, "one")
+    (tmp_path / "probe.py").write_text(EXIT_75_PROBE)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in SLURM_STANDINS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = script_env(tmp_path)
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NUM_NODES="1",
+               SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_ID="4242", SLURM_NODEID="0",
+               SCONTROL_LOG=str(tmp_path / "scontrol.log"))
+    result = subprocess.run(["bash", str(tmp_path / "launch" / "one.sbatch"), str(tmp_path), *given],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 75, result.stderr[-2000:]
+    argv = (tmp_path / "argv").read_text()
+    expected = "runs/x/checkpoint-7" if given else "auto"
+    assert argv.endswith(f"--resume_from_checkpoint {expected}") and argv.count("--resume_from_checkpoint") == 1
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]

@@ -16,9 +16,7 @@ so one file serves every node; nothing secret is ever written.
 from __future__ import annotations
 
 from hf_scale.config import DistributedConfig
-
-# Exit status of train.py for "stopped on request (SIGUSR1/preemption), checkpoint saved" (EX_TEMPFAIL).
-EXIT_PREEMPTED = 75
+from hf_scale.train.checkpoint import EXIT_PREEMPTED  # train.py's "checkpoint saved, run me again"
 # Seconds before the SLURM time limit at which the training processes are asked to checkpoint and stop.
 PREEMPT_SIGNAL_LEAD_S = 120
 
@@ -185,9 +183,16 @@ unset MACHINE_RANK  # a value exported at submission would give every node the s
 
 # Each node runs: accelerate launch --config_file accelerate_configs/{name}.yaml \\
 #   --machine_rank $SLURM_NODEID --main_process_ip $MAIN_PROCESS_IP ... train.py "$@"
+# A requeued job continues from the newest complete checkpoint (a fresh start when there is none),
+# unless the arguments already say where to resume from.
+args=("$@")
+case " $* " in
+  *" --resume_from_checkpoint"*) ;;
+  *) args+=(--resume_from_checkpoint auto) ;;
+esac
 # No --kill-on-bad-exit: every node must finish writing its checkpoint shard before the step ends.
 status=0
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash launch/{name}.accelerate.sh "$@" || status=$?
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash launch/{name}.accelerate.sh "${{args[@]}}" || status=$?
 if [ "$status" -eq {EXIT_PREEMPTED} ]; then
   echo "hf-scale: checkpoint saved before the time limit; requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"
