@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from hf_scale.config import DistributedConfig
 from hf_scale.train.checkpoint import EXIT_PREEMPTED  # train.py's "checkpoint saved, run me again"
+
 # Seconds before the SLURM time limit at which the training processes are asked to checkpoint and stop.
 PREEMPT_SIGNAL_LEAD_S = 120
 
