@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
 
 from hf_scale.config import DistributedConfig, config_warnings, load_config
 from hf_scale.errors import UserError
+from hf_scale.files import write_text_atomically
 from hf_scale.generators import render_files
 from hf_scale.generators.deepspeed_json import MODES
 from hf_scale.plan import add_plan_arguments, plan_argv, plan_from_args
@@ -180,7 +179,7 @@ def run_generate(args: argparse.Namespace) -> int:
     for rel_path, text in files.items():
         path = Path(args.output_dir) / rel_path
         if rel_path in changed:
-            _write_atomically(path, text, executable=rel_path.endswith(_EXECUTABLE_SUFFIXES))
+            write_text_atomically(path, text, executable=rel_path.endswith(_EXECUTABLE_SUFFIXES))
             print(f"wrote {path}")
         else:
             print(f"unchanged {path}")
@@ -241,22 +240,6 @@ def _plan_writes(output_dir: Path, files: dict[str, str], *, force: bool) -> set
                 )
         changed.add(rel_path)
     return changed
-
-
-def _write_atomically(path: Path, text: str, *, executable: bool) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-                handle.write(text)
-            os.chmod(tmp, 0o755 if executable else 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as error:
-        raise UserError(f"cannot write {path}: {error.strerror or error}") from None
 
 
 def _print_summary(cfg: DistributedConfig, name: str) -> None:

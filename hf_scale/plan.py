@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import yaml
 
 from hf_scale.errors import UserError
+from hf_scale.files import write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
 from hf_scale.planner.model_shapes import model_shapes
 from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, make_plan, planned_config_data
@@ -175,24 +174,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(plan, Path(args.plot))
     if config_text is not None:
-        _write_text(Path(args.write_config), config_text)
+        write_text_atomically(Path(args.write_config), config_text)
     print(json.dumps(plan_dict(plan), indent=2) if args.json else format_table(plan), end="" if not args.json else "\n")
     if args.write_config and not args.json:
         print(f"wrote {args.write_config} (turn it into launch files with: hf-scale generate {args.write_config})")
     return 0
-
-
-def _write_text(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as error:
-        raise UserError(f"cannot write {path}: {error.strerror or error}") from None
