@@ -43,6 +43,12 @@ SMALL_LLAMA = dict(
 # 11.9M parameters: model states (fp32 weights, gradients, Adam moments: 16 B/parameter = 190 MB under DDP)
 # are large enough next to the ~0.5 GB of a Python + torch + DeepSpeed process to show ZeRO's savings.
 MEDIUM_LLAMA = dict(SMALL_LLAMA, hidden_size=512, intermediate_size=1376)
+# 51M parameters, 2 layers, hidden 1536: per token, the projections and the SwiGLU MLP cost about 6x the
+# attention over a ~1,200-token packed row — the balance of a real fine-tune (for a 7-8B model at such
+# lengths attention is ~5% of the FLOPs), unlike the 256-wide models above, where attention over the packed
+# row costs as much as everything else.
+WIDE_LLAMA = dict(SMALL_LLAMA, hidden_size=1536, intermediate_size=4096, num_hidden_layers=2,
+                  num_attention_heads=12, num_key_value_heads=4)
 
 
 def environment() -> dict:

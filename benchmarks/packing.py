@@ -29,6 +29,7 @@ RESULTS = common.RESULTS_DIR / "packing.json"
 GOAL = 2.0
 MAX_SEQ_LEN = 1024
 VARIANTS = ("packed", "padded")
+MODELS = {"small": common.SMALL_LLAMA, "wide": common.WIDE_LLAMA}
 
 
 def padding_factor(lengths: list[int], micro_batch: int, seed: int = 0) -> float:
@@ -92,13 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=2000, help="synthetic examples (default 2000)")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per process (default 1)")
     parser.add_argument("--workdir", type=Path, default=common.WORK_DIR / "packing")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="small",
+        help="small: 3.0M, 256 wide (attention over the packed row dominates); wide: 38M, 1536 wide (the "
+        "FLOP balance of a real fine-tune)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must be larger than --warmup {args.warmup}")
 
     environment = common.environment()
-    model_dir = common.build_llama(common.SMALL_LLAMA, common.WORK_DIR / "models" / "small-llama")
+    model_dir = common.build_llama(MODELS[args.model], common.WORK_DIR / "models" / f"{args.model}-llama")
     data_file = common.write_instruction_data(args.workdir / "instructions.jsonl", rows=args.rows)
     lengths = common.token_lengths(model_dir, data_file, MAX_SEQ_LEN)
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -137,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "packing",
         "environment": environment,
         "setup": {
-            "model": dict(common.SMALL_LLAMA, parameters="3.0M"),
+            "model": dict(MODELS[args.model], name=args.model),
             "loop": "train.py --loop accelerate",
             "length_distribution": {
                 "spec": common.INSTRUCTION_LENGTHS,
