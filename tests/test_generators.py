@@ -575,7 +575,7 @@ def test_sbatch_uses_one_task_per_node_and_requeues_on_exit_75():
         "--requeue",
     ):
         assert f"#SBATCH {directive}\n" in text
-    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
+    assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | awk 'NR == 1'" in text
     assert 'if [ "$status" -eq 75 ]; then' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert "srun" in text and "launch/run.accelerate.sh" in text
 
@@ -713,7 +713,7 @@ def test_generate_marks_scripts_executable(tmp_path):
 SLURM_STANDINS = {
     # Stand-ins for the two SLURM commands the script calls (SLURM itself is not installed here).
     "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
-    "scontrol": '#!/usr/bin/env bash\nif [ "$1" = show ]; then echo node-a; echo node-b;'
+    "scontrol": '#!/usr/bin/env bash\nif [ "$1" = show ]; then for i in $(seq 1 20000); do echo node-$i; done;'
     ' else echo "$*" >> "$SCONTROL_LOG"; fi\n',
 }
 EXIT_75_PROBE = """\

@@ -177,7 +177,9 @@ if [ "${{SLURM_JOB_NUM_NODES:-{topo.num_machines}}}" -ne {topo.num_machines} ]; 
   exit 2
 fi
 # Rank-0 address: the first host of the allocation; each node's rank is its $SLURM_NODEID.
-MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+# (awk reads every line: `head -n 1` would close the pipe early, scontrol would die of SIGPIPE on a long
+# host list, and with pipefail the script would stop here.)
+MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')"
 export MAIN_PROCESS_IP
 export MAIN_PROCESS_PORT="${{MAIN_PROCESS_PORT:-{topo.main_process_port}}}"
 unset MACHINE_RANK  # a value exported at submission would give every node the same rank
