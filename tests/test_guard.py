@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from train_helpers import REPO, child_env, free_port, launcher_command, run
+from train_helpers import REPO, child_env, launcher_command, run, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _guard_problems(mode: str, tmp_path) -> list[list[str]]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(REPO / "tests" / "_guard_worker.py"),
-        mode,
-        str(tmp_path),
-    ]
-    result = run(command, timeout=300)
+    result = run(torchrun(REPO / "tests" / "_guard_worker.py", mode, tmp_path), timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text())["problems"] for r in (0, 1)]
 

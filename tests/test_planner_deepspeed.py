@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from train_helpers import child_env, free_port
+from train_helpers import child_env, torchrun
 
 from hf_scale.planner import Candidate, Workload, estimate, model_shapes
 
@@ -25,20 +24,9 @@ TINY = Path(__file__).resolve().parents[1] / "hf_scale" / "assets" / "tiny-llama
 def test_model_states_equal_what_the_deepspeed_engine_holds_on_each_rank(stage, tmp_path):
     shapes = model_shapes(str(TINY))
     threshold = 10 * shapes.hidden_size  # what "auto" resolves to under the HF Trainer: norms stay whole
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(WORKER),
-        str(stage),
-        str(threshold),
-        str(tmp_path),
-    ]
-    done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        torchrun(WORKER, stage, threshold, tmp_path), env=child_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     workload = Workload(shapes, gpus_per_machine=2, machines=1, seq_len=16, micro_batch=1, precision="no")

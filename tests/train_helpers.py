@@ -36,21 +36,18 @@ def child_env(tmp_cache: Path | None = None) -> dict[str, str]:
     return env
 
 
+def torchrun(script, *args, nproc: int = 2) -> list[str]:
+    """`torchrun --nproc_per_node N --master_port FREE script args...` with this interpreter."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), str(script), *map(str, args)]
+
+
 def launcher_command(launcher: str, nproc: int = 2, *, config: Path | None = None) -> list[str]:
     """The command prefix for `python`, `torchrun`, `accelerate` (needs config) or `deepspeed`."""
     if launcher == "python":
         return [sys.executable, TRAIN_PY]
     if launcher == "torchrun":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-            TRAIN_PY,
-        ]
+        return torchrun(TRAIN_PY, nproc=nproc)
     if launcher == "accelerate":
         return [
             sys.executable,
