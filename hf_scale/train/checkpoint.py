@@ -92,6 +92,25 @@ def resolve_resume(value: str | None, output_dir: str) -> Path | None:
     return path
 
 
+def write_state(path: Path, *, step: int, loop: str, world_size: int, expected, args, **position) -> None:
+    """`hf_scale_state.json`: what a resume (and `hf-scale export`) needs to know about the run that saved.
+
+    `expected` is the run's `guard.Expected`; `position` the manual loop's place in the data (epoch, samples
+    consumed in it), which the Trainer keeps in its own `trainer_state.json`.
+    """
+    state = {
+        "step": step,
+        **position,
+        "world_size": world_size,
+        "strategy": expected.strategy,
+        "zero_stage": expected.zero_stage,
+        "micro_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "loop": loop,
+    }
+    (path / STATE).write_text(json.dumps(state, indent=2) + "\n")
+
+
 def _fsync_tree(path: Path) -> None:
     for file in path.rglob("*"):
         if file.is_file():

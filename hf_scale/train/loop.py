@@ -284,18 +284,16 @@ class _CheckpointSaver:
             fsdp.save_sharded(self.model, self.optimizer, tmp / fsdp.DCP_DIR)
         if accelerator.is_main_process:
             samples_per_batch_row = args.per_device_train_batch_size * accelerator.num_processes
-            state = {
-                "step": step,
-                "epoch": epoch,
-                "samples_consumed_in_epoch": batches_in_epoch * samples_per_batch_row,
-                "world_size": accelerator.num_processes,
-                "strategy": self.expected.strategy,
-                "zero_stage": self.expected.zero_stage,
-                "micro_batch_size": args.per_device_train_batch_size,
-                "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                "loop": "accelerate",
-            }
-            (tmp / checkpoint.STATE).write_text(json.dumps(state, indent=2) + "\n")
+            checkpoint.write_state(
+                tmp,
+                step=step,
+                loop="accelerate",
+                world_size=accelerator.num_processes,
+                expected=self.expected,
+                args=args,
+                epoch=epoch,
+                samples_consumed_in_epoch=batches_in_epoch * samples_per_batch_row,
+            )
             # What `hf-scale export` needs to rebuild a Hub-ready directory from the shards.
             unwrapped = accelerator.unwrap_model(self.model)
             unwrapped.config.save_pretrained(tmp)

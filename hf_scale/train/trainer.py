@@ -8,7 +8,6 @@ own log rounds to 4 digits).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -126,15 +125,7 @@ class CheckpointCallback(TrainerCallback):
         accelerator.wait_for_everyone()  # every rank's shards are on disk
         if state.is_world_process_zero:
             path = Path(args.output_dir) / f"{checkpoint.PREFIX}{state.global_step}"
-            meta = {
-                "step": state.global_step,
-                "world_size": accelerator.num_processes,
-                "strategy": self.expected.strategy,
-                "zero_stage": self.expected.zero_stage,
-                "micro_batch_size": args.per_device_train_batch_size,
-                "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                "loop": "trainer",
-            }
-            (path / checkpoint.STATE).write_text(json.dumps(meta, indent=2) + "\n")
+            checkpoint.write_state(path, step=state.global_step, loop="trainer",
+                                   world_size=accelerator.num_processes, expected=self.expected, args=args)
             checkpoint.write_manifest(path, state.global_step)
         accelerator.wait_for_everyone()
