@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from hf_scale import check
@@ -198,12 +197,18 @@ def test_clean_configs_report_nothing_and_exit_0(case, tmp_path, monkeypatch, ca
     assert payload["summary"]["errors"] == payload["summary"]["warnings"] == 0
 
 
-def test_clean_fsdp_config_only_warns_when_this_machine_has_no_gpu(tmp_path, monkeypatch, capsys):
-    code, payload = check_json(tmp_path, monkeypatch, capsys, FSDP_YAML, train=["--bf16"])
-    assert code == 0
-    expected = ["fsdp-no-gpu"] if torch.cuda.device_count() == 0 else []
+@pytest.mark.parametrize(
+    ("gpus", "expected"), [(None, []), ("0", ["fsdp-no-gpu"]), ("2", []), ("1", ["processes-exceed-gpus"])]
+)
+def test_gpu_findings_describe_the_target_given_by_gpus_never_this_machine(
+    gpus, expected, tmp_path, monkeypatch, capsys
+):
+    """Without --gpus nothing is said about GPUs, whatever the machine running the check has."""
+    extra = [] if gpus is None else ["--gpus", gpus]
+    _, payload = check_json(tmp_path, monkeypatch, capsys, FSDP_YAML, train=["--bf16"], extra=extra)
     assert codes(payload) == expected
-    assert all(f["severity"] == "warning" for f in payload["findings"])
+    for finding in payload["findings"]:
+        assert "--gpus" in finding["problem"] and "this machine" not in finding["problem"]
 
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
@@ -255,7 +260,89 @@ TRIGGERS = {
         [],
         None,
         [],
-        "train-batch-mismatch",
+        "train-batch-invalid",
+        "error",
+    ),
+    "train-batch-below-world-size": (
+        merged(DS_YAML, {"num_processes": 8}),
+        {"train_batch_size": 4, "zero_optimization": {"stage": 2}},
+        [],
+        None,
+        [],
+        "train-batch-invalid",
+        "error",
+    ),
+    "no-batch-size-at-all": (
+        DS_YAML,
+        {"zero_optimization": {"stage": 2}},
+        [],
+        None,
+        [],
+        "train-batch-invalid",
+        "error",
+    ),
+    "scheduler-block-replaces-explicit-flag": (
+        DS_YAML,
+        merged(DS_JSON, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}),
+        ["--lr_scheduler_type", "cosine"],
+        None,
+        [],
+        "ds-overrides-flags",
+        "error",
+    ),
+    "scheduler-block-replaces-default": (
+        DS_YAML,
+        merged(DS_JSON, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}),
+        [],
+        None,
+        [],
+        "ds-overrides-flags",
+        "warning",
+    ),
+    "concrete-betas-vs-default-flags": (
+        DS_YAML,
+        merged(DS_JSON, {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}}}),
+        ["--bf16"],
+        None,
+        [],
+        "ds-trainer-mismatch",
+        "error",
+    ),
+    "quoted-number-accelerate-cannot-use": (
+        merged(MULTINODE_YAML, {"num_machines": "2"}),
+        None,
+        [],
+        None,
+        [],
+        "accelerate-launch-fails",
+        "error",
+    ),
+    "main-ip-not-an-address": (
+        merged(MULTINODE_YAML, {"main_process_ip": "1234"}),
+        None,
+        [],
+        None,
+        [],
+        "main-ip-invalid",
+        "error",
+    ),
+    "main-ip-hf-scale-placeholder": (
+        merged(MULTINODE_YAML, {"main_process_ip": "main-node.invalid"}),
+        None,
+        [],
+        None,
+        [],
+        "main-ip-placeholder",
+        "warning",
+    ),
+    "fsdp-on-gpu-less-target": (FSDP_YAML, None, [], None, ["--gpus", "0"], "fsdp-no-gpu", "warning"),
+    "more-processes-than-gpus": (
+        merged(DDP_YAML, {"num_processes": 8}),
+        None,
+        [],
+        None,
+        ["--gpus", "4"],
+        "processes-exceed-gpus",
         "error",
     ),
     "micro-batch": (
@@ -651,10 +738,10 @@ def test_misspelled_keys_get_the_closest_known_key_as_fix(tmp_path, monkeypatch,
     assert "`wall_clock_breakdown`" in fixes["wall_clock_breakdwon"]
 
 
-def test_fsdp_gpu_warning_depends_on_the_gpu_count(tmp_path):
+def test_fsdp_gpu_warning_depends_on_the_target_gpu_count(tmp_path):
     (tmp_path / "fsdp.yaml").write_text(yaml.safe_dump(FSDP_YAML))
-    for gpus, expected in ((0, ["fsdp-no-gpu"]), (8, [])):
-        inputs = check.load_inputs(str(tmp_path / "fsdp.yaml"), gpu_count=gpus, cwd=tmp_path)
+    for gpus, expected in ((None, []), (0, ["fsdp-no-gpu"]), (8, [])):
+        inputs = check.load_inputs(str(tmp_path / "fsdp.yaml"), gpus_per_machine=gpus, cwd=tmp_path)
         assert [f.code for f in check.run_checks(inputs)] == expected
 
 
@@ -701,6 +788,7 @@ OTHER_PROJECT_FINDINGS = {
     ),
     ("multinode-no-main-ip", "other_project.yaml:main_process_ip"),
     ("machine-rank-out-of-range", "other_project.yaml:machine_rank"),
+    ("ds-trainer-mismatch", "other_project_ds.json:optimizer.params.lr"),
 }
 
 
@@ -723,7 +811,7 @@ def test_hand_written_config_from_another_project_reports_every_problem(monkeypa
     assert code == 1
     assert {(f["code"], f["where"]) for f in payload["findings"]} == OTHER_PROJECT_FINDINGS
     assert payload["summary"] == {
-        "errors": 13,
+        "errors": 14,
         "warnings": 1,
         "checked": ["other_project.yaml", "other_project_ds.json", "training args"],
         "runner": "trainer",
@@ -810,7 +898,7 @@ def test_help_explains_every_code_runner_and_exit_code(capsys):
 
 
 def test_every_documented_code_has_a_triggering_test():
-    emitted = {TRIGGERS[case][5] for case in TRIGGERS} | {"deepspeed-config-path", "fsdp-no-gpu"}
+    emitted = {TRIGGERS[case][5] for case in TRIGGERS} | {"deepspeed-config-path"}
     assert emitted == documented_codes()
 
 
@@ -890,7 +978,7 @@ def test_process_exit_1_with_table_for_the_other_project(tmp_path):
     assert "Traceback" not in result.stderr
     assert result.stdout.startswith("SEVERITY")
     assert "micro-batch-mismatch" in result.stdout
-    assert "problems found: 14 error(s), 1 warning(s)" in result.stdout
+    assert "problems found: 15 error(s), 1 warning(s)" in result.stdout
 
 
 def test_process_exit_0_and_pure_json_on_stdout_for_a_clean_config(tmp_path):
