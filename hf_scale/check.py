@@ -137,6 +137,12 @@ def _closest(name: str, known: Any) -> str | None:
     return matches[0] if matches else None
 
 
+def _ignored_key_severity(name: str, known: Any) -> str:
+    """A key the library ignores silently: an error when it is a misspelling of a key it reads (the setting
+    written does not happen), a warning for a foreign key (e.g. another tool's `monitor_config`)."""
+    return ERROR if _closest(name, known) else WARNING
+
+
 def _in(file: str) -> str:
     """The start of a fix text: which file to edit."""
     return f"In {Path(file).name}, "
@@ -544,7 +550,8 @@ def check_accelerate_launch(inp: CheckInputs) -> Iterator[Finding]:
 @_check
 def check_accelerate_nested_keys(inp: CheckInputs) -> Iterator[Finding]:
     """`unknown-accelerate-key`: misspelled/unknown keys under `deepspeed_config` / `fsdp_config`
-    (accelerate copies them onto its launch arguments silently, so they have no effect)."""
+    (accelerate copies them onto its launch arguments silently, so they have no effect): an error for a
+    misspelling of a known key, a warning for another key."""
     for section, prefix in (("deepspeed_config", ""), ("fsdp_config", "fsdp_")):
         values = inp.accelerate.get(section)
         if not isinstance(values, dict):
@@ -556,7 +563,7 @@ def check_accelerate_nested_keys(inp: CheckInputs) -> Iterator[Finding]:
             # A comment key is copied onto the launch arguments like any other and changes nothing.
             if effective not in known and not is_comment_key(key):
                 yield Finding(
-                    ERROR,
+                    _ignored_key_severity(effective, known),
                     "unknown-accelerate-key",
                     inp.accelerate_file,
                     f"{section}.{key}",
@@ -775,7 +782,7 @@ def _batch_problem(total: Any, micro: Any, accum: Any, world: int) -> tuple[str,
         return (
             "train-batch-invalid",
             "neither train_batch_size nor train_micro_batch_size_per_gpu is set: DeepSpeed asserts at start.",
-            'set `train_micro_batch_size_per_gpu` (or "auto" for the Trainer).',
+            'set `train_micro_batch_size_per_gpu` (or "auto" for the Trainer) or `train_batch_size`.',
         )
     if micro is not None and accum is not None:
         product = micro * accum * world
@@ -985,8 +992,8 @@ def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
             key,
             deepspeed_overrides.describe(override, inp.training or {}) + ".",
             (
-                f"{_in(file)}remove the `{override.block}` block to get {flags}, or drop {flags} from the "
-                "training args."
+                f"{_in(file)}remove the `{override.block}` block (`{key}`) to get {flags}, or drop {flags} "
+                "from the training args."
                 if override.given
                 else f"{_in(file)}keep `{key}` to run DeepSpeed's {override.block}, or remove the "
                 f"`{override.block}` block to let {flags} decide."
@@ -1051,9 +1058,10 @@ def check_trainer_compared_values(inp: CheckInputs) -> Iterator[Finding]:
 @_check
 def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
     """`unknown-deepspeed-key`, `deepspeed-config-invalid`: DeepSpeed's own parser (after "auto" -> sample
-    values) rejects a key or a value, or never reads a top-level key (ignored silently). Every section is
-    parsed on its own, so every invalid key is reported, not only the first; comment keys at the top level
-    (`_comment`, `_read_the_docs`) are fine."""
+    values) rejects a key or a value, or never reads a top-level key (ignored silently: an error for a
+    misspelling of a key it reads, a warning for another key). Every section is parsed on its own, so every
+    invalid key is reported, not only the first; comment keys at the top level (`_comment`,
+    `_read_the_docs`) are fine."""
     if inp.deepspeed is None:
         return
     import pydantic
@@ -1095,7 +1103,7 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
     for key in inp.deepspeed:
         if key in sample and key not in tracked.read and not is_comment_key(key):
             yield Finding(
-                ERROR,
+                _ignored_key_severity(key, tracked.read),
                 "unknown-deepspeed-key",
                 file,
                 key,

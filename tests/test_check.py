@@ -994,3 +994,147 @@ def test_process_exit_2_one_line_for_a_missing_file(tmp_path):
     assert result.returncode == 2
     assert result.stderr == "hf-scale: error: --accelerate-config missing.yaml: file not found\n"
     assert result.stdout == ""
+
+
+# ---- wrong findings fixed by class (issue 13) --------------------------------------------------------
+
+
+def _fix_names_where_the_value_is(finding: dict) -> bool:
+    """The fix names the file holding the value (or the training args) and the key (or flag)."""
+    file_named = (
+        finding["file"] == check.TRAINING_ARGS and ("training args" in finding["fix"] or "--" in finding["fix"])
+    ) or Path(finding["file"]).name in finding["fix"]
+    key = finding["key"].split(" ")[0]
+    key_named = key == "(file)" or any(part.split(".")[-1] in finding["fix"] for part in key.split("/"))
+    return file_named and key_named
+
+
+@pytest.mark.parametrize("case", sorted(TRIGGERS))
+def test_every_fix_names_the_file_and_key_that_hold_the_value(case, tmp_path, monkeypatch, capsys):
+    yaml_cfg, ds_cfg, train, runner, extra, _, _ = TRIGGERS[case]
+    (tmp_path / "other.json").write_text(json.dumps(DS_JSON))
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, ds_cfg, train, runner, extra)
+    for finding in payload["findings"]:
+        assert _fix_names_where_the_value_is(finding), finding
+
+
+def test_a_value_in_the_json_is_never_fixed_in_the_yaml(tmp_path, monkeypatch, capsys):
+    ds = merged(ZERO3_JSON, {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": False}})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(ds, {"optimizer": None}))
+    for finding in payload["findings"]:
+        assert finding["file"] == "ds.json" and "In ds.json" in finding["fix"] and "acc.yaml" not in finding["fix"]
+
+
+@pytest.mark.parametrize("spelling", check._GATHER_SPELLINGS)
+def test_16bit_gather_is_read_in_every_spelling_deepspeed_reads(spelling, tmp_path, monkeypatch, capsys):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = {"stage": 3, spelling: True}
+    assert DeepSpeedZeroConfig(**zero).gather_16bit_weights_on_model_save is True  # DeepSpeed reads it
+    ds = merged(DS_JSON, {"zero_optimization": zero})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds)
+    assert "zero3-no-16bit-save" not in codes(payload)
+    ds = merged(ds, {"zero_optimization": {spelling: False}})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds)
+    (finding,) = [f for f in payload["findings"] if f["code"] == "zero3-no-16bit-save"]
+    assert finding["key"] == f"zero_optimization.{spelling}"
+
+
+def test_comment_keys_are_fine_where_deepspeed_ignores_them(tmp_path, monkeypatch, capsys):
+    ds = {**DS_JSON, "_comment": "ZeRO-2 for 8 GPUs", "_read_the_docs": "https://www.deepspeed.ai", "comment": "x"}
+    yaml_cfg = merged(DS_YAML, {"deepspeed_config": {"_comment": "see ds.json"}})
+    code, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, ds)
+    assert (code, payload["findings"]) == (0, [])
+
+
+def test_a_comment_key_where_deepspeed_refuses_it_is_an_error_without_a_rename(tmp_path, monkeypatch, capsys):
+    ds = merged(DS_JSON, {"zero_optimization": {"_comment": "stage 2 for 8 GPUs"}})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds)
+    (finding,) = payload["findings"]
+    assert (finding["code"], finding["key"]) == ("unknown-deepspeed-key", "zero_optimization._comment")
+    assert "comments included" in finding["problem"] and "remove `_comment`" in finding["fix"]
+
+
+def test_no_rename_to_an_unrelated_key():
+    assert check._closest("_comment", {"comet", "comms_logger"}) is None
+    assert check._closest("wandb_project", {"wandb", "comet"}) is None
+    assert check._closest("overlap_com", {"overlap_comm", "stage"}) == "overlap_comm"
+
+
+@pytest.mark.parametrize(
+    ("rank", "expected"),
+    [("1", []), (1, []), ("0", []), (2, ["machine-rank-out-of-range"]), ("one", ["accelerate-launch-fails"])],
+)
+def test_machine_rank_is_read_the_way_accelerate_launch_reads_it(rank, expected, tmp_path, monkeypatch, capsys):
+    """accelerate int()s machine_rank when it launches: a quoted "1" is rank 1, "one" fails in accelerate."""
+    _, payload = check_json(tmp_path, monkeypatch, capsys, merged(MULTINODE_YAML, {"machine_rank": rank}))
+    assert codes(payload) == expected
+
+
+def test_every_invalid_deepspeed_key_is_reported_not_only_the_first(tmp_path, monkeypatch, capsys):
+    ds = merged(
+        DS_JSON,
+        {
+            "zero_optimization": {"overlap_com": True, "reduce_scatterr": True},
+            "comms_logger": {"enabledd": True},
+            "tensorboard": {"enabled": False, "enabld": True},
+            "wall_clock_breakdwon": False,
+        },
+    )
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds)
+    assert sorted(f["key"] for f in payload["findings"] if f["code"] == "unknown-deepspeed-key") == [
+        "comms_logger.enabledd",
+        "tensorboard.enabld",
+        "wall_clock_breakdwon",
+        "zero_optimization.overlap_com",
+        "zero_optimization.reduce_scatterr",
+    ]
+    fixes = {f["key"]: f["fix"] for f in payload["findings"]}
+    assert "`enabled`" in fixes["comms_logger.enabledd"] and "`enabled`" in fixes["tensorboard.enabld"]
+
+
+@pytest.mark.parametrize(
+    ("block", "train", "expected"),
+    [
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, [], []),
+        ({"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}, [], [("ds-overrides-flags", "warning")]),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, ["--optim", "adafactor"],
+         [("ds-overrides-flags", "error")]),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}, [],
+         [("ds-overrides-flags", "warning")]),
+    ],
+)
+def test_optimizer_and_scheduler_blocks_name_the_flags_they_replace(block, train, expected, tmp_path, monkeypatch,
+                                                                   capsys):
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, block), [*train, "--bf16"])
+    found = [(f["code"], f["severity"]) for f in payload["findings"]]
+    assert found == expected
+    for finding in payload["findings"]:
+        assert "--optim" in finding["problem"] or "--lr_scheduler_type" in finding["problem"]
+
+
+def test_warmup_scheduler_says_its_warmup_is_logarithmic(tmp_path, monkeypatch, capsys):
+    block = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, block), ["--bf16"])
+    assert "logarithmic" in payload["findings"][0]["problem"]
+    block["scheduler"]["params"]["warmup_type"] = "linear"
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, block), ["--bf16"])
+    assert "logarithmic" not in payload["findings"][0]["problem"]
+
+
+@pytest.mark.parametrize(
+    ("total", "micro", "accum", "world"),
+    [(4, None, None, 8), (16, None, 1, 32), (65536, 64, None, 48), (8, 2, 2, 2), (12, None, 2, 2), (None, None, 2, 2)],
+)
+def test_batch_findings_agree_with_deepspeeds_own_arithmetic(total, micro, accum, world, tmp_path, monkeypatch,
+                                                            capsys):
+    ds = {"zero_optimization": {"stage": 2}}
+    for key, value in (("train_batch_size", total), ("train_micro_batch_size_per_gpu", micro),
+                       ("gradient_accumulation_steps", accum)):
+        if value is not None:
+            ds[key] = value
+    accepted, _, _ = check._deepspeed_accepts_batch(total, micro, accum, world)
+    _, payload = check_json(tmp_path, monkeypatch, capsys, merged(DS_YAML, {"num_processes": world}), ds,
+                            runner="deepspeed")
+    batch = [f for f in payload["findings"] if f["code"].startswith("train-batch")]
+    assert bool(batch) != accepted, batch
