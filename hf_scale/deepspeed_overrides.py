@@ -62,10 +62,19 @@ def _adamw_like(section: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
     return str(section.get("type", "")).lower() in ("adam", "adamw") and params.get("adam_w_mode", True) is True
 
 
+def _linear_like(section: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
+    """WarmupDecayLR with a linear warmup from 0: the Trainer's default --lr_scheduler_type linear."""
+    return (
+        section.get("type") == "WarmupDecayLR"
+        and params.get("warmup_type") == "linear"
+        and params.get("warmup_min_lr", 0) in (0, "auto")
+    )
+
+
 def find_overrides(ds_config: Mapping[str, Any], argv: Sequence[str]) -> list[Override]:
-    """The blocks that change what the flags would train with: every `scheduler` block (no DeepSpeed
-    scheduler is the Trainer's default linear decay), an `optimizer` block unless it is AdamW in place of the
-    default --optim, and any block replacing a flag given explicitly."""
+    """The blocks that change what the flags would train with: an `optimizer` block unless it is AdamW in
+    place of the default --optim, a `scheduler` block unless it is linear warmup + decay in place of the
+    default --lr_scheduler_type, and any block replacing a flag given explicitly."""
     found = []
     for block, flags in REPLACED_FLAGS.items():
         section = ds_config.get(block)
@@ -77,7 +86,8 @@ def find_overrides(ds_config: Mapping[str, Any], argv: Sequence[str]) -> list[Ov
             "warmup_type", "log"
         ) != "linear"
         given = tuple(flag for flag in flags if flag_given(argv, flag))
-        if block == "optimizer" and not given and _adamw_like(section, params):
+        same = _adamw_like(section, params) if block == "optimizer" else _linear_like(section, params)
+        if same and not given:
             continue
         found.append(Override(block, ds_type, flags, given, log_warmup))
     return found
