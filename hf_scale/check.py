@@ -648,10 +648,14 @@ def check_deepspeed_unused(inp: CheckInputs) -> Iterator[Finding]:
 
 @_check
 def check_duplicated_deepspeed_keys(inp: CheckInputs) -> Iterator[Finding]:
-    """`ds-key-duplicated`: the YAML sets keys next to `deepspeed_config_file` that accelerate refuses at
-    launch ("the following accelerate config variables will be ignored")."""
+    """`ds-key-duplicated`: the YAML sets DeepSpeed keys next to `deepspeed_config_file`, or inline while the
+    training args pass `--deepspeed FILE`: accelerate refuses them ("the following accelerate config
+    variables will be ignored") at launch, resp. when TrainingArguments builds its DeepSpeed plugin."""
     section = inp.accelerate.get("deepspeed_config")
-    if not _is_deepspeed_yaml(inp) or not isinstance(section, dict) or "deepspeed_config_file" not in section:
+    if not _is_deepspeed_yaml(inp) or not isinstance(section, dict):
+        return
+    flag_json = "deepspeed_config_file" not in section and bool(inp.training and inp.training.get("deepspeed"))
+    if "deepspeed_config_file" not in section and not flag_json:
         return
     for key in DS_FILE_CONFLICTING_YAML_KEYS:
         yaml_key = key if key == "mixed_precision" else f"deepspeed_config.{key}"
@@ -668,10 +672,16 @@ def check_duplicated_deepspeed_keys(inp: CheckInputs) -> Iterator[Finding]:
             "ds-key-duplicated",
             inp.accelerate_file,
             yaml_key,
-            "Set next to `deepspeed_config_file`: accelerate raises at launch (with a JSON file it "
-            "takes this setting only from the JSON).",
+            (
+                "Set in the YAML while the training args pass --deepspeed: accelerate raises when "
+                "TrainingArguments builds its DeepSpeed plugin (with a JSON it takes this setting only from it)."
+                if flag_json
+                else "Set next to `deepspeed_config_file`: accelerate raises at launch (with a JSON file it "
+                "takes this setting only from the JSON)."
+            ),
             f"Delete `{yaml_key}` from {Path(inp.accelerate_file).name} and set `{ds_path}` in "
-            f"{Path(inp.deepspeed_file or 'the DeepSpeed JSON').name}.",
+            f"{Path(inp.deepspeed_file or 'the DeepSpeed JSON').name}"
+            + (", or drop --deepspeed from the training args." if flag_json else "."),
             values,
         )
 

@@ -162,3 +162,40 @@ def test_an_unreadable_inline_value_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "4")
     with pytest.raises(UserError, match="zero_stage=4 is invalid; use 0, 1, 2 or 3"):
         distributed.detect_launch(None)
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        ("deepspeed: {zero_stage: 3}\nprecision: fp16\n", None),
+        ("deepspeed: {zero_stage: 2}\nprecision: fp16\n", "deepspeed.zero_stage=2 but the accelerate config's"),
+        ("deepspeed: {zero_stage: 3}\nprecision: bf16\n", "precision=bf16 but"),
+    ],
+)
+def test_hf_scale_config_next_to_an_inline_yaml_must_agree_with_it(config, error, monkeypatch, tmp_path):
+    """--hf_scale_config may not silently replace the YAML's DeepSpeed settings (nor generate its own JSON)."""
+    from hf_scale.train.reconcile import apply_hf_scale_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("strategy: deepspeed\ntopology: {processes_per_machine: 8}\n"
+                    "batch: {micro_batch_size: 1, gradient_accumulation_steps: 1}\n" + config)
+    _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
+    request = distributed.detect_launch(None)
+    ns, _ = build_parser().parse_known_args([])
+    ns.deepspeed, filled = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    if error is None:
+        _, deepspeed = apply_hf_scale_config(str(path), request, ns, filled)
+        assert deepspeed is ns.deepspeed and deepspeed["zero_optimization"]["stage"] == 3
+    else:
+        with pytest.raises(UserError, match=error):
+            apply_hf_scale_config(str(path), request, ns, filled)
+
+
+def test_deepspeed_flag_next_to_an_inline_yaml_is_refused_by_train_py_and_check(monkeypatch, tmp_path):
+    """accelerate's plugin would refuse the pair with a traceback once TrainingArguments exists."""
+    flags = ["--deepspeed", str(CORPUS / "axolotl_zero1.json"), "--fp16"]
+    inputs = _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", flags)
+    with pytest.raises(UserError, match="while the accelerate config sets DeepSpeed inline"):
+        distributed.detect_launch(flags[1])
+    found = {(f.code, f.key) for f in check.run_checks(inputs)}
+    assert ("ds-key-duplicated", "deepspeed_config.zero_stage") in found

@@ -27,6 +27,8 @@ from train_helpers import (
     run_ok,
 )
 
+from hf_scale import check
+
 pytestmark = pytest.mark.multiprocess
 PEER_CONFIGS = Path(__file__).parent / "data" / "peer_configs"
 
@@ -126,6 +128,9 @@ def test_two_processes_match_one_process(launcher, config_name, loop, configs, r
     cwd = configs
     if launcher == "accelerate":
         yaml_dir = configs if config_name.startswith("inline/") else configs / "accelerate_configs"
+        if config_name.startswith("inline/"):  # `hf-scale check` accepts what train.py trains with
+            inputs = check.load_inputs(str(yaml_dir / f"{config_name}.yaml"), training_args=COMMON + extra)
+            assert check.run_checks(inputs) == []
         got = _train(launcher, out, extra, config=yaml_dir / f"{config_name}.yaml", cwd=cwd)
     else:
         if config_name is not None:

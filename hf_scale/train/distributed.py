@@ -94,6 +94,12 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         launcher = "python"
 
     accelerate_ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if by_accelerate else None
+    if deepspeed_flag and is_inline(os.environ):
+        # accelerate's DeepSpeedPlugin refuses a config next to the YAML's DeepSpeed keys (ValueError later).
+        raise UserError(
+            f"--deepspeed={deepspeed_flag} while the accelerate config sets DeepSpeed inline (deepspeed_config: "
+            f"{os.environ.get('ACCELERATE_CONFIG_DS_FIELDS', '')}); use one of them"
+        )
     if (
         deepspeed_flag
         and accelerate_ds_file
