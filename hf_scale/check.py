@@ -689,7 +689,8 @@ def check_duplicated_deepspeed_keys(inp: CheckInputs) -> Iterator[Finding]:
 @_check
 def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:
     """`grad-accum-mismatch`: gradient accumulation differs between the YAML, the JSON and the training
-    args."""
+    args (a warning when only a flag left at its default differs from an inline `deepspeed_config`: train.py
+    takes the YAML's value, a plain HF Trainer stops)."""
     sources = [
         _Source(inp.accelerate_file, key, _get(inp.accelerate, key))
         for key in ("deepspeed_config.gradient_accumulation_steps", "gradient_accumulation_steps")
@@ -865,7 +866,8 @@ def _precision_sources(inp: CheckInputs) -> tuple[list[_Source], dict[str, _Sour
 @_check
 def check_precision(inp: CheckInputs) -> Iterator[Finding]:
     """`precision-mismatch`: accelerate `mixed_precision`, DeepSpeed's fp16/bf16 blocks and `--bf16/--fp16`
-    ask for different precisions."""
+    ask for different precisions (a warning when only unset flags differ from an inline `deepspeed_config`
+    YAML, as for grad-accum-mismatch)."""
     wanted, explicit = _precision_sources(inp)
     soft = _only_a_default_flag_differs(inp, wanted, ("bf16", "fp16"))
     yield from _disagreement(
@@ -1323,8 +1325,10 @@ def check_nvme_path(inp: CheckInputs) -> Iterator[Finding]:
 
 @_check
 def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
-    """`zero3-no-16bit-save` (warning): ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`: the saved
-    model is only the sharded checkpoint (needs zero_to_fp32.py)."""
+    """`zero3-no-16bit-save` (warning): ZeRO-3 without 16-bit weights gathered on save, in any spelling
+    DeepSpeed reads (`stage3_gather_16bit_weights_on_model_save`, `gather_16bit_weights_on_model_save`, the
+    deprecated fp16 name; asked from DeepSpeed's own ZeRO model): the saved model is only the sharded
+    checkpoint (needs zero_to_fp32.py)."""
     view = _ds_view(inp)
     zero = _get(view.config, "zero_optimization", None) if view is not None else None
     if not isinstance(zero, dict) or zero.get("stage") != 3 or _gathers_16bit_on_save(zero):
@@ -1372,7 +1376,7 @@ def _gathers_16bit_on_save(zero: dict[str, Any]) -> bool:
 @_check
 def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
     """`multinode-no-main-ip`, `processes-not-multiple-of-machines`, `machine-rank-out-of-range`: the
-    multi-node topology."""
+    multi-node topology (`machine_rank` read as `accelerate launch` reads it: int() of the value)."""
     file, acc = inp.accelerate_file, inp.accelerate
     machines = acc.get("num_machines", 1)
     if not _is_int(machines) or machines <= 1:
@@ -1774,7 +1778,10 @@ exit codes: 0 no errors (warnings are printed but do not fail), 1 errors found,
 
 The DeepSpeed JSON is --deepspeed-config, else the YAML's deepspeed_config.deepspeed_config_file
 (relative to the YAML's directory, then the current one), else --deepspeed in the training args.
+A YAML with its DeepSpeed settings inline (no deepspeed_config_file) is checked as the config
+accelerate's DeepSpeedPlugin builds from it, which is also what train.py trains with.
 Training args after `--` are parsed like the Trainer does (unknown flags are ignored).
+GPU findings need --gpus N (GPUs per machine on the target); this machine's GPUs are never used.
 
 example:
   hf-scale check --accelerate-config accelerate_configs/zero3.yaml \\
