@@ -231,6 +231,7 @@ def sbatch_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
         "--open-mode=append",
         "--output=%x-%j.out",
     ]
+    port = _env_default("main_process_port", "MAIN_PROCESS_PORT", topo.main_process_port)
     return (
         "#!/usr/bin/env bash\n"
         + "".join(f"#SBATCH {directive}\n" for directive in directives)
@@ -256,8 +257,7 @@ fi
 # host list, and with pipefail the script would stop here.)
 MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')"
 export MAIN_PROCESS_IP
-{_env_default("main_process_port", "MAIN_PROCESS_PORT", topo.main_process_port)}\
-export MAIN_PROCESS_PORT="$main_process_port"
+{port}export MAIN_PROCESS_PORT="$main_process_port"
 unset MACHINE_RANK  # a value exported at submission would give every node the same rank
 
 # Each node runs: accelerate launch --config_file accelerate_configs/{name}.yaml \\
