@@ -18,9 +18,10 @@ import yaml
 
 from hf_scale.config import DistributedConfig, config_warnings, load_config, name_problem
 from hf_scale.errors import UserError
-from hf_scale.files import write_text_atomically
+from hf_scale.files import write_files_together
 from hf_scale.generators import render_files
 from hf_scale.generators.deepspeed_json import MODES
+from hf_scale.inputs import read_bytes
 from hf_scale.plan import add_plan_arguments, plan_argv, plan_from_args
 from hf_scale.planner.rank import planned_config_data
 from hf_scale.planner.report import verdict_lines
@@ -173,13 +174,12 @@ def run_generate(args: argparse.Namespace) -> int:
     changed = _plan_writes(Path(args.output_dir), files, force=args.force)
     for warning in config_warnings(cfg):
         print(f"hf-scale: warning: {warning}", file=sys.stderr)
-    for rel_path, text in files.items():
-        path = Path(args.output_dir) / rel_path
-        if rel_path in changed:
-            write_text_atomically(path, text, executable=rel_path.endswith(_EXECUTABLE_SUFFIXES))
-            print(f"wrote {path}")
-        else:
-            print(f"unchanged {path}")
+    output_dir = Path(args.output_dir)
+    executable = {rel_path for rel_path in changed if rel_path.endswith(_EXECUTABLE_SUFFIXES)}
+    to_write = {rel_path: text for rel_path, text in files.items() if rel_path in changed}
+    write_files_together(output_dir, to_write, executable=executable)
+    for rel_path in files:
+        print(f"{'wrote' if rel_path in changed else 'unchanged'} {output_dir / rel_path}")
     _print_summary(cfg, name)
     return 0
 
@@ -223,12 +223,10 @@ def _plan_writes(output_dir: Path, files: dict[str, str], *, force: bool) -> set
                 raise UserError(f"cannot write {path}: {output_dir / parent} exists and is not a directory")
         if path.is_dir():
             raise UserError(f"cannot write {path}: it is a directory")
-        if path.exists():
-            try:
-                current = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as error:
-                raise UserError(f"cannot read existing {path}: {error}") from None
-            if current == text:
+        if path.exists() or path.is_symlink():
+            # Never blocks on a FIFO; a file that is not UTF-8 text simply differs.
+            current = read_bytes(path, "existing file")
+            if current == text.encode("utf-8"):
                 continue
             if not force:
                 raise UserError(

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_scale.errors import UserError
+from hf_scale.files import save_figure_atomically
 
 PLOT_EPILOG = """\
 inputs:
@@ -173,15 +172,10 @@ def write_figure(data: PlotData, path: Path, fmt: str, title: str | None = None)
         _run_bars(ax_rate, data.runs)
         if title:
             fig.suptitle(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, format=fmt)
-        os.replace(tmp, path)
+        save_figure_atomically(fig, path, dpi=110, format=fmt)
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
 
 
 def _loss_curves(ax, runs: list[Run]) -> None:
