@@ -44,13 +44,12 @@ def read_bytes(path: str | Path, what: str, *, max_bytes: int = MAX_CONFIG_BYTES
         raise UserError(f"{what} {path}: permission denied (cannot read it)") from None
     except OSError as error:
         raise UserError(f"{what} {path}: cannot be opened ({error.strerror or error})") from None
+    mode = os.fstat(fd).st_mode
+    kind = "a directory" if stat.S_ISDIR(mode) else next((k for test, k in _FILE_KINDS if test(mode)), None)
+    if kind is not None:
+        os.close(fd)
+        raise UserError(f"{what} {path}: is {kind}, not a regular file")
     with os.fdopen(fd, "rb") as handle:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise UserError(f"{what} {path}: is a directory, not a file")
-        for test, kind in _FILE_KINDS:
-            if test(mode):
-                raise UserError(f"{what} {path}: is {kind}, not a regular file")
         try:
             data = handle.read(max_bytes + 1)
         except OSError as error:
