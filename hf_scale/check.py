@@ -1243,9 +1243,8 @@ def _read_mapping(path: Path, what: str, parse: Callable[[str, str], Any]) -> di
     # Strict reading: no FIFO/directory/non-UTF-8, no duplicate keys, no alias bombs, no NaN in JSON.
     data = parse(read_text(path, what), f"{what} {path}")
     if not isinstance(data, dict):
-        raise UserError(
-            f"{what} {path}: expected a mapping of keys at the top level, got {type(data).__name__}"
-        )
+        got = "an empty file" if data is None else type(data).__name__
+        raise UserError(f"{what} {path}: expected a mapping of keys at the top level, got {got}")
     return data
 
 
@@ -1271,11 +1270,12 @@ def _resolve_yaml_reference(written: str, yaml_dir: Path, cwd: Path) -> tuple[Pa
     if path.is_absolute():
         return path, None
     beside_yaml, from_cwd = yaml_dir / path, cwd / path
-    if beside_yaml.is_file() and from_cwd.is_file():
+    # exists(), not is_file(): a directory or FIFO there is reported as what it is when it is read.
+    if beside_yaml.exists() and from_cwd.exists():
         return beside_yaml, None
-    if beside_yaml.is_file():
+    if beside_yaml.exists():
         return beside_yaml, "yaml_dir_only"
-    if from_cwd.is_file():
+    if from_cwd.exists():
         return from_cwd, "cwd_only"
     raise UserError(
         f"deepspeed_config.deepspeed_config_file={written!r}: file not found relative to the YAML's "

@@ -481,7 +481,19 @@ def load_config(
         data = {}
     for override in overrides:
         _apply_override(data, override)
+    _check_keys(data)
     return validate_config(data)
+
+
+def _check_keys(data: Any, where: str = "") -> None:
+    """YAML allows any key (1, [a, b], null); a config's keys are field names."""
+    if not isinstance(data, dict):
+        return
+    for key, value in data.items():
+        if not isinstance(key, str):
+            place = f"under {where}" if where else "at the top level"
+            raise UserError(f"key {_show(key)} ({place}) is not a field name; allowed keys are names such as strategy")
+        _check_keys(value, f"{where}.{key}".lstrip("."))
 
 
 def validate_config(data: Any) -> DistributedConfig:
@@ -532,7 +544,7 @@ def _apply_override(data: dict, override: str) -> None:
 def _show(value: Any) -> str:
     """Values as a user would type them in YAML."""
     if isinstance(value, str):
-        return repr(value)
+        return repr(value) if len(value) <= 80 else repr(value[:77]) + "..."
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -208,10 +208,15 @@ def _find_source(path: Path) -> Source:
 def _deepspeed_source(path: Path) -> Source:
     """DeepSpeed's own consolidation, lazily: ZeRO-3 tensors are gathered from the partitions one at a time."""
     import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    tag = (path / "latest").read_text().strip()
+    from hf_scale.inputs import read_text
+
+    tag = read_text(path / "latest", "DeepSpeed tag file").strip()
+    if not tag or not (path / tag).is_dir():
+        raise UserError(f"CHECKPOINT_DIR {path}: 'latest' names {tag or 'nothing'}, which is not a directory in it")
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress; stdout stays clean
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
         lazy = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag, lazy_mode=True)
 
     def read(names):

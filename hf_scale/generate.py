@@ -215,6 +215,11 @@ def _plan_writes(output_dir: Path, files: dict[str, str], *, force: bool) -> set
     """Check every target before anything is written; return the relative paths that need writing."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output-dir {output_dir} is not a directory")
+    for parent in output_dir.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"--output-dir {output_dir}: {parent} is not a directory")
+            break
     changed = set()
     for rel_path, text in files.items():
         path = output_dir / rel_path

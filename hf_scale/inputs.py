@@ -55,7 +55,7 @@ def read_bytes(path: str | Path, what: str, *, max_bytes: int = MAX_CONFIG_BYTES
         except OSError as error:
             raise UserError(f"{what} {path}: cannot be read ({error.strerror or error})") from None
     if len(data) > max_bytes:
-        raise UserError(f"{what} {path}: larger than {max_bytes} bytes; not a {what}")
+        raise UserError(f"{what} {path}: larger than the {max_bytes} bytes allowed")
     return data
 
 

@@ -60,7 +60,7 @@ class ModelShapes:
 def load_model_config(model: str) -> PretrainedConfig:
     """MODEL as a Hub id, a local model directory or a path to a config.json -> its transformers config."""
     path = Path(model).expanduser()
-    if path.is_file():
+    if path.exists() and not path.is_dir():  # a file; a FIFO or device is refused when it is read
         return _config_from_file(path, model)
     if path.is_dir():
         if not (path / "config.json").is_file():
