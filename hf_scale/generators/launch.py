@@ -208,6 +208,9 @@ def hostfile(cfg: DistributedConfig, name: str) -> str:
     _check_name(name)
     topo = cfg.topology
     hosts = [_host(topo.main_process_ip or "node-0")] + [f"node-{rank}" for rank in range(1, topo.num_machines)]
+    if any(len(host.split()) != 1 or host != host.strip() or "#" in host for host in hosts):
+        # The file's structure does not rest on host validation: a host never adds a line or a field.
+        raise ValueError(f"hostfile: a host name must be one word without '#', got {hosts!r}")
     return (
         f"# DeepSpeed hostfile for {name}: one line per machine, `HOSTNAME slots=GPUS`.\n"
         "# Replace the placeholder names with your machines (reachable by passwordless ssh: the deepspeed\n"
