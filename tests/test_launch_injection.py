@@ -150,3 +150,14 @@ def test_a_host_never_adds_a_hostfile_line_even_past_validation(host, monkeypatc
 def test_the_generators_refuse_a_name_that_is_not_a_file_name(name):
     with pytest.raises(ValueError, match="name"):
         launch_files(get_preset("zero2"), name, header="h")
+
+
+def test_a_hostile_header_stays_a_comment(tmp_path):
+    """The header repeats the user's command line (a config path may hold anything): every line is a comment."""
+    marker = tmp_path / "pwned"
+    header = f"hf-scale generate 'a\n$(touch {marker})\rb.yaml'\n`touch {marker}`"
+    files = launch_files(get_preset("ddp"), "run", header=header)
+    for text in files.values():
+        assert all(line.startswith("#") for line in text.splitlines()[1:4])
+    _run_scripts(files, tmp_path, {})
+    assert not marker.exists()
