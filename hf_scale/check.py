@@ -191,7 +191,8 @@ def _ds_view(inp: CheckInputs) -> _DsView | None:
         return _DsView(inp.deepspeed, inp.deepspeed_file or "", from_yaml=False)
     if not _is_deepspeed_yaml(inp):
         return None
-    section = inp.accelerate.get("deepspeed_config") or {}
+    section = inp.accelerate.get("deepspeed_config")
+    section = section if isinstance(section, dict) else {}  # not a mapping: `accelerate-value-invalid`
     config: dict[str, Any] = {"zero_optimization": {"stage": 2}}  # accelerate's default ZeRO stage
     for yaml_key, path in YAML_TO_DS_PATH.items():
         if yaml_key in section:
@@ -802,6 +803,7 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
             ValueError,
             TypeError,
             KeyError,
+            AttributeError,  # e.g. an `optimizer` that is not a mapping: DeepSpeed calls .keys() on it
         ) as error:
             yield Finding(
                 ERROR,
@@ -1191,9 +1193,16 @@ DEEPSPEED_RANGES = {
     "zero_optimization.stage": (True, 0, 3),
 }
 DEEPSPEED_FLAGS = ("fp16.enabled", "bf16.enabled")
+DEEPSPEED_SECTIONS = ("optimizer", "optimizer.params", "scheduler", "scheduler.params", "zero_optimization",
+                      "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "fp16", "bf16")
+DEEPSPEED_NAMES = ("optimizer.type", "scheduler.type")
 
 
 def _deepspeed_value_problem(path: str, value: Any) -> str | None:
+    if path in DEEPSPEED_SECTIONS:
+        return None if isinstance(value, dict) else "must be a mapping of keys"
+    if path in DEEPSPEED_NAMES:
+        return None if isinstance(value, str) else "must be a name (a string)"
     if path in DEEPSPEED_FLAGS:
         return None if isinstance(value, bool) else "must be true, false or \"auto\""
     if path == "optimizer.params.betas":
@@ -1212,9 +1221,9 @@ def check_deepspeed_values(inp: CheckInputs) -> Iterator[Finding]:
     elsewhere would hide it)."""
     if inp.deepspeed is None:
         return
-    for path in (*DEEPSPEED_RANGES, *DEEPSPEED_FLAGS, "optimizer.params.betas"):
+    for path in (*DEEPSPEED_SECTIONS, *DEEPSPEED_NAMES, *DEEPSPEED_RANGES, *DEEPSPEED_FLAGS, "optimizer.params.betas"):
         value = _get(inp.deepspeed, path, None)
-        if value is None or value == "auto":
+        if value is None or (value == "auto" and path not in DEEPSPEED_SECTIONS):
             continue
         problem = _deepspeed_value_problem(path, value)
         if problem:

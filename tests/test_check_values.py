@@ -66,6 +66,10 @@ JSON_CASES = {
     "beta of 1": ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}}, "optimizer.params.betas"),
     "bf16 enabled 'yes'": ({"bf16": {"enabled": "yes"}}, "bf16.enabled"),
     "fp16 hysteresis 0": ({"bf16": {"enabled": False}, "fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis"),
+    "optimizer a word": ({"optimizer": "adam"}, "optimizer"),
+    "optimizer params a list": ({"optimizer": {"type": "AdamW", "params": [1]}}, "optimizer.params"),
+    "optimizer type a number": ({"optimizer": {"type": 5, "params": {}}}, "optimizer.type"),
+    "zero_optimization a number": ({"zero_optimization": 2}, "zero_optimization"),
 }
 
 
@@ -121,3 +125,35 @@ def test_accelerate_really_fails_on_a_deepspeed_config_that_is_not_a_mapping(tmp
     args = launch_command_parser().parse_args(["--config_file", str(config), str(tmp_path / "never_run.py")])
     with pytest.raises(AttributeError, match="'str' object has no attribute"):
         launch_command(args)
+
+
+WRONG_KINDS = ["a word", 7, -1, True, [1], {"a": 1}, 1.5, ""]
+ACCELERATE_KEYS = [*DDP_YAML, "main_process_ip", "main_process_port", "deepspeed_config", "fsdp_config"]
+DEEPSPEED_PATHS = ["train_batch_size", "gradient_clipping", "bf16", "bf16.enabled", "optimizer", "optimizer.type",
+                   "optimizer.params", "optimizer.params.lr", "optimizer.params.betas", "zero_optimization",
+                   "zero_optimization.stage", "zero_optimization.offload_optimizer"]
+
+
+def _set(data: dict, path: str, value) -> dict:
+    data = merged(data, {})
+    node = data
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return data
+
+
+@pytest.mark.parametrize("key", ACCELERATE_KEYS)
+def test_any_kind_of_value_in_the_yaml_is_judged_never_a_crash(key, tmp_path, monkeypatch, capsys):
+    ds = merged(ZERO3_JSON, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}})
+    for value in WRONG_KINDS:
+        code, _ = check_json(tmp_path, monkeypatch, capsys, merged(DS_YAML, {key: value}), ds)
+        assert code in (0, 1), (key, value)
+
+
+@pytest.mark.parametrize("path", DEEPSPEED_PATHS)
+def test_any_kind_of_value_in_the_json_is_judged_never_a_crash(path, tmp_path, monkeypatch, capsys):
+    for value in WRONG_KINDS:  # some are valid in some places: what matters is a verdict, not a traceback
+        code, _ = check_json(tmp_path, monkeypatch, capsys, DS_YAML, _set(ZERO3_JSON, path, value))
+        assert code in (0, 1), (path, value)
