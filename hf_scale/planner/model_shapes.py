@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, read_text
@@ -90,12 +90,24 @@ def _config_from_file(path: Path, model: str) -> PretrainedConfig:
         raise UserError(f'MODEL {model!r}: {path} has no "model_type" (expected a transformers config.json)')
     model_type = data.pop("model_type")
     _check_dimensions(data, model)  # before transformers builds anything from them
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"MODEL {model!r}: model_type {model_type!r} is unknown to transformers {_version()}")
     try:
         return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError) as error:
-        raise UserError(f"MODEL {model!r}: model_type {model_type!r} is unknown to transformers ({error})") from None
-    except (TypeError, StrictDataclassError) as error:  # transformers' typed configs reject the value
+    except CONFIG_ERRORS as error:  # transformers' typed configs reject a value
         raise UserError(f"MODEL {model!r}: {path}: {' '.join(str(error).split())[:200]}") from None
+
+
+# What transformers' config classes and model constructors raise on values they cannot use: building a
+# config or a model runs the architecture's own code on the user's values.
+CONFIG_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, AssertionError, ZeroDivisionError,
+                 RuntimeError, StrictDataclassError)
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 # Bounds on what the planner builds (on the meta device, but module by module: 10^6 layers take minutes).
@@ -138,17 +150,15 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
     """Build the causal LM on the meta device and measure it."""
     config = load_model_config(model) if isinstance(model, str) else model
     name = name or (model if isinstance(model, str) else config.model_type)
-    _check_dimensions(config.to_dict(), name)  # a Hub config too
     try:
+        _check_dimensions(config.to_dict(), name)  # a Hub config too
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(config)
     except ValueError as error:
         raise UserError(
             f"MODEL {name!r}: transformers has no causal LM for this config ({' '.join(str(error).split())[:160]})"
         ) from None
-    except (TypeError, AttributeError, ZeroDivisionError, KeyError, IndexError, RuntimeError) as error:
-        # Building a model runs the architecture's own code on the config's values: what it raises is about
-        # those values (e.g. hidden_size not divisible by num_attention_heads).
+    except CONFIG_ERRORS as error:  # e.g. hidden_size not divisible by num_attention_heads
         detail = " ".join(str(error).split())[:160]
         raise UserError(f"MODEL {name!r}: transformers cannot build a model from this config ({detail})") from None
     unique = {id(p): p for p in lm.parameters()}  # parameters() already yields a tied tensor once
