@@ -108,7 +108,14 @@ def test_a_hostile_host_that_reached_the_generator_stays_a_literal_argument(temp
     monkeypatch.setattr(launch, "host_problem", lambda value: None)  # as if validation had a hole
     cfg = validate_config(_multinode("ddp"))
     cfg.topology.main_process_ip = hostile  # bypasses validation (assignment is not validated)
-    received = _run_scripts(launch_files(cfg, "run", header="h"), tmp_path, {})
+    files = launch_files(cfg, "run", header="h")
+    for file_name in ("run.accelerate.sh", "run.torchrun.sh"):
+        script = tmp_path / file_name
+        script.write_text(files[file_name])
+        # (info-level notes such as "expressions don't expand in single quotes" are exactly the point here)
+        lint = subprocess.run([shellcheck_binary(), "--severity=warning", str(script)], capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout
+    received = _run_scripts(files, tmp_path, {})
     assert not marker.exists()
     accelerate_argv, torchrun_argv = received["run.accelerate.sh"], received["run.torchrun.sh"]
     assert accelerate_argv[accelerate_argv.index("--main_process_ip") + 1] == hostile
