@@ -93,7 +93,7 @@ class CheckInputs:
     """Parsed ``TrainingArguments`` fields (defaults included) when training args were given."""
     training_argv: tuple[str, ...] = ()
     gpus_per_machine: int | None = None
-    """``--gpus N``: GPUs per machine on the target cluster; None = not assumed (no GPU findings)."""
+    """``--gpus-per-machine N``: GPUs per machine on the target cluster; None = not assumed (no GPU findings)."""
     launch_env: dict[str, str] | None = None
     """The environment `accelerate launch` would give the training processes for this YAML (computed by
     accelerate's own launch code, nothing started); None when it could not be computed."""
@@ -1220,7 +1220,7 @@ def check_use_cpu_ignores_plugin(inp: CheckInputs) -> Iterator[Finding]:
 
 @_check
 def check_fsdp_without_gpu(inp: CheckInputs) -> Iterator[Finding]:
-    """`fsdp-no-gpu` (warning): FSDP on target machines without GPUs (`--gpus 0`). Without `--gpus` the check
+    """`fsdp-no-gpu` (warning): FSDP on target machines without GPUs (`--gpus-per-machine 0`). Without it the check
     assumes nothing about the target's GPUs (the machine running the check is often a login node)."""
     if inp.accelerate.get("distributed_type") == "FSDP" and inp.gpus_per_machine == 0:
         yield Finding(
@@ -1228,11 +1228,11 @@ def check_fsdp_without_gpu(inp: CheckInputs) -> Iterator[Finding]:
             "fsdp-no-gpu",
             inp.accelerate_file,
             "distributed_type",
-            "FSDP through accelerate needs GPUs and the target machines have none (--gpus 0): it would run "
+            "FSDP through accelerate needs GPUs and the target machines have none (--gpus-per-machine 0): it would run "
             "without sharding or gradient sync.",
             f"{_in(inp.accelerate_file)}choose `distributed_type: MULTI_CPU` for CPU machines, or check the "
-            "target's GPUs (--gpus N).",
-            {f"{inp.accelerate_file}:distributed_type": "FSDP", "--gpus": 0},
+            "target's GPUs (--gpus-per-machine N).",
+            {f"{inp.accelerate_file}:distributed_type": "FSDP", "--gpus-per-machine": 0},
         )
 
 
@@ -1241,8 +1241,8 @@ _GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM")
 
 @_check
 def check_processes_per_gpu(inp: CheckInputs) -> Iterator[Finding]:
-    """`processes-exceed-gpus`: more processes per machine than `--gpus N` GPUs per target machine (each
-    process takes one GPU; the extra ones fail to start or share a GPU). Only with `--gpus`."""
+    """`processes-exceed-gpus`: more processes per machine than `--gpus-per-machine N` GPUs per target machine (each
+    process takes one GPU; the extra ones fail to start or share a GPU). Only with `--gpus-per-machine`."""
     gpus, acc = inp.gpus_per_machine, inp.accelerate
     processes, machines = acc.get("num_processes"), acc.get("num_machines", 1)
     if gpus is None or acc.get("distributed_type") not in _GPU_TYPES or acc.get("use_cpu") is True:
@@ -1257,11 +1257,11 @@ def check_processes_per_gpu(inp: CheckInputs) -> Iterator[Finding]:
         inp.accelerate_file,
         "num_processes",
         f"num_processes={processes} over num_machines={machines} is {processes // machines} processes per "
-        f"machine, but the target machines have {gpus} GPU(s) each (--gpus {gpus}).",
+        f"machine, but the target machines have {gpus} GPU(s) each (--gpus-per-machine {gpus}).",
         f"{_in(inp.accelerate_file)}set `num_processes` to {gpus} x num_machines = {gpus * machines} "
         "(it is the total over all machines).",
         {f"{inp.accelerate_file}:num_processes": processes, f"{inp.accelerate_file}:num_machines": machines,
-         "--gpus": gpus},
+         "--gpus-per-machine": gpus},
     )
 
 
@@ -1976,7 +1976,7 @@ The DeepSpeed JSON is --deepspeed-config, else the YAML's deepspeed_config.deeps
 A YAML with its DeepSpeed settings inline (no deepspeed_config_file) is checked as the config
 accelerate's DeepSpeedPlugin builds from it, which is also what train.py trains with.
 Training args after `--` are parsed like the Trainer does (unknown flags are ignored).
-GPU findings need --gpus N (GPUs per machine on the target); this machine's GPUs are never used.
+GPU findings need --gpus-per-machine N (GPUs per machine on the target); this machine's GPUs are never used.
 
 example:
   hf-scale check --accelerate-config accelerate_configs/zero3.yaml \\
@@ -2007,7 +2007,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help='what resolves "auto" in the DeepSpeed JSON (default: trainer)',
     )
     parser.add_argument(
+        "--gpus-per-machine",
         "--gpus",
+        dest="gpus_per_machine",
         type=int,
         metavar="N",
         help="GPUs per machine on the target cluster; enables the GPU findings (default: no assumption "
@@ -2026,14 +2028,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.accelerate_config:
         raise UserError("check: --accelerate-config A.yaml is required")
-    if args.gpus is not None and args.gpus < 0:
-        raise UserError(f"--gpus {args.gpus}: must be >= 0 (GPUs per machine on the target)")
+    if args.gpus_per_machine is not None and args.gpus_per_machine < 0:
+        raise UserError(
+            f"--gpus-per-machine {args.gpus_per_machine}: must be >= 0 (GPUs per machine on the target)"
+        )
     inputs = load_inputs(
         args.accelerate_config,
         args.deepspeed_config,
         args.training_args,
         args.runner,
-        gpus_per_machine=args.gpus,
+        gpus_per_machine=args.gpus_per_machine,
     )
     findings = run_checks(inputs)
     summary = summarize(inputs, findings)

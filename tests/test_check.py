@@ -204,11 +204,11 @@ def test_gpu_findings_describe_the_target_given_by_gpus_never_this_machine(
     gpus, expected, tmp_path, monkeypatch, capsys
 ):
     """Without --gpus nothing is said about GPUs, whatever the machine running the check has."""
-    extra = [] if gpus is None else ["--gpus", gpus]
+    extra = [] if gpus is None else ["--gpus-per-machine", gpus]
     _, payload = check_json(tmp_path, monkeypatch, capsys, FSDP_YAML, train=["--bf16"], extra=extra)
     assert codes(payload) == expected
     for finding in payload["findings"]:
-        assert "--gpus" in finding["problem"] and "this machine" not in finding["problem"]
+        assert "--gpus-per-machine" in finding["problem"] and "this machine" not in finding["problem"]
 
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
@@ -344,7 +344,7 @@ TRIGGERS = {
         "main-ip-placeholder",
         "warning",
     ),
-    "fsdp-on-gpu-less-target": (FSDP_YAML, None, [], None, ["--gpus", "0"], "fsdp-no-gpu", "warning"),
+    "fsdp-on-gpu-less-target": (FSDP_YAML, None, [], None, ["--gpus-per-machine", "0"], "fsdp-no-gpu", "warning"),
     "more-processes-than-gpus": (
         merged(DDP_YAML, {"num_processes": 8}),
         None,
@@ -873,6 +873,10 @@ BAD_INPUTS = {
         "deepspeed_config_file='gone.json'",
     ),
     "unknown-runner": (["--accelerate-config", "acc.yaml", "--runner", "torchrun"], "--runner 'torchrun'"),
+    "negative-gpus": (
+        ["--accelerate-config", "acc.yaml", "--gpus-per-machine", "-1"],
+        "--gpus-per-machine -1: must be >= 0",
+    ),
     "bad-training-arg": (
         ["--accelerate-config", "acc.yaml", "--", "--per_device_train_batch_size", "four"],
         "invalid int value",

@@ -36,7 +36,7 @@ def _check_argv(case: dict) -> list[str]:
     if case.get("runner"):
         argv += ["--runner", case["runner"]]
     if case.get("gpus") is not None:
-        argv += ["--gpus", str(case["gpus"])]
+        argv += ["--gpus-per-machine", str(case["gpus"])]
     return argv + ["--", *case.get("training_args", [])]
 
 
