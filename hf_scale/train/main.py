@@ -78,7 +78,9 @@ def _validate_flags(ns) -> None:
 
 
 def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
-    """The chat template's text and the Hub target, checked before anything is launched or loaded."""
+    """The data flags checked, the chat template's text and the Hub target: before anything is launched or loaded."""
+    sources.data_sources(_dataclass_from(ns, DataArguments), _dataclass_from(ns, sources.SourceArguments),
+                         evaluation.requested_by(ns))  # the data flags, before anything is launched
     chat_template = read_chat_template(ns.chat_template_path) if ns.chat_template_path else None
     hub_target = hub.training_target(ns, ns.output_dir)
     if hub_target is not None:

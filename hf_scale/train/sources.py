@@ -79,7 +79,7 @@ class PreparedData:
     """Validation data exists but evaluation was not asked for."""
 
 
-def data_sources(args: DataArguments, extra: SourceArguments) -> list[Source]:
+def data_sources(args: DataArguments, extra: SourceArguments, eval_requested_by: str | None = None) -> list[Source]:
     """The training sources with their normalised weights; every flag checked before anything is loaded."""
     if args.validation_file and not args.train_file:
         raise UserError("--validation_file needs --train_file")
@@ -105,6 +105,8 @@ def data_sources(args: DataArguments, extra: SourceArguments) -> list[Source]:
         raise UserError(f"--validation_split_percentage {pct:g} and --validation_file: pass one")
     if extra.max_eval_samples is not None and extra.max_eval_samples <= 0:
         raise UserError(f"--max_eval_samples {extra.max_eval_samples}: must be a positive number of examples")
+    if eval_requested_by and not (args.dataset_name or args.validation_file or pct is not None):
+        raise _no_validation(eval_requested_by)  # files have no validation split of their own
     names = names or [str(EMBEDDED_DATA_FILE)]
     return [Source(flag, name, weights[i] if weights else None) for i, name in enumerate(names)]
 
@@ -115,7 +117,7 @@ def prepare_datasets(args: DataArguments, extra: SourceArguments, tokenizer, *, 
 
     Call inside ``main_process_first()``: tokenization is cached (datasets.map), and the mixture is a
     seeded function of the tokenized sources, so every rank ends with the same datasets."""
-    sources = data_sources(args, extra)
+    sources = data_sources(args, extra, eval_requested_by)
     several = len(sources) > 1
     train_parts, validation_parts, has_validation = [], [], bool(args.validation_file)
     for source in sources:
@@ -132,10 +134,7 @@ def prepare_datasets(args: DataArguments, extra: SourceArguments, tokenizer, *, 
     validation = None
     if eval_requested_by:
         if not validation_parts:
-            raise UserError(
-                f"{eval_requested_by}: there is no validation data; pass --validation_file, a --dataset_name with "
-                "a validation split, or --validation_split_percentage N to carve one from the training data"
-            )
+            raise _no_validation(eval_requested_by)
         validation = datasets.concatenate_datasets(validation_parts)
         if extra.max_eval_samples is not None:
             validation = validation.select(range(min(extra.max_eval_samples, len(validation))))
@@ -144,6 +143,13 @@ def prepare_datasets(args: DataArguments, extra: SourceArguments, tokenizer, *, 
     manifest = _manifest(sources, train_parts, taken, extra, seed=seed)
     manifest.update(train_examples=len(train), validation_examples=None if validation is None else len(validation))
     return PreparedData(train, validation, manifest, unused_validation=has_validation and not eval_requested_by)
+
+
+def _no_validation(eval_requested_by: str) -> UserError:
+    return UserError(
+        f"{eval_requested_by}: there is no validation data; pass --validation_file, a --dataset_name with a "
+        "validation split, or --validation_split_percentage N to carve one from the training data"
+    )
 
 
 def _manifest(sources: list[Source], parts: list[datasets.Dataset], taken: list[int], extra: SourceArguments, *,
