@@ -71,7 +71,8 @@ def test_the_recipe_is_read_however_the_launcher_passes_it(shape, tmp_path):
 
 def test_command_line_flags_override_the_recipe(tmp_path):
     recipe = _write(tmp_path / "r.json", json.dumps(RECIPE))  # JSON recipes too
-    ns, _, _ = _parse(["--learning_rate", "1e-3", recipe, "--train_file", "c.jsonl", "--gradient_checkpointing", "false"])
+    argv = ["--learning_rate", "1e-3", recipe, "--train_file", "c.jsonl", "--gradient_checkpointing", "false"]
+    ns, _, _ = _parse(argv)
     assert ns.learning_rate == 1e-3 and ns.train_file == ["c.jsonl"] and ns.gradient_checkpointing is False
     assert ns.per_device_train_batch_size == 2  # not overridden: the recipe's
 
@@ -92,7 +93,8 @@ def test_env_block_sets_environment_variables(tmp_path, monkeypatch):
 
 BAD_RECIPES = {
     "unknown-key": ("learnign_rate: 1e-4\n", "recipe {r}: unknown key 'learnign_rate'; did you mean 'learning_rate'?"),
-    "wrong-int": ("per_device_train_batch_size: 2.5\n", "recipe {r}: per_device_train_batch_size: '2.5' is not an integer"),
+    "wrong-int": ("per_device_train_batch_size: 2.5\n",
+                  "recipe {r}: per_device_train_batch_size: '2.5' is not an integer"),
     "wrong-bool": ("bf16: maybe\n", "recipe {r}: bf16: 'maybe' is not true or false"),
     "wrong-choice": ("loop: keras\n", "recipe {r}: loop: 'keras' is not one of trainer, accelerate"),
     "list-for-one-value": ("learning_rate: [1, 2]\n", "recipe {r}: learning_rate: takes one value, got a list"),
@@ -144,7 +146,8 @@ def test_recipe_file_errors(argv, message, tmp_path, capsys):
 
 
 def test_a_recipe_value_conflicting_with_hf_scale_config_is_reported_like_a_flag(tmp_path, capsys):
-    config = _write(tmp_path / "single.yaml", {"strategy": "single", "precision": "no", "batch": {"micro_batch_size": 4}})
+    config = _write(tmp_path / "single.yaml",
+                    {"strategy": "single", "precision": "no", "batch": {"micro_batch_size": 4}})
     recipe = _write(tmp_path / "r.yaml", {"hf_scale_config": config, "per_device_train_batch_size": 3})
     with pytest.raises(SystemExit) as exit_info:
         train_main([recipe, "--output_dir", str(tmp_path / "out")])

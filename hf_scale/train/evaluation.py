@@ -118,8 +118,10 @@ def evaluate(model, dataset, collator, accelerator, *, batch_size: int, num_work
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             targets = count_target_tokens(batch)
             # The loss is sum(token losses) / num_items_in_batch (or the mean, for models that ignore it):
-            # times the target count it is the batch's summed token loss either way.
-            loss = model(**inputs(batch), num_items_in_batch=torch.tensor(targets, device=device)).loss
+            # times the target count it is the batch's summed token loss either way. No KV cache: with one,
+            # transformers ignores packed rows' position ids and packed examples would attend to each other.
+            n_targets = torch.tensor(targets, device=device)
+            loss = model(**inputs(batch), num_items_in_batch=n_targets, use_cache=False).loss
             if counts:
                 totals += torch.stack([loss.detach().double() * targets, totals.new_tensor(targets)])
     finally:

@@ -138,7 +138,7 @@ def prepare_datasets(args: DataArguments, extra: SourceArguments, tokenizer, *, 
         validation = datasets.concatenate_datasets(validation_parts)
         if extra.max_eval_samples is not None:
             validation = validation.select(range(min(extra.max_eval_samples, len(validation))))
-    weights = [s.weight for s in sources] if several else None
+    weights = [s.weight for s in sources] if sources[0].weight is not None else None
     train, taken = mix(train_parts, weights, seed=seed, stopping_strategy=extra.mixture_stopping_strategy)
     manifest = _manifest(sources, train_parts, taken, extra, seed=seed)
     manifest.update(train_examples=len(train), validation_examples=None if validation is None else len(validation))
