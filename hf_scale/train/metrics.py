@@ -1,7 +1,8 @@
 """Per-step training metrics: `OUTPUT_DIR/metrics.jsonl`, the progress bar and the end-of-run summary.
 
 Both loops feed :class:`StepMetrics` with already globally-reduced values; only the main process
-writes. MFU uses the usual dense-transformer count (6·N + 12·L·H·T FLOPs per token: N parameters taking
+writes. Evaluations (hf_scale.train.evaluation) add records with `eval_loss` and `eval_perplexity` in
+place of `loss`. MFU uses the usual dense-transformer count (6·N + 12·L·H·T FLOPs per token: N parameters taking
 part in matmuls — all but an untied input embedding, which is a lookup —, L layers, H hidden size, T the
 mean example length, over which each token attends) and is reported only when the device's peak FLOP/s
 is known.

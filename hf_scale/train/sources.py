@@ -129,8 +129,10 @@ def prepare_datasets(args: DataArguments, extra: SourceArguments, tokenizer, *, 
             train_parts.append(tokenize_dataset(raw["train"], tokenizer, args))
             if eval_requested_by and "validation" in raw:
                 validation_parts.append(tokenize_dataset(raw["validation"], tokenizer, args))
-    if args.validation_file and eval_requested_by:
-        validation_parts.append(tokenize_dataset(_load_file("validation_file", args.validation_file), tokenizer, args))
+    if args.validation_file:  # read (and so checked) even when not evaluated
+        validation_file = _load_file("validation_file", args.validation_file)
+        if eval_requested_by:
+            validation_parts.append(tokenize_dataset(validation_file, tokenizer, args))
     validation = None
     if eval_requested_by:
         if not validation_parts:

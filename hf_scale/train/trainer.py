@@ -3,7 +3,7 @@
 The stock Trainer already normalises the loss by the target tokens of the whole accumulation window
 across ranks (`average_tokens_across_devices`). hf_scale adds the runtime guard before the first
 step and the same per-step `metrics.jsonl` as the manual loop, with unrounded losses (the Trainer's
-own log rounds to 4 digits).
+own log rounds to 4 digits), and evaluates with hf_scale.train.evaluation, as the manual loop does.
 """
 
 from __future__ import annotations
