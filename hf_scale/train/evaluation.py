@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
 from hf_scale.errors import UserError
 from hf_scale.train.data import count_target_tokens
@@ -114,7 +115,9 @@ def evaluate(model, dataset, collator, accelerator, *, batch_size: int, num_work
     was_training = model.training
     model.eval()
     try:
-        for batch, (_, counts) in zip(loader, plan, strict=True):
+        progress = tqdm(zip(loader, plan, strict=True), total=len(plan), desc="evaluating", unit="batch",
+                        leave=False, dynamic_ncols=True, disable=not accelerator.is_main_process)
+        for batch, (_, counts) in progress:
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             targets = count_target_tokens(batch)
             # The loss is sum(token losses) / num_items_in_batch (or the mean, for models that ignore it):
