@@ -64,7 +64,9 @@ class DataArguments:
                   "are mixed (see --mixture_weights), each in its own format."},
     )
     validation_file: str | None = field(
-        default=None, metadata={"help": "Validation data file; same formats as --train_file."}
+        default=None,
+        metadata={"help": "Validation data file (same formats as --train_file), evaluated with --eval_strategy or "
+                  "--do_eval."},
     )
     train_split: str = field(default="train", metadata={"help": "Split of --dataset_name used for training."})
     text_column: str | None = field(
