@@ -101,7 +101,10 @@ BAD_RECIPES = {
     "mapping-for-a-path": ("deepspeed: {zero_optimization: {stage: 3}}\n",
                            "recipe {r}: deepspeed: takes a single value, got a mapping"),
     "not-a-mapping": ("- max_steps\n", "recipe {r}: expected a mapping of flag names to values, got a list"),
-    "duplicate-key": ("max_steps: 1\nmax_steps: 2\n", "recipe {r}: not valid YAML at line 2, column 1: duplicate key 'max_steps' (first at line 1)"),
+    "duplicate-key": (
+        "max_steps: 1\nmax_steps: 2\n",
+        "recipe {r}: not valid YAML at line 2, column 1: duplicate key 'max_steps' (first at line 1)",
+    ),
     "invalid-yaml": ("max_steps: [1\n", "recipe {r}: not valid YAML"),
     "nested-recipe": ("config: other.yaml\n", "recipe {r}: config: a recipe cannot name another recipe"),
     "bad-env": ("env: [A]\n", "recipe {r}: env must be a mapping of variable names to values"),
