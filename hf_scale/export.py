@@ -41,6 +41,7 @@ examples:
   hf-scale export outputs/run/checkpoint-500 exported-bf16/ --dtype bf16 --max-shard-size 2GB
   hf-scale export outputs/lora/checkpoint-200 adapter/                      # LoRA: the adapter only
   hf-scale export outputs/lora/checkpoint-200 merged/ --lora merged         # LoRA merged into the base
+  hf-scale export outputs/run/checkpoint-500 exported/ --push-to-hub me/my-model   # then upload it (HF_TOKEN)
   python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('exported/')"
 """
 
@@ -74,17 +75,34 @@ def register(subparsers) -> None:
         metavar="SIZE",
         help="largest safetensors file, e.g. 5GB, 500MB (default 5GB); bigger models are split, with an index",
     )
+    parser.add_argument(
+        "--push-to-hub",
+        metavar="REPO_ID",
+        help="after writing OUT_DIR, upload it to this Hub model repository (created if missing); the token is "
+        "HF_TOKEN or the one saved by `hf auth login`, the endpoint HF_ENDPOINT",
+    )
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     parser.set_defaults(func=_handle)
 
 
 def _handle(args) -> int:
-    export(
+    from hf_scale import hub
+
+    target = None
+    if args.push_to_hub is not None:
+        target = hub.HubTarget(repo_id=args.push_to_hub, private=True if args.private else None)
+        hub.check_target(target, "--push-to-hub")
+    elif args.private:
+        raise UserError("--private: only used with --push-to-hub REPO_ID")
+    out_dir = export(
         Path(args.checkpoint_dir),
         Path(args.out_dir),
         dtype=args.dtype,
         lora=args.lora,
         max_shard_size=args.max_shard_size,
     )
+    if target is not None:
+        hub.push_folder(out_dir, target, "--push-to-hub", message=f"hf-scale export of {args.checkpoint_dir}")
     return 0
 
 

@@ -66,6 +66,8 @@ def read_metrics(path: Path) -> list[dict]:
             raise UserError(
                 f"{path}:{number}: not a JSON object ({error.msg}); expected train.py's metrics.jsonl"
             ) from None
+        if isinstance(record, dict) and "eval_loss" in record and "loss" not in record:
+            continue  # an evaluation record (--eval_strategy); the curve is the training loss
         if not isinstance(record, dict) or "step" not in record or "loss" not in record:
             raise UserError(
                 f"{path}:{number}: a metrics record needs 'step' and 'loss'; expected train.py's metrics.jsonl"
