@@ -1783,9 +1783,9 @@ def _accelerate_launch_env(yaml_path: Path, raw: dict[str, Any]) -> tuple[dict[s
             if args.tpu or raw.get("compute_environment") == "AMAZON_SAGEMAKER":
                 return None, None
             return launch_utils.prepare_simple_launcher_cmd_env(args)[1], None
-    except (ConnectionError, RuntimeError, OSError):
+    except (ConnectionError, RuntimeError):  # a port in use here, FP8 not installed here
         return None, None
-    except (ValueError, TypeError, KeyError, AttributeError, AssertionError) as error:
+    except Exception as error:  # noqa: BLE001 -- any refusal of accelerate's code is a finding, never a traceback
         return None, " ".join(f"{type(error).__name__}: {error}".split())
     finally:
         logger.setLevel(level)
