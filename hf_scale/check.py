@@ -92,7 +92,16 @@ class CheckInputs:
     training: dict[str, Any] | None = None
     """Parsed ``TrainingArguments`` fields (defaults included) when training args were given."""
     training_argv: tuple[str, ...] = ()
-    gpu_count: int = 0
+    gpus_per_machine: int | None = None
+    """``--gpus-per-machine N``: GPUs per machine on the target cluster; None = not assumed (no GPU findings)."""
+    launch_env: dict[str, str] | None = None
+    """The environment `accelerate launch` would give the training processes for this YAML (computed by
+    accelerate's own launch code, nothing started); None when it could not be computed."""
+    launch_error: str | None = None
+    """Why accelerate's launch code refuses the YAML (a value it cannot use), if it does."""
+    inline_deepspeed: dict[str, Any] | None = None
+    """For a DeepSpeed YAML without ``deepspeed_config_file``: the DeepSpeed config accelerate's
+    DeepSpeedPlugin builds from it, exactly as train.py builds it (hf_scale.train.inline_deepspeed)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,16 +122,39 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# A misspelling is close to the key it means (difflib ratio >= 0.8: `overlap_com`, `zero3_init_flg`,
+# `gradient_acumulation_steps`); below that a suggestion names an unrelated key (`_comment` -> `comet`).
+_SUGGESTION_CUTOFF = 0.8
+
+
+def is_comment_key(key: Any) -> bool:
+    """`_comment`, `_read_the_docs`, `comment`, `__notes`: keys people add to explain a JSON file."""
+    return isinstance(key, str) and (key.startswith("_") or "comment" in key.lower())
+
+
 def _closest(name: str, known: Any) -> str | None:
-    matches = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    if is_comment_key(name):
+        return None
+    matches = difflib.get_close_matches(name, sorted(known), n=1, cutoff=_SUGGESTION_CUTOFF)
     return matches[0] if matches else None
 
 
-def _rename_fix(name: str, known: Any, what: str) -> str:
+def _ignored_key_severity(name: str, known: Any) -> str:
+    """A key the library ignores silently: an error when it is a misspelling of a key it reads (the setting
+    written does not happen), a warning for a foreign key (e.g. another tool's `monitor_config`)."""
+    return ERROR if _closest(name, known) else WARNING
+
+
+def _in(file: str) -> str:
+    """The start of a fix text: which file to edit."""
+    return f"In {Path(file).name}, "
+
+
+def _rename_fix(name: str, known: Any, what: str, file: str) -> str:
     suggestion = _closest(name, known)
     if suggestion:
-        return f"Rename `{name}` to `{suggestion}` (the closest {what})."
-    return f"Remove `{name}`; it is not a {what}."
+        return f"{_in(file)}rename `{name}` to `{suggestion}` (the closest {what})."
+    return f"{_in(file)}remove `{name}`; it is not a {what}."
 
 
 def _auto_paths(node: Any, prefix: str = "") -> Iterator[str]:
@@ -191,6 +223,9 @@ def _ds_view(inp: CheckInputs) -> _DsView | None:
         return _DsView(inp.deepspeed, inp.deepspeed_file or "", from_yaml=False)
     if not _is_deepspeed_yaml(inp):
         return None
+    if inp.inline_deepspeed is not None:
+        return _DsView(inp.inline_deepspeed, inp.accelerate_file, from_yaml=True)
+    # accelerate's launch code could not read the YAML (reported as such): map its keys by hand.
     section = inp.accelerate.get("deepspeed_config")
     section = section if isinstance(section, dict) else {}  # not a mapping: `accelerate-value-invalid`
     config: dict[str, Any] = {"zero_optimization": {"stage": 2}}  # accelerate's default ZeRO stage
@@ -227,19 +262,47 @@ def _training_source(inp: CheckInputs, name: str) -> _Source | None:
     return _Source(TRAINING_ARGS, f"--{name}" + ("" if given else " (default)"), inp.training[name])
 
 
-def _disagreement(code: str, what: str, sources: list[_Source], fix: str) -> Iterator[Finding]:
-    """One error when the known values of the same setting differ."""
+def _disagreement(
+    code: str, what: str, sources: list[_Source], fix: str, severity: str = ERROR, note: str = ""
+) -> Iterator[Finding]:
+    """One finding (an error unless told) when the known values of the same setting differ."""
     if len({repr(s.value) for s in sources}) > 1:
         listing = ", ".join(f"{s.label}={s.value!r}" for s in sources)
         yield Finding(
-            ERROR,
+            severity,
             code,
             sources[0].file,
             sources[0].key,
-            f"{what} disagrees: {listing}.",
+            f"{what} disagrees: {listing}.{note}",
             fix,
             {s.where: s.value for s in sources},
         )
+
+
+def _agree_fix(sources: list[_Source], hint: str = "") -> str:
+    """"Make a.yaml:key, b.json:key and --flag equal" — every place that holds one of the values."""
+    places = [s.key.split(" ")[0] if s.file == TRAINING_ARGS else s.label for s in sources]
+    listing = ", ".join(places[:-1]) + f" and {places[-1]}" if len(places) > 1 else places[0]
+    return f"Make {listing} equal{hint}."
+
+
+def _only_a_default_flag_differs(inp: CheckInputs, sources: list[_Source], flags: tuple[str, ...]) -> bool:
+    """The values written in an inline DeepSpeed YAML agree, and only a training flag left at its default
+    differs: train.py then takes the YAML's value (hf_scale.train.inline_deepspeed), the HF Trainer stops."""
+    written = [s for s in sources if s.file != TRAINING_ARGS]
+    defaults = [s for s in sources if s.file == TRAINING_ARGS]
+    return (
+        _is_deepspeed_yaml(inp)
+        and inp.deepspeed is None
+        and bool(written and defaults)
+        and len({repr(s.value) for s in written}) == 1
+        and not any(_flag_given(inp.training_argv, flag) for flag in flags)
+    )
+
+
+_DEFAULT_FLAG_NOTE = (
+    " train.py takes the YAML's value; a plain HF Trainer script stops at start on this mismatch."
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -416,9 +479,15 @@ def _pydantic_names(model: Any, loc: tuple[Any, ...]) -> set[str]:
     from pydantic import BaseModel
 
     for part in loc:
-        annotation = model.model_fields[part].annotation
-        candidates = [annotation, *typing.get_args(annotation)]
-        model = next(c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel))
+        field_info = model.model_fields.get(part) or next(
+            (f for f in model.model_fields.values() if f.alias == part), None
+        )
+        if field_info is None:
+            return set()
+        candidates = [field_info.annotation, *typing.get_args(field_info.annotation)]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return set()
     return set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 
@@ -447,7 +516,7 @@ def check_accelerate_top_level(inp: CheckInputs) -> Iterator[Finding]:
             inp.accelerate_file,
             key,
             "Not an accelerate config key: `accelerate launch` refuses the file.",
-            _rename_fix(key, known, "accelerate config key"),
+            _rename_fix(key, known, "accelerate config key", inp.accelerate_file),
             {f"{inp.accelerate_file}:{key}": inp.accelerate[key]},
         )
     # With unknown keys the loader fails on them first; anything else it reports on its own.
@@ -458,14 +527,36 @@ def check_accelerate_top_level(inp: CheckInputs) -> Iterator[Finding]:
             inp.accelerate_file,
             "(file)",
             f"accelerate's config loader rejects the file: {inp.accelerate_loader_error}",
-            "Fix the value accelerate names (regenerate with `accelerate config` or `hf-scale generate`).",
+            f"{_in(inp.accelerate_file)}fix the value accelerate names (or regenerate the file with "
+            "`accelerate config` or `hf-scale generate`).",
         )
+
+
+@_check
+def check_accelerate_launch(inp: CheckInputs) -> Iterator[Finding]:
+    """`accelerate-launch-fails`: `accelerate launch`'s own code (run up to where it would start the
+    processes) fails on a value of the YAML, e.g. `num_machines: "2"`; values it converts itself (a quoted
+    `machine_rank: "1"`) are accepted as it accepts them."""
+    if inp.launch_error is None or inp.accelerate_loader_error is not None:
+        return
+    if any(problem for _, _, problem in _accelerate_value_problems(inp)):
+        return  # `accelerate-value-invalid` names the value accelerate fails on
+    yield Finding(
+        ERROR,
+        "accelerate-launch-fails",
+        inp.accelerate_file,
+        "(file)",
+        f"`accelerate launch` fails on this file: {inp.launch_error}",
+        f"{_in(inp.accelerate_file)}write the value accelerate cannot use as a plain number/string of the "
+        "type `accelerate config` writes.",
+    )
 
 
 @_check
 def check_accelerate_nested_keys(inp: CheckInputs) -> Iterator[Finding]:
     """`unknown-accelerate-key`: misspelled/unknown keys under `deepspeed_config` / `fsdp_config`
-    (accelerate copies them onto its launch arguments silently, so they have no effect)."""
+    (accelerate copies them onto its launch arguments silently, so they have no effect): an error for a
+    misspelling of a known key, a warning for another key."""
     for section, prefix in (("deepspeed_config", ""), ("fsdp_config", "fsdp_")):
         values = inp.accelerate.get(section)
         if not isinstance(values, dict):
@@ -474,14 +565,15 @@ def check_accelerate_nested_keys(inp: CheckInputs) -> Iterator[Finding]:
         for key, value in values.items():
             # accelerate prefixes fsdp_config keys with "fsdp_" when they lack it (_validate_launch_command).
             effective = key if key.startswith(prefix) else prefix + key
-            if effective not in known:
+            # A comment key is copied onto the launch arguments like any other and changes nothing.
+            if effective not in known and not is_comment_key(key):
                 yield Finding(
-                    ERROR,
+                    _ignored_key_severity(effective, known),
                     "unknown-accelerate-key",
                     inp.accelerate_file,
                     f"{section}.{key}",
                     "Not an option accelerate reads: ignored without a warning.",
-                    _rename_fix(effective, known, f"`{section}` key"),
+                    _rename_fix(effective, known, f"`{section}` key", inp.accelerate_file),
                     {f"{inp.accelerate_file}:{section}.{key}": value},
                 )
 
@@ -500,7 +592,8 @@ def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:
             key,
             f"`{written}` exists next to the YAML but not in the current directory, and `accelerate "
             "launch` resolves it relative to the directory it is started from.",
-            "Write an absolute path, or a path relative to the directory you launch from.",
+            f"{_in(inp.accelerate_file)}write `{key}` as an absolute path, or relative to the directory you "
+            "launch from.",
             {f"{inp.accelerate_file}:{key}": written},
         )
     elif inp.deepspeed_path_note == "cwd_only":
@@ -511,7 +604,8 @@ def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:
             key,
             f"`{written}` resolves only relative to the current directory: "
             "launching from anywhere else fails.",
-            "Write an absolute path, or always launch from this directory.",
+            f"{_in(inp.accelerate_file)}write `{key}` as an absolute path, or always launch from this "
+            "directory.",
             {f"{inp.accelerate_file}:{key}": written},
         )
     refs = inp.deepspeed_refs
@@ -533,7 +627,7 @@ def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:
                     if used_by_job
                     else " (the job uses the YAML's; this checked the other)."
                 ),
-                "Point both at the same JSON file.",
+                f"Point {where_a} and {where_b} at the same JSON file.",
                 {where_a: written_a, where_b: written_b},
             )
 
@@ -551,18 +645,22 @@ def check_deepspeed_unused(inp: CheckInputs) -> Iterator[Finding]:
         inp.accelerate_file,
         "distributed_type",
         f"distributed_type is {dtype!r}, so `accelerate launch` does not use {inp.deepspeed_file}.",
-        "Set `distributed_type: DEEPSPEED` with `deepspeed_config.deepspeed_config_file`, or pass "
-        "`--deepspeed FILE` in the training args.",
+        f"{_in(inp.accelerate_file)}set `distributed_type: DEEPSPEED` with "
+        "`deepspeed_config.deepspeed_config_file`, or pass `--deepspeed FILE` in the training args.",
         {f"{inp.accelerate_file}:distributed_type": dtype},
     )
 
 
 @_check
 def check_duplicated_deepspeed_keys(inp: CheckInputs) -> Iterator[Finding]:
-    """`ds-key-duplicated`: the YAML sets keys next to `deepspeed_config_file` that accelerate refuses at
-    launch ("the following accelerate config variables will be ignored")."""
+    """`ds-key-duplicated`: the YAML sets DeepSpeed keys next to `deepspeed_config_file`, or inline while the
+    training args pass `--deepspeed FILE`: accelerate refuses them ("the following accelerate config
+    variables will be ignored") at launch, resp. when TrainingArguments builds its DeepSpeed plugin."""
     section = inp.accelerate.get("deepspeed_config")
-    if not _is_deepspeed_yaml(inp) or not isinstance(section, dict) or "deepspeed_config_file" not in section:
+    if not _is_deepspeed_yaml(inp) or not isinstance(section, dict):
+        return
+    flag_json = "deepspeed_config_file" not in section and bool(inp.training and inp.training.get("deepspeed"))
+    if "deepspeed_config_file" not in section and not flag_json:
         return
     for key in DS_FILE_CONFLICTING_YAML_KEYS:
         yaml_key = key if key == "mixed_precision" else f"deepspeed_config.{key}"
@@ -579,9 +677,16 @@ def check_duplicated_deepspeed_keys(inp: CheckInputs) -> Iterator[Finding]:
             "ds-key-duplicated",
             inp.accelerate_file,
             yaml_key,
-            "Set next to `deepspeed_config_file`: accelerate raises at launch (with a JSON file it "
-            "takes this setting only from the JSON).",
-            f"Delete `{yaml_key}` from the YAML and set `{ds_path}` in the DeepSpeed JSON.",
+            (
+                "Set in the YAML while the training args pass --deepspeed: accelerate raises when "
+                "TrainingArguments builds its DeepSpeed plugin (with a JSON it takes this setting only from it)."
+                if flag_json
+                else "Set next to `deepspeed_config_file`: accelerate raises at launch (with a JSON file it "
+                "takes this setting only from the JSON)."
+            ),
+            f"Delete `{yaml_key}` from {Path(inp.accelerate_file).name} and set `{ds_path}` in "
+            f"{Path(inp.deepspeed_file or 'the DeepSpeed JSON').name}"
+            + (", or drop --deepspeed from the training args." if flag_json else "."),
             values,
         )
 
@@ -589,7 +694,8 @@ def check_duplicated_deepspeed_keys(inp: CheckInputs) -> Iterator[Finding]:
 @_check
 def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:
     """`grad-accum-mismatch`: gradient accumulation differs between the YAML, the JSON and the training
-    args."""
+    args (a warning when only a flag left at its default differs from an inline `deepspeed_config`: train.py
+    takes the YAML's value, a plain HF Trainer stops)."""
     sources = [
         _Source(inp.accelerate_file, key, _get(inp.accelerate, key))
         for key in ("deepspeed_config.gradient_accumulation_steps", "gradient_accumulation_steps")
@@ -605,12 +711,15 @@ def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:
         )
     if (training := _training_source(inp, "gradient_accumulation_steps")) is not None:
         sources.append(training)
+    soft = _only_a_default_flag_differs(inp, sources, ("gradient_accumulation_steps",))
+    hint = ' ("auto" in the DeepSpeed JSON follows the training args)' if inp.deepspeed is not None else ""
     yield from _disagreement(
         "grad-accum-mismatch",
         "gradient_accumulation_steps",
         sources,
-        'Keep one value: set it in the training args and "auto" in the DeepSpeed JSON '
-        "(drop it from the YAML).",
+        _agree_fix(sources, hint) if len(sources) > 1 else "",
+        WARNING if soft else ERROR,
+        _DEFAULT_FLAG_NOTE if soft else "",
     )
 
 
@@ -626,53 +735,119 @@ def check_micro_batch(inp: CheckInputs) -> Iterator[Finding]:
         "micro-batch-mismatch",
         "the micro batch size per device",
         [_Source(inp.deepspeed_file or "", "train_micro_batch_size_per_gpu", micro), training],
-        'Set `train_micro_batch_size_per_gpu` to "auto" (the Trainer fills it) or to the same number.',
+        f'{_in(inp.deepspeed_file or "")}set `train_micro_batch_size_per_gpu` to "auto" (the Trainer fills '
+        "it) or to --per_device_train_batch_size.",
+    )
+
+
+_UNKNOWN = object()
+"""A batch value that is "auto" and whose runner-filled value the inputs do not tell."""
+
+
+def _batch_value(inp: CheckInputs, key: str, flag: str) -> Any:
+    """What DeepSpeed will see for one batch key: an int, None (absent: DeepSpeed derives it) or _UNKNOWN."""
+    value = _get(inp.deepspeed, key, None)
+    if value is None:
+        # accelerate's DeepSpeedPlugin (both the Trainer and an Accelerator loop) writes a missing
+        # gradient_accumulation_steps as 1.
+        return 1 if key == "gradient_accumulation_steps" and inp.runner != "deepspeed" else None
+    if value == "auto" and inp.runner == "trainer" and inp.training is not None:
+        return inp.training[flag]
+    return value if _is_int(value) and value > 0 else _UNKNOWN  # <= 0: `deepspeed-value-invalid`
+
+
+def _deepspeed_accepts_batch(total: Any, micro: Any, accum: Any, world: int) -> tuple[bool, Any, Any]:
+    """Run DeepSpeed's own batch arithmetic (DeepSpeedConfig._configure_train_batch_size: derive the missing
+    values, then assert) on the four numbers; returns (accepted, derived micro, derived accumulation). The
+    two methods read only these attributes, so no full config is needed."""
+    with _deepspeed_off_stdout():
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = object.__new__(DeepSpeedConfig)
+    config.train_batch_size, config.train_micro_batch_size_per_gpu = total, micro
+    config.gradient_accumulation_steps, config.world_size = accum, world
+    try:
+        config._configure_train_batch_size()
+    except AssertionError:
+        return False, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps
+    return True, micro, accum
+
+
+def _batch_problem(total: Any, micro: Any, accum: Any, world: int) -> tuple[str, str, str] | None:
+    """(code, problem, fix) when DeepSpeed's batch arithmetic fails for these values, else None."""
+    if micro is None and total is None:
+        ok = False
+    elif _UNKNOWN in (micro, accum):
+        # "auto" the runner fills: still impossible when train_batch_size is no multiple of the known part.
+        other = accum if micro is _UNKNOWN else micro
+        if other is None or total % (world * other) == 0:
+            return None
+        known = world * other
+        what = "gradient_accumulation_steps" if micro is _UNKNOWN else "train_micro_batch_size_per_gpu"
+        return (
+            "train-batch-invalid",
+            f"train_batch_size={total} is not a multiple of {what} x world size = {known}: whatever the "
+            "runner fills in for the \"auto\" value, DeepSpeed asserts at start.",
+            f"set `train_batch_size` to a multiple of {known}, or to \"auto\".",
+        )
+    else:
+        ok, micro_seen, accum_seen = _deepspeed_accepts_batch(total, micro, accum, world)
+    if ok:
+        return None
+    if total is None:
+        return (
+            "train-batch-invalid",
+            "neither train_batch_size nor train_micro_batch_size_per_gpu is set: DeepSpeed asserts at start.",
+            'set `train_micro_batch_size_per_gpu` (or "auto" for the Trainer) or `train_batch_size`.',
+        )
+    if micro is not None and accum is not None:
+        product = micro * accum * world
+        return (
+            "train-batch-mismatch",
+            f"train_batch_size={total} but micro batch x accumulation x world size = "
+            f"{micro} x {accum} x {world} = {product} (DeepSpeed asserts at start).",
+            f'set `train_batch_size` to {product}, or to "auto".',
+        )
+    derived, given, known = (
+        ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", accum or 1)
+        if micro is None
+        else ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", micro)
+    )
+    return (
+        "train-batch-invalid",
+        f"train_batch_size={total} over world size {world} x {given} {known}: DeepSpeed derives "
+        f"{derived} = {total} / {world * known} = {total / (world * known):g}, "
+        + ("0" if total < world * known else "not a whole number")
+        + " (it floors it and asserts at start).",
+        f"set `train_batch_size` to a multiple of {world * known} "
+        f"(e.g. {world * known * max(1, total // (world * known))}), or set `{derived}`.",
     )
 
 
 @_check
 def check_train_batch_size(inp: CheckInputs) -> Iterator[Finding]:
-    """`train-batch-mismatch`: `train_batch_size` != micro batch x accumulation x world size (world size is
-    the YAML's `num_processes`, the total over all machines)."""
-    total = _get(inp.deepspeed, "train_batch_size")
+    """`train-batch-mismatch`, `train-batch-invalid`: DeepSpeed's batch arithmetic fails: `train_batch_size`
+    != micro batch x accumulation x world size, or the value DeepSpeed derives is 0 or not a whole number
+    (e.g. `train_batch_size` smaller than the world size), or no batch size is set at all. The world size is
+    the YAML's `num_processes`, the total over all machines."""
     world = _world_size(inp)
-    if not _is_int(total) or world is None:
+    if inp.deepspeed is None or world is None or _get(inp.deepspeed, "train_batch_size", None) == "auto":
+        return  # "auto": the runner computes it from the other two
+    total = _batch_value(inp, "train_batch_size", "")
+    micro = _batch_value(inp, "train_micro_batch_size_per_gpu", "per_device_train_batch_size")
+    accum = _batch_value(inp, "gradient_accumulation_steps", "gradient_accumulation_steps")
+    if total is _UNKNOWN or (micro is _UNKNOWN and accum is _UNKNOWN) or (total is None and micro is not None):
+        return  # unknown, or DeepSpeed computes train_batch_size from the micro batch
+    problem = _batch_problem(total, micro, accum, world)
+    if problem is None:
         return
-    training = inp.training if inp.runner == "trainer" else None
-    micro = _get(inp.deepspeed, "train_micro_batch_size_per_gpu")
-    if not _is_int(micro) and training is not None:
-        micro = training["per_device_train_batch_size"]
-    accum = _get(inp.deepspeed, "gradient_accumulation_steps")
-    if not _is_int(accum):
-        accum = (
-            training["gradient_accumulation_steps"]
-            if training is not None
-            else _get(inp.accelerate, "deepspeed_config.gradient_accumulation_steps", None)
-        )
-    values = {f"{inp.deepspeed_file}:train_batch_size": total, f"{inp.accelerate_file}:num_processes": world}
-    if _is_int(micro) and _is_int(accum):
-        if total != micro * accum * world:
-            yield Finding(
-                ERROR,
-                "train-batch-mismatch",
-                inp.deepspeed_file or "",
-                "train_batch_size",
-                f"train_batch_size={total} but micro batch x accumulation x world size = "
-                f"{micro} x {accum} x {world} = {micro * accum * world} (DeepSpeed asserts at start).",
-                f'Set train_batch_size to {micro * accum * world}, or to "auto".',
-                {**values, "micro_batch": micro, "gradient_accumulation_steps": accum},
-            )
-    elif _is_int(accum) and total % (accum * world):
-        yield Finding(
-            ERROR,
-            "train-batch-mismatch",
-            inp.deepspeed_file or "",
-            "train_batch_size",
-            f"train_batch_size={total} is not divisible by accumulation x world size = {accum} x {world}, "
-            "so DeepSpeed cannot derive a micro batch size.",
-            f"Use a multiple of {accum * world}.",
-            {**values, "gradient_accumulation_steps": accum},
-        )
+    code, text, fix = problem
+    file = inp.deepspeed_file or ""
+    values = {f"{file}:train_batch_size": total, f"{inp.accelerate_file}:num_processes": world}
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
+        if value is not _UNKNOWN:
+            values[key] = value
+    yield Finding(ERROR, code, file, "train_batch_size", text, _in(file) + fix, values)
 
 
 def _precision_sources(inp: CheckInputs) -> tuple[list[_Source], dict[str, _Source]]:
@@ -696,12 +871,18 @@ def _precision_sources(inp: CheckInputs) -> tuple[list[_Source], dict[str, _Sour
 @_check
 def check_precision(inp: CheckInputs) -> Iterator[Finding]:
     """`precision-mismatch`: accelerate `mixed_precision`, DeepSpeed's fp16/bf16 blocks and `--bf16/--fp16`
-    ask for different precisions."""
+    ask for different precisions (a warning when only unset flags differ from an inline `deepspeed_config`
+    YAML, as for grad-accum-mismatch)."""
     wanted, explicit = _precision_sources(inp)
-    fix = (
-        'Pick one precision; in the DeepSpeed JSON set `"enabled": "auto"` so it follows the other settings.'
+    soft = _only_a_default_flag_differs(inp, wanted, ("bf16", "fp16"))
+    yield from _disagreement(
+        "precision-mismatch",
+        "mixed precision",
+        wanted,
+        _agree_fix(wanted, " (one precision: no, fp16 or bf16)") if len(wanted) > 1 else "",
+        WARNING if soft else ERROR,
+        _DEFAULT_FLAG_NOTE if soft else "",
     )
-    yield from _disagreement("precision-mismatch", "mixed precision", wanted, fix)
     for source in wanted:
         # accelerate runs fp8 on top of DeepSpeed's bf16 (DeepSpeedPlugin.set_mixed_precision).
         asked = "bf16" if source.value == "fp8" else source.value
@@ -713,7 +894,8 @@ def check_precision(inp: CheckInputs) -> Iterator[Finding]:
                     ds.file,
                     ds.key,
                     f"{ds.label}={ds.value} but {source.label}={source.value!r}.",
-                    fix,
+                    f'{_in(ds.file)}set `{ds.key}` to "auto" (it then follows {source.label}), or make the two '
+                    "agree.",
                     {ds.where: ds.value, source.where: source.value},
                 )
 
@@ -729,7 +911,8 @@ def check_fp16_and_bf16(inp: CheckInputs) -> Iterator[Finding]:
             explicit["fp16"].file,
             "fp16.enabled",
             "fp16 and bf16 are both enabled; DeepSpeed refuses this.",
-            "Enable one of them (bf16 on Ampere+).",
+            f"{_in(explicit['fp16'].file)}enable only one of `fp16.enabled` and `{explicit['bf16'].key}` "
+            "(bf16 on Ampere+).",
             {s.where: s.value for s in explicit.values()},
         )
     if inp.training is not None and inp.training["fp16"] and inp.training["bf16"]:
@@ -739,7 +922,7 @@ def check_fp16_and_bf16(inp: CheckInputs) -> Iterator[Finding]:
             TRAINING_ARGS,
             "--fp16/--bf16",
             "Both --fp16 and --bf16 are given; TrainingArguments refuses this.",
-            "Pass only one of them.",
+            "Pass only one of --fp16 and --bf16 in the training args.",
             {f"{TRAINING_ARGS}:--fp16": True, f"{TRAINING_ARGS}:--bf16": True},
         )
 
@@ -765,15 +948,137 @@ def check_auto_values(inp: CheckInputs) -> Iterator[Finding]:
                 inp.deepspeed_file or "",
                 path,
                 f'"auto", but {reason}.',
-                "Write a concrete value (`hf-scale generate` writes a resolved JSON for this runner).",
+                f"{_in(inp.deepspeed_file or '')}write a concrete value for `{path}` (`hf-scale generate` "
+                "writes a resolved JSON for this runner).",
                 {f"{inp.deepspeed_file}:{path}": "auto"},
             )
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_PARSE_ERRORS = (AssertionError, ValueError, TypeError, KeyError, AttributeError)
+
+
+@functools.cache
+def _deepspeed_models() -> dict[str, Any]:
+    """DeepSpeed's pydantic config classes by name (a ValidationError names its model in ``title``)."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    found, todo = {}, [DeepSpeedConfigModel]
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def _section_errors(sample: dict[str, Any], key: str) -> tuple[list[dict[str, Any]], Any, str | None]:
+    """Parse one top-level section on its own with DeepSpeedConfig, so that an invalid key elsewhere cannot
+    hide it: (pydantic error items, the model that raised, or another parse error's message)."""
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    alone = {k: sample[k] for k in _BATCH_KEYS if k in sample} or {"train_batch_size": 1}
+    alone[key] = sample[key]
+    try:
+        DeepSpeedConfig(alone)
+    except pydantic.ValidationError as error:
+        return error.errors(), _deepspeed_models().get(error.title), None
+    except (DeepSpeedConfigError, *_PARSE_ERRORS) as error:
+        return [], None, " ".join(str(error).split())
+    return [], None, None
+
+
+@_check
+def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
+    """`ds-overrides-flags` (warning; an error when a replaced flag is given explicitly): the JSON's
+    `optimizer` block replaces `--optim`/`--optim_args`, its `scheduler` block `--lr_scheduler_type`/
+    `--lr_scheduler_kwargs` (e.g. WarmupLR: constant after a logarithmic warmup, where the Trainer's default
+    decays linearly). train.py warns the same way, and refuses to start on an explicit flag."""
+    if inp.deepspeed is None or inp.runner != "trainer":
+        return
+    from hf_scale import deepspeed_overrides
+
+    file = inp.deepspeed_file or ""
+    for override in deepspeed_overrides.find_overrides(inp.deepspeed, inp.training_argv):
+        flags = " / ".join(f"--{flag}" for flag in (override.given or override.flags[:1]))
+        key = override.path if override.ds_type is not None else override.block
+        yield Finding(
+            ERROR if override.given else WARNING,
+            "ds-overrides-flags",
+            file,
+            key,
+            deepspeed_overrides.describe(override, inp.training or {}) + ".",
+            (
+                f"{_in(file)}remove the `{override.block}` block (`{key}`) to get {flags}, or drop {flags} "
+                "from the training args."
+                if override.given
+                else f"{_in(file)}keep `{key}` to run DeepSpeed's {override.block}, or remove the "
+                f"`{override.block}` block to let {flags} decide."
+            ),
+            {f"{file}:{key}": override.ds_type, **{f"{TRAINING_ARGS}:--{f}": (inp.training or {}).get(f)
+                                                 for f in override.given}},
+        )
+
+
+# Trainer comparisons already reported by their own checks (batch sizes, accumulation, precision).
+_COMPARED_ELSEWHERE = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "fp16.enabled",
+    "bf16.enabled",
+)
+_MISMATCH_LINE = re.compile(r"- ds (?P<key>\S+)=(?P<ds>.*) vs hf (?P<hf>\S+)=(?P<flag>.*)")
+
+
+@_check
+def check_trainer_compared_values(inp: CheckInputs) -> Iterator[Finding]:
+    """`ds-trainer-mismatch`: a concrete value of the JSON that the HF Trainer compares with a training flag
+    differs from it (`gradient_clipping` vs `--max_grad_norm`, the optimizer's lr/betas/eps/weight_decay,
+    the scheduler's `warmup_max_lr` vs `--learning_rate`), defaults included: the Trainer stops at start
+    ("mismatch"). Found with transformers' own HfTrainerDeepSpeedConfig."""
+    if inp.deepspeed is None or inp.runner != "trainer" or inp.training is None:
+        return
+    import types
+
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    args = types.SimpleNamespace(**inp.training, world_size=_world_size(inp) or 1)
+    try:
+        resolver = HfTrainerDeepSpeedConfig(copy.deepcopy(inp.deepspeed))
+        resolver.trainer_config_process(args)
+    except _PARSE_ERRORS:
+        return  # the schema checks report what it cannot read
+    finally:
+        unset_hf_deepspeed_config()  # the resolver registers itself globally
+    file = inp.deepspeed_file or ""
+    for line in resolver.mismatches:
+        match = _MISMATCH_LINE.fullmatch(line)
+        if match is None or match["key"] in _COMPARED_ELSEWHERE:
+            continue
+        flags = "/".join(f"--{name}" for name in re.split(r"[+|]", match["hf"]))
+        yield Finding(
+            ERROR,
+            "ds-trainer-mismatch",
+            file,
+            match["key"],
+            f"{match['key']}={match['ds']} but {flags}={match['flag']}"
+            + (" (default)" if not any(_flag_given(inp.training_argv, f[2:]) for f in flags.split("/")) else "")
+            + ": the HF Trainer (and train.py) stop at start on this mismatch.",
+            f'{_in(file)}set `{match["key"]}` to "auto" (it then follows {flags}), or pass the same value '
+            f"as {flags} in the training args.",
+            {f"{file}:{match['key']}": _get(inp.deepspeed, match["key"], None),
+             f"{TRAINING_ARGS}:{flags}": match["flag"]},
+        )
 
 
 @_check
 def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
     """`unknown-deepspeed-key`, `deepspeed-config-invalid`: DeepSpeed's own parser (after "auto" -> sample
-    values) rejects a key, or never reads a top-level key (DeepSpeed ignores it silently)."""
+    values) rejects a key or a value, or never reads a top-level key (ignored silently: an error for a
+    misspelling of a key it reads, a warning for another key). Every section is parsed on its own, so every
+    invalid key is reported, not only the first; comment keys at the top level (`_comment`,
+    `_read_the_docs`) are fine."""
     if inp.deepspeed is None:
         return
     import pydantic
@@ -782,64 +1087,67 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
     sample = _with_sample_values(inp.deepspeed)
     with _deepspeed_off_stdout():
         from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
 
-        if isinstance(sample.get("zero_optimization"), dict):
-            try:
-                get_zero_config(sample)
-            except pydantic.ValidationError as error:
-                for item in error.errors():
-                    loc = tuple(str(part) for part in item["loc"])
-                    yield _zero_finding(file, inp.deepspeed, loc, item, DeepSpeedZeroConfig)
-                    # Drop the bad key so that DeepSpeedConfig below can still report everything else.
-                    _drop(sample["zero_optimization"], loc)
+        for key in [k for k in sample if k not in _BATCH_KEYS]:
+            items, model, message = _section_errors(sample, key)
+            for item in items:
+                yield _schema_finding(file, inp.deepspeed, key, item, model)
+            if message is not None:
+                yield Finding(
+                    ERROR,
+                    "deepspeed-config-invalid",
+                    file,
+                    key,
+                    f"DeepSpeed refuses `{key}`: {message}",
+                    f"{_in(file)}fix `{key}` as DeepSpeed says.",
+                    {f"{file}:{key}": inp.deepspeed.get(key)},
+                )
+            if items or message is not None:
+                del sample[key]  # reported: parse the rest without it
         tracked = _ReadTracker(sample)
         try:
             DeepSpeedConfig(tracked)
-        except (
-            DeepSpeedConfigError,
-            pydantic.ValidationError,
-            AssertionError,
-            ValueError,
-            TypeError,
-            KeyError,
-            AttributeError,  # e.g. an `optimizer` that is not a mapping: DeepSpeed calls .keys() on it
-        ) as error:
+        except (DeepSpeedConfigError, pydantic.ValidationError, *_PARSE_ERRORS) as error:
             yield Finding(
                 ERROR,
                 "deepspeed-config-invalid",
                 file,
                 "(file)",
                 f"DeepSpeed refuses the config: {' '.join(str(error).split())}",
-                "Fix the value DeepSpeed names.",
+                f"{_in(file)}fix the value DeepSpeed names.",
             )
             return
     for key in inp.deepspeed:
-        if key not in tracked.read:
+        if key in sample and key not in tracked.read and not is_comment_key(key):
             yield Finding(
-                ERROR,
+                _ignored_key_severity(key, tracked.read),
                 "unknown-deepspeed-key",
                 file,
                 key,
                 "DeepSpeed never reads this top-level key: ignored without a warning.",
-                _rename_fix(key, tracked.read, "DeepSpeed config key"),
+                _rename_fix(key, tracked.read, "DeepSpeed config key", file),
                 {f"{file}:{key}": inp.deepspeed[key]},
             )
 
 
-def _zero_finding(
-    file: str, ds: dict[str, Any], loc: tuple[str, ...], item: dict[str, Any], zero_model: Any
-) -> Finding:
-    path = "zero_optimization." + ".".join(loc)
+def _schema_finding(file: str, ds: dict[str, Any], key: str, item: dict[str, Any], model: Any) -> Finding:
+    """A pydantic error raised by ``model`` while parsing the top-level section ``key``."""
+    relative = tuple(str(part) for part in item["loc"])  # relative to `model`
+    loc = relative if relative and relative[0] == key else (key, *relative)
+    path = ".".join(loc)
     value = _get(ds, path, None)
     if item["type"] == "extra_forbidden":
+        names = _pydantic_names(model, relative[:-1]) if model is not None else set()
+        problem = "Not a key of this DeepSpeed section: DeepSpeed refuses the config."
+        if is_comment_key(loc[-1]):
+            problem = "DeepSpeed's sections refuse any key they do not define, comments included."
         return Finding(
             ERROR,
             "unknown-deepspeed-key",
             file,
             path,
-            "Not a DeepSpeed ZeRO key: DeepSpeed refuses the config.",
-            _rename_fix(loc[-1], _pydantic_names(zero_model, loc[:-1]), "DeepSpeed ZeRO key"),
+            problem,
+            _rename_fix(loc[-1], names, f"key of `{'.'.join(loc[:-1])}`", file),
             {f"{file}:{path}": value},
         )
     return Finding(
@@ -848,7 +1156,7 @@ def _zero_finding(
         file,
         path,
         f"DeepSpeed refuses `{path}`={value!r}: {item['msg']}.",
-        "Use a value DeepSpeed accepts.",
+        f"{_in(file)}set `{path}` to a value DeepSpeed accepts.",
         {f"{file}:{path}": value},
     )
 
@@ -870,8 +1178,8 @@ def check_use_cpu_processes(inp: CheckInputs) -> Iterator[Finding]:
             inp.accelerate_file,
             "use_cpu",
             f"use_cpu is true with num_processes={world}: `accelerate launch` then starts a single process.",
-            "Set `use_cpu: false` for GPUs, or `num_processes: 1`; several CPU processes need "
-            "`mpirun_config.mpirun_hostfile` (or torchrun with a gloo backend).",
+            f"{_in(inp.accelerate_file)}set `use_cpu: false` for GPUs, or `num_processes: 1`; several CPU "
+            "processes need `mpirun_config.mpirun_hostfile` (or torchrun with a gloo backend).",
             {f"{inp.accelerate_file}:use_cpu": True, f"{inp.accelerate_file}:num_processes": world},
         )
     if inp.training is not None and inp.training["use_cpu"]:
@@ -886,7 +1194,8 @@ def check_use_cpu_processes(inp: CheckInputs) -> Iterator[Finding]:
         TRAINING_ARGS,
         flag,
         f"{flag} with num_processes={world}: each launched process trains on the CPU, not on a GPU.",
-        f"Drop {flag} to use the GPUs, or set num_processes: 1.",
+        f"Drop {flag} from the training args to use the GPUs, or set num_processes: 1 in "
+        f"{Path(inp.accelerate_file).name}.",
         {f"{TRAINING_ARGS}:{flag}": True, f"{inp.accelerate_file}:num_processes": world},
     )
 
@@ -904,25 +1213,56 @@ def check_use_cpu_ignores_plugin(inp: CheckInputs) -> Iterator[Finding]:
             "use_cpu",
             f"use_cpu is true with distributed_type {dtype}: accelerate then ignores the {dtype} settings "
             "without an error.",
-            "Set `use_cpu: false` (FSDP through accelerate needs GPUs).",
+            f"{_in(inp.accelerate_file)}set `use_cpu: false` ({dtype} through accelerate needs GPUs).",
             {f"{inp.accelerate_file}:use_cpu": True, f"{inp.accelerate_file}:distributed_type": dtype},
         )
 
 
 @_check
 def check_fsdp_without_gpu(inp: CheckInputs) -> Iterator[Finding]:
-    """`fsdp-no-gpu` (warning): FSDP while this machine reports no GPU (fine on a login node)."""
-    if inp.accelerate.get("distributed_type") == "FSDP" and inp.gpu_count == 0:
+    """`fsdp-no-gpu` (warning): FSDP on target machines without GPUs (`--gpus-per-machine 0`). Without it the check
+    assumes nothing about the target's GPUs (the machine running the check is often a login node)."""
+    if inp.accelerate.get("distributed_type") == "FSDP" and inp.gpus_per_machine == 0:
         yield Finding(
             WARNING,
             "fsdp-no-gpu",
             inp.accelerate_file,
             "distributed_type",
-            "FSDP through accelerate needs GPUs and this machine reports none: here it would run without "
-            "sharding or gradient sync.",
-            "Ignore this on a login node; on the training machine check that the GPUs are visible.",
-            {f"{inp.accelerate_file}:distributed_type": "FSDP", "torch.cuda.device_count()": 0},
+            "FSDP through accelerate needs GPUs and the target machines have none (--gpus-per-machine 0): it would run "
+            "without sharding or gradient sync.",
+            f"{_in(inp.accelerate_file)}choose `distributed_type: MULTI_CPU` for CPU machines, or check the "
+            "target's GPUs (--gpus-per-machine N).",
+            {f"{inp.accelerate_file}:distributed_type": "FSDP", "--gpus-per-machine": 0},
         )
+
+
+_GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM")
+
+
+@_check
+def check_processes_per_gpu(inp: CheckInputs) -> Iterator[Finding]:
+    """`processes-exceed-gpus`: more processes per machine than `--gpus-per-machine N` GPUs per target machine (each
+    process takes one GPU; the extra ones fail to start or share a GPU). Only with `--gpus-per-machine`."""
+    gpus, acc = inp.gpus_per_machine, inp.accelerate
+    processes, machines = acc.get("num_processes"), acc.get("num_machines", 1)
+    if gpus is None or acc.get("distributed_type") not in _GPU_TYPES or acc.get("use_cpu") is True:
+        return
+    if not (_is_int(processes) and processes > 0 and _is_int(machines) and machines > 0):
+        return
+    if (gpus == 0 and acc.get("distributed_type") == "FSDP") or processes // machines <= gpus:
+        return  # FSDP without GPUs: `fsdp-no-gpu`
+    yield Finding(
+        ERROR,
+        "processes-exceed-gpus",
+        inp.accelerate_file,
+        "num_processes",
+        f"num_processes={processes} over num_machines={machines} is {processes // machines} processes per "
+        f"machine, but the target machines have {gpus} GPU(s) each (--gpus-per-machine {gpus}).",
+        f"{_in(inp.accelerate_file)}set `num_processes` to {gpus} x num_machines = {gpus * machines} "
+        "(it is the total over all machines).",
+        {f"{inp.accelerate_file}:num_processes": processes, f"{inp.accelerate_file}:num_machines": machines,
+         "--gpus-per-machine": gpus},
+    )
 
 
 @_check
@@ -952,7 +1292,14 @@ def check_offload_optimizer(inp: CheckInputs) -> Iterator[Finding]:
             if raw
             else "your optimizer is replaced by DeepSpeedCPUAdam (only lr and weight_decay are kept)."
         ),
-        'Add an `optimizer` block to the DeepSpeed JSON, or set `"zero_force_ds_cpu_optimizer": false`.',
+        (
+            f"{_in(file)}set `{key}: none`, or move the DeepSpeed settings into a JSON file "
+            '(`deepspeed_config_file`) with an `optimizer` block or `"zero_force_ds_cpu_optimizer": false` '
+            "(an inline deepspeed_config cannot set them)."
+            if view.from_yaml
+            else f'{_in(file)}add an `optimizer` block, or set `"zero_force_ds_cpu_optimizer": false` '
+            f"(`{key}` stays)."
+        ),
         {f"{file}:{key}": device},
     )
 
@@ -974,25 +1321,27 @@ def check_nvme_path(inp: CheckInputs) -> Iterator[Finding]:
                 file,
                 key,
                 f"{what} goes to nvme but no nvme_path is set.",
-                f"Set `zero_optimization.{what}.nvme_path` (accelerate YAML: `{what}_nvme_path`) to a local "
-                "NVMe mount.",
+                f"{_in(file)}set `"
+                + (f"deepspeed_config.{what}_nvme_path" if view.from_yaml else f"zero_optimization.{what}.nvme_path")
+                + f"` to a local NVMe mount (or `{key}` to cpu).",
                 {f"{file}:{key}": "nvme"},
             )
 
 
 @_check
 def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
-    """`zero3-no-16bit-save` (warning): ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`: the saved
-    model is only the sharded checkpoint (needs zero_to_fp32.py)."""
+    """`zero3-no-16bit-save` (warning): ZeRO-3 without 16-bit weights gathered on save, in any spelling
+    DeepSpeed reads (`stage3_gather_16bit_weights_on_model_save`, `gather_16bit_weights_on_model_save`, the
+    deprecated fp16 name; asked from DeepSpeed's own ZeRO model): the saved model is only the sharded
+    checkpoint (needs zero_to_fp32.py)."""
     view = _ds_view(inp)
-    if view is None or _get(view.config, "zero_optimization.stage", None) != 3:
+    zero = _get(view.config, "zero_optimization", None) if view is not None else None
+    if not isinstance(zero, dict) or zero.get("stage") != 3 or _gathers_16bit_on_save(zero):
         return
-    path = "zero_optimization.stage3_gather_16bit_weights_on_model_save"
-    legacy = _get(view.config, "zero_optimization.stage3_gather_fp16_weights_on_model_save", None)
-    value = _get(view.config, path, None)
-    if value is True or legacy is True:
-        return
-    file, key = view.where(path)
+    # Name the spelling the file uses (DeepSpeed reads all of them), else the canonical one.
+    spelling = next((name for name in _GATHER_SPELLINGS if name in zero), _GATHER_SPELLINGS[0])
+    value = zero.get(spelling)
+    file, key = view.where("zero_optimization." + spelling)
     # "auto" is filled from the YAML's zero3_save_16bit_model, which defaults to false.
     yield Finding(
         WARNING,
@@ -1001,15 +1350,38 @@ def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
         key,
         f'ZeRO-3 with this at {value!r} (missing and "auto" mean false): save_model() writes no usable '
         "weights, only the sharded checkpoint (convert it with zero_to_fp32.py).",
-        f"Set `{key}` to true.",
+        f"{_in(file)}set `{key}` to true.",
         {f"{file}:{key}": value},
     )
+
+
+# DeepSpeedZeroConfig's field, its alias and the deprecated fp16 name (deepspeed/runtime/zero/config.py).
+_GATHER_SPELLINGS = (
+    "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+)
+
+
+def _gathers_16bit_on_save(zero: dict[str, Any]) -> bool:
+    """What DeepSpeed's own ZeRO model resolves `gather_16bit_weights_on_model_save` to, from any of its
+    spellings ("auto" is dropped by DeepSpeed: false); when the section does not parse (reported by the
+    schema check), any spelling set to true counts."""
+    import pydantic
+
+    with _deepspeed_off_stdout():
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        try:
+            return bool(DeepSpeedZeroConfig(**zero).gather_16bit_weights_on_model_save)
+        except (pydantic.ValidationError, *_PARSE_ERRORS):
+            return any(zero.get(name) is True for name in _GATHER_SPELLINGS)
 
 
 @_check
 def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
     """`multinode-no-main-ip`, `processes-not-multiple-of-machines`, `machine-rank-out-of-range`: the
-    multi-node topology."""
+    multi-node topology (`machine_rank` read as `accelerate launch` reads it: int() of the value)."""
     file, acc = inp.accelerate_file, inp.accelerate
     machines = acc.get("num_machines", 1)
     if not _is_int(machines) or machines <= 1:
@@ -1021,7 +1393,7 @@ def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
             file,
             "main_process_ip",
             f"num_machines={machines} but main_process_ip is not set: the machines cannot find each other.",
-            "Set main_process_ip to the address of machine 0 (and main_process_port).",
+            f"{_in(file)}set `main_process_ip` to the address of machine 0 (and main_process_port).",
             {f"{file}:num_machines": machines, f"{file}:main_process_ip": acc.get("main_process_ip")},
         )
     processes = acc.get("num_processes")
@@ -1033,21 +1405,102 @@ def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
             "num_processes",
             f"num_processes={processes} is not a multiple of num_machines={machines} "
             "(accelerate's num_processes is the TOTAL over all machines).",
-            f"Set num_processes to processes-per-machine x {machines}, "
+            f"{_in(file)}set `num_processes` to processes-per-machine x {machines}, "
             f"e.g. {machines * max(1, processes // machines)}.",
             {f"{file}:num_processes": processes, f"{file}:num_machines": machines},
         )
-    rank = acc.get("machine_rank", 0)
-    if not _is_int(rank) or not 0 <= rank < machines:
+    written = acc.get("machine_rank", 0)
+    rank = _launch_int(written)
+    if rank is None and inp.launch_error is not None:
+        return  # accelerate cannot read it at all: `accelerate-launch-fails` says so
+    if rank is None or not 0 <= rank < machines:
         yield Finding(
             ERROR,
             "machine-rank-out-of-range",
             file,
             "machine_rank",
-            f"machine_rank={rank!r} is outside 0..{machines - 1}.",
-            f"Use 0 on the main machine and 1..{machines - 1} on the others.",
-            {f"{file}:machine_rank": rank, f"{file}:num_machines": machines},
+            f"machine_rank={written!r} is outside 0..{machines - 1}.",
+            f"{_in(file)}set `machine_rank` to 0 on the main machine and 1..{machines - 1} on the others.",
+            {f"{file}:machine_rank": written, f"{file}:num_machines": machines},
         )
+
+
+# Names and networks reserved for documentation and tests, which never reach a real machine: RFC 2606/6761
+# top-level domains and example domains, RFC 5737/3849 documentation networks.
+_RESERVED_TLDS = ("invalid", "example", "test", "localhost")
+_RESERVED_DOMAINS = ("example.com", "example.net", "example.org")
+_DOCUMENTATION_NETWORKS = ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "2001:db8::/32")
+
+
+def address_problem(value: Any) -> tuple[str, str] | None:
+    """(severity, why) when ``value`` cannot be machine 0's address in a multi-node launch: an error when it
+    is no IP address nor DNS name at all, a warning for a placeholder that reaches no other machine."""
+    import ipaddress
+
+    from hf_scale.config import host_problem
+
+    if not isinstance(value, str):
+        return ERROR, f"is a {type(value).__name__}, not an address (YAML reads an unquoted 1234 as a number)"
+    if "$" in value or "{" in value:
+        return ERROR, "is not an address: accelerate does not expand variables in its YAML"
+    if (problem := host_problem(value)) is not None:
+        return ERROR, problem
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        address = None
+    if address is not None:
+        if address.is_unspecified or address.is_loopback:
+            return WARNING, "is this machine itself: the other machines would connect to themselves"
+        if any(address in ipaddress.ip_network(net) for net in _DOCUMENTATION_NETWORKS):
+            return WARNING, "is a documentation address (RFC 5737/3849), a placeholder for the real one"
+        return None
+    name = value.rstrip(".").lower()
+    if name.rsplit(".", 1)[-1] in _RESERVED_TLDS or name.endswith(_RESERVED_DOMAINS):
+        return WARNING, "is a reserved placeholder name (RFC 2606/6761) that never reaches machine 0"
+    return None
+
+
+@_check
+def check_main_process_ip(inp: CheckInputs) -> Iterator[Finding]:
+    """`main-ip-invalid`, `main-ip-placeholder` (warning): `main_process_ip` is no address at all (`'1234'`,
+    `${MASTER_ADDR}`, an unquoted number), or, in a multi-node YAML, a placeholder (`main-node.invalid` as
+    written by `hf-scale generate`, `*.example`, documentation networks, localhost) a launch must override."""
+    file, acc = inp.accelerate_file, inp.accelerate
+    machines, value = acc.get("num_machines", 1), acc.get("main_process_ip")
+    if value in (None, ""):
+        return
+    problem = address_problem(value)
+    multi_node = _is_int(machines) and machines > 1
+    if problem is None or (problem[0] == WARNING and not multi_node):
+        return
+    severity, why = problem
+    yield Finding(
+        severity,
+        "main-ip-invalid" if severity == ERROR else "main-ip-placeholder",
+        file,
+        "main_process_ip",
+        f"main_process_ip={value!r} {why}; "
+        + (
+            "`accelerate launch` cannot use it."
+            if severity == ERROR
+            else f"with num_machines={machines} the launch hangs or fails unless `--main_process_ip` overrides it."
+        ),
+        f"{_in(file)}set `main_process_ip` to the IP address or DNS name of machine 0, or pass "
+        "`--main_process_ip` to `accelerate launch` (hf_scale's launch scripts: MAIN_PROCESS_IP).",
+        {f"{file}:main_process_ip": value, f"{file}:num_machines": machines},
+    )
+
+
+def _launch_int(value: Any) -> int | None:
+    """`machine_rank` as `accelerate launch` reads it: it calls int() on it (prepare_multi_gpu_env,
+    prepare_deepspeed_cmd_env), so a quoted "1" is 1; None when int() fails."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 # Types and ranges of the values accelerate and DeepSpeed read: a value of the wrong kind is copied through
@@ -1095,7 +1548,6 @@ def _range_problem(value: Any, low: float | None, high: float | None) -> str | N
 ACCELERATE_RANGES = {
     "num_processes": (1, None),
     "num_machines": (1, None),
-    "machine_rank": (0, None),
     "main_process_port": (1, 65535),
     "num_cpu_threads_per_process": (1, None),
     "max_restarts": (0, None),
@@ -1108,6 +1560,11 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+# Keys judged by their own checks, the way `accelerate launch` reads them: machine_rank is int()ed by accelerate
+# (a quoted "1" is fine; `check_multinode`), main_process_ip has `check_main_process_ip`.
+_OWN_CHECKS = ("machine_rank", "main_process_ip")
+
+
 def _accelerate_value_problems(inp: CheckInputs) -> Iterator[tuple[str, Any, str]]:
     """(dotted key, value, problem) for every top-level and `deepspeed_config`/`fsdp_config` value."""
     from accelerate.commands.config.config_args import ClusterConfig
@@ -1118,6 +1575,8 @@ def _accelerate_value_problems(inp: CheckInputs) -> Iterator[tuple[str, Any, str
     # `accelerate config` itself writes this bool as "no"/"yes" (a TPU-only setting): not a finding.
     hints["downcast_bf16"] = bool | str
     for key, value in inp.accelerate.items():
+        if key in _OWN_CHECKS:
+            continue
         problem = _value_problem(value, hints[key]) if key in hints else None
         yield key, value, problem or _option_problem(key, value, options.get(key))
     for section, prefix in (("deepspeed_config", ""), ("fsdp_config", "fsdp_")):
@@ -1169,8 +1628,8 @@ def check_accelerate_values(inp: CheckInputs) -> Iterator[Finding]:
                 inp.accelerate_file,
                 key,
                 f"`{key}`={value!r} {problem}: `accelerate launch` fails on it or misreads it.",
-                "Write a value of the right type and range (`accelerate config` or `hf-scale generate` writes "
-                "valid files).",
+                f"{_in(inp.accelerate_file)}write `{key}` as a value of the right type and range "
+                "(`accelerate config` or `hf-scale generate` writes valid files).",
                 {f"{inp.accelerate_file}:{key}": value},
             )
 
@@ -1233,7 +1692,8 @@ def check_deepspeed_values(inp: CheckInputs) -> Iterator[Finding]:
                 inp.deepspeed_file or "",
                 path,
                 f"`{path}`={value!r} {problem}: DeepSpeed fails on it at start, or trains with it.",
-                'Write a valid value, or "auto" where the runner fills it.',
+                f'{_in(inp.deepspeed_file or "")}set `{path}` to a valid value, or "auto" where the runner '
+                "fills it.",
                 {f"{inp.deepspeed_file}:{path}": value},
             )
 
@@ -1292,6 +1752,62 @@ def _resolve_yaml_reference(written: str, yaml_dir: Path, cwd: Path) -> tuple[Pa
     )
 
 
+def _accelerate_launch_env(yaml_path: Path, raw: dict[str, Any]) -> tuple[dict[str, str] | None, str | None]:
+    """The environment `accelerate launch --config_file YAML train.py` gives the training processes,
+    computed by accelerate's own launch code up to where it would start them (nothing is started), so that
+    values are read exactly as accelerate reads them (it int()s a quoted `machine_rank`, not `num_machines`).
+    (None, message) when that code refuses the file; (None, None) when it fails for a reason of the machine
+    running the check (a port in use here, no FP8 here), which says nothing about the target."""
+    import warnings
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import launch as launch_utils
+
+    argv = ["--config_file", str(yaml_path)]
+    if raw.get("num_processes") in (None, -1):
+        argv += ["--num_processes", "1"]  # a template that leaves it to the launch command (SLURM)
+    logger = logging.getLogger("accelerate")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parsed = launch_command_parser().parse_args([*argv, "train.py"])
+            args, defaults, mp_from_config = _validate_launch_command(parsed)
+            if args.use_deepspeed and not args.cpu:  # accelerate.commands.launch.launch_command's dispatch
+                fields = [*defaults.deepspeed_config, *(["mixed_precision"] if mp_from_config else [])]
+                args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+                return launch_utils.prepare_deepspeed_cmd_env(args)[1], None
+            if not args.cpu and (args.use_fsdp or args.use_megatron_lm or args.multi_gpu):
+                return launch_utils.prepare_multi_gpu_env(args), None
+            if args.tpu or raw.get("compute_environment") == "AMAZON_SAGEMAKER":
+                return None, None
+            return launch_utils.prepare_simple_launcher_cmd_env(args)[1], None
+    except (ConnectionError, RuntimeError):  # a port in use here, FP8 not installed here
+        return None, None
+    except Exception as error:  # noqa: BLE001 -- any refusal of accelerate's code is a finding, never a traceback
+        return None, " ".join(f"{type(error).__name__}: {error}".split())
+    finally:
+        logger.setLevel(level)
+
+
+def _inline_deepspeed(env: dict[str, str] | None, yaml_file: str) -> dict[str, Any] | None:
+    """The DeepSpeed config train.py builds for a YAML with inline `deepspeed_config` (the same function)."""
+    from hf_scale.train import inline_deepspeed
+
+    if env is None or not inline_deepspeed.is_inline(env):
+        return None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "zero3_init_flag is only applicable for ZeRO Stage 3"
+        try:
+            inline = inline_deepspeed.plugin_for(env, yaml_file)
+        except UserError:
+            return None  # a value accelerate's plugin cannot read: the value checks report it
+        return copy.deepcopy(inline_deepspeed.deepspeed_config(inline, inline.mixed_precision))
+
+
 def _display(path: Path, cwd: Path) -> str:
     with contextlib.suppress(ValueError):
         return str(path.resolve().relative_to(cwd.resolve()))
@@ -1304,7 +1820,7 @@ def load_inputs(
     training_args: list[str] | tuple[str, ...] = (),
     runner: str = "trainer",
     cwd: Path | None = None,
-    gpu_count: int = 0,
+    gpus_per_machine: int | None = None,
 ) -> CheckInputs:
     """Read and parse every input; :class:`UserError` when one is unreadable or invalid."""
     if runner not in RUNNERS:
@@ -1320,6 +1836,9 @@ def load_inputs(
         load_config_from_file(str(yaml_path))
     except (ValueError, TypeError, KeyError) as error:
         loader_error = " ".join(str(error).split())
+    launch_env, launch_error = None, None
+    if loader_error is None:
+        launch_env, launch_error = _accelerate_launch_env(yaml_path, accelerate)
 
     training = _parse_training_args(list(training_args)) if training_args else None
 
@@ -1355,7 +1874,10 @@ def load_inputs(
         deepspeed_path_note=path_note,
         training=training,
         training_argv=tuple(training_args),
-        gpu_count=gpu_count,
+        gpus_per_machine=gpus_per_machine,
+        launch_env=launch_env,
+        launch_error=launch_error,
+        inline_deepspeed=_inline_deepspeed(launch_env, accelerate_config),
     )
 
 
@@ -1451,7 +1973,10 @@ exit codes: 0 no errors (warnings are printed but do not fail), 1 errors found,
 
 The DeepSpeed JSON is --deepspeed-config, else the YAML's deepspeed_config.deepspeed_config_file
 (relative to the YAML's directory, then the current one), else --deepspeed in the training args.
+A YAML with its DeepSpeed settings inline (no deepspeed_config_file) is checked as the config
+accelerate's DeepSpeedPlugin builds from it, which is also what train.py trains with.
 Training args after `--` are parsed like the Trainer does (unknown flags are ignored).
+GPU findings need --gpus-per-machine N (GPUs per machine on the target); this machine's GPUs are never used.
 
 example:
   hf-scale check --accelerate-config accelerate_configs/zero3.yaml \\
@@ -1481,6 +2006,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="|".join(RUNNERS),
         help='what resolves "auto" in the DeepSpeed JSON (default: trainer)',
     )
+    parser.add_argument(
+        "--gpus-per-machine",
+        "--gpus",
+        dest="gpus_per_machine",
+        type=int,
+        metavar="N",
+        help="GPUs per machine on the target cluster; enables the GPU findings (default: no assumption "
+        "about GPUs; the machine running the check is never looked at)",
+    )
     parser.add_argument("--json", action="store_true", help="print {findings: [...], summary: {...}} as JSON")
     parser.add_argument(
         "training_args",
@@ -1494,14 +2028,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.accelerate_config:
         raise UserError("check: --accelerate-config A.yaml is required")
-    import torch
-
+    if args.gpus_per_machine is not None and args.gpus_per_machine < 0:
+        raise UserError(
+            f"--gpus-per-machine {args.gpus_per_machine}: must be >= 0 (GPUs per machine on the target)"
+        )
     inputs = load_inputs(
         args.accelerate_config,
         args.deepspeed_config,
         args.training_args,
         args.runner,
-        gpu_count=torch.cuda.device_count(),
+        gpus_per_machine=args.gpus_per_machine,
     )
     findings = run_checks(inputs)
     summary = summarize(inputs, findings)

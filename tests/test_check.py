@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from hf_scale import check
@@ -198,12 +197,18 @@ def test_clean_configs_report_nothing_and_exit_0(case, tmp_path, monkeypatch, ca
     assert payload["summary"]["errors"] == payload["summary"]["warnings"] == 0
 
 
-def test_clean_fsdp_config_only_warns_when_this_machine_has_no_gpu(tmp_path, monkeypatch, capsys):
-    code, payload = check_json(tmp_path, monkeypatch, capsys, FSDP_YAML, train=["--bf16"])
-    assert code == 0
-    expected = ["fsdp-no-gpu"] if torch.cuda.device_count() == 0 else []
+@pytest.mark.parametrize(
+    ("gpus", "expected"), [(None, []), ("0", ["fsdp-no-gpu"]), ("2", []), ("1", ["processes-exceed-gpus"])]
+)
+def test_gpu_findings_describe_the_target_given_by_gpus_never_this_machine(
+    gpus, expected, tmp_path, monkeypatch, capsys
+):
+    """Without --gpus nothing is said about GPUs, whatever the machine running the check has."""
+    extra = [] if gpus is None else ["--gpus-per-machine", gpus]
+    _, payload = check_json(tmp_path, monkeypatch, capsys, FSDP_YAML, train=["--bf16"], extra=extra)
     assert codes(payload) == expected
-    assert all(f["severity"] == "warning" for f in payload["findings"])
+    for finding in payload["findings"]:
+        assert "--gpus-per-machine" in finding["problem"] and "this machine" not in finding["problem"]
 
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
@@ -255,7 +260,98 @@ TRIGGERS = {
         [],
         None,
         [],
-        "train-batch-mismatch",
+        "train-batch-invalid",
+        "error",
+    ),
+    "train-batch-below-world-size": (
+        merged(DS_YAML, {"num_processes": 8}),
+        {"train_batch_size": 4, "zero_optimization": {"stage": 2}},
+        [],
+        None,
+        [],
+        "train-batch-invalid",
+        "error",
+    ),
+    "no-batch-size-at-all": (
+        DS_YAML,
+        {"zero_optimization": {"stage": 2}},
+        [],
+        None,
+        [],
+        "train-batch-invalid",
+        "error",
+    ),
+    "scheduler-block-replaces-explicit-flag": (
+        DS_YAML,
+        merged(DS_JSON, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}),
+        ["--lr_scheduler_type", "cosine"],
+        None,
+        [],
+        "ds-overrides-flags",
+        "error",
+    ),
+    "scheduler-block-replaces-default": (
+        DS_YAML,
+        merged(DS_JSON, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}),
+        [],
+        None,
+        [],
+        "ds-overrides-flags",
+        "warning",
+    ),
+    "concrete-betas-vs-default-flags": (
+        DS_YAML,
+        merged(DS_JSON, {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}}}),
+        ["--bf16"],
+        None,
+        [],
+        "ds-trainer-mismatch",
+        "error",
+    ),
+    "one-gpu-id-for-two-processes": (
+        merged(DDP_YAML, {"gpu_ids": "0"}),
+        None,
+        [],
+        None,
+        [],
+        "accelerate-launch-fails",
+        "error",
+    ),
+    "main-ip-not-an-address": (
+        merged(MULTINODE_YAML, {"main_process_ip": "1234"}),
+        None,
+        [],
+        None,
+        [],
+        "main-ip-invalid",
+        "error",
+    ),
+    "main-ip-command-substitution": (
+        merged(DDP_YAML, {"main_process_ip": "$(reboot)"}),
+        None,
+        [],
+        None,
+        [],
+        "main-ip-invalid",
+        "error",
+    ),
+    "main-ip-hf-scale-placeholder": (
+        merged(MULTINODE_YAML, {"main_process_ip": "main-node.invalid"}),
+        None,
+        [],
+        None,
+        [],
+        "main-ip-placeholder",
+        "warning",
+    ),
+    "fsdp-on-gpu-less-target": (FSDP_YAML, None, [], None, ["--gpus-per-machine", "0"], "fsdp-no-gpu", "warning"),
+    "more-processes-than-gpus": (
+        merged(DDP_YAML, {"num_processes": 8}),
+        None,
+        [],
+        None,
+        ["--gpus", "4"],
+        "processes-exceed-gpus",
         "error",
     ),
     "micro-batch": (
@@ -655,10 +751,10 @@ def test_misspelled_keys_get_the_closest_known_key_as_fix(tmp_path, monkeypatch,
     assert "`wall_clock_breakdown`" in fixes["wall_clock_breakdwon"]
 
 
-def test_fsdp_gpu_warning_depends_on_the_gpu_count(tmp_path):
+def test_fsdp_gpu_warning_depends_on_the_target_gpu_count(tmp_path):
     (tmp_path / "fsdp.yaml").write_text(yaml.safe_dump(FSDP_YAML))
-    for gpus, expected in ((0, ["fsdp-no-gpu"]), (8, [])):
-        inputs = check.load_inputs(str(tmp_path / "fsdp.yaml"), gpu_count=gpus, cwd=tmp_path)
+    for gpus, expected in ((None, []), (0, ["fsdp-no-gpu"]), (8, [])):
+        inputs = check.load_inputs(str(tmp_path / "fsdp.yaml"), gpus_per_machine=gpus, cwd=tmp_path)
         assert [f.code for f in check.run_checks(inputs)] == expected
 
 
@@ -705,6 +801,7 @@ OTHER_PROJECT_FINDINGS = {
     ),
     ("multinode-no-main-ip", "other_project.yaml:main_process_ip"),
     ("machine-rank-out-of-range", "other_project.yaml:machine_rank"),
+    ("ds-trainer-mismatch", "other_project_ds.json:optimizer.params.lr"),
 }
 
 
@@ -727,7 +824,7 @@ def test_hand_written_config_from_another_project_reports_every_problem(monkeypa
     assert code == 1
     assert {(f["code"], f["where"]) for f in payload["findings"]} == OTHER_PROJECT_FINDINGS
     assert payload["summary"] == {
-        "errors": 13,
+        "errors": 14,
         "warnings": 1,
         "checked": ["other_project.yaml", "other_project_ds.json", "training args"],
         "runner": "trainer",
@@ -776,6 +873,10 @@ BAD_INPUTS = {
         "deepspeed_config_file='gone.json'",
     ),
     "unknown-runner": (["--accelerate-config", "acc.yaml", "--runner", "torchrun"], "--runner 'torchrun'"),
+    "negative-gpus": (
+        ["--accelerate-config", "acc.yaml", "--gpus-per-machine", "-1"],
+        "--gpus-per-machine -1: must be >= 0",
+    ),
     "bad-training-arg": (
         ["--accelerate-config", "acc.yaml", "--", "--per_device_train_batch_size", "four"],
         "invalid int value",
@@ -814,7 +915,7 @@ def test_help_explains_every_code_runner_and_exit_code(capsys):
 
 
 def test_every_documented_code_has_a_triggering_test():
-    emitted = {TRIGGERS[case][5] for case in TRIGGERS} | {"deepspeed-config-path", "fsdp-no-gpu"}
+    emitted = {TRIGGERS[case][5] for case in TRIGGERS} | {"deepspeed-config-path"}
     assert emitted == documented_codes()
 
 
@@ -894,7 +995,7 @@ def test_process_exit_1_with_table_for_the_other_project(tmp_path):
     assert "Traceback" not in result.stderr
     assert result.stdout.startswith("SEVERITY")
     assert "micro-batch-mismatch" in result.stdout
-    assert "problems found: 14 error(s), 1 warning(s)" in result.stdout
+    assert "problems found: 15 error(s), 1 warning(s)" in result.stdout
 
 
 def test_process_exit_0_and_pure_json_on_stdout_for_a_clean_config(tmp_path):
@@ -910,3 +1011,147 @@ def test_process_exit_2_one_line_for_a_missing_file(tmp_path):
     assert result.returncode == 2
     assert result.stderr == "hf-scale: error: --accelerate-config missing.yaml: not found\n"
     assert result.stdout == ""
+
+
+# ---- wrong findings fixed by class (issue 13) --------------------------------------------------------
+
+
+def _fix_names_where_the_value_is(finding: dict) -> bool:
+    """The fix names the file holding the value (or the training args) and the key (or flag)."""
+    file_named = (
+        finding["file"] == check.TRAINING_ARGS and ("training args" in finding["fix"] or "--" in finding["fix"])
+    ) or Path(finding["file"]).name in finding["fix"]
+    key = finding["key"].split(" ")[0]
+    key_named = key == "(file)" or any(part.split(".")[-1] in finding["fix"] for part in key.split("/"))
+    return file_named and key_named
+
+
+@pytest.mark.parametrize("case", sorted(TRIGGERS))
+def test_every_fix_names_the_file_and_key_that_hold_the_value(case, tmp_path, monkeypatch, capsys):
+    yaml_cfg, ds_cfg, train, runner, extra, _, _ = TRIGGERS[case]
+    (tmp_path / "other.json").write_text(json.dumps(DS_JSON))
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, ds_cfg, train, runner, extra)
+    for finding in payload["findings"]:
+        assert _fix_names_where_the_value_is(finding), finding
+
+
+def test_a_value_in_the_json_is_never_fixed_in_the_yaml(tmp_path, monkeypatch, capsys):
+    ds = merged(ZERO3_JSON, {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": False}})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(ds, {"optimizer": None}))
+    for finding in payload["findings"]:
+        assert finding["file"] == "ds.json" and "In ds.json" in finding["fix"] and "acc.yaml" not in finding["fix"]
+
+
+@pytest.mark.parametrize("spelling", check._GATHER_SPELLINGS)
+def test_16bit_gather_is_read_in_every_spelling_deepspeed_reads(spelling, tmp_path, monkeypatch, capsys):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = {"stage": 3, spelling: True}
+    assert DeepSpeedZeroConfig(**zero).gather_16bit_weights_on_model_save is True  # DeepSpeed reads it
+    ds = merged(DS_JSON, {"zero_optimization": zero})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds)
+    assert "zero3-no-16bit-save" not in codes(payload)
+    ds = merged(ds, {"zero_optimization": {spelling: False}})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds)
+    (finding,) = [f for f in payload["findings"] if f["code"] == "zero3-no-16bit-save"]
+    assert finding["key"] == f"zero_optimization.{spelling}"
+
+
+def test_comment_keys_are_fine_where_deepspeed_ignores_them(tmp_path, monkeypatch, capsys):
+    ds = {**DS_JSON, "_comment": "ZeRO-2 for 8 GPUs", "_read_the_docs": "https://www.deepspeed.ai", "comment": "x"}
+    yaml_cfg = merged(DS_YAML, {"deepspeed_config": {"_comment": "see ds.json"}})
+    code, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, ds)
+    assert (code, payload["findings"]) == (0, [])
+
+
+def test_a_comment_key_where_deepspeed_refuses_it_is_an_error_without_a_rename(tmp_path, monkeypatch, capsys):
+    ds = merged(DS_JSON, {"zero_optimization": {"_comment": "stage 2 for 8 GPUs"}})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds)
+    (finding,) = payload["findings"]
+    assert (finding["code"], finding["key"]) == ("unknown-deepspeed-key", "zero_optimization._comment")
+    assert "comments included" in finding["problem"] and "remove `_comment`" in finding["fix"]
+
+
+def test_no_rename_to_an_unrelated_key():
+    assert check._closest("_comment", {"comet", "comms_logger"}) is None
+    assert check._closest("wandb_project", {"wandb", "comet"}) is None
+    assert check._closest("overlap_com", {"overlap_comm", "stage"}) == "overlap_comm"
+
+
+@pytest.mark.parametrize(
+    ("rank", "expected"),
+    [("1", []), (1, []), ("0", []), (2, ["machine-rank-out-of-range"]), ("one", ["accelerate-launch-fails"])],
+)
+def test_machine_rank_is_read_the_way_accelerate_launch_reads_it(rank, expected, tmp_path, monkeypatch, capsys):
+    """accelerate int()s machine_rank when it launches: a quoted "1" is rank 1, "one" fails in accelerate."""
+    _, payload = check_json(tmp_path, monkeypatch, capsys, merged(MULTINODE_YAML, {"machine_rank": rank}))
+    assert codes(payload) == expected
+
+
+def test_every_invalid_deepspeed_key_is_reported_not_only_the_first(tmp_path, monkeypatch, capsys):
+    ds = merged(
+        DS_JSON,
+        {
+            "zero_optimization": {"overlap_com": True, "reduce_scatterr": True},
+            "comms_logger": {"enabledd": True},
+            "tensorboard": {"enabled": False, "enabld": True},
+            "wall_clock_breakdwon": False,
+        },
+    )
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds)
+    assert sorted(f["key"] for f in payload["findings"] if f["code"] == "unknown-deepspeed-key") == [
+        "comms_logger.enabledd",
+        "tensorboard.enabld",
+        "wall_clock_breakdwon",
+        "zero_optimization.overlap_com",
+        "zero_optimization.reduce_scatterr",
+    ]
+    fixes = {f["key"]: f["fix"] for f in payload["findings"]}
+    assert "`enabled`" in fixes["comms_logger.enabledd"] and "`enabled`" in fixes["tensorboard.enabld"]
+
+
+@pytest.mark.parametrize(
+    ("block", "train", "expected"),
+    [
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, [], []),
+        ({"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}, [], [("ds-overrides-flags", "warning")]),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, ["--optim", "adafactor"],
+         [("ds-overrides-flags", "error")]),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}, [],
+         [("ds-overrides-flags", "warning")]),
+    ],
+)
+def test_optimizer_and_scheduler_blocks_name_the_flags_they_replace(block, train, expected, tmp_path, monkeypatch,
+                                                                   capsys):
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, block), [*train, "--bf16"])
+    found = [(f["code"], f["severity"]) for f in payload["findings"]]
+    assert found == expected
+    for finding in payload["findings"]:
+        assert "--optim" in finding["problem"] or "--lr_scheduler_type" in finding["problem"]
+
+
+def test_warmup_scheduler_says_its_warmup_is_logarithmic(tmp_path, monkeypatch, capsys):
+    block = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, block), ["--bf16"])
+    assert "logarithmic" in payload["findings"][0]["problem"]
+    block["scheduler"]["params"]["warmup_type"] = "linear"
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, block), ["--bf16"])
+    assert "logarithmic" not in payload["findings"][0]["problem"]
+
+
+@pytest.mark.parametrize(
+    ("total", "micro", "accum", "world"),
+    [(4, None, None, 8), (16, None, 1, 32), (65536, 64, None, 48), (8, 2, 2, 2), (12, None, 2, 2), (None, None, 2, 2)],
+)
+def test_batch_findings_agree_with_deepspeeds_own_arithmetic(total, micro, accum, world, tmp_path, monkeypatch,
+                                                            capsys):
+    ds = {"zero_optimization": {"stage": 2}}
+    for key, value in (("train_batch_size", total), ("train_micro_batch_size_per_gpu", micro),
+                       ("gradient_accumulation_steps", accum)):
+        if value is not None:
+            ds[key] = value
+    accepted, _, _ = check._deepspeed_accepts_batch(total, micro, accum, world)
+    _, payload = check_json(tmp_path, monkeypatch, capsys, merged(DS_YAML, {"num_processes": world}), ds,
+                            runner="deepspeed")
+    batch = [f for f in payload["findings"] if f["code"].startswith("train-batch")]
+    assert bool(batch) != accepted, batch

@@ -10,16 +10,16 @@ from test_check import DDP_YAML, DS_JSON, DS_YAML, ZERO3_JSON, check_json, merge
 
 from hf_scale import check
 
+# machine_rank and main_process_ip have their own checks, which read them as `accelerate launch` does
+# (tests/test_check.py: a quoted "1" is rank 1, "one" fails in accelerate; `main-ip-invalid`).
 YAML_CASES = {
     "num_processes: two": ({"num_processes": "two"}, "num_processes"),
     "num_processes: 0": ({"num_processes": 0}, "num_processes"),
     "num_processes: true": ({"num_processes": True}, "num_processes"),
     "num_processes: 2.5": ({"num_processes": 2.5}, "num_processes"),
     "num_machines: -1": ({"num_machines": -1}, "num_machines"),
-    "machine_rank: x": ({"machine_rank": "x"}, "machine_rank"),
     "main_process_port: 70000": ({"main_process_port": 70000}, "main_process_port"),
     "main_process_port: '29500'": ({"main_process_port": "29500"}, "main_process_port"),
-    "main_process_ip: $(reboot)": ({"main_process_ip": "$(reboot)"}, "main_process_ip"),
     "mixed_precision: bare no": ({"mixed_precision": False}, "mixed_precision"),
     "mixed_precision: fp32": ({"mixed_precision": "fp32"}, "mixed_precision"),
     "use_cpu: 'yes'": ({"use_cpu": "yes"}, "use_cpu"),

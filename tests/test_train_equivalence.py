@@ -1,7 +1,8 @@
 """train.py under every launcher, 2 real processes on CPU (gloo), trains exactly like one process.
 
 Each run: the embedded default (tiny Llama + sample data), fp32, 5 optimizer steps of 8 samples. The
-2-process runs use micro 2 x accumulation 2 and configs written by `hf-scale generate`; they must give
+2-process runs use micro 2 x accumulation 2 and configs written by `hf-scale generate` (or, for the
+accelerate YAMLs with inline DeepSpeed settings, corpus files from tests/data/peer_configs); they must give
 the per-step losses of a single process with micro 8 and of a single process with micro 2 x
 accumulation 4 (rtol 1e-4), in the manual loop and in the Trainer path, and save a model that
 `from_pretrained` loads with the trained model's logits.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -35,7 +37,10 @@ from train_helpers import (
     run_ok,
 )
 
+from hf_scale import check
+
 pytestmark = pytest.mark.multiprocess
+PEER_CONFIGS = Path(__file__).parent / "data" / "peer_configs"
 
 STEPS = 5
 COMMON = [
@@ -88,6 +93,18 @@ def configs(tmp_path_factory):
     generate_config(
         root / "resolved", "zero3", preset="zero3", sets=CPU_2PROC, extra=("--deepspeed-mode", "resolved")
     )
+    # The inline-DeepSpeed YAMLs users already have (TRL's shape, tests/data/peer_configs), made CPU-sized:
+    # 2 processes, fp32; ZeRO-3 keeps its own accumulation (equal to the flags), ZeRO-2 leaves it to them.
+    (root / "inline").mkdir()
+    for name, corpus_file, inline in (
+        ("zero3", "trl_deepspeed_zero3.yaml", {"gradient_accumulation_steps": 2, "gradient_clipping": 1.0}),
+        ("zero2", "trl_deepspeed_zero2.yaml", {"gradient_accumulation_steps": None}),
+    ):
+        config = yaml.safe_load((PEER_CONFIGS / corpus_file).read_text())
+        config.update(num_processes=2, mixed_precision="no")
+        config["deepspeed_config"].update(inline)
+        config["deepspeed_config"] = {k: v for k, v in config["deepspeed_config"].items() if v is not None}
+        (root / "inline" / f"{name}.yaml").write_text(yaml.safe_dump(config))
     return root
 
 
@@ -156,6 +173,9 @@ RUNS = [
     ("zero3-accelerate-loop", "accelerate", "zero3", "accelerate", None),
     ("zero3resolved-deepspeed-loop", "deepspeed", "resolved/zero3", "accelerate", "recipe"),
     ("zero3offload-torchrun-loop", "torchrun", "zero3_offload", "accelerate", None),
+    # accelerate YAMLs with the DeepSpeed settings inline (no JSON), ZeRO-3 with zero3_init_flag.
+    ("zero3inline-accelerate-trainer", "accelerate", "inline/zero3", "trainer", None),
+    ("zero2inline-accelerate-loop", "accelerate", "inline/zero2", "accelerate", None),
 ]
 
 
@@ -166,9 +186,11 @@ def test_two_processes_match_one_process(launcher, config_name, loop, via, confi
     extra = MICRO2_ACC2 + ["--loop", loop]
     cwd = configs
     if launcher == "accelerate":
-        got = _train(
-            launcher, out, extra, config=configs / "accelerate_configs" / f"{config_name}.yaml", cwd=cwd, via=via
-        )
+        yaml_dir = configs if config_name.startswith("inline/") else configs / "accelerate_configs"
+        if config_name.startswith("inline/"):  # `hf-scale check` accepts what train.py trains with
+            inputs = check.load_inputs(str(yaml_dir / f"{config_name}.yaml"), training_args=COMMON + extra)
+            assert check.run_checks(inputs) == []
+        got = _train(launcher, out, extra, config=yaml_dir / f"{config_name}.yaml", cwd=cwd, via=via)
     else:
         if config_name is not None:
             parent, _, name = config_name.rpartition("/")

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from hf_scale.errors import UserError
+from hf_scale.train.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
 
@@ -50,6 +51,8 @@ class LaunchRequest:
     """accelerate's `mixed_precision` from the YAML (`ACCELERATE_MIXED_PRECISION`), None if not launched by it."""
     fsdp_settings: dict | None = None
     """The `fsdp` section of a `--hf_scale_config` when it (not accelerate's YAML) asks for FSDP."""
+    deepspeed_inline: InlineDeepSpeed | None = None
+    """DeepSpeed from an accelerate YAML's inline `deepspeed_config` (no JSON file): see inline_deepspeed."""
 
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:
@@ -70,6 +73,13 @@ def _read_deepspeed_json(path: str, flag: str) -> dict:
     return config
 
 
+def deepspeed_config_dict(value: str | dict | None) -> dict | None:
+    """The DeepSpeed config `--deepspeed` holds by now: a dict (inline YAML, hf_scale config) or a JSON path."""
+    if value is None or isinstance(value, dict):
+        return value
+    return _read_deepspeed_json(value, "--deepspeed")
+
+
 def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
     """Read the launcher's request from the environment and `--deepspeed`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -84,6 +94,12 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         launcher = "python"
 
     accelerate_ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if by_accelerate else None
+    if deepspeed_flag and is_inline(os.environ):
+        # accelerate's DeepSpeedPlugin refuses a config next to the YAML's DeepSpeed keys (ValueError later).
+        raise UserError(
+            f"--deepspeed={deepspeed_flag} while the accelerate config sets DeepSpeed inline (deepspeed_config: "
+            f"{os.environ.get('ACCELERATE_CONFIG_DS_FIELDS', '')}); use one of them"
+        )
     if (
         deepspeed_flag
         and accelerate_ds_file
@@ -95,15 +111,15 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         )
     ds_file = deepspeed_flag or accelerate_ds_file
     use_deepspeed = bool(ds_file) or (by_accelerate and _env_true("ACCELERATE_USE_DEEPSPEED"))
-    if use_deepspeed and not ds_file:
-        raise UserError(
-            "the accelerate config enables DeepSpeed without deepspeed_config_file; hf_scale needs the JSON "
-            "(generate one with `hf-scale generate`)"
-        )
+    inline = None
     zero_stage = None
     if ds_file:
         flag = "--deepspeed" if deepspeed_flag else "deepspeed_config_file"
         zero_stage = _read_deepspeed_json(ds_file, flag).get("zero_optimization", {}).get("stage", 0)
+    elif use_deepspeed and is_inline(os.environ):
+        # The YAML's settings sit inline under deepspeed_config: accelerate's DeepSpeedPlugin reads them.
+        inline = plugin_for(os.environ)
+        zero_stage = inline.zero_stage
 
     if use_deepspeed:
         strategy: Strategy = "deepspeed"
@@ -120,6 +136,7 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         deepspeed_config_file=ds_file,
         zero_stage=zero_stage,
         mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION") if by_accelerate else None,
+        deepspeed_inline=inline,
     )
 
 

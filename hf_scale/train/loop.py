@@ -53,8 +53,9 @@ def _optimizer_and_scheduler(model, args: TrainingArguments, ds_config: dict | N
     """The Trainer's optimizer and scheduler choices, so both loops train identically.
 
     Mirrors transformers' `create_optimizer` / `deepspeed_optim_sched`: DeepSpeed's own optimizer when
-    the JSON has an `optimizer` block (so optimizer offload runs its CPU Adam), with the torch scheduler
-    of --lr_scheduler_type built on it; otherwise --optim with weight decay off for biases and norms.
+    the JSON has an `optimizer` block (so optimizer offload runs its CPU Adam), otherwise --optim with weight
+    decay off for biases and norms; DeepSpeed's scheduler when the JSON has a `scheduler` block, otherwise
+    the torch scheduler of --lr_scheduler_type.
     """
 
     def make_scheduler(optimizer):
@@ -66,10 +67,13 @@ def _optimizer_and_scheduler(model, args: TrainingArguments, ds_config: dict | N
             scheduler_specific_kwargs=args.lr_scheduler_kwargs,
         )
 
+    # A `scheduler` block runs DeepSpeed's scheduler, as in the Trainer (a callable would win over it).
+    ds_scheduler = ds_config is not None and "scheduler" in ds_config
     if ds_config is not None and "optimizer" in ds_config:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = DummyOptim(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-        return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=make_scheduler)
+        callable_ = None if ds_scheduler else make_scheduler
+        return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=callable_)
 
     # get_decay_parameter_names does not use the Trainer instance; calling it unbound avoids building one.
     decay = set(Trainer.get_decay_parameter_names(None, model))
@@ -85,7 +89,7 @@ def _optimizer_and_scheduler(model, args: TrainingArguments, ds_config: dict | N
     ]
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
-    return optimizer, make_scheduler(optimizer)
+    return optimizer, DummyScheduler(optimizer) if ds_scheduler else make_scheduler(optimizer)
 
 
 def run(

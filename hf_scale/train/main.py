@@ -89,6 +89,20 @@ def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
     return chat_template, hub_target
 
 
+def _deepspeed_overrides(deepspeed, ns, argv: list[str]) -> str | None:
+    """The DeepSpeed config's optimizer/scheduler blocks replace --optim / --lr_scheduler_type in both loops:
+    refuse when such a flag was given explicitly, else return the warning line (None without such blocks)."""
+    from hf_scale import deepspeed_overrides
+
+    config = distributed.deepspeed_config_dict(deepspeed)
+    found = deepspeed_overrides.find_overrides(config, argv) if config else []
+    where = "the DeepSpeed config"
+    refusal = deepspeed_overrides.refusal(found, vars(ns), where)
+    if refusal:
+        raise UserError(refusal)
+    return deepspeed_overrides.startup_message(found, vars(ns), where) if found else None
+
+
 def _dataclass_from(namespace, cls):
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     return cls(**{k: v for k, v in vars(namespace).items() if k in names})
@@ -125,6 +139,14 @@ def train(argv: list[str] | None = None) -> int:
 
     # 1. What the launcher asks for, and a process group that really delivers it.
     request = distributed.detect_launch(ns.deepspeed)
+    argv = sys.argv[1:] if argv is None else argv
+    if request.deepspeed_inline is not None:
+        # accelerate launch with the DeepSpeed settings inline in the YAML: accelerate's plugin builds the
+        # config a JSON would hold; the YAML's accumulation/clipping/precision fill (or must match) the flags.
+        from hf_scale.train.inline_deepspeed import apply_to_flags
+
+        ns.deepspeed, from_yaml = apply_to_flags(request.deepspeed_inline, ns, argv)
+        argv = [*argv, *from_yaml]  # what the YAML decided counts as given for --hf_scale_config below
     if ns.hf_scale_config:
         from hf_scale.train.reconcile import apply_hf_scale_config
 
@@ -132,7 +154,10 @@ def train(argv: list[str] | None = None) -> int:
     elif request.deepspeed_config_file and not ns.deepspeed:
         # accelerate launch with a DeepSpeed YAML: the Trainer's resolver fills the JSON's "auto" values.
         ns.deepspeed = request.deepspeed_config_file
+    overrides_warning = _deepspeed_overrides(ns.deepspeed, ns, argv)
     state = distributed.init_process_state(request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
+    if overrides_warning and state.is_main_process:
+        print(f"hf_scale: warning: {overrides_warning}", file=sys.stderr, flush=True)
     # From here on SIGTERM/SIGUSR1 mean "checkpoint after the current optimizer step and exit 75".
     stop = checkpoint.StopRequest()
     stop.install()

@@ -53,17 +53,24 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
                 "accelerate, or launch the Trainer with `accelerate launch --config_file accelerate_configs/NAME.yaml`"
             )
         request = dataclasses.replace(request, strategy="fsdp", fsdp_settings=cfg.fsdp.model_dump())
+    inline = request.deepspeed_inline  # DeepSpeed settings inline in the accelerate YAML (already in ns.deepspeed)
     if wanted == "deepspeed":
-        if request.deepspeed_config_file is None:
+        source = request.deepspeed_config_file or "the accelerate config's deepspeed_config"
+        if request.deepspeed_config_file is None and inline is None:
             deepspeed_value = deepspeed_config(cfg, "auto")
             request = dataclasses.replace(request, strategy="deepspeed", zero_stage=cfg.deepspeed.zero_stage)
         elif request.zero_stage != cfg.deepspeed.zero_stage:
             raise UserError(
-                f"{where}: deepspeed.zero_stage={cfg.deepspeed.zero_stage} but {request.deepspeed_config_file} "
+                f"{where}: deepspeed.zero_stage={cfg.deepspeed.zero_stage} but {source} "
                 f"has zero_optimization.stage={request.zero_stage}"
             )
+        elif inline is not None and inline.mixed_precision != cfg.precision:
+            raise UserError(
+                f"{where}: precision={cfg.precision} but the accelerate config has mixed_precision="
+                f"{inline.mixed_precision}"
+            )
         else:
-            deepspeed_value = request.deepspeed_config_file
+            deepspeed_value = request.deepspeed_config_file or ns.deepspeed
     elif wanted in ("ddp", "single") and request.strategy != ("ddp" if request.world_size > 1 else "single"):
         raise UserError(
             f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
