@@ -3,23 +3,34 @@
 Each run: the embedded default (tiny Llama + sample data), fp32, 5 optimizer steps of 8 samples. The
 2-process runs use micro 2 x accumulation 2 and configs written by `hf-scale generate`; they must give
 the per-step losses of a single process with micro 8 and of a single process with micro 2 x
-accumulation 4 (rtol 1e-4), in the manual loop and in the Trainer path, and save a model that
-`from_pretrained` loads with the trained model's logits.
+accumulation 4 (rtol 1e-4), in the manual loop and in the Trainer path, pass train.py's own save check
+(saved tensors == trained tensors, exactly) and save a model that `from_pretrained` loads with the
+logits of the one-process reference's saved model.
+
+The generated ZeRO configs carry no `optimizer` block (the loop's torch AdamW runs; the offload config
+keeps one with `deepspeed.torch_adam`), and every DeepSpeed run here has no compiler on PATH,
+TORCH_CUDA_ARCH_LIST=9.0a and a private JIT cache holding only DeepSpeed's CPU comm op: afterwards that
+cache must hold nothing else, so nothing was compiled (no FusedAdam, no CPU Adam).
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
 import pytest
 from train_helpers import (
-    assert_saved_model_reproduces,
+    SHM_COMM_OP,
+    assert_saved_model_verified,
     child_env,
     free_port,
     generate_config,
     launcher_command,
     losses,
+    no_compiler_env,
+    path_without_compilers,
+    prebuilt_shm_comm_op,
     read_metrics,
     run_ok,
 )
@@ -43,7 +54,6 @@ COMMON = [
 ]
 CPU_2PROC = [
     "topology.processes_per_machine=2",
-    "deepspeed.torch_adam=true",
     "precision='no'",
     "batch.micro_batch_size=2",
     "batch.gradient_accumulation_steps=2",
@@ -58,7 +68,8 @@ def configs(tmp_path_factory):
     generate_config(root, "ddp", preset="ddp", sets=CPU_2PROC)
     for stage in (1, 2, 3):
         generate_config(root, f"zero{stage}", preset=f"zero{stage}", sets=CPU_2PROC)
-    generate_config(root, "zero3_offload", preset="zero3_offload", sets=CPU_2PROC)
+    # Optimizer offload runs DeepSpeed's optimizer: torch's AdamW here (DeepSpeedCPUAdam would need a compiler).
+    generate_config(root, "zero3_offload", preset="zero3_offload", sets=CPU_2PROC + ["deepspeed.torch_adam=true"])
     # The `deepspeed` launcher with concrete numbers instead of "auto".
     generate_config(
         root / "resolved", "zero3", preset="zero3", sets=CPU_2PROC, extra=("--deepspeed-mode", "resolved")
@@ -66,17 +77,39 @@ def configs(tmp_path_factory):
     return root
 
 
-def _train(launcher: str, out, extra: list[str], *, config=None, cwd=None):
+def _train(launcher: str, out, extra: list[str], *, config=None, cwd=None, env=None):
     command = launcher_command(launcher, config=config) + COMMON + ["--output_dir", str(out)] + extra
-    run_ok(command, cwd=cwd, env=child_env())
+    run_ok(command, cwd=cwd, env=env or child_env())
     return losses(out)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_dir(tmp_path_factory):
     """One process, micro-batch 8, no accumulation: the ground truth."""
     out = tmp_path_factory.mktemp("ref")
-    return _train("python", out, ["--per_device_train_batch_size", "8", "--loop", "accelerate"])
+    _train("python", out, ["--per_device_train_batch_size", "8", "--loop", "accelerate"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir):
+    return losses(reference_dir)
+
+
+@pytest.fixture(scope="module")
+def no_compiler(tmp_path_factory):
+    """(PATH without compilers, a JIT cache holding only DeepSpeed's prebuilt CPU comm op)."""
+    root = tmp_path_factory.mktemp("no_compiler")
+    return path_without_compilers(root / "bin"), prebuilt_shm_comm_op(root / "torch_extensions")
+
+
+def _train_without_compiler(no_compiler, tmp_path, launcher, out, extra, **kwargs):
+    path, prebuilt = no_compiler
+    extensions = tmp_path / "torch_extensions"
+    shutil.copytree(prebuilt, extensions)
+    got = _train(launcher, out, extra, env=no_compiler_env(path, extensions), **kwargs)
+    assert sorted(p.name for p in extensions.iterdir()) == [SHM_COMM_OP], "a DeepSpeed op was JIT-built"
+    return got
 
 
 def _assert_same_losses(got: list[float], want: list[float]) -> None:
@@ -101,21 +134,22 @@ RUNS = [
 
 
 @pytest.mark.parametrize(("launcher", "config_name", "loop"), [r[1:] for r in RUNS], ids=[r[0] for r in RUNS])
-def test_two_processes_match_one_process(launcher, config_name, loop, configs, reference, tmp_path):
+def test_two_processes_match_one_process(launcher, config_name, loop, configs, reference, reference_dir,
+                                         no_compiler, tmp_path):
     out = tmp_path / "out"
     extra = MICRO2_ACC2 + ["--loop", loop]
-    cwd = configs
+    kwargs = {"cwd": configs}
     if launcher == "accelerate":
-        got = _train(
-            launcher, out, extra, config=configs / "accelerate_configs" / f"{config_name}.yaml", cwd=cwd
-        )
+        kwargs["config"] = configs / "accelerate_configs" / f"{config_name}.yaml"
+    elif config_name is not None:
+        parent, _, name = config_name.rpartition("/")
+        extra += ["--deepspeed", str(configs / parent / "ds_configs" / f"{name}.json")]
+    if config_name is not None and "zero" in config_name:
+        got = _train_without_compiler(no_compiler, tmp_path, launcher, out, extra, **kwargs)
     else:
-        if config_name is not None:
-            parent, _, name = config_name.rpartition("/")
-            extra += ["--deepspeed", str(configs / parent / "ds_configs" / f"{name}.json")]
-        got = _train(launcher, out, extra, cwd=cwd)
+        got = _train(launcher, out, extra, **kwargs)
     _assert_same_losses(got, reference)
-    assert_saved_model_reproduces(out)
+    assert_saved_model_verified(out, like=reference_dir)
     record = read_metrics(out)[0]
     assert record["tokens"] > 0 and record["tokens_per_sec"] > 0 and record["peak_memory_bytes"] > 0
     assert record["grad_norm"] > 0
@@ -135,7 +169,7 @@ def test_trainer_path_equals_manual_loop(reference, tmp_path):
     _assert_same_losses(got, reference)
 
 
-def test_multinode_config_runs_as_two_machines_on_localhost(configs, reference, tmp_path):
+def test_multinode_config_runs_as_two_machines_on_localhost(configs, reference, reference_dir, tmp_path):
     """The generated ddp_multinode config, 2 "machines" x 1 process on 127.0.0.1."""
     generate_config(
         tmp_path,
@@ -185,10 +219,10 @@ def test_multinode_config_runs_as_two_machines_on_localhost(configs, reference, 
     for proc, (_, stderr) in zip(procs, results, strict=True):
         assert proc.returncode == 0, stderr[-4000:]
     _assert_same_losses(losses(out), reference)
-    assert_saved_model_reproduces(out)
+    assert_saved_model_verified(out, like=reference_dir)
 
 
-def test_fsdp2_from_hf_scale_config_matches_one_process(reference, tmp_path):
+def test_fsdp2_from_hf_scale_config_matches_one_process(reference, reference_dir, tmp_path):
     """FSDP2 (torch's fully_shard over gloo: accelerate cannot shard on CPU) with the model's own
     decoder-layer class from _no_split_modules, configured by a DistributedConfig."""
     config = tmp_path / "fsdp2.yaml"
@@ -199,12 +233,14 @@ def test_fsdp2_from_hf_scale_config_matches_one_process(reference, tmp_path):
     out = tmp_path / "out"
     got = _train("torchrun", out, ["--hf_scale_config", str(config), "--loop", "accelerate"])
     _assert_same_losses(got, reference)
-    assert_saved_model_reproduces(out)
+    assert_saved_model_verified(out, like=reference_dir)
 
 
-def test_deepspeed_under_plain_python_runs_one_process(configs, reference, tmp_path):
-    """`python train.py --deepspeed …` (no launcher): one DeepSpeed process, same training."""
-    got = _train(
+def test_deepspeed_under_plain_python_runs_one_process(configs, reference, no_compiler, tmp_path):
+    """`python train.py --deepspeed …` (no launcher): one DeepSpeed process, same training, no compiler."""
+    got = _train_without_compiler(
+        no_compiler,
+        tmp_path,
         "python",
         tmp_path / "out",
         ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--loop", "accelerate",

@@ -70,6 +70,13 @@ def _read_deepspeed_json(path: str, flag: str) -> dict:
     return config
 
 
+def deepspeed_dict(value: str | dict | None) -> dict | None:
+    """The DeepSpeed config that will run: `--deepspeed`'s file, or the dict built from --hf_scale_config."""
+    if value is None or isinstance(value, dict):
+        return value
+    return _read_deepspeed_json(value, "--deepspeed")
+
+
 def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
     """Read the launcher's request from the environment and `--deepspeed`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
