@@ -12,6 +12,7 @@ from train_helpers import (
     TRAIN_PY,
     assert_saved_model_verified,
     child_env,
+    generate_config,
     launcher_command,
     logits,
     no_compiler_env,
@@ -173,6 +174,26 @@ def test_hf_scale_config_supplies_deepspeed_under_torchrun(tmp_path):
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["strategy"] == "deepspeed" and summary["world_size"] == 2
     assert summary["saved_model_verified"] is True
+
+
+@pytest.mark.multiprocess
+def test_accelerate_launch_of_a_bf16_zero3_config_runs_in_bf16_without_the_flag(tmp_path):
+    """The issue-10 case: `accelerate launch --config_file <generated zero3 yaml> train.py` with no --bf16 used to
+    die in transformers' mismatch traceback. Now the JSON's bf16 is followed (DeepSpeed bf16 on CPU, checked by
+    the runtime guard) and the 16-bit ZeRO-3 save is verified bit-exactly."""
+    generate_config(tmp_path, "z3", preset="zero3", sets=["topology.processes_per_machine=2",
+                                                           "batch.micro_batch_size=2"])
+    out = tmp_path / "out"
+    result = run_ok(launcher_command("accelerate", config=tmp_path / "accelerate_configs" / "z3.yaml")
+                    + ["--max_steps", "2", "--per_device_train_batch_size", "2", "--output_dir", str(out)],
+                    cwd=tmp_path)
+    followed = [line for line in result.stderr.splitlines() if "following the launcher's config" in line]
+    assert followed == ["hf_scale: following the launcher's config: bf16=True (ds_configs/z3.json bf16.enabled=true "
+                        "and ds_configs/z3.json fp16.enabled=false)"]
+    report = assert_saved_model_verified(out)
+    assert report["saved_dtypes"] == ["bfloat16"]
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["strategy"] == "deepspeed" and summary["world_size"] == 2
 
 
 def test_lora_saves_a_nonempty_adapter_that_reloads(tmp_path):

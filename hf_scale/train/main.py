@@ -104,6 +104,8 @@ def train(argv: list[str] | None = None) -> int:
     given = reconcile.typed_flags(ns, argv)
     reconcile.follow_launcher_config(ns, given, request, ds_config,
                                      num_training_steps=ns.max_steps if ns.max_steps > 0 else None)
+    if ns.bf16 and not distributed.has_gpu():
+        ns.use_cpu = True  # TrainingArguments allows bf16 without a GPU only so (CPU bf16 autocast; DeepSpeed's bf16)
     if ds_config is not None:  # before DeepSpeed loads any compiled op (on CPU the process group does)
         problems = deepspeed_ops.check_config_ops(ds_config, request.deepspeed_config_file or "--hf_scale_config",
                                                   gpu=distributed.has_gpu())
