@@ -123,12 +123,16 @@ def arch_list_problem(value: str | None) -> str | None:
 
 def _cached_jit_build(name: str) -> str | None:
     # torch's JIT loader reuses an up-to-date build without compiling (ninja still runs and finds nothing to do).
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # private, but the loader's own rule
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        try:
+            # The loader's own rule for the default root (private; it creates the root folder, never the op's).
+            from torch.utils.cpp_extension import _get_build_directory
 
-        directory = _get_build_directory(name, verbose=False)
-    except Exception:  # noqa: BLE001 - another torch: fall back to "not cached"
-        return None
+            root = _get_build_directory("", verbose=False)
+        except Exception:  # noqa: BLE001 - another torch: fall back to "not cached"
+            return None
+    directory = os.path.join(root, name)
     return directory if os.path.isfile(os.path.join(directory, f"{name}.so")) else None
 
 

@@ -68,3 +68,4 @@ def test_an_op_without_a_compiler_is_not_usable_and_says_why(tmp_path, monkeypat
     assert problem.startswith("zero2_offload.json: optimizer.type=AdamW with zero_optimization.offload_optimizer."
                               "device=cpu needs DeepSpeed's cpu_adam op, which is not prebuilt and cannot be JIT-built")
     assert "deepspeed.torch_adam=true" in problem and "\n" not in problem
+    assert not (tmp_path / "jit").exists()  # probing creates nothing in the JIT cache
