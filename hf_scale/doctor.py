@@ -132,14 +132,14 @@ def kernels(gpu_list: list[dict]) -> dict:
         if not installed:
             return {"usable": False, "why": "not installed"}
         if best_cc is None:
-            return {"usable": False, "why": f"installed; needs {needs} (no GPU visible)"}
+            return {"usable": False, "why": f"installed; needs {needs}, and no GPU is visible"}
         return {"usable": ok_on_gpu, "why": "installed" if ok_on_gpu else f"installed; needs {needs}"}
 
     cc = best_cc or (0, 0)
     return {
         "flash_attn": usable(importlib.util.find_spec("flash_attn") is not None, "an Ampere+ GPU", cc >= (8, 0)),
         "torch_varlen_attention": usable(importlib.util.find_spec("torch.nn.attention.varlen") is not None,
-                                         "a CUDA GPU (Ampere+)", cc >= (8, 0)),
+                                         "an Ampere+ CUDA GPU", cc >= (8, 0)),
         "flex_attention": usable(importlib.util.find_spec("torch.nn.attention.flex_attention") is not None,
                                  "a CUDA GPU and triton", cc >= (7, 0) and importlib.util.find_spec("triton")),
         "liger_kernel": usable(importlib.util.find_spec("liger_kernel") is not None, "a CUDA GPU and triton",
