@@ -13,7 +13,7 @@ from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from hf_scale import deepspeed_ops, launch_values
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train import checkpoint, distributed, guard, reconcile, reshard
+from hf_scale.train import checkpoint, distributed, guard, preemption, reconcile, reshard
 from hf_scale.train.args import ModelArguments, ScaleArguments
 from hf_scale.train.data import (
     DEFAULT_MAX_SEQ_LENGTH,
@@ -238,6 +238,7 @@ def train(argv: list[str] | None = None) -> int:
 
     if preempted:
         metrics.close()
+        preemption.mark_preempted()  # the launch script exits 75 on it (launchers turn 75 into 1)
         if accelerator.is_main_process:
             print(f"hf_scale: stopped by {stop.signal_name or 'a signal on another rank'}; checkpoint saved in "
                   f"{args.output_dir}; run again with --resume_from_checkpoint auto", file=sys.stderr, flush=True)
