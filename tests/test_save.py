@@ -117,6 +117,21 @@ def test_one_value_off_by_one_ulp_is_caught(tmp_path):
     assert wrong.startswith("model.layers.1.mlp.up_proj.weight (1 of 2048 values")
 
 
+@pytest.mark.parametrize("damage", ["truncated-file", "bad-index"])
+def test_a_damaged_save_is_reported_not_raised(damage, tmp_path):
+    """Under ZeRO-3 the other ranks wait in the next gather: the main process must finish the walk."""
+    model = tiny_llama()
+    model.save_pretrained(tmp_path, max_shard_size="20KB" if damage == "bad-index" else "50GB")
+    if damage == "bad-index":
+        (tmp_path / MODEL_INDEX).write_text("{not json")
+    else:
+        data = (tmp_path / MODEL_FILE).read_bytes()
+        (tmp_path / MODEL_FILE).write_bytes(data[: len(data) // 2])
+    report = check(tmp_path, model)
+    assert not report["ok"] and report["problems"]["unreadable"]
+    assert "could not be read" in failure_message(report, tmp_path)
+
+
 def test_no_weights_file_at_all(tmp_path):
     model = tiny_llama()
     model.config.save_pretrained(tmp_path)

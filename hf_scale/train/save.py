@@ -152,11 +152,12 @@ class _Findings:
     wrong_shape: list[str] = field(default_factory=list)
     wrong_values: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> dict[str, list[str]]:
         kinds = {"missing": self.missing, "wrong_shape": self.wrong_shape, "wrong_values": self.wrong_values,
-                 "unexpected": self.unexpected}
+                 "unexpected": self.unexpected, "unreadable": self.unreadable}
         return {kind: items for kind, items in kinds.items() if items}
 
 
@@ -204,20 +205,29 @@ def verify_saved_model(output_dir: str | Path, model, *, is_main_process: bool) 
     is_lora = bool(getattr(model, "peft_config", None))
     rss_before = _reset_peak_rss() if is_main_process else 0
     started = time.perf_counter()
-    saved = SavedTensors(output_dir, adapter=is_lora) if is_main_process else None
     findings, seen = _Findings(), set()
+    saved = None
+    if is_main_process:
+        try:
+            saved = SavedTensors(output_dir, adapter=is_lora)
+        except Exception as error:  # noqa: BLE001 - a damaged index or header: reported, never a hang
+            findings.unreadable.append(f"{output_dir}: {' '.join(str(error).split())[:200]}")
     tensors = live_tensors(model)
     for names, tensor in tensors:
         with _materialized(tensor) as full:  # every rank, same order: the gathers are collectives
-            if is_main_process:
+            if saved is None:
+                continue
+            try:
                 _compare(saved, names, full, findings, seen)
+            except Exception as error:  # noqa: BLE001 - the other ranks wait in the next gather: keep going
+                findings.unreadable.append(f"{names[0]}: {type(error).__name__}: {' '.join(str(error).split())[:200]}")
     if not is_main_process:
         return None
-    findings.unexpected = sorted(set(saved.where) - seen)
+    findings.unexpected = sorted(set(saved.where) - seen) if saved else []
     report = {
         "ok": not findings.problems and findings.checked > 0,
         "what": "LoRA adapter" if is_lora else "model",
-        "files": [os.path.relpath(f, output_dir) for f in saved.files],
+        "files": [os.path.relpath(f, output_dir) for f in saved.files] if saved else [],
         "tensors_expected": len(tensors),
         "tensors_checked": findings.checked,
         "bytes_read": findings.bytes_read,
@@ -235,7 +245,7 @@ def verify_saved_model(output_dir: str | Path, model, *, is_main_process: bool) 
 
 def failure_message(report: dict, output_dir: str | Path) -> str:
     """The one-line error for a report that is not ok."""
-    if not report["files"]:
+    if not report["files"] and not report["problems"].get("unreadable"):
         wanted = ADAPTER_FILE if report["what"] == "LoRA adapter" else f"{MODEL_FILE} or {MODEL_INDEX}"
         return (
             f"the saved {report['what']} in {output_dir} has no {wanted} (ZeRO-3 writes no weights without "
@@ -244,7 +254,8 @@ def failure_message(report: dict, output_dir: str | Path) -> str:
         )
     parts = []
     labels = {"missing": "missing", "wrong_shape": "with another shape (empty or partial save)",
-              "wrong_values": "with other values", "unexpected": "saved under names the model does not have"}
+              "wrong_values": "with other values", "unexpected": "saved under names the model does not have",
+              "unreadable": "that could not be read"}
     for kind, items in report["problems"].items():
         examples = ", ".join(items[:SHOWN]) + (", …" if len(items) > SHOWN else "")
         parts.append(f"{len(items)} tensor(s) {labels[kind]} (e.g. {examples})")
