@@ -6,6 +6,7 @@ The scripts run as ``python benchmarks/NAME.py`` (this directory is then on ``sy
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -224,15 +225,58 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_checked(command: list[str], *, env: dict, cwd: Path = REPO, timeout: int = 1800) -> str:
-    """Run a command; on failure raise with the tail of its output (a benchmark must not report a crash)."""
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"command failed (exit {done.returncode}): {' '.join(command)}\n{done.stdout[-2000:]}\n"
-            f"{done.stderr[-4000:]}"
+TAIL_LINES = 40
+"""Lines of a failed command's stderr printed; its whole stderr is kept in the results."""
+
+
+def tail(text: str, lines: int = TAIL_LINES) -> str:
+    return "\n".join((text or "").rstrip().splitlines()[-lines:])
+
+
+class CommandFailed(RuntimeError):
+    """A benchmark's child process failed. Carries its whole stderr (the real error of a multi-process run is
+    often far above the launcher's summary) so a benchmark can keep it in its results (:meth:`record`)."""
+
+    def __init__(self, command: Sequence[str], returncode: int | str, stdout: str, stderr: str):
+        self.command = [str(part) for part in command]
+        self.returncode = returncode
+        self.stdout = stdout or ""
+        self.stderr = stderr or ""
+        super().__init__(
+            f"command failed (exit {returncode}): {' '.join(self.command)}\n"
+            f"--- last {TAIL_LINES} lines of its stderr ---\n{tail(self.stderr)}"
         )
+
+    def record(self) -> dict:
+        return {"command": self.command, "exit_code": self.returncode, "stderr": self.stderr,
+                "stdout_tail": tail(self.stdout, 200)}
+
+
+def run_checked(command: list[str], *, env: dict, cwd: Path = REPO, timeout: int = 1800) -> str:
+    """Run a command; a failure (or timeout) raises CommandFailed with its whole output."""
+    try:
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        text = [o.decode(errors="replace") if isinstance(o, bytes) else o for o in (expired.stdout, expired.stderr)]
+        raise CommandFailed(command, f"timeout after {timeout} s", *text) from None
+    if done.returncode != 0:
+        raise CommandFailed(command, done.returncode, done.stdout, done.stderr)
     return done.stdout
+
+
+@contextlib.contextmanager
+def failures_recorded(output: Path, benchmark: str):
+    """A failed child command ends the benchmark with exit 1 after printing the last lines of its stderr and
+    writing the whole of it to OUTPUT_STEM.failed.json (a good results file is never replaced by a failure)."""
+    try:
+        yield
+    except CommandFailed as failure:
+        path = output.with_name(f"{output.stem}.failed.json")
+        write_results(path, {"benchmark": benchmark, "status": "failed",
+                             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                             "failure": failure.record()})
+        print(f"{benchmark}: {failure}\n(whole stderr in {path})", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def train_command(args: Sequence[str]) -> list[str]:

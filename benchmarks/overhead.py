@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.paths:
             for variant in common.alternating(variants, rep):
                 run_dir = args.workdir / f"{path}-{variant}-{rep}"
-                result = _run_variant(variant, path, args, model_dir, data_file, run_dir)
+                with common.failures_recorded(args.output, "overhead"):
+                    result = _run_variant(variant, path, args, model_dir, data_file, run_dir)
                 runs[path][variant].append(result)
                 print(
                     f"rep {rep} {path:10s} {variant:8s} median step {result['median_step_s'] * 1e3:8.2f} ms", flush=True

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for rep in range(args.reps):
         for variant in common.alternating(VARIANTS, rep):
-            result = run_variant(variant, args, model_dir, data_file, args.workdir / f"{variant}-{rep}")
+            with common.failures_recorded(args.output, "packing"):
+                result = run_variant(variant, args, model_dir, data_file, args.workdir / f"{variant}-{rep}")
             runs[variant].append(result)
             print(f"rep {rep} {variant:6s} {result['effective_tokens_per_s']:9.0f} effective tokens/s", flush=True)
 

@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in args.strategies}
     for rep in range(args.reps):
         for name in common.alternating(args.strategies, rep):
-            result = run_strategy(scripts[name], args, model_dir, data_file, args.workdir / f"{name}-{rep}")
+            with common.failures_recorded(args.output, "strategies_cpu"):
+                result = run_strategy(scripts[name], args, model_dir, data_file, args.workdir / f"{name}-{rep}")
             runs[name].append(result)
             print(
                 f"rep {rep} {name:14s} {result['median_step_s'] * 1e3:8.1f} ms/step  "

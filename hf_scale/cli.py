@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hf-scale {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from hf_scale import check, demo, export, generate, plan, plot
+    from hf_scale import check, demo, doctor, export, generate, plan, plot
 
     generate.register(subparsers)
     check.register(subparsers)
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(subparsers)
     plan.register(subparsers)
     plot.register(subparsers)
+    doctor.register(subparsers)
     return parser
 
 

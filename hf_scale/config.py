@@ -195,8 +195,9 @@ class TopologyConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    """AdamW hyper-parameters: written concretely into the "resolved" DeepSpeed JSON; in "auto" mode the
-    HF Trainer fills them from --learning_rate/--adam_beta1/--adam_beta2/--adam_epsilon/--weight_decay."""
+    """AdamW hyper-parameters of the DeepSpeed JSON's optimizer block (when it has one: see
+    deepspeed.fused_adam): concrete in "resolved" mode; in "auto" mode the HF Trainer fills them from
+    --learning_rate/--adam_beta1/--adam_beta2/--adam_epsilon/--weight_decay."""
 
     lr: Annotated[Number, Field(gt=0)] = 2.0e-5
     """Peak learning rate."""
@@ -246,8 +247,13 @@ class DeepSpeedSettings(_Section):
     """Stage 3: gather the full 16-bit weights when saving (stage3_gather_16bit_weights_on_model_save);
     without it saved weights are shards that need zero_to_fp32.py conversion."""
     torch_adam: StrictBool = False
-    """Use torch.optim.AdamW inside DeepSpeed instead of its fused/CPU Adam kernels (those need a compiler
-    toolchain / CUDA; CPU tests set true)."""
+    """Write a DeepSpeed `optimizer` block whose AdamW is torch.optim.AdamW (no compiled DeepSpeed op, also
+    under optimizer offload: slower than DeepSpeedCPUAdam but needs no C++ compiler)."""
+    fused_adam: StrictBool = False
+    """Write a DeepSpeed `optimizer` block without offload too, so DeepSpeed runs its own FusedAdam (a CUDA
+    op: prebuilt, or JIT-built with nvcc and a valid TORCH_CUDA_ARCH_LIST). Default false: without offload
+    the training loop's torch AdamW (fused on GPU) runs and nothing is compiled; with optimizer offload
+    DeepSpeedCPUAdam runs either way (a C++ op, checked before the model loads)."""
 
 
 class FSDPSettings(_Section):
@@ -346,6 +352,11 @@ class DistributedConfig(_Section):
                 f"strategy=single runs one process but the topology has world_size={world} "
                 f"({topo.num_machines} machines x {topo.processes_per_machine} processes); use strategy "
                 "ddp, deepspeed or fsdp, or topology.processes_per_machine=1"
+            )
+        if ds.torch_adam and ds.fused_adam:
+            raise ValueError(
+                "deepspeed.torch_adam=true and deepspeed.fused_adam=true together: choose torch's AdamW or "
+                "DeepSpeed's compiled Adam, not both"
             )
         if self.strategy == "deepspeed":
             if ds.offload_params != "none" and ds.zero_stage < 3:

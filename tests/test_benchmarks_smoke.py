@@ -99,3 +99,52 @@ def test_gpu_script_pipeline_runs_on_a_tiny_model_without_gpu(tmp_path):
     assert data["status"] == "cpu smoke (not a measurement)"
     assert data["results"]["hf_scale"]["vs_baseline"] > 0
     assert data["setup"]["flops_per_token"] > 0
+
+
+def test_a_failed_command_keeps_its_whole_stderr_and_shows_the_last_lines():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH))
+    script = "import sys\nfor i in range(3000): print(f'line {i}', file=sys.stderr)\nsys.exit(3)"
+    with pytest.raises(common.CommandFailed) as failed:
+        common.run_checked([sys.executable, "-c", script], env=None)
+    record = failed.value.record()
+    assert record["exit_code"] == 3 and record["stderr"].splitlines() == [f"line {i}" for i in range(3000)]
+    shown = str(failed.value).splitlines()
+    assert shown[-common.TAIL_LINES:] == [f"line {i}" for i in range(3000 - common.TAIL_LINES, 3000)]
+    assert "line 0" not in shown
+
+
+def test_planner_gpu_memory_documents_its_options():
+    result = _bench("planner_gpu_memory.py", "--help", timeout=120)
+    assert result.returncode == 0, result.stderr
+    for expected in ("--cpu-smoke", "--candidates", "--gpus", "whole stderr"):
+        assert expected in result.stdout
+
+
+@pytest.mark.multiprocess
+def test_planner_gpu_memory_cpu_smoke_runs_zero3_without_a_compiler(tmp_path):
+    """The GPU benchmark's pipeline on CPU with no compiler on PATH: ZeRO-3 (no optimizer block: fused torch
+    AdamW) runs; the optimizer-offload candidate needs DeepSpeedCPUAdam and is reported, not crashed."""
+    from train_helpers import no_compiler_env, path_without_compilers, prebuilt_shm_comm_op
+
+    env = no_compiler_env(path_without_compilers(tmp_path / "bin"), prebuilt_shm_comm_op(tmp_path / "jit"))
+    env["PYTHONPATH"] = str(REPO)
+    output = tmp_path / "planner.json"
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "planner_gpu_memory.py"), "--cpu-smoke", "--candidates", "zero3",
+         "zero3_offload_opt", "--output", str(output)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]  # one candidate could not run
+    data = json.loads(output.read_text())
+    assert data["status"] == "cpu smoke (not a measurement)" and set(data["environment"]) >= ENVIRONMENT_KEYS
+    zero3, offload = data["rows"]
+    assert zero3["candidate"] == "zero3" and zero3["measured_peak_allocated_bytes"] > 0 and "error" not in zero3
+    assert zero3["predicted_bytes"] > 0
+    (reason,) = offload["error"]["not_run"]
+    assert "needs DeepSpeed's cpu_adam op" in reason
+    assert any(line.startswith("zero3_offload_opt") and "NOT RUN" in line for line in result.stdout.splitlines())
+    assert sorted(p.name for p in (tmp_path / "jit").iterdir()) == ["deepspeed_shm_comm"]  # nothing compiled

@@ -10,11 +10,10 @@ import pytest
 import torch
 from checkpoint_runs import trained
 from safetensors.torch import load_file
-from train_helpers import run, run_ok
+from train_helpers import PROBE_IDS, logits, run, run_ok
 from transformers import AutoModelForCausalLM
 
 from hf_scale.train import checkpoint
-from hf_scale.train.save import VERIFY_FILE
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,11 +31,10 @@ def _logits(model, input_ids):
 
 
 def _assert_final_logits(exported, run_dir, *, atol=1e-5):
-    """The export of checkpoint-4 reproduces the logits the trained model had at step 4 (recorded by train.py
-    from the live, still sharded model in hf_scale_verify.pt)."""
-    probe = torch.load(run_dir / VERIFY_FILE)
+    """The export of checkpoint-4 reproduces the logits of the model train.py saved after step 4 (which its
+    save check proved equal, tensor by tensor, to the live, still sharded trained model)."""
     model = AutoModelForCausalLM.from_pretrained(exported)
-    torch.testing.assert_close(_logits(model, probe["input_ids"]), probe["logits"], rtol=1e-5, atol=atol)
+    torch.testing.assert_close(_logits(model, PROBE_IDS), logits(run_dir), rtol=1e-5, atol=atol)
     return model
 
 
@@ -66,15 +64,13 @@ def test_export_dtype_bf16_writes_bf16_weights_close_to_the_trained_logits(tmp_p
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
-    probe = torch.load(run_dir / VERIFY_FILE)
-    assert (_logits(model, probe["input_ids"]) - probe["logits"]).abs().max() < 0.1
+    assert (_logits(model, PROBE_IDS) - logits(run_dir)).abs().max() < 0.1
 
 
 def test_lora_under_zero3_exports_a_non_empty_adapter_and_a_merged_model(tmp_path_factory, tmp_path):
     from peft import AutoPeftModelForCausalLM
 
     run_dir = trained(tmp_path_factory, "zero3", 2, extra=("--lora_r", "4"))
-    probe = torch.load(run_dir / VERIFY_FILE)
 
     adapter = tmp_path / "adapter"
     _export(run_dir / "checkpoint-4", adapter, "--lora", "adapter")
@@ -84,7 +80,7 @@ def test_lora_under_zero3_exports_a_non_empty_adapter_and_a_merged_model(tmp_pat
     # lora_B starts at zero: non-zero values prove the trained adapter was gathered, not the initial one.
     assert all(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)
     reloaded = AutoPeftModelForCausalLM.from_pretrained(adapter)
-    torch.testing.assert_close(_logits(reloaded, probe["input_ids"]), probe["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_logits(reloaded, PROBE_IDS), logits(run_dir), rtol=1e-5, atol=1e-5)
 
     merged = tmp_path / "merged"
     _export(run_dir / "checkpoint-4", merged, "--lora", "merged", *SMALL_SHARDS)

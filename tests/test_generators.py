@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_scale.config import DistributedConfig, validate_config
+from hf_scale.config import DistributedConfig, load_config, validate_config
+from hf_scale.errors import UserError
 from hf_scale.generators import render_files
 from hf_scale.generators.accelerate_yaml import accelerate_config, accelerate_yaml
 from hf_scale.generators.deepspeed_json import (
@@ -37,6 +38,8 @@ TRAINER_RESOLVED_KEYS = {
     "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps",
     "gradient_clipping",
+}
+OPTIMIZER_KEYS = {  # only where the JSON has an optimizer block (offload, fused_adam, torch_adam)
     "optimizer.params.lr",
     "optimizer.params.betas",
     "optimizer.params.eps",
@@ -264,10 +267,11 @@ def test_every_preset_passes_deepspeed_and_accelerate_parsers(preset, tmp_path, 
 # --- DeepSpeed JSON content ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fused_adam", [False, True])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_auto_mode_uses_auto_exactly_for_trainer_resolved_keys(stage):
-    cfg = validate_config({"strategy": "deepspeed", "deepspeed": {"zero_stage": stage}})
-    expected = set(TRAINER_RESOLVED_KEYS)
+def test_auto_mode_uses_auto_exactly_for_trainer_resolved_keys(stage, fused_adam):
+    cfg = validate_config({"strategy": "deepspeed", "deepspeed": {"zero_stage": stage, "fused_adam": fused_adam}})
+    expected = set(TRAINER_RESOLVED_KEYS) | (OPTIMIZER_KEYS if fused_adam else set())
     if stage:
         expected.add("zero_optimization.reduce_bucket_size")
     if stage == 3:
@@ -322,7 +326,9 @@ def test_hf_trainer_resolves_every_auto_value(precision, tmp_path, unset_hf_deep
             num_key_value_heads=2,
         )
     )
-    cfg = validate_config({"strategy": "deepspeed", "precision": precision, "deepspeed": {"zero_stage": 3}})
+    cfg = validate_config(
+        {"strategy": "deepspeed", "precision": precision, "deepspeed": {"zero_stage": 3, "fused_adam": True}}
+    )
     args = TrainingArguments(
         output_dir=str(tmp_path),
         bf16=precision == "bf16",
@@ -380,13 +386,46 @@ def test_resolved_mode_writes_the_config_numbers():
 
 
 @pytest.mark.parametrize("mode", ["auto", "resolved"])
-def test_deepspeed_json_never_has_a_scheduler_and_always_an_optimizer(mode):
+def test_deepspeed_json_has_an_optimizer_block_only_for_offload_and_never_a_scheduler(mode):
+    """Without offload the loop's torch AdamW runs: no DeepSpeed op is JIT-built (no nvcc, no compiler)."""
+    seen = set()
     for preset in PRESETS:
         cfg = get_preset(preset)
         if cfg.strategy == "deepspeed":
             config = deepspeed_config(cfg, mode)
             assert "scheduler" not in config
-            assert config["optimizer"]["type"] == "AdamW"
+            offloaded = "offload_optimizer" in config["zero_optimization"]
+            assert ("optimizer" in config) == offloaded, preset
+            if offloaded:
+                assert config["optimizer"] == {"type": "AdamW", "params": config["optimizer"]["params"]}
+                assert "torch_adam" not in config["optimizer"]["params"]  # DeepSpeedCPUAdam
+            seen.add(offloaded)
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize(
+    ("settings", "block"),
+    [
+        ({"zero_stage": 2}, None),
+        ({"zero_stage": 2, "fused_adam": True}, {}),
+        ({"zero_stage": 3, "torch_adam": True}, {"torch_adam": True}),
+        ({"zero_stage": 2, "offload_optimizer": "cpu"}, {}),
+        ({"zero_stage": 2, "offload_optimizer": "cpu", "torch_adam": True}, {"torch_adam": True}),
+    ],
+    ids=["default", "fused_adam", "torch_adam", "offload", "offload-torch_adam"],
+)
+def test_optimizer_block_follows_fused_adam_torch_adam_and_offload(settings, block):
+    config = deepspeed_config(validate_config({"strategy": "deepspeed", "deepspeed": settings}), "auto")
+    if block is None:
+        assert "optimizer" not in config
+    else:
+        params = {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", **block}
+        assert config["optimizer"] == {"type": "AdamW", "params": params}
+
+
+def test_torch_adam_and_fused_adam_together_are_refused():
+    with pytest.raises(UserError, match="deepspeed.torch_adam=true and deepspeed.fused_adam=true"):
+        load_config(overrides=["strategy=deepspeed", "deepspeed.torch_adam=true", "deepspeed.fused_adam=true"])
 
 
 def test_offload_blocks_follow_the_config():

@@ -7,7 +7,19 @@ import sys
 
 import pytest
 import yaml
-from train_helpers import REPO, TRAIN_PY, child_env, launcher_command, run, run_ok
+from train_helpers import (
+    REPO,
+    TRAIN_PY,
+    assert_saved_model_verified,
+    child_env,
+    generate_config,
+    launcher_command,
+    logits,
+    no_compiler_env,
+    path_without_compilers,
+    run,
+    run_ok,
+)
 
 BAD_INPUTS = {
     "missing-model-path": (
@@ -37,6 +49,14 @@ BAD_INPUTS = {
         ["--hf_scale_config", "{tmp}/single.yaml", "--per_device_train_batch_size", "3"],
         "batch.micro_batch_size=4 but --per_device_train_batch_size=3",
     ),
+    "precision-flag-against-deepspeed-json": (
+        ["--deepspeed", "ds_configs/zero2.json", "--fp16"],
+        "--fp16 conflicts with ds_configs/zero2.json bf16.enabled=true",
+    ),
+    "micro-batch-flag-against-deepspeed-json": (
+        ["--deepspeed", "{tmp}/micro4.json", "--per_device_train_batch_size", "2"],
+        "{tmp}/micro4.json train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size=2",
+    ),
     "lora-unknown-target": (
         ["--lora_r", "4", "--lora_target_modules", "no_such_proj"],
         "--lora_target_modules",
@@ -48,6 +68,8 @@ BAD_INPUTS = {
 def bad_files(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "stage7.json").write_text(json.dumps({"zero_optimization": {"stage": 7}}))
+    (tmp_path / "micro4.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 4,
+                                                      "zero_optimization": {"stage": 2}}))
     (tmp_path / "plain.txt").write_text("hello world\nsecond line\n")
     (tmp_path / "two_procs.yaml").write_text(
         yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2}})
@@ -71,6 +93,46 @@ def test_bad_input_is_one_line_and_exit_2(flags, fragment, bad_files):
     assert len(error_lines) == 1, result.stderr[-3000:]
     assert fragment.replace("{tmp}", str(bad_files)) in error_lines[0]
     assert not (out / "model.safetensors").exists()
+    if "json" in fragment or "deepspeed" in " ".join(flags):  # stopped before the run was even set up
+        assert not out.exists()
+
+
+def test_optimizer_offload_without_a_compiler_stops_before_the_model_loads(tmp_path):
+    """DeepSpeedCPUAdam (optimizer offload) is a C++ op: with no compiler it cannot be built; one line says so
+    (and what else is missing) before anything is set up. train.py runs from its own directory's presets."""
+    env = no_compiler_env(path_without_compilers(tmp_path / "bin"), tmp_path / "empty_jit_cache")
+    out = tmp_path / "out"
+    result = run([sys.executable, TRAIN_PY, "--deepspeed", "ds_configs/zero2_offload.json", "--max_steps", "1",
+                  "--output_dir", str(out)], env=env, timeout=180)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert ("ds_configs/zero2_offload.json: optimizer.type=AdamW with zero_optimization.offload_optimizer.device=cpu "
+            "needs DeepSpeed's cpu_adam op, which is not prebuilt and cannot be JIT-built here (missing: a C++ "
+            "compiler (c++ is not on PATH)); fix: install a C++ compiler") in line
+    assert "deepspeed.torch_adam=true" in line
+    assert not out.exists()
+
+
+def test_max_seq_length_defaults_to_the_model_limit_said_once(tmp_path):
+    """A model with max_position_embeddings 256 trains with the default (min(2048, 256)); above it is an error."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+
+    config = AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR)
+    config.max_position_embeddings = 256
+    model_dir = tmp_path / "short"
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR).save_pretrained(model_dir)
+    command = [sys.executable, TRAIN_PY, "--model_name_or_path", str(model_dir), "--max_steps", "1"]
+    result = run_ok(command + ["--output_dir", str(tmp_path / "out")], timeout=300)
+    said = [line for line in result.stderr.splitlines() if "--max_seq_length" in line]
+    assert said == ["hf_scale: --max_seq_length 256 (default: the smaller of 2048 and the model's "
+                    "max_position_embeddings 256)"]
+    too_long = run(command + ["--max_seq_length", "257", "--output_dir", str(tmp_path / "out2")], timeout=300)
+    assert too_long.returncode == 2
+    assert too_long.stderr.strip().splitlines()[-1] == (
+        "train.py: error: --max_seq_length 257 is above the model's max_position_embeddings 256; use at most 256")
 
 
 def test_help_lists_trainer_and_hf_scale_flags():
@@ -112,6 +174,26 @@ def test_hf_scale_config_supplies_deepspeed_under_torchrun(tmp_path):
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["strategy"] == "deepspeed" and summary["world_size"] == 2
     assert summary["saved_model_verified"] is True
+
+
+@pytest.mark.multiprocess
+def test_accelerate_launch_of_a_bf16_zero3_config_runs_in_bf16_without_the_flag(tmp_path):
+    """The issue-10 case: `accelerate launch --config_file <generated zero3 yaml> train.py` with no --bf16 used to
+    die in transformers' mismatch traceback. Now the JSON's bf16 is followed (DeepSpeed bf16 on CPU, checked by
+    the runtime guard) and the 16-bit ZeRO-3 save is verified bit-exactly."""
+    generate_config(tmp_path, "z3", preset="zero3", sets=["topology.processes_per_machine=2",
+                                                           "batch.micro_batch_size=2"])
+    out = tmp_path / "out"
+    result = run_ok(launcher_command("accelerate", config=tmp_path / "accelerate_configs" / "z3.yaml")
+                    + ["--max_steps", "2", "--per_device_train_batch_size", "2", "--output_dir", str(out)],
+                    cwd=tmp_path)
+    followed = [line for line in result.stderr.splitlines() if "following the launcher's config" in line]
+    assert followed == ["hf_scale: following the launcher's config: bf16=True (ds_configs/z3.json bf16.enabled=true "
+                        "and ds_configs/z3.json fp16.enabled=false)"]
+    report = assert_saved_model_verified(out)
+    assert report["saved_dtypes"] == ["bfloat16"]
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["strategy"] == "deepspeed" and summary["world_size"] == 2
 
 
 def test_lora_saves_a_nonempty_adapter_that_reloads(tmp_path):
@@ -194,17 +276,12 @@ def test_report_to_tensorboard_logs_the_loss_in_both_loops(loop, tmp_path):
 
 def test_torch_compile_in_the_manual_loop_saves_and_exports_plain_weights(tmp_path):
     """--torch_compile wraps the model; the saved model and the export must use the module's own names."""
-    from transformers import AutoModelForCausalLM
-
     from hf_scale.cli import main as cli_main
 
     run_ok([sys.executable, TRAIN_PY, "--torch_compile", "--loop", "accelerate", "--max_steps", "2",
             "--save_steps", "2", "--output_dir", str(tmp_path / "run")], timeout=400)
-    assert json.loads((tmp_path / "run" / "hf_scale_verify.json").read_text())["ok"]
+    assert_saved_model_verified(tmp_path / "run")  # the plain names, exactly the trained tensors
     assert cli_main(["export", str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "exported")]) == 0
     import torch
 
-    probe = torch.load(tmp_path / "run" / "hf_scale_verify.pt")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=probe["input_ids"]).logits, probe["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(tmp_path / "exported"), logits(tmp_path / "run"), rtol=1e-5, atol=1e-5)

@@ -4,8 +4,9 @@ Each run: the embedded default (tiny Llama + sample data), fp32, 5 optimizer ste
 2-process runs use micro 2 x accumulation 2 and configs written by `hf-scale generate` (or, for the
 accelerate YAMLs with inline DeepSpeed settings, corpus files from tests/data/peer_configs); they must give
 the per-step losses of a single process with micro 8 and of a single process with micro 2 x
-accumulation 4 (rtol 1e-4), in the manual loop and in the Trainer path, and save a model that
-`from_pretrained` loads with the trained model's logits.
+accumulation 4 (rtol 1e-4), in the manual loop and in the Trainer path, pass train.py's own save check
+(saved tensors == trained tensors, exactly) and save a model that `from_pretrained` loads with the
+logits of the one-process reference's saved model.
 
 Every run trains on a two-source mixture in two formats (tests/data/mixture: prompt/response 0.75, chat
 0.25; seeded) and evaluates a 21-example validation file at step 3 and at the end (eval micro-batch 8 in
@@ -14,10 +15,16 @@ must equal the reference's, so the mixture is the same on every rank and dealt d
 loss is exact under every strategy. The `deepspeed` launcher's run takes its flags from a recipe file
 given as the positional argument (after the launcher's `--local_rank=N`), one `accelerate launch` run
 from `--config recipe.yaml`.
+
+The generated ZeRO configs carry no `optimizer` block (the loop's torch AdamW runs; the offload config
+keeps one with `deepspeed.torch_adam`), and every DeepSpeed run here has no compiler on PATH,
+TORCH_CUDA_ARCH_LIST=9.0a and a private JIT cache holding only DeepSpeed's CPU comm op: afterwards that
+cache must hold nothing else, so nothing was compiled (no FusedAdam, no CPU Adam).
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +33,16 @@ import pytest
 import yaml
 from train_helpers import (
     REPO,
-    assert_saved_model_reproduces,
+    SHM_COMM_OP,
+    assert_saved_model_verified,
     child_env,
     free_port,
     generate_config,
     launcher_command,
     losses,
+    no_compiler_env,
+    path_without_compilers,
+    prebuilt_shm_comm_op,
     read_eval_metrics,
     read_metrics,
     run_ok,
@@ -73,7 +84,6 @@ COMMON = [
 EVAL_STEPS = [3, STEPS]
 CPU_2PROC = [
     "topology.processes_per_machine=2",
-    "deepspeed.torch_adam=true",
     "precision='no'",
     "batch.micro_batch_size=2",
     "batch.gradient_accumulation_steps=2",
@@ -88,7 +98,8 @@ def configs(tmp_path_factory):
     generate_config(root, "ddp", preset="ddp", sets=CPU_2PROC)
     for stage in (1, 2, 3):
         generate_config(root, f"zero{stage}", preset=f"zero{stage}", sets=CPU_2PROC)
-    generate_config(root, "zero3_offload", preset="zero3_offload", sets=CPU_2PROC)
+    # Optimizer offload runs DeepSpeed's optimizer: torch's AdamW here (DeepSpeedCPUAdam would need a compiler).
+    generate_config(root, "zero3_offload", preset="zero3_offload", sets=CPU_2PROC + ["deepspeed.torch_adam=true"])
     # The `deepspeed` launcher with concrete numbers instead of "auto".
     generate_config(
         root / "resolved", "zero3", preset="zero3", sets=CPU_2PROC, extra=("--deepspeed-mode", "resolved")
@@ -122,7 +133,7 @@ def _as_recipe(flags: list[str]) -> dict:
     return recipe
 
 
-def _train(launcher: str, out, extra: list[str], *, config=None, cwd=None, via: str | None = None):
+def _train(launcher: str, out, extra: list[str], *, config=None, cwd=None, via: str | None = None, env=None):
     """`via`: None (flags), "recipe" (a positional recipe file) or "config" (--config recipe.yaml)."""
     flags = COMMON + extra
     if via is not None:
@@ -130,7 +141,7 @@ def _train(launcher: str, out, extra: list[str], *, config=None, cwd=None, via: 
         recipe.write_text(yaml.safe_dump(_as_recipe(flags)))
         flags = [str(recipe)] if via == "recipe" else ["--config", str(recipe)]
     command = launcher_command(launcher, config=config) + flags + ["--output_dir", str(out)]
-    run_ok(command, cwd=cwd, env=child_env())
+    run_ok(command, cwd=cwd, env=env or child_env())
     return losses(out)
 
 
@@ -145,6 +156,22 @@ def reference_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(reference_dir):
     return losses(reference_dir)
+
+
+@pytest.fixture(scope="module")
+def no_compiler(tmp_path_factory):
+    """(PATH without compilers, a JIT cache holding only DeepSpeed's prebuilt CPU comm op)."""
+    root = tmp_path_factory.mktemp("no_compiler")
+    return path_without_compilers(root / "bin"), prebuilt_shm_comm_op(root / "torch_extensions")
+
+
+def _train_without_compiler(no_compiler, tmp_path, launcher, out, extra, **kwargs):
+    path, prebuilt = no_compiler
+    extensions = tmp_path / "torch_extensions"
+    shutil.copytree(prebuilt, extensions)
+    got = _train(launcher, out, extra, env=no_compiler_env(path, extensions), **kwargs)
+    assert sorted(p.name for p in extensions.iterdir()) == [SHM_COMM_OP], "a DeepSpeed op was JIT-built"
+    return got
 
 
 def _assert_same_losses(got: list[float], want: list[float]) -> None:
@@ -181,24 +208,26 @@ RUNS = [
 
 @pytest.mark.parametrize(("launcher", "config_name", "loop", "via"), [r[1:] for r in RUNS], ids=[r[0] for r in RUNS])
 def test_two_processes_match_one_process(launcher, config_name, loop, via, configs, reference, reference_dir,
-                                         tmp_path):
+                                         no_compiler, tmp_path):
     out = tmp_path / "out"
     extra = MICRO2_ACC2 + ["--loop", loop]
-    cwd = configs
+    kwargs = {"cwd": configs}
     if launcher == "accelerate":
         yaml_dir = configs if config_name.startswith("inline/") else configs / "accelerate_configs"
         if config_name.startswith("inline/"):  # `hf-scale check` accepts what train.py trains with
             inputs = check.load_inputs(str(yaml_dir / f"{config_name}.yaml"), training_args=COMMON + extra)
             assert check.run_checks(inputs) == []
-        got = _train(launcher, out, extra, config=yaml_dir / f"{config_name}.yaml", cwd=cwd, via=via)
+        kwargs["config"] = yaml_dir / f"{config_name}.yaml"
+    elif config_name is not None:
+        parent, _, name = config_name.rpartition("/")
+        extra += ["--deepspeed", str(configs / parent / "ds_configs" / f"{name}.json")]
+    if config_name is not None and "zero" in config_name:
+        got = _train_without_compiler(no_compiler, tmp_path, launcher, out, extra, via=via, **kwargs)
     else:
-        if config_name is not None:
-            parent, _, name = config_name.rpartition("/")
-            extra += ["--deepspeed", str(configs / parent / "ds_configs" / f"{name}.json")]
-        got = _train(launcher, out, extra, cwd=cwd, via=via)
+        got = _train(launcher, out, extra, via=via, **kwargs)
     _assert_same_losses(got, reference)
     _assert_same_eval(out, reference_dir)
-    assert_saved_model_reproduces(out)
+    assert_saved_model_verified(out, like=reference_dir)
     record = read_metrics(out)[0]
     assert record["tokens"] > 0 and record["tokens_per_sec"] > 0 and record["peak_memory_bytes"] > 0
     assert record["grad_norm"] > 0
@@ -272,7 +301,7 @@ def test_multinode_config_runs_as_two_machines_on_localhost(configs, reference, 
         assert proc.returncode == 0, stderr[-4000:]
     _assert_same_losses(losses(out), reference)
     _assert_same_eval(out, reference_dir)
-    assert_saved_model_reproduces(out)
+    assert_saved_model_verified(out, like=reference_dir)
 
 
 def test_fsdp2_from_hf_scale_config_matches_one_process(reference, reference_dir, tmp_path):
@@ -287,12 +316,14 @@ def test_fsdp2_from_hf_scale_config_matches_one_process(reference, reference_dir
     got = _train("torchrun", out, ["--hf_scale_config", str(config), "--loop", "accelerate"])
     _assert_same_losses(got, reference)
     _assert_same_eval(out, reference_dir)
-    assert_saved_model_reproduces(out)
+    assert_saved_model_verified(out, like=reference_dir)
 
 
-def test_deepspeed_under_plain_python_runs_one_process(configs, reference, reference_dir, tmp_path):
-    """`python train.py --deepspeed …` (no launcher): one DeepSpeed process, same training."""
-    got = _train(
+def test_deepspeed_under_plain_python_runs_one_process(configs, reference, reference_dir, no_compiler, tmp_path):
+    """`python train.py --deepspeed …` (no launcher): one DeepSpeed process, same training, no compiler."""
+    got = _train_without_compiler(
+        no_compiler,
+        tmp_path,
         "python",
         tmp_path / "out",
         ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--loop", "accelerate",

@@ -13,9 +13,14 @@ Two modes:
 Precision blocks are concrete in both modes: with ``"enabled": "auto"`` the Trainer silently follows
 whatever ``--bf16/--fp16`` says; a concrete value makes it raise on a mismatch instead.
 
-There is always an ``optimizer`` block (so optimizer offload uses DeepSpeed's own optimizer) and never a
-``scheduler`` block: DeepSpeed's scheduler would silently override ``--lr_scheduler_type``; the
-training loop's torch scheduler is used instead.
+An ``optimizer`` block is written only where DeepSpeed must build the optimizer itself (see
+:func:`needs_optimizer_block`): with optimizer offload (DeepSpeedCPUAdam, a C++ op), or when the config
+asks for it (``deepspeed.fused_adam``: DeepSpeed's CUDA FusedAdam; ``deepspeed.torch_adam``: torch's AdamW
+created by DeepSpeed). Otherwise the training loop's torch optimizer runs (the Trainer's ``--optim``,
+fused AdamW on GPU) and no DeepSpeed op is compiled at run time: no nvcc, no C++ compiler, and a
+``TORCH_CUDA_ARCH_LIST`` DeepSpeed cannot parse (``9.0a``) does not matter. There is never a
+``scheduler`` block: DeepSpeed's scheduler would silently override ``--lr_scheduler_type``; the training
+loop's torch scheduler is used instead.
 """
 
 from __future__ import annotations
@@ -55,9 +60,10 @@ def deepspeed_config(cfg: DistributedConfig, mode: Mode) -> dict[str, Any]:
         "gradient_clipping": pick(cfg.gradient_clipping or 0.0),
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": _fp16_block(cfg.precision == "fp16"),
-        "optimizer": _optimizer_block(cfg, pick),
-        "zero_optimization": _zero_block(cfg, auto),
     }
+    if needs_optimizer_block(cfg):
+        config["optimizer"] = _optimizer_block(cfg, pick)
+    config["zero_optimization"] = _zero_block(cfg, auto)
     if cfg.activation_checkpointing:
         # Only consulted by models that use deepspeed.checkpointing; HF models checkpoint with torch
         # (gradient_checkpointing_enable), so the block is kept conservative: no partitioning/offload.
@@ -90,6 +96,14 @@ def _fp16_block(enabled: bool) -> dict[str, Any]:
         "hysteresis": 2,
         "min_loss_scale": 1,
     }
+
+
+def needs_optimizer_block(cfg: DistributedConfig) -> bool:
+    """DeepSpeed builds the optimizer from the JSON only for optimizer offload (its CPU Adam works on the
+    offloaded fp32 states) or when the config asks for DeepSpeed's Adam (fused_adam / torch_adam)."""
+    ds = cfg.deepspeed
+    offloaded = ds.zero_stage > 0 and ds.offload_optimizer != "none"
+    return offloaded or ds.fused_adam or ds.torch_adam
 
 
 def _optimizer_block(cfg: DistributedConfig, pick) -> dict[str, Any]:

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """Label of a token that is not a target; transformers' causal-LM loss skips it."""
+DEFAULT_MAX_SEQ_LENGTH = 2048
+"""--max_seq_length when not given, capped at the model's max_position_embeddings."""
 
 DatasetFormat = Literal["text", "prompt_response", "messages"]
 
@@ -85,10 +87,10 @@ class DataArguments:
         metadata={"help": "Column of chat messages (list of {role, content}), rendered with the tokenizer's "
                   "chat template. Auto: 'messages'."},
     )
-    max_seq_length: int = field(
-        default=512,
+    max_seq_length: int | None = field(
+        default=None,
         metadata={"help": "Examples are truncated to this many tokens; at most the model's "
-                  "max_position_embeddings."},
+                  f"max_position_embeddings. Default: the smaller of {DEFAULT_MAX_SEQ_LENGTH} and that limit."},
     )
     packing: bool = field(
         default=False,
@@ -403,16 +405,20 @@ def tokenize_dataset(dataset: datasets.Dataset, tokenizer: Any, args: DataArgume
     return tokenized
 
 
-def check_max_seq_length(max_seq_length: int, model_config: PretrainedConfig) -> None:
-    """Reject a sequence length the model cannot attend over (positions past its rotary/embedding range)."""
+def check_max_seq_length(max_seq_length: int | None, model_config: PretrainedConfig) -> int:
+    """The sequence length to train with: the default (None) fitted to the model, or the flag's value; a value
+    the model cannot attend over (positions past its rotary/embedding range) is refused."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if max_seq_length is None:
+        return min(DEFAULT_MAX_SEQ_LENGTH, limit) if limit else DEFAULT_MAX_SEQ_LENGTH
     if max_seq_length <= 0:
         raise UserError(f"--max_seq_length {max_seq_length}: must be a positive number of tokens")
-    limit = getattr(model_config, "max_position_embeddings", None)
     if limit is not None and max_seq_length > limit:
         raise UserError(
             f"--max_seq_length {max_seq_length} is above the model's max_position_embeddings {limit}; "
             f"use at most {limit}"
         )
+    return max_seq_length
 
 
 def make_collator(tokenizer: Any, packing: bool):

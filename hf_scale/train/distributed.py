@@ -74,7 +74,8 @@ def _read_deepspeed_json(path: str, flag: str) -> dict:
 
 
 def deepspeed_config_dict(value: str | dict | None) -> dict | None:
-    """The DeepSpeed config `--deepspeed` holds by now: a dict (inline YAML, hf_scale config) or a JSON path."""
+    """The DeepSpeed config that will run, as `--deepspeed` holds it by now: a JSON path, or the dict built
+    from an inline accelerate YAML or from --hf_scale_config."""
     if value is None or isinstance(value, dict):
         return value
     return _read_deepspeed_json(value, "--deepspeed")

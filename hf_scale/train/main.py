@@ -12,12 +12,12 @@ from pathlib import Path
 
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from hf_scale import hub
+from hf_scale import deepspeed_ops, hub, launch_values
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train import checkpoint, distributed, evaluation, guard, preemption, reshard, sources
+from hf_scale.train import checkpoint, distributed, evaluation, guard, preemption, reconcile, reshard, sources
 from hf_scale.train.args import ModelArguments, ScaleArguments
 from hf_scale.train.chat_template import read_chat_template
-from hf_scale.train.data import DataArguments, check_max_seq_length, make_collator
+from hf_scale.train.data import DEFAULT_MAX_SEQ_LENGTH, DataArguments, check_max_seq_length, make_collator
 from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
 from hf_scale.train.model import (
     default_attn_implementation,
@@ -27,10 +27,9 @@ from hf_scale.train.model import (
     resolve_model_path,
 )
 from hf_scale.train.recipe import add_config_flag, expand_recipe
-from hf_scale.train.save import live_logits, save_with_accelerator, verify_saved_model
+from hf_scale.train.save import failure_message, save_with_accelerator, verify_saved_model
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
-PROBE_TOKENS = 16
 
 
 class _OneLineParser(HfArgumentParser):
@@ -148,13 +147,24 @@ def train(argv: list[str] | None = None) -> int:
         ns.deepspeed, from_yaml = apply_to_flags(request.deepspeed_inline, ns, argv)
         argv = [*argv, *from_yaml]  # what the YAML decided counts as given for --hf_scale_config below
     if ns.hf_scale_config:
-        from hf_scale.train.reconcile import apply_hf_scale_config
-
-        request, ns.deepspeed = apply_hf_scale_config(ns.hf_scale_config, request, ns, argv)
+        request, ns.deepspeed = reconcile.apply_hf_scale_config(ns.hf_scale_config, request, ns, argv)
     elif request.deepspeed_config_file and not ns.deepspeed:
         # accelerate launch with a DeepSpeed YAML: the Trainer's resolver fills the JSON's "auto" values.
         ns.deepspeed = request.deepspeed_config_file
     overrides_warning = _deepspeed_overrides(ns.deepspeed, ns, argv)
+    # Precision, batch, clipping and optimizer values the launcher's config fixes: followed when no flag says
+    # otherwise, a conflict is one line now (transformers would raise its traceback after the model loads).
+    ds_config = distributed.deepspeed_config_dict(ns.deepspeed)
+    given = reconcile.typed_flags(ns, argv)
+    reconcile.follow_launcher_config(ns, given, request, ds_config,
+                                     num_training_steps=ns.max_steps if ns.max_steps > 0 else None)
+    if ns.bf16 and not distributed.has_gpu():
+        ns.use_cpu = True  # TrainingArguments allows bf16 without a GPU only so (CPU bf16 autocast; DeepSpeed's bf16)
+    if ds_config is not None:  # before DeepSpeed loads any compiled op (on CPU the process group does)
+        problems = deepspeed_ops.check_config_ops(ds_config, request.deepspeed_config_file or "--hf_scale_config",
+                                                  gpu=distributed.has_gpu())
+        if problems:
+            raise UserError("; ".join(problems))
     state = distributed.init_process_state(request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
     if overrides_warning and state.is_main_process:
         print(f"hf_scale: warning: {overrides_warning}", file=sys.stderr, flush=True)
@@ -200,13 +210,23 @@ def train(argv: list[str] | None = None) -> int:
     set_seed(args.seed)
     model_path = resolve_model_path(model_args)
     model_config = load_model_config(model_path, model_args.trust_remote_code)
-    check_max_seq_length(data_args.max_seq_length, model_config)
+    seq_len_given = data_args.max_seq_length is not None
+    data_args.max_seq_length = check_max_seq_length(data_args.max_seq_length, model_config)
+    if not seq_len_given and state.is_main_process:
+        print(f"hf_scale: --max_seq_length {data_args.max_seq_length} (default: the smaller of "
+              f"{DEFAULT_MAX_SEQ_LENGTH} and the model's max_position_embeddings "
+              f"{getattr(model_config, 'max_position_embeddings', None)})", file=sys.stderr)
     tokenizer = load_tokenizer(model_args)
     if chat_template is not None:
         tokenizer.chat_template = chat_template  # before tokenization; saved with the tokenizer
 
     # 2. Data: tokenised (and mixed) once on the main process (cached), then read by the others.
     train_dataset, eval_dataset, data_manifest = _datasets(args, data_args, source_args, tokenizer, state)
+    if ds_config is not None and "scheduler" in ds_config and args.max_steps <= 0:
+        # A DeepSpeed scheduler's step counts are compared with the run's length, known now.
+        steps = launch_values.planned_optimizer_steps(
+            len(train_dataset), reconcile.training_values(ns, request.world_size), args.num_train_epochs)
+        reconcile.follow_launcher_config(ns, given, request, ds_config, num_training_steps=steps, late=True)
     collator = make_collator(tokenizer, packing=data_args.packing)
     attn = model_args.attn_implementation or default_attn_implementation()
     if data_args.packing and attn != "flash_attention_2" and state.is_main_process:
@@ -231,27 +251,27 @@ def train(argv: list[str] | None = None) -> int:
         and bool(args.deepspeed_plugin.zero3_init_flag),
     )
     fpt = flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_dataset))
-    is_lora = model_args.lora_r > 0
 
     # 4. Train.
     if scale_args.loop == "accelerate":
         from hf_scale.train import loop
 
-        result = loop.run(
-            args=args,
-            model=model,
-            tokenizer=tokenizer,
-            train_dataset=train_dataset,
-            collator=collator,
-            expected=expected,
-            loaded_partitioned=loaded_partitioned,
-            flops_per_token=fpt,
-            report_config={"argv": sys.argv[1:]},
-            resume_dir=resume_dir,
-            stop=stop,
-            fsdp_settings=request.fsdp_settings,
-            eval_dataset=eval_dataset,
-        )
+        with reconcile.deepspeed_mismatch_as_user_error():
+            result = loop.run(
+                args=args,
+                model=model,
+                tokenizer=tokenizer,
+                train_dataset=train_dataset,
+                collator=collator,
+                expected=expected,
+                loaded_partitioned=loaded_partitioned,
+                flops_per_token=fpt,
+                report_config={"argv": sys.argv[1:]},
+                resume_dir=resume_dir,
+                stop=stop,
+                fsdp_settings=request.fsdp_settings,
+                eval_dataset=eval_dataset,
+            )
         accelerator, wrapped, metrics, preempted = result.accelerator, result.model, result.metrics, result.preempted
         if not preempted:
             save_with_accelerator(accelerator, wrapped, tokenizer, args.output_dir)
@@ -270,7 +290,8 @@ def train(argv: list[str] | None = None) -> int:
         trainer.add_callback(callback)
         checkpoints = CheckpointCallback(trainer, stop, expected)
         trainer.add_callback(checkpoints)
-        trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
+        with reconcile.deepspeed_mismatch_as_user_error():
+            trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
         preempted = checkpoints.preempted
         if not preempted and args.do_eval and callback.metrics.last_eval_step != trainer.state.global_step:
             trainer.evaluate()  # at the end (--do_eval, any --eval_strategy), as the manual loop does
@@ -287,17 +308,11 @@ def train(argv: list[str] | None = None) -> int:
         distributed.shutdown()
         return checkpoint.EXIT_PREEMPTED
 
-    # 5. Prove the save: the reloaded directory reproduces the trained model's logits.
-    probe = train_dataset[0]["input_ids"][:PROBE_TOKENS]
-    import torch
-
-    probe_ids = torch.tensor([probe])
-    logits = live_logits(wrapped, probe_ids, accelerator.device)
-    report = None
-    if accelerator.is_main_process:
-        report = verify_saved_model(args.output_dir, probe_ids, logits, is_lora=is_lora)
-    summary = metrics.summary()
+    # 5. Prove the save: tensor by tensor, exactly, against the trained (gathered) weights.
+    summary = metrics.summary()  # before the check, which resets the host peak-memory counter to measure itself
     metrics.close()
+    trained = accelerator.unwrap_model(wrapped, keep_torch_compile=False)
+    report = verify_saved_model(args.output_dir, trained, is_main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         summary["model_dir"] = os.path.abspath(args.output_dir)
@@ -313,15 +328,13 @@ def train(argv: list[str] | None = None) -> int:
             f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
             f"{summary['tokens_per_sec']:.0f} tokens/s, peak memory {summary['peak_memory_bytes'] / 2**20:.0f} MiB"
             + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
-            + f"; model saved to {summary['model_dir']}",
+            + f"; model saved to {summary['model_dir']}"
+            + (f", verified ({report['tensors_checked']} tensors, {report['seconds']:.1f} s)" if report["ok"]
+               else ", but the check FAILED"),
             flush=True,
         )
         if not report["ok"]:
-            print(
-                f"hf_scale: ERROR: the saved model does not reproduce the trained logits "
-                f"(max abs diff {report['max_abs_diff']:.3g} > {report['tolerance']})",
-                file=sys.stderr,
-            )
+            print(f"hf_scale: ERROR: {failure_message(report, args.output_dir)}", file=sys.stderr, flush=True)
     distributed.shutdown()
     # After the group is gone: an upload of a large model outlasts any collective timeout.
     if hub_target is not None and report is not None and report["ok"]:

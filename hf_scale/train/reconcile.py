@@ -8,15 +8,25 @@ anything it disagrees with is an error — never a silent override.
 - ZeRO stage of a launcher-supplied JSON must be the config's;
 - micro batch, gradient accumulation, precision and gradient clipping fill the flags left unset and must
   match the flags that were given.
+
+:func:`follow_launcher_config` does the same for the launcher's own config (accelerate YAML precision,
+every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scale.launch_values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import sys
 
+from hf_scale import launch_values
 from hf_scale.errors import UserError
 from hf_scale.train.distributed import LaunchRequest
+
+# Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
+_FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",
+                             "fp16")
 
 
 def _given(flag: str, argv: list[str]) -> bool:
@@ -104,3 +114,64 @@ def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value
     if _given(f"--{flag}", argv) and getattr(ns, flag) != value:
         raise UserError(f"{where}: {field}={value} but --{flag}={getattr(ns, flag)}")
     setattr(ns, flag, value)
+
+
+def typed_flags(ns, argv: list[str] | None) -> set[str]:
+    """The launch_values flag names the user typed (or --hf_scale_config fixed)."""
+    argv = sys.argv[1:] if argv is None else argv
+    names = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} | {"num_train_epochs"}
+    given = {name for name in names if _given(f"--{name}", argv)}
+    if _given("--warmup_ratio", argv):
+        given.add("warmup_steps")
+    if ns.hf_scale_config:
+        given.update(_FIXED_BY_HF_SCALE_CONFIG)
+    return given
+
+
+def training_values(ns, world_size: int) -> launch_values.TrainingValues:
+    fields = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} - {"world_size"}
+    return launch_values.TrainingValues(world_size=world_size, **{name: getattr(ns, name) for name in fields})
+
+
+def follow_launcher_config(
+    ns, given: set[str], request: LaunchRequest, ds_config: dict | None, *, num_training_steps: int | None = None,
+    late: bool = False,
+) -> None:
+    """Fill the flags the launcher's config fixes, or stop with one line naming every conflict.
+
+    `late`: called once the run is set up (a JSON scheduler compared with an epoch-based length): a value
+    that would still have to be followed is a conflict then."""
+    source = request.deepspeed_config_file or ("the DeepSpeed config of --hf_scale_config" if ds_config else "")
+    result = launch_values.reconcile(
+        training_values(ns, request.world_size),
+        given,
+        deepspeed_config=ds_config,
+        deepspeed_source=source,
+        accelerate_mixed_precision=request.mixed_precision if request.launcher == "accelerate" else None,
+        num_training_steps=num_training_steps,
+    )
+    mismatches = list(result.mismatches)
+    if late:
+        mismatches += [f"{why}={getattr(result.values, name)} but --{name}={getattr(ns, name)}; set it to \"auto\" "
+                       f"or pass --{name} {getattr(result.values, name)}" for name, why in result.followed.items()]
+    if mismatches:
+        raise UserError("; ".join(mismatches))
+    for name in result.followed:
+        setattr(ns, name, getattr(result.values, name))
+    if result.followed and os.environ.get("RANK", "0") == "0":
+        said = ", ".join(f"{name}={getattr(result.values, name)} ({why})" for name, why in result.followed.items())
+        print(f"hf_scale: following the launcher's config: {said}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def deepspeed_mismatch_as_user_error():
+    """The safety net behind follow_launcher_config: should transformers still find a DeepSpeed value that
+    disagrees with TrainingArguments (a comparison added after 5.23), say it in one line, not a traceback."""
+    try:
+        yield
+    except ValueError as error:
+        text = str(error)
+        if "mismatch TrainingArguments" not in text:
+            raise
+        lines = [line.strip("- ").strip() for line in text.splitlines() if line.strip().startswith("- ds ")]
+        raise UserError("the DeepSpeed config disagrees with the flags: " + "; ".join(lines)) from None

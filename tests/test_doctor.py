@@ -1,0 +1,164 @@
+"""`hf-scale doctor`: the report's structure on this (CPU) node, config verdicts with real checks and with given
+GPU facts, --json, bad input, and the all-reduce measurement over gloo with 2 real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from train_helpers import child_env, no_compiler_env, path_without_compilers
+
+from hf_scale import doctor
+from hf_scale.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85 * 10**9, "compute_capability": "9.0",
+        "bf16": True, "fp8": True}
+V100 = {"index": 0, "name": "Tesla V100-SXM2-32GB", "memory_bytes": 34 * 10**9, "compute_capability": "7.0",
+        "bf16": False, "fp8": False}
+USABLE = {"usable": True, "how": "prebuilt", "missing": []}
+
+
+def cli(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hf_scale.cli", "doctor", *args], cwd=REPO, env=env or child_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_report_structure_on_this_node(tmp_path):
+    report = doctor.build_report(config=None, output_dir=str(tmp_path / "not" / "yet"), allreduce=True)
+    assert set(report) == {"host", "versions", "gpus", "build", "kernels", "environment", "disk", "allreduce"}
+    assert report["versions"]["torch"] and report["versions"]["deepspeed"]
+    assert set(report["kernels"]) == {"flash_attn", "torch_varlen_attention", "flex_attention", "liger_kernel"}
+    assert set(report["build"]["deepspeed_ops"]) >= set(doctor.DEFAULT_OPS)
+    assert report["disk"]["measured_at"] == str(tmp_path) and report["disk"]["free_bytes"] > 0
+    if not report["gpus"]:
+        assert report["allreduce"] == {"status": "skipped", "reason": "needs 2 or more GPUs (found 0)"}
+        assert report["kernels"]["torch_varlen_attention"]["usable"] is False
+    text = doctor.format_text(report)
+    for title in ("versions", "GPUs", "build", "kernels", "network", "disk", "all-reduce"):
+        assert f"\n{title:<11} " in text
+
+
+def test_json_output_parses_and_exits_0_without_a_config(tmp_path):
+    result = cli("--json", "--output-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)  # DeepSpeed's own log lines go to stderr
+    assert report["disk"]["path"] == str(tmp_path) and "config" not in report
+
+
+def test_network_variables_that_matter_are_listed():
+    environ = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth0", "MASTER_ADDR": "n1",
+               "FI_PROVIDER": "efa", "HOME": "/root", "PATH": "/bin", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert list(doctor.network_env(environ)) == ["FI_PROVIDER", "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "NCCL_DEBUG",
+                                                 "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+
+
+def test_arch_list_trap_is_reported(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    build = doctor.build_tools([])
+    assert "cannot parse '9.0a'" in build["arch_list_problem"]
+
+
+def test_offload_config_without_a_compiler_cannot_run_here(tmp_path):
+    """Real checks: this node's GPUs (none here) and its (stripped) build tools; exit 1 and why."""
+    env = no_compiler_env(path_without_compilers(tmp_path / "bin"), tmp_path / "empty_jit_cache")
+    config = tmp_path / "offload.yaml"
+    config.write_text(yaml.safe_dump({"strategy": "deepspeed", "topology": {"processes_per_machine": 2},
+                                      "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"}}))
+    result = cli("--config", str(config), "--json", "--no-allreduce", env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    verdict = report["config"]
+    assert verdict["can_run"] is False and verdict["kind"] == "DistributedConfig"
+    assert any("needs DeepSpeed's cpu_adam op, which cannot load here" in p and "a C++ compiler" in p
+               for p in verdict["problems"])
+    assert report["build"]["cxx_compiler"] is None and report["build"]["deepspeed_ops"]["cpu_adam"]["usable"] is False
+    text = doctor.format_text(report)  # what the command prints without --json
+    assert "CANNOT run here" in text and "problem: " in text and "C++ compiler none" in text
+
+
+@pytest.mark.parametrize(
+    ("config", "gpus", "environ", "problem", "warning"),
+    [
+        ("zero2.json", [H100] * 8, {}, None, None),
+        ("zero2.json", [V100] * 8, {}, "has no bf16; use precision fp16", None),
+        ("zero2.json", [], {}, "no CUDA GPU is visible", None),
+        ("accelerate:fsdp2_full_shard", [], {}, "needs GPUs (FSDP through accelerate)", None),
+        ("accelerate:ddp", [H100] * 4, {}, "8 processes per machine but 4 GPU(s) visible", None),
+        ("accelerate:ddp_multinode", [H100] * 8, {}, None, "no NCCL_SOCKET_IFNAME"),
+        ("accelerate:ddp_multinode", [H100] * 8, {"NCCL_SOCKET_IFNAME": "ib0"}, None, None),
+        ("zero3_nvme.json", [H100] * 8, {}, "nvme_path=/local_nvme does not exist", None),
+    ],
+    ids=["zero2-h100", "bf16-on-v100", "no-gpu", "fsdp-no-gpu", "more-processes-than-gpus", "multinode-no-ifname",
+         "multinode-ifname", "nvme-path-missing"],
+)
+def test_config_verdicts_from_given_node_facts(config, gpus, environ, problem, warning):
+    if config.startswith("accelerate:"):
+        req = doctor.config_requirements(str(REPO / "accelerate_configs" / f"{config.split(':')[1]}.yaml"))
+    else:
+        req = doctor.config_requirements(str(REPO / "ds_configs" / config))
+    statuses = dict.fromkeys(("cpu_adam", "async_io", "fused_adam"), USABLE)
+    problems, warnings = doctor.config_verdict(req, gpus, statuses, environ)
+    assert (problem is None) == (problems == []), problems
+    assert problem is None or any(problem in p for p in problems), problems
+    assert (warning is None) == (warnings == []), warnings
+    assert warning is None or any(warning in w for w in warnings)
+
+
+def test_an_offload_op_that_cannot_build_on_a_gpu_node():
+    req = doctor.config_requirements(str(REPO / "accelerate_configs" / "zero3_offload.yaml"))
+    assert req["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"  # read from ds_configs/
+    missing = {"usable": False, "how": "not usable", "missing": ["a C++ compiler (c++ is not on PATH)"]}
+    problems, _ = doctor.config_verdict(req, [H100] * 8, {"cpu_adam": missing}, {})
+    assert problems == [
+        "optimizer.type=AdamW with zero_optimization.offload_optimizer.device=cpu needs DeepSpeed's cpu_adam op, "
+        "which cannot load here (missing: a C++ compiler (c++ is not on PATH)); fix: "
+        + doctor_fix("cpu_adam")
+    ]
+
+
+def doctor_fix(op: str) -> str:
+    from hf_scale.deepspeed_ops import FIXES
+
+    return FIXES[op]
+
+
+@pytest.mark.parametrize(
+    ("content", "name", "message"),
+    [
+        (None, "missing.yaml", "file not found"),
+        ("{not json", "bad.json", "not valid JSON"),
+        ("a: [1,", "bad.yaml", "not valid YAML"),
+        ("strategy: deepspeed\ndeepspeed: {zero_stage: 7}\n", "cfg.yaml", "deepspeed.zero_stage=7 is invalid"),
+        ("distributed_type: TPU\n", "acc.yaml", "distributed_type=TPU is not supported"),
+    ],
+    ids=["missing", "bad-json", "bad-yaml", "bad-field", "unknown-accelerate-type"],
+)
+def test_bad_config_is_one_line_and_exit_2(content, name, message, tmp_path, capsys):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["doctor", "--config", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-scale: error: ") and message in err[0]
+
+
+def test_link_figures():
+    assert doctor.link_figure("NVIDIA H100 80GB HBM3") == (450.0, "NVLink 4")
+    assert doctor.link_figure("NVIDIA H100 PCIe") == (64.0, "PCIe Gen5 x16")
+    assert doctor.link_figure("NVIDIA A100-SXM4-80GB") == (300.0, "NVLink 3")
+    assert doctor.link_figure("Some Future GPU") is None
+
+
+@pytest.mark.multiprocess
+def test_allreduce_measurement_runs_in_two_processes_over_gloo():
+    """The code path of the multi-GPU bandwidth test, on CPU: 2 spawned processes, gloo, a small tensor."""
+    result = doctor.allreduce_bandwidth(2, backend="gloo", size_bytes=2**20, iters=2)
+    assert result["correct"] and result["processes"] == 2
+    assert result["busbw_gbps"] > 0 and result["seconds_per_allreduce"] > 0
