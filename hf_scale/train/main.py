@@ -12,23 +12,25 @@ import warnings
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train import checkpoint, distributed, guard, reshard
+from hf_scale.train import attention, checkpoint, distributed, guard, reshard
 from hf_scale.train.args import ModelArguments, ScaleArguments
 from hf_scale.train.data import (
     DataArguments,
     check_max_seq_length,
+    default_dataloader_workers,
     load_raw_datasets,
     make_collator,
     tokenize_dataset,
 )
+from hf_scale.train.liger import check_liger
 from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
 from hf_scale.train.model import (
-    default_attn_implementation,
     load_model,
     load_model_config,
     load_tokenizer,
     resolve_model_path,
 )
+from hf_scale.train.packing import maybe_pack
 from hf_scale.train.save import live_logits, save_with_accelerator, verify_saved_model
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
@@ -51,7 +53,12 @@ def build_parser() -> HfArgumentParser:
         "hf_scale on its sample dataset (CPU, seconds). Launch unchanged with python, torchrun, "
         "accelerate launch or deepspeed.",
     )
-    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1)
+    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1,
+                        dataloader_num_workers=None)
+    parser._option_string_actions["--dataloader_num_workers"].help = (
+        "Processes that collate micro-batches ahead of the step. Default: 2 per GPU process when the cores "
+        "allow, 0 without a GPU."
+    )
     return parser
 
 
@@ -108,6 +115,12 @@ def train(argv: list[str] | None = None) -> int:
     data_args = _dataclass_from(ns, DataArguments)
     scale_args = _dataclass_from(ns, ScaleArguments)
     ns.accelerator_config = {"use_configured_state": True}
+    if ns.dataloader_num_workers is None:
+        import torch
+
+        ns.dataloader_num_workers = default_dataloader_workers(
+            torch.cuda.is_available(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), os.cpu_count()
+        )
     # Non-reentrant checkpointing (works with LoRA's frozen inputs and ZeRO-3 hooks); the flag was
     # renamed activation_checkpointing_kwargs in transformers 5.
     ckpt_kwargs = (
@@ -140,20 +153,28 @@ def train(argv: list[str] | None = None) -> int:
     model_path = resolve_model_path(model_args)
     model_config = load_model_config(model_path, model_args.trust_remote_code)
     check_max_seq_length(data_args.max_seq_length, model_config)
+    check_liger(args, zero_stage=request.zero_stage)
+    model_args.attn_implementation = attention.resolve(
+        model_args.attn_implementation,
+        packing=data_args.packing,
+        half_precision=args.bf16 or args.fp16 or model_args.torch_dtype in ("bfloat16", "float16"),
+        announce=state.is_main_process,
+    )
     tokenizer = load_tokenizer(model_args)
 
-    # 2. Data: tokenised once on the main process (cached), then read by the others.
+    # 2. Data: tokenised (and packed) once on the main process (cached), then read by the others.
     with state.main_process_first():
         raw = load_raw_datasets(data_args)
-        train_dataset = tokenize_dataset(raw["train"], tokenizer, data_args)
-    collator = make_collator(tokenizer, packing=data_args.packing)
-    attn = model_args.attn_implementation or default_attn_implementation()
-    if data_args.packing and attn != "flash_attention_2" and state.is_main_process:
-        # Correct either way (packed examples never attend to each other), but only flash-attention skips the
-        # masked-out blocks: sdpa/eager compute attention over the whole packed row.
-        print(f"hf_scale: warning: --packing with attn_implementation={attn} masks attention over the whole "
-              "packed row (cost grows with the row length squared); install flash-attn for the full speed-up",
-              file=sys.stderr)
+        tokenized = tokenize_dataset(raw["train"], tokenizer, data_args)
+        data_seed = args.data_seed if args.data_seed is not None else args.seed
+        train_dataset = maybe_pack(tokenized, data_args, seed=data_seed, announce=state.is_main_process)
+    collator = make_collator(
+        tokenizer,
+        packing=data_args.packing,
+        # torch.compile: one row shape (the budget), hence one compilation.
+        pad_to=data_args.max_seq_length if args.torch_compile else None,
+        varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
+    )
 
     # 3. Model.
     model = load_model(model_args, gradient_checkpointing=args.gradient_checkpointing)
@@ -169,7 +190,7 @@ def train(argv: list[str] | None = None) -> int:
         and bool(getattr(args, "deepspeed_plugin", None))
         and bool(args.deepspeed_plugin.zero3_init_flag),
     )
-    fpt = flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_dataset))
+    fpt = flops_per_token(model_config, matmul_parameters(model), mean_example_length(tokenized))
     is_lora = model_args.lora_r > 0
 
     # 4. Train.
