@@ -4,7 +4,8 @@ Each run: the embedded default (tiny Llama + sample data), fp32, 5 optimizer ste
 2-process runs use micro 2 x accumulation 2 and configs written by `hf-scale generate`; they must give
 the per-step losses of a single process with micro 8 and of a single process with micro 2 x
 accumulation 4 (rtol 1e-4), in the manual loop and in the Trainer path, and save a model that
-`from_pretrained` loads with the trained model's logits.
+`from_pretrained` loads with the trained model's logits. With `--packing` (rows of up to 128 tokens,
+the micro-batch counting rows) DDP, ZeRO-1/2/3 and FSDP2 equal one packed process in the same way.
 """
 
 from __future__ import annotations
@@ -211,3 +212,61 @@ def test_deepspeed_under_plain_python_runs_one_process(configs, reference, tmp_p
          "--deepspeed", str(configs / "ds_configs" / "zero2.json")],
     )
     _assert_same_losses(got, reference)
+
+
+# --- packing to a token budget: micro-batches of packed rows, padded to the longest row of each -----
+PACKED = ["--packing", "--max_seq_length", "128"]
+
+
+@pytest.fixture(scope="module")
+def packed_reference(tmp_path_factory):
+    """One process, 8 packed rows per step."""
+    out = tmp_path_factory.mktemp("packed-ref")
+    _train("python", out, PACKED + ["--per_device_train_batch_size", "8", "--loop", "accelerate"])
+    return read_metrics(out)
+
+
+# (id, launcher, accelerate yaml / deepspeed json name, loop); FSDP2 below.
+PACKED_RUNS = [
+    ("packed-ddp-accelerate-trainer", "accelerate", "ddp", "trainer"),
+    ("packed-zero1-torchrun-loop", "torchrun", "zero1", "accelerate"),
+    ("packed-zero2-deepspeed-trainer", "deepspeed", "zero2", "trainer"),
+    ("packed-zero3-accelerate-loop", "accelerate", "zero3", "accelerate"),
+]
+
+
+def _assert_same_packed_steps(out, reference: list[dict]) -> None:
+    got = read_metrics(out)
+    _assert_same_losses([r["loss"] for r in got], [r["loss"] for r in reference])
+    # The same rows in every step: the same real (unpadded) tokens, whatever padding each micro-batch got.
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in reference]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "config_name", "loop"), [r[1:] for r in PACKED_RUNS], ids=[r[0] for r in PACKED_RUNS]
+)
+def test_two_packed_processes_match_one_packed_process(launcher, config_name, loop, configs, packed_reference,
+                                                       tmp_path):
+    out = tmp_path / "out"
+    extra = PACKED + MICRO2_ACC2 + ["--loop", loop]
+    if launcher == "accelerate":
+        config = configs / "accelerate_configs" / f"{config_name}.yaml"
+        run_ok(launcher_command(launcher, config=config) + COMMON + ["--output_dir", str(out)] + extra,
+               cwd=configs, env=child_env())
+    else:
+        extra += ["--deepspeed", str(configs / "ds_configs" / f"{config_name}.json")]
+        run_ok(launcher_command(launcher) + COMMON + ["--output_dir", str(out)] + extra, cwd=configs,
+               env=child_env())
+    _assert_same_packed_steps(out, packed_reference)
+    assert_saved_model_reproduces(out)
+
+
+def test_fsdp2_packed_matches_one_packed_process(packed_reference, tmp_path):
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text(
+        "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 2}\n"
+        "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\n"
+    )
+    out = tmp_path / "out"
+    _train("torchrun", out, PACKED + ["--hf_scale_config", str(config), "--loop", "accelerate"])
+    _assert_same_packed_steps(out, packed_reference)
