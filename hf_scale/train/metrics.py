@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_scale.train import profile
 from hf_scale.train.packing import REAL_TOKENS
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity), by substring of torch.cuda.get_device_name().
@@ -111,6 +112,7 @@ class StepMetrics:
         self.history: list[dict] = []
         self._file = None
         self._bar = None
+        self._profiler = profile.from_env(is_main)  # HF_SCALE_PROFILE=DIR: a few steps under torch.profiler
         self._start = time.perf_counter()
         self._last = self._start
         if is_main:
@@ -158,6 +160,8 @@ class StepMetrics:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._profiler is not None:
+            self._profiler.step()
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
@@ -181,6 +185,10 @@ class StepMetrics:
         return summary
 
     def close(self) -> None:
+        if self._profiler is not None:
+            table = self._profiler.finish()
+            self._profiler = None
+            print(f"hf_scale: profile: {table or 'training ended before the profiled steps'}", file=sys.stderr)
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
