@@ -354,3 +354,14 @@ def test_liger_fused_cross_entropy_is_refused_under_zero3_unless_configured_off(
     assert liger_problem(config=None, zero_stage=2, **ready) is None
     assert liger_problem(config={"fused_linear_cross_entropy": False, "cross_entropy": True}, zero_stage=3,
                          **ready) is None
+
+
+def test_liger_kernel_config_parses_from_the_command_line():
+    # transformers types it as `dict`, which argparse cannot build from a string; train.py reads JSON.
+    from hf_scale.train.main import build_parser
+
+    config = '{"fused_linear_cross_entropy": false, "cross_entropy": true}'
+    namespace, _ = build_parser().parse_known_args(["--liger_kernel_config", config])
+    assert namespace.liger_kernel_config == {"fused_linear_cross_entropy": False, "cross_entropy": True}
+    with pytest.raises(UserError, match="--liger_kernel_config.*not a JSON object"):
+        build_parser().parse_known_args(["--liger_kernel_config", "[1]"])

@@ -3,6 +3,7 @@ data → model → train (Trainer or manual loop) → save → prove the save �
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -59,7 +60,19 @@ def build_parser() -> HfArgumentParser:
         "Processes that collate micro-batches ahead of the step. Default: 2 per GPU process when the cores "
         "allow, 0 without a GPU."
     )
+    # HfArgumentParser types this dict flag as `dict`, which cannot parse a command-line string.
+    parser._option_string_actions["--liger_kernel_config"].type = _json_object
     return parser
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
 
 
 def _validate_flags(ns) -> None:
