@@ -12,6 +12,7 @@ itself runs in ``benchmarks/gpu.py`` on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -172,6 +173,22 @@ def reference_varlen_torch_2_9(query, key, value, cu_seq_q, cu_seq_k, max_q, max
     return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=(-1, 0))
 
 
+@contextlib.contextmanager
+def varlen_kernel(function):
+    """torch_varlen registered with `function` as its kernel, and the previous registration restored after."""
+    from transformers import AttentionInterface
+
+    before = AttentionInterface._global_mapping.get(attention.TORCH_VARLEN)
+    attention.register_torch_varlen(function)
+    try:
+        yield
+    finally:
+        if before is None:
+            AttentionInterface._global_mapping.pop(attention.TORCH_VARLEN, None)
+        else:
+            AttentionInterface._global_mapping[attention.TORCH_VARLEN] = before
+
+
 @pytest.fixture(scope="module")
 def packed_rows():
     """Seven embedded-sample examples of very different lengths (the longest among them), in two packed rows."""
@@ -219,9 +236,7 @@ def test_packed_rows_give_each_example_its_own_logits_and_the_same_per_token_los
     examples, rows, tokenizer = packed_rows
     kernels = {"torch_varlen": reference_varlen, "torch_varlen_2_9": reference_varlen_torch_2_9,
                "torch_varlen_positions": reference_varlen}
-    if implementation in kernels:
-        attention.register_torch_varlen(kernel=kernels[implementation])
-    try:
+    with varlen_kernel(kernels.get(implementation, reference_varlen)):
         model = _model(attention.TORCH_VARLEN if implementation in kernels else implementation)
         # "torch_varlen_positions": no cu_seq_lens from the collator; the function derives them from positions.
         collate = make_collator(tokenizer, packing=True, pad_to=512,
@@ -230,8 +245,6 @@ def test_packed_rows_give_each_example_its_own_logits_and_the_same_per_token_los
         with torch.no_grad():
             packed = model(**model_inputs(batch))
             want_logits, want_loss = _own_logits_and_per_token_loss(_model("sdpa"), examples)
-    finally:
-        attention.register_torch_varlen()
     torch.testing.assert_close(packed.loss, want_loss, rtol=1e-5, atol=0)
     spans = [(r, sum(row[SEQ_LENGTHS][:k])) for r, row in enumerate(rows) for k in range(len(row[SEQ_LENGTHS]))]
     for (r, start), want in zip(spans, want_logits, strict=True):
@@ -243,20 +256,31 @@ def test_packed_rows_give_each_example_its_own_logits_and_the_same_per_token_los
 def test_gradients_of_a_packed_micro_batch_equal_the_examples_one_by_one(packed_rows, implementation):
     """What training uses: the summed token loss over the window's target count, and its gradient."""
     examples, rows, tokenizer = packed_rows
-    if implementation == "torch_varlen":
-        attention.register_torch_varlen(kernel=reference_varlen)
-    try:
+    with varlen_kernel(reference_varlen):
         packed_model, separate_model = _model(implementation), _model("sdpa")
         batch = make_collator(tokenizer, packing=True, varlen_kwargs=implementation == "torch_varlen")(rows)
         targets = torch.tensor(sum(int((torch.tensor(e["labels"][1:]) != IGNORE_INDEX).sum()) for e in examples))
         packed_model(**model_inputs(batch), num_items_in_batch=targets).loss.backward()
-    finally:
-        attention.register_torch_varlen()
     for example in examples:
         ids, labels = torch.tensor([example["input_ids"]]), torch.tensor([example["labels"]])
         separate_model(input_ids=ids, labels=labels, num_items_in_batch=targets).loss.backward()
     for (name, got), want in zip(packed_model.named_parameters(), separate_model.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(attention._torch_varlen_kernel() is None, reason="this torch has no torch.nn.attention.varlen")
+def test_torch_varlen_registers_pytorchs_kernel_in_transformers():
+    """The registration path with the real kernel (which only runs on CUDA): transformers accepts the name,
+    and the function calls varlen_attn causally, with its own grouped-query support when it has it."""
+    from torch.nn.attention.varlen import varlen_attn
+    from transformers import AttentionInterface
+
+    with varlen_kernel(None):
+        model = _model(attention.TORCH_VARLEN)
+        registered = AttentionInterface._global_mapping[attention.TORCH_VARLEN]
+    assert model.config._attn_implementation == attention.TORCH_VARLEN
+    kernel = registered.keywords["kernel"]
+    assert kernel.function is varlen_attn and kernel.causal == {"window_size": (-1, 0)} and kernel.grouped_query
 
 
 def test_varlen_function_hands_the_kernel_half_precision_under_autocast():
@@ -273,7 +297,8 @@ def test_varlen_function_hands_the_kernel_half_precision_under_autocast():
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = attention.torch_varlen_attention_forward(
-            torch.nn.Module(), query, key, value, None, cu_seq_lens_q=cu, max_length_q=4, kernel=kernel
+            torch.nn.Module(), query, key, value, None, cu_seq_lens_q=cu, max_length_q=4,
+            kernel=attention.VarlenKernel.of(kernel),
         )
     assert out.shape == (1, 6, 4, 8) and out.dtype == torch.bfloat16
     assert seen == [(torch.bfloat16, torch.bfloat16, True)]

@@ -130,10 +130,22 @@ def _torch_varlen_kernel():
     return varlen_attn
 
 
-def _causal_kwargs(kernel) -> dict:
-    # torch 2.9-2.10 take is_causal=True; later versions say causal as window_size=(-1, 0).
-    parameters = inspect.signature(kernel).parameters
-    return {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+@dataclass(frozen=True)
+class VarlenKernel:
+    """A varlen_attn-like function and how to call it, read once from its signature (outside any
+    torch.compile'd code, where inspecting it would break the graph at every layer)."""
+
+    function: object
+    causal: dict
+    """torch 2.9-2.10 take is_causal=True; later versions say causal as window_size=(-1, 0)."""
+    grouped_query: bool
+    """It takes fewer key/value heads than query heads (enable_gqa); else they are repeated."""
+
+    @classmethod
+    def of(cls, function) -> VarlenKernel:
+        parameters = inspect.signature(function).parameters
+        causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+        return cls(function, causal, "enable_gqa" in parameters)
 
 
 def torch_varlen_attention_forward(
@@ -148,7 +160,7 @@ def torch_varlen_attention_forward(
     max_length_q: int | None = None,
     position_ids: torch.Tensor | None = None,
     *,
-    kernel=None,
+    kernel: VarlenKernel,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function (``AttentionInterface``) on ``torch.nn.attention.varlen``.
@@ -157,7 +169,6 @@ def torch_varlen_attention_forward(
     ``[batch * length, heads, head_dim]`` and every example (``cu_seq_lens_q``, from the collator, or
     else from the restarting ``position_ids``) gets causal attention within itself only.
     """
-    kernel = kernel or _torch_varlen_kernel()
     if dropout:
         raise ValueError(f"{TORCH_VARLEN} attention has no dropout (the model asks for {dropout})")
     if cu_seq_lens_q is None:
@@ -173,27 +184,27 @@ def torch_varlen_attention_forward(
         # Rotary embeddings hand fp32 queries to attention under autocast; the kernel wants bf16/fp16.
         dtype = torch.get_autocast_dtype(query.device.type)
     q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], head_dim).to(dtype) for x in (query, key, value))
-    extra = _causal_kwargs(kernel)
+    extra = dict(kernel.causal)
     if k.shape[1] != heads:  # grouped-query attention
-        if "enable_gqa" in inspect.signature(kernel).parameters:
+        if kernel.grouped_query:
             extra["enable_gqa"] = True
         else:
             k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
     cu_seq_lens_q = cu_seq_lens_q.to(device=q.device, dtype=torch.int32)
-    out = kernel(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **extra)
+    out = kernel.function(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **extra)
     return out.view(batch, length, heads, head_dim), None
 
 
-def register_torch_varlen(kernel=None) -> None:
+def register_torch_varlen(function=None) -> None:
     """Make ``attn_implementation="torch_varlen"`` known to transformers (idempotent).
 
     No mask function is registered: transformers then builds no attention mask at all, and the kernel
-    separates the examples itself. `kernel` replaces PyTorch's (a reference implementation in tests).
+    separates the examples itself. `function` replaces PyTorch's varlen_attn (a reference in tests).
     """
     from transformers import AttentionInterface
 
-    function = partial(torch_varlen_attention_forward, kernel=kernel) if kernel else torch_varlen_attention_forward
-    AttentionInterface.register(TORCH_VARLEN, function)
+    kernel = VarlenKernel.of(function or _torch_varlen_kernel())
+    AttentionInterface.register(TORCH_VARLEN, partial(torch_varlen_attention_forward, kernel=kernel))
 
 
 def resolve(requested: str, *, packing: bool, half_precision: bool, announce: bool) -> str:

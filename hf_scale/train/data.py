@@ -8,8 +8,8 @@ Three dataset formats are understood (column names are auto-detected or given ex
 - ``messages``: a list of ``{"role", "content"}`` dicts rendered by the tokenizer's chat template.
 
 With completion-only loss (the default for the last two formats) only response/assistant tokens
-are targets; the rest carry label ``-100``. Batches are either padded to the longest example or
-packed padding-free (examples concatenated into one row, position ids restarting per example).
+are targets; the rest carry label ``-100``. Batches are either padded to the longest example or,
+with ``--packing``, rows packed to a token budget (hf_scale.train.packing).
 """
 
 from __future__ import annotations
