@@ -207,6 +207,12 @@ def register_torch_varlen(function=None) -> None:
     AttentionInterface.register(TORCH_VARLEN, partial(torch_varlen_attention_forward, kernel=kernel))
 
 
+def compiles(implementation: str, args) -> bool:
+    """Whether the forward pass is compiled (--torch_compile, or flex_attention's own torch.compile), so that
+    packed rows must all have one shape: each new length would compile again."""
+    return bool(args.torch_compile) or implementation == "flex_attention"
+
+
 def resolve(requested: str, *, packing: bool, half_precision: bool, announce: bool) -> str:
     """The implementation this run uses; registers ``torch_varlen`` when chosen and says which in one line."""
     implementation, why = choose(requested, packing=packing, env=observe_environment(half_precision=half_precision))

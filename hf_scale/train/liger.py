@@ -59,7 +59,14 @@ def check_liger(args, *, zero_stage: int | None) -> None:
 
 def apply_liger(model, args) -> None:
     """What the Trainer does in ``train()``, for the manual loop (same function, same configuration)."""
-    if args.use_liger_kernel:
+    if not args.use_liger_kernel:
+        return
+    try:
         from transformers.integrations.liger import apply_liger_kernel
+    except ImportError:  # transformers releases before the integration module: the Trainer's own inline code
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-        apply_liger_kernel(model, args.liger_kernel_config)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        _apply_liger_kernel_to_instance(model=base, **(args.liger_kernel_config or {}))
+        return
+    apply_liger_kernel(model, args.liger_kernel_config)

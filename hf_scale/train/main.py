@@ -184,8 +184,8 @@ def train(argv: list[str] | None = None) -> int:
     collator = make_collator(
         tokenizer,
         packing=data_args.packing,
-        # torch.compile: one row shape (the budget), hence one compilation.
-        pad_to=data_args.max_seq_length if args.torch_compile else None,
+        # torch.compile, and flex_attention (a compiled kernel itself): one row shape, hence one compilation.
+        pad_to=data_args.max_seq_length if attention.compiles(model_args.attn_implementation, args) else None,
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
 
