@@ -15,7 +15,8 @@ so that a TRL user finds what they expect.
 
 Why rows stay balanced across ranks: BFD fills every row of a window to within the length of the
 shortest example left over, so all rows but the last few of each window carry close to the budget,
-and with `--torch_compile` every row is padded to exactly the budget (one shape: one compilation).
+and with `--torch_compile` (or flex_attention) every row is padded to exactly the budget (one shape: one
+compilation).
 Each rank's micro-batch therefore computes the same number of positions in its projections and MLPs;
 only the attention work (quadratic in each example's length) varies with the examples a row holds.
 """
