@@ -18,23 +18,25 @@ import argparse
 import contextlib
 import copy
 import difflib
+import enum
 import functools
 import inspect
 import json
 import logging
+import math
 import re
 import shutil
 import sys
 import textwrap
+import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hf_scale.errors import UserError
+from hf_scale.inputs import load_json, load_yaml, read_text
 
 RUNNERS = ("trainer", "accelerate", "deepspeed")
 """What resolves DeepSpeed's "auto" values: the HF Trainer (hf_scale's train.py resolves "auto" with the
@@ -189,7 +191,8 @@ def _ds_view(inp: CheckInputs) -> _DsView | None:
         return _DsView(inp.deepspeed, inp.deepspeed_file or "", from_yaml=False)
     if not _is_deepspeed_yaml(inp):
         return None
-    section = inp.accelerate.get("deepspeed_config") or {}
+    section = inp.accelerate.get("deepspeed_config")
+    section = section if isinstance(section, dict) else {}  # not a mapping: `accelerate-value-invalid`
     config: dict[str, Any] = {"zero_optimization": {"stage": 2}}  # accelerate's default ZeRO stage
     for yaml_key, path in YAML_TO_DS_PATH.items():
         if yaml_key in section:
@@ -800,6 +803,7 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
             ValueError,
             TypeError,
             KeyError,
+            AttributeError,  # e.g. an `optimizer` that is not a mapping: DeepSpeed calls .keys() on it
         ) as error:
             yield Finding(
                 ERROR,
@@ -1046,6 +1050,194 @@ def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
         )
 
 
+# Types and ranges of the values accelerate and DeepSpeed read: a value of the wrong kind is copied through
+# without a complaint and fails (or silently means something else) only at launch.
+
+
+def _value_problem(value: Any, hint: Any) -> str | None:
+    """Why ``value`` does not fit the type annotation ``hint`` of accelerate's ClusterConfig (None if it
+    does). Booleans are not numbers; numbers must be finite; None means "accelerate's default"."""
+    if value is None:
+        return None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        problems = [_value_problem(value, arg) for arg in typing.get_args(hint) if arg is not type(None)]
+        return None if None in problems else problems[0]
+    if typing.get_origin(hint) is list:
+        return None if isinstance(value, list) and all(isinstance(v, str) for v in value) else "must be a list"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return None  # accelerate's own loader checks its enums (`accelerate-config-invalid`)
+    if hint is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if hint is int:
+        return None if _is_int(value) else "must be an integer"
+    if hint is float:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if number and math.isfinite(value) else "must be a finite number"
+    if hint is str:
+        # YAML reads a bare no/yes/on/off as a boolean.
+        return None if isinstance(value, str) else "must be a string (quote it)"
+    if hint is dict:
+        return None if isinstance(value, dict) else "must be a mapping of keys"
+    return None
+
+
+def _range_problem(value: Any, low: float | None, high: float | None) -> str | None:
+    if low is not None and value < low:
+        return f"must be >= {low}"
+    if high is not None and value > high:
+        return f"must be <= {high}"
+    return None
+
+
+# What `accelerate launch` needs of these numbers (torchrun gets num_processes // num_machines processes
+# per node; a port is 1-65535); ZeRO stages and offload devices are DeepSpeed's ZeroStageEnum and
+# OffloadDeviceEnum (tests/test_check.py proves them against DeepSpeed).
+ACCELERATE_RANGES = {
+    "num_processes": (1, None),
+    "num_machines": (1, None),
+    "machine_rank": (0, None),
+    "main_process_port": (1, 65535),
+    "num_cpu_threads_per_process": (1, None),
+    "max_restarts": (0, None),
+    "deepspeed_config.zero_stage": (0, 3),
+    "deepspeed_config.gradient_accumulation_steps": (1, None),
+    "deepspeed_config.gradient_clipping": (0, None),
+    "fsdp_config.fsdp_min_num_params": (0, None),
+}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _accelerate_value_problems(inp: CheckInputs) -> Iterator[tuple[str, Any, str]]:
+    """(dotted key, value, problem) for every top-level and `deepspeed_config`/`fsdp_config` value."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    hints = typing.get_type_hints(ClusterConfig)
+    options = {a.dest: a for group in ("DeepSpeed Arguments", "FSDP Arguments", "Resource Selection Arguments",
+                                       "Distributed GPUs") for a in _launch_actions(group)}
+    # `accelerate config` itself writes this bool as "no"/"yes" (a TPU-only setting): not a finding.
+    hints["downcast_bf16"] = bool | str
+    for key, value in inp.accelerate.items():
+        problem = _value_problem(value, hints[key]) if key in hints else None
+        yield key, value, problem or _option_problem(key, value, options.get(key))
+    for section, prefix in (("deepspeed_config", ""), ("fsdp_config", "fsdp_")):
+        values = inp.accelerate.get(section)
+        for key, value in values.items() if isinstance(values, dict) else ():
+            effective = key if key.startswith(prefix) else prefix + key
+            yield f"{section}.{key}", value, _option_problem(f"{section}.{effective}", value, options.get(effective))
+
+
+def _option_problem(key: str, value: Any, action: Any) -> str | None:
+    """``value`` read as the `accelerate launch` option ``action`` (its type and choices) and its range."""
+    if value is None or action is None:
+        return None
+    if action.type is int or action.type is float:
+        problem = _value_problem(value, action.type)
+        if problem:
+            return problem
+    elif isinstance(value, dict | list):
+        return "must be a single value, not a list or mapping"
+    if action.choices and str(value) not in action.choices:
+        return f"must be one of {', '.join(map(str, action.choices))}"
+    if key.endswith(("offload_optimizer_device", "offload_param_device")) and value not in OFFLOAD_DEVICES:
+        return f"must be one of {', '.join(OFFLOAD_DEVICES)}"
+    if key == "main_process_ip":
+        from hf_scale.config import host_problem
+
+        return host_problem(str(value))
+    bounds = ACCELERATE_RANGES.get(key)
+    return _range_problem(value, *bounds) if bounds and isinstance(value, int | float) else None
+
+
+def _launch_actions(group: str) -> list[Any]:
+    from accelerate.commands.launch import launch_command_parser
+
+    groups = {g.title: g for g in launch_command_parser()._action_groups}
+    return list(groups[group]._group_actions)
+
+
+@_check
+def check_accelerate_values(inp: CheckInputs) -> Iterator[Finding]:
+    """`accelerate-value-invalid`: a value of the wrong type or out of range, e.g. `num_processes: two` or
+    `0`, `deepspeed_config: hello`, `zero_stage: 5`, a bare `no` where a string belongs (accelerate copies
+    it through and fails at launch)."""
+    for key, value, problem in _accelerate_value_problems(inp):
+        if problem:
+            yield Finding(
+                ERROR,
+                "accelerate-value-invalid",
+                inp.accelerate_file,
+                key,
+                f"`{key}`={value!r} {problem}: `accelerate launch` fails on it or misreads it.",
+                "Write a value of the right type and range (`accelerate config` or `hf-scale generate` writes "
+                "valid files).",
+                {f"{inp.accelerate_file}:{key}": value},
+            )
+
+
+# DeepSpeed JSON numbers: (integer?, lowest, highest). "auto" is judged by `auto-unresolvable`.
+DEEPSPEED_RANGES = {
+    "train_batch_size": (True, 1, None),
+    "train_micro_batch_size_per_gpu": (True, 1, None),
+    "gradient_accumulation_steps": (True, 1, None),
+    "gradient_clipping": (False, 0, None),
+    "steps_per_print": (True, 1, None),
+    "optimizer.params.lr": (False, 0, None),
+    "optimizer.params.eps": (False, 0, None),
+    "optimizer.params.weight_decay": (False, 0, None),
+    "fp16.loss_scale": (False, 0, None),
+    "fp16.initial_scale_power": (True, 0, 64),
+    "fp16.loss_scale_window": (True, 1, None),
+    "fp16.hysteresis": (True, 1, None),
+    "fp16.min_loss_scale": (False, 0, None),
+    "zero_optimization.stage": (True, 0, 3),
+}
+DEEPSPEED_FLAGS = ("fp16.enabled", "bf16.enabled")
+DEEPSPEED_SECTIONS = ("optimizer", "optimizer.params", "scheduler", "scheduler.params", "zero_optimization",
+                      "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "fp16", "bf16")
+DEEPSPEED_NAMES = ("optimizer.type", "scheduler.type")
+
+
+def _deepspeed_value_problem(path: str, value: Any) -> str | None:
+    if path in DEEPSPEED_SECTIONS:
+        return None if isinstance(value, dict) else "must be a mapping of keys"
+    if path in DEEPSPEED_NAMES:
+        return None if isinstance(value, str) else "must be a name (a string)"
+    if path in DEEPSPEED_FLAGS:
+        return None if isinstance(value, bool) else "must be true, false or \"auto\""
+    if path == "optimizer.params.betas":
+        numbers = isinstance(value, list) and len(value) == 2
+        numbers = numbers and all(isinstance(b, int | float) and not isinstance(b, bool) for b in value)
+        return None if numbers and all(0 <= b < 1 for b in value) else "must be two numbers in [0, 1)"
+    integer, low, high = DEEPSPEED_RANGES[path]
+    problem = _value_problem(value, int if integer else float)
+    return problem or _range_problem(value, low, high)
+
+
+@_check
+def check_deepspeed_values(inp: CheckInputs) -> Iterator[Finding]:
+    """`deepspeed-value-invalid`: a batch size, clipping, optimizer or fp16 value of the wrong type or out of
+    range in the DeepSpeed JSON, e.g. a negative micro batch (the sample values DeepSpeed's parser sees
+    elsewhere would hide it)."""
+    if inp.deepspeed is None:
+        return
+    for path in (*DEEPSPEED_SECTIONS, *DEEPSPEED_NAMES, *DEEPSPEED_RANGES, *DEEPSPEED_FLAGS, "optimizer.params.betas"):
+        value = _get(inp.deepspeed, path, None)
+        if value is None or (value == "auto" and path not in DEEPSPEED_SECTIONS):
+            continue
+        problem = _deepspeed_value_problem(path, value)
+        if problem:
+            yield Finding(
+                ERROR,
+                "deepspeed-value-invalid",
+                inp.deepspeed_file or "",
+                path,
+                f"`{path}`={value!r} {problem}: DeepSpeed fails on it at start, or trains with it.",
+                'Write a valid value, or "auto" where the runner fills it.',
+                {f"{inp.deepspeed_file}:{path}": value},
+            )
+
+
 def run_checks(inp: CheckInputs) -> list[Finding]:
     """Every registered check, in order."""
     return [finding for check in CHECKS for finding in check(inp)]
@@ -1056,23 +1248,12 @@ def run_checks(inp: CheckInputs) -> list[Finding]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _read_mapping(path: Path, what: str, parse: Callable[[str], Any]) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{what} {path}: file not found") from None
-    except OSError as error:
-        raise UserError(f"{what} {path}: cannot read ({error.strerror})") from None
-    try:
-        data = parse(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as error:
-        raise UserError(
-            f"{what} {path}: not valid {'JSON' if parse is json.loads else 'YAML'}: {error}"
-        ) from None
+def _read_mapping(path: Path, what: str, parse: Callable[[str, str], Any]) -> dict[str, Any]:
+    # Strict reading: no FIFO/directory/non-UTF-8, no duplicate keys, no alias bombs, no NaN in JSON.
+    data = parse(read_text(path, what), f"{what} {path}")
     if not isinstance(data, dict):
-        raise UserError(
-            f"{what} {path}: expected a mapping of keys at the top level, got {type(data).__name__}"
-        )
+        got = "an empty file" if data is None else type(data).__name__
+        raise UserError(f"{what} {path}: expected a mapping of keys at the top level, got {got}")
     return data
 
 
@@ -1098,11 +1279,12 @@ def _resolve_yaml_reference(written: str, yaml_dir: Path, cwd: Path) -> tuple[Pa
     if path.is_absolute():
         return path, None
     beside_yaml, from_cwd = yaml_dir / path, cwd / path
-    if beside_yaml.is_file() and from_cwd.is_file():
+    # exists(), not is_file(): a directory or FIFO there is reported as what it is when it is read.
+    if beside_yaml.exists() and from_cwd.exists():
         return beside_yaml, None
-    if beside_yaml.is_file():
+    if beside_yaml.exists():
         return beside_yaml, "yaml_dir_only"
-    if from_cwd.is_file():
+    if from_cwd.exists():
         return from_cwd, "cwd_only"
     raise UserError(
         f"deepspeed_config.deepspeed_config_file={written!r}: file not found relative to the YAML's "
@@ -1129,7 +1311,7 @@ def load_inputs(
         raise UserError(f"--runner {runner!r} is not one of: {', '.join(RUNNERS)}")
     cwd = cwd or Path.cwd()
     yaml_path = Path(accelerate_config)
-    accelerate = _read_mapping(yaml_path, "--accelerate-config", yaml.safe_load)
+    accelerate = _read_mapping(yaml_path, "--accelerate-config", load_yaml)
 
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -1161,7 +1343,7 @@ def load_inputs(
         refs.append((f"{TRAINING_ARGS}:--deepspeed", training["deepspeed"], str(flag_path.resolve())))
         chosen = chosen or flag_path
 
-    deepspeed = _read_mapping(chosen, "DeepSpeed config", json.loads) if chosen is not None else None
+    deepspeed = _read_mapping(chosen, "DeepSpeed config", load_json) if chosen is not None else None
     return CheckInputs(
         runner=runner,
         accelerate_file=accelerate_config,

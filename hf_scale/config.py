@@ -9,17 +9,41 @@ naming the dotted field, the value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
 
 from hf_scale.errors import UserError
+from hf_scale.inputs import load_yaml, read_text
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
+
+# Upper bounds: far beyond any real run, low enough that a typo (an extra digit, a byte count in an
+# element field) is refused instead of generating a file that fails at launch or allocates terabytes.
+MAX_MACHINES = 16_384
+MAX_PROCESSES_PER_MACHINE = 1_024
+MAX_BATCH = 2**24
+"""Any of the batch triple, and the resolved global batch (samples per optimizer step)."""
+MAX_ELEMENTS = 2**40
+"""DeepSpeed bucket sizes and thresholds, in elements: 2**40 bf16 elements are 2 TiB, more than any GPU."""
+MAX_STRING = 4_096
+
+
 def _yaml_no_is_no(value: Any) -> Any:
     # YAML 1.1 reads a bare `no` as false; `precision: no` (or `--set precision=no`) means "no" here.
     return "no" if value is False else value
@@ -29,22 +53,109 @@ Precision = Annotated[Literal["no", "fp16", "bf16"], BeforeValidator(_yaml_no_is
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
+def _not_bool(value: Any) -> Any:
+    # pydantic's lax mode reads true as 1.0; a flag where a number belongs is a mistake, not a value.
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    return value
+
+
+# Integers are strict (true, 2.0 and "2" are refused); numbers refuse booleans, NaN and infinities
+# (DistributedConfig's model_config has allow_inf_nan=False) but accept YAML 1.1's unquoted "1e-5", which
+# PyYAML reads as a string.
+StrictInt = Annotated[int, Strict()]
+Number = Annotated[float, BeforeValidator(_not_bool)]
+
+
+def _int_choice(value: Any) -> Any:
+    # Literal[0, 1, 2, 3] alone would take true as 1 and 3.0 as 3.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("must be an integer")
+    return value
+
+
 def _auto_or_positive_int(value: Any) -> Any:
     # One readable message instead of pydantic's per-union-member errors.
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_ELEMENTS):
         return value
-    raise ValueError('must be "auto" or an integer > 0')
+    raise ValueError(f'must be "auto" or an integer from 1 to {MAX_ELEMENTS}')
 
 
 AutoOrPositiveInt = Annotated[
     Literal["auto"] | Annotated[int, Field(gt=0)], BeforeValidator(_auto_or_positive_int)
 ]
-Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+Elements = Annotated[StrictInt, Field(gt=0, le=MAX_ELEMENTS)]
+BatchSize = Annotated[StrictInt, Field(gt=0, le=MAX_BATCH)]
+Beta = Annotated[Number, Field(ge=0.0, lt=1.0)]
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_IPV6_ZONE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
+_SAFE_PATH = re.compile(r"/[A-Za-z0-9_@%+=:,./-]*")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+def host_problem(value: str) -> str | None:
+    """Why ``value`` is not an IPv4/IPv6 address or an RFC 1123 host name (None when it is one). Such a
+    value goes into launch scripts and hostfiles, so nothing else may pass."""
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        address = None
+    if address is not None:
+        zone = getattr(address, "scope_id", None)
+        return None if zone is None or _IPV6_ZONE.fullmatch(zone) else "the IPv6 zone must be an interface name"
+    labels = value.split(".")
+    if len(value) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return (
+            "must be an IPv4/IPv6 address or a DNS host name (RFC 1123: labels of letters, digits and '-', "
+            "separated by '.', e.g. 10.0.0.1 or node-001.cluster)"
+        )
+    if labels[-1].isdigit():
+        return "is neither an IPv4 address nor a host name (a host name cannot end in a numeric label)"
+    return None
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name generated files (None when it can): it becomes file names, a SLURM job
+    name and words in launch scripts."""
+    if _NAME.fullmatch(name):
+        return None
+    return "is invalid: use up to 100 letters, digits, '_', '-' and '.', starting with a letter or digit"
+
+
+def _host(value: str) -> str:
+    problem = host_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _local_path(value: str) -> str:
+    if not _SAFE_PATH.fullmatch(value) or len(value) > MAX_STRING:
+        raise ValueError(
+            "must be an absolute path (starting with /) of letters, digits and _ @ % + = : , . / - (no spaces, "
+            "quotes, $, ;, newlines or other control characters)"
+        )
+    return value
+
+
+def _class_name(value: str) -> str:
+    if not _IDENTIFIER.fullmatch(value):
+        raise ValueError("must be a Python class name, e.g. LlamaDecoderLayer")
+    return value
+
+
+Host = Annotated[str, Field(max_length=253), AfterValidator(_host)]
+LocalPath = Annotated[str, AfterValidator(_local_path)]
+ClassName = Annotated[str, AfterValidator(_class_name)]
 
 
 class _Section(BaseModel):
     # Attribute docstrings become the JSON Schema descriptions, so editors show them on hover.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class BatchConfig(_Section):
@@ -52,34 +163,34 @@ class BatchConfig(_Section):
     two, a missing micro_batch_size and gradient_accumulation_steps default to 1. After validation all
     three are integers."""
 
-    global_batch_size: Annotated[int, Field(gt=0)] | None = None
+    global_batch_size: BatchSize | None = None
     """Samples per optimizer step, all processes together (= micro_batch_size x gradient_accumulation_steps
     x world_size)."""
-    micro_batch_size: Annotated[int, Field(gt=0)] | None = None
+    micro_batch_size: BatchSize | None = None
     """Samples per process per forward/backward pass (DeepSpeed's train_micro_batch_size_per_gpu, the
     Trainer's --per_device_train_batch_size)."""
-    gradient_accumulation_steps: Annotated[int, Field(gt=0)] | None = None
+    gradient_accumulation_steps: BatchSize | None = None
     """Forward/backward passes per optimizer step."""
 
 
 class TopologyConfig(_Section):
     """Machines and processes."""
 
-    num_machines: Annotated[int, Field(ge=1)] = 1
+    num_machines: Annotated[StrictInt, Field(ge=1, le=MAX_MACHINES)] = 1
     """Number of machines (nodes)."""
-    processes_per_machine: Annotated[int, Field(ge=1)] = 1
+    processes_per_machine: Annotated[StrictInt, Field(ge=1, le=MAX_PROCESSES_PER_MACHINE)] = 1
     """Processes (usually GPUs) PER MACHINE. accelerate's num_processes is the TOTAL
     (num_machines x processes_per_machine); the generators write that total."""
-    machine_rank: Annotated[int, Field(ge=0)] = 0
+    machine_rank: Annotated[StrictInt, Field(ge=0)] = 0
     """Rank of this machine, 0..num_machines-1 (launch scripts override it per node, e.g. from
     $SLURM_NODEID)."""
-    main_process_ip: str | None = None
-    """Address of the rank-0 machine; required when num_machines > 1."""
-    main_process_port: Annotated[int, Field(ge=1, le=65535)] = 29500
+    main_process_ip: Host | None = None
+    """Address of the rank-0 machine (IPv4/IPv6 address or DNS host name); required when num_machines > 1."""
+    main_process_port: Annotated[StrictInt, Field(ge=1, le=65535)] = 29500
     """TCP port of the rendezvous on the rank-0 machine (1-65535)."""
     rdzv_backend: Literal["static", "c10d"] = "static"
     """torchrun rendezvous: static (fixed ranks, master_addr/port) or c10d (elastic rendezvous endpoint)."""
-    same_network: bool = True
+    same_network: StrictBool = True
     """Whether all machines share a local network (accelerate passes master_addr/port directly)."""
 
 
@@ -87,54 +198,54 @@ class OptimizerConfig(_Section):
     """AdamW hyper-parameters: written concretely into the "resolved" DeepSpeed JSON; in "auto" mode the
     HF Trainer fills them from --learning_rate/--adam_beta1/--adam_beta2/--adam_epsilon/--weight_decay."""
 
-    lr: Annotated[float, Field(gt=0)] = 2.0e-5
+    lr: Annotated[Number, Field(gt=0)] = 2.0e-5
     """Peak learning rate."""
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    weight_decay: Annotated[Number, Field(ge=0)] = 0.0
     """Decoupled weight decay."""
     betas: tuple[Beta, Beta] = (0.9, 0.999)
     """Adam betas [beta1, beta2], each in [0, 1)."""
-    eps: Annotated[float, Field(gt=0)] = 1.0e-8
+    eps: Annotated[Number, Field(gt=0)] = 1.0e-8
     """Adam epsilon."""
 
 
 class DeepSpeedSettings(_Section):
     """DeepSpeed ZeRO settings (used when strategy is deepspeed, ignored otherwise)."""
 
-    zero_stage: Literal[0, 1, 2, 3] = 2
+    zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_int_choice)] = 2
     """ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters sharded."""
     offload_optimizer: OffloadDevice = "none"
     """Offload optimizer states: none | cpu (stages 1-3) | nvme (stage 3, ZeRO-Infinity)."""
     offload_params: OffloadDevice = "none"
     """Offload parameters: none | cpu | nvme (stage 3 only)."""
-    nvme_path: str | None = None
-    """Local NVMe directory for nvme offload; required when either offload is nvme."""
-    pin_memory: bool = True
+    nvme_path: LocalPath | None = None
+    """Local NVMe directory (an absolute path) for nvme offload; required when either offload is nvme."""
+    pin_memory: StrictBool = True
     """Pin the CPU/NVMe offload buffers (faster transfers, more page-locked RAM)."""
-    overlap_comm: bool = True
+    overlap_comm: StrictBool = True
     """Overlap gradient reduction with the backward pass."""
-    contiguous_gradients: bool = True
+    contiguous_gradients: StrictBool = True
     """Copy gradients into one contiguous buffer (less fragmentation)."""
     reduce_bucket_size: AutoOrPositiveInt = "auto"
     """Elements reduced at once; "auto" = hidden_size^2 (HF Trainer/accelerate fill it from the model)."""
-    allgather_bucket_size: Annotated[int, Field(gt=0)] = 500_000_000
+    allgather_bucket_size: Elements = 500_000_000
     """Elements all-gathered at once (stages 1 and 2)."""
     stage3_prefetch_bucket_size: AutoOrPositiveInt = "auto"
     """Stage 3: elements prefetched ahead; "auto" = 0.9 x hidden_size^2."""
     stage3_param_persistence_threshold: AutoOrPositiveInt = "auto"
     """Stage 3: parameters smaller than this stay unpartitioned; "auto" = 10 x hidden_size."""
-    stage3_max_live_parameters: Annotated[int, Field(gt=0)] = 1_000_000_000
+    stage3_max_live_parameters: Elements = 1_000_000_000
     """Stage 3: maximum parameters resident on a GPU before releasing."""
-    stage3_max_reuse_distance: Annotated[int, Field(gt=0)] = 1_000_000_000
+    stage3_max_reuse_distance: Elements = 1_000_000_000
     """Stage 3: do not release a parameter reused within this many parameters."""
-    sub_group_size: Annotated[int, Field(gt=0)] = 1_000_000_000
+    sub_group_size: Elements = 1_000_000_000
     """Stage 3: optimizer step granularity in elements (lower it if CPU/NVMe offload runs out of memory)."""
-    zero3_init: bool = True
+    zero3_init: StrictBool = True
     """Build the model already partitioned (deepspeed.zero.Init) under ZeRO-3, so no process holds it
     whole."""
-    gather_16bit_weights_on_save: bool = True
+    gather_16bit_weights_on_save: StrictBool = True
     """Stage 3: gather the full 16-bit weights when saving (stage3_gather_16bit_weights_on_model_save);
     without it saved weights are shards that need zero_to_fp32.py conversion."""
-    torch_adam: bool = False
+    torch_adam: StrictBool = False
     """Use torch.optim.AdamW inside DeepSpeed instead of its fused/CPU Adam kernels (those need a compiler
     toolchain / CUDA; CPU tests set true)."""
 
@@ -142,21 +253,21 @@ class DeepSpeedSettings(_Section):
 class FSDPSettings(_Section):
     """PyTorch FSDP settings, applied through accelerate (used when strategy is fsdp)."""
 
-    version: Literal[1, 2] = 2
+    version: Annotated[Literal[1, 2], BeforeValidator(_int_choice)] = 2
     """FSDP implementation: 2 (fully_shard, recommended) or 1 (legacy FullyShardedDataParallel)."""
     sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = "full_shard"
     """full_shard (params+grads+optimizer), shard_grad_op (params kept after forward), hybrid_shard (shard
     within a machine, replicate across machines), no_shard (FSDP1 only; use strategy ddp instead)."""
-    transformer_layer_cls_to_wrap: list[str] = Field(default_factory=list)
+    transformer_layer_cls_to_wrap: list[ClassName] = Field(default_factory=list, max_length=64)
     """Decoder layer class names wrapped as FSDP units, e.g. [LlamaDecoderLayer]; empty = the model's
     _no_split_modules."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Checkpoint format: sharded (fast, per-rank files) or full (one consolidated state dict on rank 0)."""
-    cpu_ram_efficient_loading: bool = True
+    cpu_ram_efficient_loading: StrictBool = True
     """Load the pretrained weights on rank 0 only and broadcast them (saves CPU RAM on large models)."""
-    offload_params: bool = False
+    offload_params: StrictBool = False
     """Offload parameters and gradients to CPU."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: StrictBool = False
     """FSDP's own activation checkpointing of the wrapped layers (do not combine with the top-level
     activation_checkpointing)."""
 
@@ -169,9 +280,9 @@ class DistributedConfig(_Section):
     precision: Precision = "bf16"
     """Mixed precision: no | fp16 | bf16. Legacy shorthands `bf16: true` / `fp16: true` are accepted at the
     top level; both true, or one disagreeing with precision, is an error."""
-    gradient_clipping: Annotated[float, Field(gt=0)] | None = 1.0
+    gradient_clipping: Annotated[Number, Field(gt=0)] | None = 1.0
     """Clip the global gradient norm to this value; null turns clipping off."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: StrictBool = False
     """Gradient (activation) checkpointing of the model's layers, trading compute for memory."""
     batch: BatchConfig = Field(default_factory=BatchConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
@@ -292,6 +403,11 @@ def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
     glob, micro, accum = batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps
     if glob is None:
         micro, accum = micro or 1, accum or 1
+        if micro * accum * world > MAX_BATCH:
+            raise ValueError(
+                f"batch.micro_batch_size({micro}) x batch.gradient_accumulation_steps({accum}) x world_size({world}) "
+                f"= {micro * accum * world} samples per optimizer step; allowed at most {MAX_BATCH}"
+            )
         return BatchConfig(
             global_batch_size=micro * accum * world, micro_batch_size=micro, gradient_accumulation_steps=accum
         )
@@ -365,7 +481,19 @@ def load_config(
         data = {}
     for override in overrides:
         _apply_override(data, override)
+    _check_keys(data)
     return validate_config(data)
+
+
+def _check_keys(data: Any, where: str = "") -> None:
+    """YAML allows any key (1, [a, b], null); a config's keys are field names."""
+    if not isinstance(data, dict):
+        return
+    for key, value in data.items():
+        if not isinstance(key, str):
+            place = f"under {where}" if where else "at the top level"
+            raise UserError(f"key {_show(key)} ({place}) is not a field name; allowed keys are names such as strategy")
+        _check_keys(value, f"{where}.{key}".lstrip("."))
 
 
 def validate_config(data: Any) -> DistributedConfig:
@@ -377,17 +505,7 @@ def validate_config(data: Any) -> DistributedConfig:
 
 
 def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise UserError(f"config file {path}: not found (expected a DistributedConfig YAML)")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or "invalid YAML"
-        raise UserError(f"config file {path}: not valid YAML{where}: {problem}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"config file {path}: cannot be read ({error})") from None
+    data = load_yaml(read_text(path, "config file"), f"config file {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -406,11 +524,9 @@ def _apply_override(data: dict, override: str) -> None:
             "deepspeed.zero_stage=3"
         )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        raise UserError(
-            f"--set {key}={raw}: the value is not valid YAML (quote strings with ':' or '#')"
-        ) from None
+        value = load_yaml(raw, f"--set {key}={_show(raw)}") if raw.strip() else None
+    except UserError as error:
+        raise UserError(f"{error} (quote strings with ':' or '#')") from None
     node = data
     parts = key.split(".")
     for depth, part in enumerate(parts[:-1]):
@@ -428,7 +544,7 @@ def _apply_override(data: dict, override: str) -> None:
 def _show(value: Any) -> str:
     """Values as a user would type them in YAML."""
     if isinstance(value, str):
-        return repr(value)
+        return repr(value) if len(value) <= 80 else repr(value[:77]) + "..."
     if value is None:
         return "null"
     if isinstance(value, bool):

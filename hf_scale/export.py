@@ -41,6 +41,7 @@ examples:
   hf-scale export outputs/run/checkpoint-500 exported-bf16/ --dtype bf16 --max-shard-size 2GB
   hf-scale export outputs/lora/checkpoint-200 adapter/                      # LoRA: the adapter only
   hf-scale export outputs/lora/checkpoint-200 merged/ --lora merged         # LoRA merged into the base
+  hf-scale export outputs/run/checkpoint-500 exported/ --push-to-hub me/my-model   # then upload it (HF_TOKEN)
   python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('exported/')"
 """
 
@@ -74,17 +75,34 @@ def register(subparsers) -> None:
         metavar="SIZE",
         help="largest safetensors file, e.g. 5GB, 500MB (default 5GB); bigger models are split, with an index",
     )
+    parser.add_argument(
+        "--push-to-hub",
+        metavar="REPO_ID",
+        help="after writing OUT_DIR, upload it to this Hub model repository (created if missing); the token is "
+        "HF_TOKEN or the one saved by `hf auth login`, the endpoint HF_ENDPOINT",
+    )
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     parser.set_defaults(func=_handle)
 
 
 def _handle(args) -> int:
-    export(
+    from hf_scale import hub
+
+    target = None
+    if args.push_to_hub is not None:
+        target = hub.HubTarget(repo_id=args.push_to_hub, private=True if args.private else None)
+        hub.check_target(target, "--push-to-hub")
+    elif args.private:
+        raise UserError("--private: only used with --push-to-hub REPO_ID")
+    out_dir = export(
         Path(args.checkpoint_dir),
         Path(args.out_dir),
         dtype=args.dtype,
         lora=args.lora,
         max_shard_size=args.max_shard_size,
     )
+    if target is not None:
+        hub.push_folder(out_dir, target, "--push-to-hub", message=f"hf-scale export of {args.checkpoint_dir}")
     return 0
 
 
@@ -109,8 +127,11 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
 
     _validate_shard_size(max_shard_size)
     if not checkpoint_dir.is_dir():
-        raise UserError(f"CHECKPOINT_DIR {checkpoint_dir}: no such directory")
-    if not checkpoint.is_complete(checkpoint_dir):
+        what = "is not a directory" if checkpoint_dir.exists() else "no such directory"
+        raise UserError(f"CHECKPOINT_DIR {checkpoint_dir}: {what}")
+    with _reading(checkpoint_dir):
+        complete = checkpoint.is_complete(checkpoint_dir)
+    if not complete:
         raise UserError(
             f"CHECKPOINT_DIR {checkpoint_dir}: incomplete or corrupt checkpoint (no valid {checkpoint.MANIFEST}); "
             "export a complete OUTPUT_DIR/checkpoint-STEP"
@@ -122,29 +143,35 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
         raise UserError(f"--lora {lora}: {checkpoint_dir} is not a LoRA checkpoint (no {ADAPTER_CONFIG})")
     lora_mode = (lora or "adapter") if is_lora else None
 
-    source = _find_source(checkpoint_dir)
-    torch_dtype = _resolve_dtype(dtype, checkpoint_dir)
+    with _reading(checkpoint_dir):
+        source = _find_source(checkpoint_dir)
+        torch_dtype = _resolve_dtype(dtype, checkpoint_dir)
     _log(f"reading {checkpoint_dir} ({source.description}, {len(source.names)} tensors)")
 
     tmp = out_dir.parent / f".tmp-export-{out_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        model = _build_model(checkpoint_dir, torch_dtype, is_lora)
-        wanted = [n for n in source.names if "lora_" in n] if lora_mode == "adapter" else source.names
-        _fill(model, source, wanted, torch_dtype, only_adapter=lora_mode == "adapter")
+        with _writing(out_dir):
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        with _reading(checkpoint_dir):
+            model = _build_model(checkpoint_dir, torch_dtype, is_lora)
+            wanted = [n for n in source.names if "lora_" in n] if lora_mode == "adapter" else source.names
+            _fill(model, source, wanted, torch_dtype, only_adapter=lora_mode == "adapter")
+            tokenizer = _load_tokenizer(checkpoint_dir)
         if lora_mode == "merged":
             _log("merging the LoRA adapter into the base weights")
             model = model.merge_and_unload()
         what = "LoRA adapter" if lora_mode == "adapter" else f"model ({str(torch_dtype).removeprefix('torch.')})"
         _log(f"writing the {what} to {out_dir} (shards of at most {max_shard_size})")
-        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
-        if lora_mode == "adapter":
-            _check_adapter(tmp)
-        _save_tokenizer(checkpoint_dir, tmp)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above); rename needs the name free
-        os.replace(tmp, out_dir)
+        with _writing(out_dir):
+            model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
+            if lora_mode == "adapter":
+                _check_adapter(tmp)
+            tokenizer.save_pretrained(tmp)
+            _apply_umask(tmp)
+            if out_dir.exists():
+                out_dir.rmdir()  # empty (checked above); rename needs the name free
+            os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -199,10 +226,15 @@ def _find_source(path: Path) -> Source:
 def _deepspeed_source(path: Path) -> Source:
     """DeepSpeed's own consolidation, lazily: ZeRO-3 tensors are gathered from the partitions one at a time."""
     import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    tag = (path / "latest").read_text().strip()
+    from hf_scale.inputs import read_text
+
+    tag = read_text(path / "latest", "DeepSpeed tag file").strip()
+    if not tag or not (path / tag).is_dir():
+        raise UserError(f"CHECKPOINT_DIR {path}: 'latest' names {tag or 'nothing'}, which is not a directory in it")
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress; stdout stays clean
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
         lazy = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag, lazy_mode=True)
 
     def read(names):
@@ -312,7 +344,49 @@ def _check_adapter(out: Path) -> None:
         raise UserError(f"the exported adapter {file} has {len(keys)} tensors, {len(empty)} of them empty")
 
 
-def _save_tokenizer(checkpoint_dir: Path, out: Path) -> None:
+def _load_tokenizer(checkpoint_dir: Path):
     from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(checkpoint_dir).save_pretrained(out)
+    return AutoTokenizer.from_pretrained(checkpoint_dir)
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What the readers of a checkpoint (json, safetensors, torch.load, DeepSpeed's zero_to_fp32, torch DCP,
+    transformers' configs and tokenizers) raise on a damaged or foreign file."""
+    import pickle
+
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, KeyError, EOFError, RuntimeError, AssertionError, pickle.UnpicklingError,
+            SafetensorError, StrictDataclassError)
+
+
+@contextlib.contextmanager
+def _reading(checkpoint_dir: Path) -> Iterator[None]:
+    """A damaged checkpoint is bad input: one line naming it and what failed, not a traceback."""
+    try:
+        yield
+    except _read_errors() as error:
+        detail = " ".join(str(error).split())[:300] or type(error).__name__
+        raise UserError(f"CHECKPOINT_DIR {checkpoint_dir}: cannot be read ({type(error).__name__}: {detail})") from None
+
+
+@contextlib.contextmanager
+def _writing(out_dir: Path) -> Iterator[None]:
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
+        detail = getattr(error, "strerror", None) or " ".join(str(error).split())[:300]
+        raise UserError(f"OUT_DIR {out_dir}: cannot write ({detail}); nothing was written") from None
+
+
+def _apply_umask(directory: Path) -> None:
+    """save_pretrained's temporary files may keep mode 0600; give the exported files the user's umask."""
+    from hf_scale.files import file_mode
+
+    for path in directory.rglob("*"):
+        if path.is_file():
+            os.chmod(path, file_mode())

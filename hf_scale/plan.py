@@ -13,8 +13,9 @@ from pathlib import Path
 
 import yaml
 
+from hf_scale.config import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
 from hf_scale.errors import UserError
-from hf_scale.files import write_text_atomically
+from hf_scale.files import check_output_file, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
 from hf_scale.planner.model_shapes import model_shapes
 from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, make_plan, planned_config_data
@@ -31,6 +32,9 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+MAX_SEQ_LEN = 2**24
+"""Tokens per sequence: 16M, far beyond any model's context."""
+MAX_LORA_R = 2**16
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 
 PLAN_EPILOG = """\
@@ -101,16 +105,19 @@ def plan_argv(args: argparse.Namespace) -> list[str]:
 
 def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
     """Validate the flags (one-line UserError each) and plan."""
-    for flag, value in (
-        ("--gpus-per-machine", args.gpus_per_machine),
-        ("--machines", args.machines),
-        ("--seq-len", args.seq_len),
-        ("--micro-batch", args.micro_batch),
+    for flag, value, bound in (
+        ("--gpus-per-machine", args.gpus_per_machine, MAX_PROCESSES_PER_MACHINE),
+        ("--machines", args.machines, MAX_MACHINES),
+        ("--seq-len", args.seq_len, MAX_SEQ_LEN),
+        ("--micro-batch", args.micro_batch, MAX_BATCH),
     ):
-        if value <= 0:
-            raise UserError(f"{flag} {value} is invalid: must be an integer > 0")
-    if args.lora_r is not None and args.lora_r <= 0:
-        raise UserError(f"--lora-r {args.lora_r} is invalid: must be an integer > 0 (omit it for a full fine-tune)")
+        if not 0 < value <= bound:
+            raise UserError(f"{flag} {value} is invalid: allowed an integer from 1 to {bound}")
+    if args.lora_r is not None and not 0 < args.lora_r <= MAX_LORA_R:
+        raise UserError(
+            f"--lora-r {args.lora_r} is invalid: allowed an integer from 1 to {MAX_LORA_R} (omit it for a full "
+            "fine-tune)"
+        )
     if not 0 <= args.safety_margin < 1:
         raise UserError(f"--safety-margin {args.safety_margin} is invalid: allowed 0 <= fraction < 1, e.g. 0.1")
     gpu_memory = parse_size("--gpu-memory", args.gpu_memory)
@@ -168,6 +175,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    for flag, path in (("--plot", args.plot), ("--write-config", args.write_config)):
+        if path is not None:
+            check_output_file(Path(path), flag)
     plan = plan_from_args(args, args.model)
     # Everything that can fail is computed before any file is written.
     config_text = planned_config_yaml(plan) if args.write_config else None

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_scale.errors import UserError
+from hf_scale.files import check_output_file, save_figure_atomically
+from hf_scale.inputs import load_json, read_text
+
+MAX_METRICS_BYTES = 2**30
+"""A metrics.jsonl line is ~300 bytes: a GiB is millions of steps."""
 
 PLOT_EPILOG = """\
 inputs:
@@ -51,12 +55,7 @@ class PlotData:
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl; one-line errors naming the file (and line) for anything unusable."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"{path}: cannot be read ({error})") from None
+    text = read_text(path, "metrics file", max_bytes=MAX_METRICS_BYTES)
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -67,14 +66,35 @@ def read_metrics(path: Path) -> list[dict]:
             raise UserError(
                 f"{path}:{number}: not a JSON object ({error.msg}); expected train.py's metrics.jsonl"
             ) from None
+        if isinstance(record, dict) and "eval_loss" in record and "loss" not in record:
+            continue  # an evaluation record (--eval_strategy); the curve is the training loss
         if not isinstance(record, dict) or "step" not in record or "loss" not in record:
             raise UserError(
                 f"{path}:{number}: a metrics record needs 'step' and 'loss'; expected train.py's metrics.jsonl"
             )
+        problem = _record_problem(record)
+        if problem:
+            raise UserError(f"{path}:{number}: {problem}; expected train.py's metrics.jsonl")
         records.append(record)
     if not records:
         raise UserError(f"{path}: no metrics records (the run logged no optimizer step)")
     return records
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _record_problem(record: dict) -> str | None:
+    # A NaN loss is plotted (as a gap): a diverged run is worth seeing.
+    if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
+        return f"step={record['step']!r} is not a step number"
+    if not _is_number(record["loss"]):
+        return f"loss={record['loss']!r} is not a number"
+    rate = record.get("tokens_per_sec")
+    if rate is not None and not (_is_number(rate) and math.isfinite(rate) and rate >= 0):
+        return f"tokens_per_sec={rate!r} is not a number >= 0"
+    return None
 
 
 def summarise_run(records: list[dict], label: str) -> Run:
@@ -90,18 +110,14 @@ def summarise_run(records: list[dict], label: str) -> Run:
 
 def read_strategy_results(path: Path) -> dict[str, float]:
     """Strategy -> tokens/s from a benchmark results JSON (``{"results": {NAME: {"tokens_per_s": X}}}``)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UserError(f"{path}: not a readable JSON file ({error})") from None
+    data = load_json(read_text(path, "results file"), f"results file {path}")
     results = data.get("results") if isinstance(data, dict) else None
     if (
         not isinstance(results, dict)
         or not results
         or not all(
-            isinstance(row, dict) and isinstance(row.get("tokens_per_s"), int | float) for row in results.values()
+            isinstance(row, dict) and _is_number(row.get("tokens_per_s")) and row["tokens_per_s"] >= 0
+            for row in results.values()
         )
     ):
         raise UserError(
@@ -147,6 +163,7 @@ def _matplotlib():
 
 def check_output(path: Path) -> str:
     """The image format from the file name, refused before any work if matplotlib cannot write it."""
+    check_output_file(path, "-o")
     plt = _matplotlib()
     fmt = path.suffix.lstrip(".").lower()
     supported = plt.figure().canvas.get_supported_filetypes()
@@ -173,15 +190,10 @@ def write_figure(data: PlotData, path: Path, fmt: str, title: str | None = None)
         _run_bars(ax_rate, data.runs)
         if title:
             fig.suptitle(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, format=fmt)
-        os.replace(tmp, path)
+        save_figure_atomically(fig, path, dpi=110, format=fmt)
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
 
 
 def _loss_curves(ax, runs: list[Run]) -> None:

@@ -574,6 +574,10 @@ TRIGGERS = {
         "deepspeed-config-differs",
         "error",
     ),
+    "num-processes-a-word": (merged(DDP_YAML, {"num_processes": "two"}), None, [], None, [],
+                             "accelerate-value-invalid", "error"),
+    "negative-micro-batch": (DS_YAML, merged(DS_JSON, {"train_micro_batch_size_per_gpu": -2}), [], None, [],
+                             "deepspeed-value-invalid", "error"),
     "deepspeed-json-never-used": (
         DDP_YAML,
         DS_JSON,
@@ -755,7 +759,7 @@ def test_warnings_alone_exit_0(tmp_path, monkeypatch, capsys):
 
 
 BAD_INPUTS = {
-    "missing-yaml": (["--accelerate-config", "nope.yaml"], "--accelerate-config nope.yaml: file not found"),
+    "missing-yaml": (["--accelerate-config", "nope.yaml"], "--accelerate-config nope.yaml: not found"),
     "no-yaml-flag": ([], "--accelerate-config A.yaml is required"),
     "yaml-syntax": (["--accelerate-config", "broken.yaml"], "not valid YAML"),
     "yaml-not-mapping": (["--accelerate-config", "list.yaml"], "expected a mapping"),
@@ -765,7 +769,7 @@ BAD_INPUTS = {
     ),
     "missing-json": (
         ["--accelerate-config", "acc.yaml", "--deepspeed-config", "nope.json"],
-        "file not found",
+        "nope.json: not found",
     ),
     "referenced-json-missing": (
         ["--accelerate-config", "dangling.yaml"],
@@ -904,5 +908,5 @@ def test_process_exit_0_and_pure_json_on_stdout_for_a_clean_config(tmp_path):
 def test_process_exit_2_one_line_for_a_missing_file(tmp_path):
     result = run_process(["--accelerate-config", "missing.yaml"], tmp_path)
     assert result.returncode == 2
-    assert result.stderr == "hf-scale: error: --accelerate-config missing.yaml: file not found\n"
+    assert result.stderr == "hf-scale: error: --accelerate-config missing.yaml: not found\n"
     assert result.stdout == ""

@@ -208,7 +208,7 @@ def test_data_flags_parse_alongside_every_training_argument():
         ["--output_dir", "out", "--train_file", "d.csv", "--packing", "--completion_only_loss", "false",
          "--max_seq_length", "128"]
     )
-    assert data_args.train_file == "d.csv" and data_args.max_seq_length == 128
+    assert data_args.train_file == ["d.csv"] and data_args.max_seq_length == 128
     assert data_args.packing is True and data_args.completion_only_loss is False
     assert parser.parse_args_into_dataclasses(["--output_dir", "out"])[0].completion_only_loss is None
 

@@ -602,6 +602,9 @@ mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "")
 if "--wait-for-usr1" in sys.argv:
     def stop(signum, frame):
         (out / f"checkpoint-{rank}").write_text("saved")
+        from hf_scale.train.preemption import mark_preempted  # what train.py does after saving
+
+        mark_preempted()
         sys.exit(75)
     signal.signal(signal.SIGUSR1, stop)
     (out / f"ready-{rank}").write_text("")
@@ -718,12 +721,15 @@ SLURM_STANDINS = {
 }
 EXIT_75_PROBE = """\
 import pathlib, signal, sys, psutil
+from hf_scale.train.preemption import mark_preempted
 pathlib.Path(sys.argv[1], "argv").write_text(" ".join(sys.argv[2:]))
 # What SLURM's --signal=USR1 does to the job step (the srun task's processes): the step's shell hears it,
-# train.py saves a checkpoint and exits 75.
+# train.py saves a checkpoint, marks it and exits 75.
+signal.signal(signal.SIGUSR1, lambda *_: None)
 for proc in psutil.Process().parents():
     if any(part.endswith(".accelerate.sh") for part in proc.cmdline()):
         proc.send_signal(signal.SIGUSR1)
+mark_preempted()
 sys.exit(75)
 """
 

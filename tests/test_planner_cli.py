@@ -82,7 +82,7 @@ def test_generate_strategy_auto_writes_a_deepspeed_config_when_sharding_is_neede
 
 
 BAD = [
-    (["plan", TINY, "--gpus-per-machine", "0"], "--gpus-per-machine 0 is invalid: must be an integer > 0"),
+    (["plan", TINY, "--gpus-per-machine", "0"], "--gpus-per-machine 0 is invalid: allowed an integer from 1 to 1024"),
     (["plan", TINY, "--machines", "-1"], "--machines -1 is invalid"),
     (["plan", TINY, "--gpu-memory", "80XB"], "--gpu-memory '80XB' is invalid: expected a positive number"),
     (["plan", TINY, "--cpu-memory", "lots"], "--cpu-memory 'lots' is invalid"),

@@ -108,7 +108,7 @@ def test_strategies_results_json_gives_tokens_per_second_per_strategy(tmp_path, 
 @pytest.mark.parametrize(
     ("content", "args", "message"),
     [
-        (None, ["missing.jsonl"], "missing.jsonl: no such file"),
+        (None, ["missing.jsonl"], "missing.jsonl: not found"),
         ('{"step": 1, "loss": 2.0}\nnot json\n', ["bad.jsonl"], "bad.jsonl:2: not a JSON object"),
         ('{"step": 1}\n', ["bad.jsonl"], "bad.jsonl:1: a metrics record needs 'step' and 'loss'"),
         ("\n", ["bad.jsonl"], "bad.jsonl: no metrics records"),

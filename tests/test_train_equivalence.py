@@ -4,8 +4,18 @@ Each run: the embedded default (tiny Llama + sample data), fp32, 5 optimizer ste
 2-process runs use micro 2 x accumulation 2 and configs written by `hf-scale generate`; they must give
 the per-step losses of a single process with micro 8 and of a single process with micro 2 x
 accumulation 4 (rtol 1e-4), in the manual loop and in the Trainer path, and save a model that
-`from_pretrained` loads with the trained model's logits. With `--packing` (rows of up to 128 tokens,
-the micro-batch counting rows) DDP, ZeRO-1/2/3 and FSDP2 equal one packed process in the same way.
+`from_pretrained` loads with the trained model's logits.
+
+Every run trains on a two-source mixture in two formats (tests/data/mixture: prompt/response 0.75, chat
+0.25; seeded) and evaluates a 21-example validation file at step 3 and at the end (eval micro-batch 8 in
+the reference, 2 per rank in the 2-process runs: the tail is uneven): the eval losses and token counts
+must equal the reference's, so the mixture is the same on every rank and dealt disjointly, and the eval
+loss is exact under every strategy. The `deepspeed` launcher's run takes its flags from a recipe file
+given as the positional argument (after the launcher's `--local_rank=N`), one `accelerate launch` run
+from `--config recipe.yaml`.
+
+With `--packing` (rows of up to 128 tokens, the micro-batch counting rows), packed DDP, ZeRO-1/2/3 and FSDP2
+runs equal one packed process the same way: per-step losses, real token counts and eval losses.
 """
 
 from __future__ import annotations
@@ -14,13 +24,16 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from train_helpers import (
+    REPO,
     assert_saved_model_reproduces,
     child_env,
     free_port,
     generate_config,
     launcher_command,
     losses,
+    read_eval_metrics,
     read_metrics,
     run_ok,
 )
@@ -41,7 +54,21 @@ COMMON = [
     "linear",
     "--max_grad_norm",
     "1.0",
+    # A mixture of two sources in two formats, and evaluation (see the module docstring).
+    "--train_file",
+    str(REPO / "tests" / "data" / "mixture" / "qa.jsonl"),
+    str(REPO / "tests" / "data" / "mixture" / "chat.jsonl"),
+    "--mixture_weights",
+    "0.75",
+    "0.25",
+    "--validation_file",
+    str(REPO / "tests" / "data" / "mixture" / "validation.jsonl"),
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    "3",
 ]
+EVAL_STEPS = [3, STEPS]
 CPU_2PROC = [
     "topology.processes_per_machine=2",
     "deepspeed.torch_adam=true",
@@ -67,17 +94,43 @@ def configs(tmp_path_factory):
     return root
 
 
-def _train(launcher: str, out, extra: list[str], *, config=None, cwd=None):
-    command = launcher_command(launcher, config=config) + COMMON + ["--output_dir", str(out)] + extra
+def _as_recipe(flags: list[str]) -> dict:
+    """`--key value...` tokens as a recipe mapping (several values: a list; none: true)."""
+    recipe, key = {}, None
+    for token in flags:
+        if token.startswith("--"):
+            key = token[2:]
+            recipe[key] = True
+        elif recipe[key] is True:
+            recipe[key] = token
+        else:
+            recipe[key] = [*recipe[key], token] if isinstance(recipe[key], list) else [recipe[key], token]
+    return recipe
+
+
+def _train(launcher: str, out, extra: list[str], *, config=None, cwd=None, via: str | None = None):
+    """`via`: None (flags), "recipe" (a positional recipe file) or "config" (--config recipe.yaml)."""
+    flags = COMMON + extra
+    if via is not None:
+        recipe = out.parent / f"{out.name}-recipe.yaml"
+        recipe.write_text(yaml.safe_dump(_as_recipe(flags)))
+        flags = [str(recipe)] if via == "recipe" else ["--config", str(recipe)]
+    command = launcher_command(launcher, config=config) + flags + ["--output_dir", str(out)]
     run_ok(command, cwd=cwd, env=child_env())
     return losses(out)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_dir(tmp_path_factory):
     """One process, micro-batch 8, no accumulation: the ground truth."""
     out = tmp_path_factory.mktemp("ref")
-    return _train("python", out, ["--per_device_train_batch_size", "8", "--loop", "accelerate"])
+    _train("python", out, ["--per_device_train_batch_size", "8", "--loop", "accelerate"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir):
+    return losses(reference_dir)
 
 
 def _assert_same_losses(got: list[float], want: list[float]) -> None:
@@ -85,58 +138,71 @@ def _assert_same_losses(got: list[float], want: list[float]) -> None:
     assert got == pytest.approx(want, rel=1e-4), f"{got} != {want}"
 
 
-MICRO2_ACC2 = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+def _assert_same_eval(out, reference_dir) -> None:
+    got, want = read_eval_metrics(out), read_eval_metrics(reference_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == EVAL_STEPS
+    assert [r["eval_tokens"] for r in got] == [r["eval_tokens"] for r in want]  # every example counted once
+    assert [r["eval_loss"] for r in got] == pytest.approx([r["eval_loss"] for r in want], rel=1e-4)
 
-# (id, launcher, accelerate yaml / deepspeed json name, loop)
+
+MICRO2_ACC2 = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+               "--per_device_eval_batch_size", "2"]
+
+# (id, launcher, accelerate yaml / deepspeed json name, loop, flags given as: None | "recipe" | "config")
 RUNS = [
-    ("ddp-torchrun-loop", "torchrun", None, "accelerate"),
-    ("ddp-accelerate-trainer", "accelerate", "ddp", "trainer"),
-    ("zero1-torchrun-loop", "torchrun", "zero1", "accelerate"),
-    ("zero2-accelerate-loop", "accelerate", "zero2", "accelerate"),
-    ("zero2-deepspeed-trainer", "deepspeed", "zero2", "trainer"),
-    ("zero3-accelerate-trainer", "accelerate", "zero3", "trainer"),
-    ("zero3-accelerate-loop", "accelerate", "zero3", "accelerate"),
-    ("zero3resolved-deepspeed-loop", "deepspeed", "resolved/zero3", "accelerate"),
-    ("zero3offload-torchrun-loop", "torchrun", "zero3_offload", "accelerate"),
+    ("ddp-torchrun-loop", "torchrun", None, "accelerate", None),
+    ("ddp-accelerate-trainer", "accelerate", "ddp", "trainer", "config"),
+    ("zero1-torchrun-loop", "torchrun", "zero1", "accelerate", None),
+    ("zero2-accelerate-loop", "accelerate", "zero2", "accelerate", None),
+    ("zero2-deepspeed-trainer", "deepspeed", "zero2", "trainer", None),
+    ("zero3-accelerate-trainer", "accelerate", "zero3", "trainer", None),
+    ("zero3-accelerate-loop", "accelerate", "zero3", "accelerate", None),
+    ("zero3resolved-deepspeed-loop", "deepspeed", "resolved/zero3", "accelerate", "recipe"),
+    ("zero3offload-torchrun-loop", "torchrun", "zero3_offload", "accelerate", None),
 ]
 
 
-@pytest.mark.parametrize(("launcher", "config_name", "loop"), [r[1:] for r in RUNS], ids=[r[0] for r in RUNS])
-def test_two_processes_match_one_process(launcher, config_name, loop, configs, reference, tmp_path):
+@pytest.mark.parametrize(("launcher", "config_name", "loop", "via"), [r[1:] for r in RUNS], ids=[r[0] for r in RUNS])
+def test_two_processes_match_one_process(launcher, config_name, loop, via, configs, reference, reference_dir,
+                                         tmp_path):
     out = tmp_path / "out"
     extra = MICRO2_ACC2 + ["--loop", loop]
     cwd = configs
     if launcher == "accelerate":
         got = _train(
-            launcher, out, extra, config=configs / "accelerate_configs" / f"{config_name}.yaml", cwd=cwd
+            launcher, out, extra, config=configs / "accelerate_configs" / f"{config_name}.yaml", cwd=cwd, via=via
         )
     else:
         if config_name is not None:
             parent, _, name = config_name.rpartition("/")
             extra += ["--deepspeed", str(configs / parent / "ds_configs" / f"{name}.json")]
-        got = _train(launcher, out, extra, cwd=cwd)
+        got = _train(launcher, out, extra, cwd=cwd, via=via)
     _assert_same_losses(got, reference)
+    _assert_same_eval(out, reference_dir)
     assert_saved_model_reproduces(out)
     record = read_metrics(out)[0]
     assert record["tokens"] > 0 and record["tokens_per_sec"] > 0 and record["peak_memory_bytes"] > 0
     assert record["grad_norm"] > 0 and record["data_wait_s"] >= 0
 
 
-def test_accumulation_equals_larger_micro_batch(reference, tmp_path):
+def test_accumulation_equals_larger_micro_batch(reference, reference_dir, tmp_path):
     got = _train(
         "python",
-        tmp_path,
-        ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--loop", "accelerate"],
+        tmp_path / "out",
+        ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--loop", "accelerate",
+         "--per_device_eval_batch_size", "3"],
     )
     _assert_same_losses(got, reference)
+    _assert_same_eval(tmp_path / "out", reference_dir)
 
 
-def test_trainer_path_equals_manual_loop(reference, tmp_path):
-    got = _train("python", tmp_path, ["--per_device_train_batch_size", "8", "--loop", "trainer"])
+def test_trainer_path_equals_manual_loop(reference, reference_dir, tmp_path):
+    got = _train("python", tmp_path / "out", ["--per_device_train_batch_size", "8", "--loop", "trainer"])
     _assert_same_losses(got, reference)
+    _assert_same_eval(tmp_path / "out", reference_dir)
 
 
-def test_multinode_config_runs_as_two_machines_on_localhost(configs, reference, tmp_path):
+def test_multinode_config_runs_as_two_machines_on_localhost(configs, reference, reference_dir, tmp_path):
     """The generated ddp_multinode config, 2 "machines" x 1 process on 127.0.0.1."""
     generate_config(
         tmp_path,
@@ -186,10 +252,11 @@ def test_multinode_config_runs_as_two_machines_on_localhost(configs, reference, 
     for proc, (_, stderr) in zip(procs, results, strict=True):
         assert proc.returncode == 0, stderr[-4000:]
     _assert_same_losses(losses(out), reference)
+    _assert_same_eval(out, reference_dir)
     assert_saved_model_reproduces(out)
 
 
-def test_fsdp2_from_hf_scale_config_matches_one_process(reference, tmp_path):
+def test_fsdp2_from_hf_scale_config_matches_one_process(reference, reference_dir, tmp_path):
     """FSDP2 (torch's fully_shard over gloo: accelerate cannot shard on CPU) with the model's own
     decoder-layer class from _no_split_modules, configured by a DistributedConfig."""
     config = tmp_path / "fsdp2.yaml"
@@ -200,10 +267,11 @@ def test_fsdp2_from_hf_scale_config_matches_one_process(reference, tmp_path):
     out = tmp_path / "out"
     got = _train("torchrun", out, ["--hf_scale_config", str(config), "--loop", "accelerate"])
     _assert_same_losses(got, reference)
+    _assert_same_eval(out, reference_dir)
     assert_saved_model_reproduces(out)
 
 
-def test_deepspeed_under_plain_python_runs_one_process(configs, reference, tmp_path):
+def test_deepspeed_under_plain_python_runs_one_process(configs, reference, reference_dir, tmp_path):
     """`python train.py --deepspeed …` (no launcher): one DeepSpeed process, same training."""
     got = _train(
         "python",
@@ -212,6 +280,7 @@ def test_deepspeed_under_plain_python_runs_one_process(configs, reference, tmp_p
          "--deepspeed", str(configs / "ds_configs" / "zero2.json")],
     )
     _assert_same_losses(got, reference)
+    _assert_same_eval(tmp_path / "out", reference_dir)
 
 
 # --- packing to a token budget: micro-batches of packed rows, padded to the longest row of each -----
@@ -219,11 +288,19 @@ PACKED = ["--packing", "--max_seq_length", "128"]
 
 
 @pytest.fixture(scope="module")
-def packed_reference(tmp_path_factory):
+def packed_reference_dir(tmp_path_factory):
     """One process, 8 packed rows per step."""
     out = tmp_path_factory.mktemp("packed-ref")
     _train("python", out, PACKED + ["--per_device_train_batch_size", "8", "--loop", "accelerate"])
-    return read_metrics(out)
+    return out
+
+
+def _assert_same_packed_steps(out, reference_dir) -> None:
+    got, want = read_metrics(out), read_metrics(reference_dir)
+    _assert_same_losses([r["loss"] for r in got], [r["loss"] for r in want])
+    # The same rows in every step: the same real (unpadded) tokens, whatever padding each micro-batch got.
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
+    _assert_same_eval(out, reference_dir)  # the validation set, one example per row through the packed collator
 
 
 # (id, launcher, accelerate yaml / deepspeed json name, loop, extra flags); FSDP2 below. Two runs collate in a
@@ -236,33 +313,24 @@ PACKED_RUNS = [
 ]
 
 
-def _assert_same_packed_steps(out, reference: list[dict]) -> None:
-    got = read_metrics(out)
-    _assert_same_losses([r["loss"] for r in got], [r["loss"] for r in reference])
-    # The same rows in every step: the same real (unpadded) tokens, whatever padding each micro-batch got.
-    assert [r["tokens"] for r in got] == [r["tokens"] for r in reference]
-
-
 @pytest.mark.parametrize(
     ("launcher", "config_name", "loop", "flags"), [r[1:] for r in PACKED_RUNS], ids=[r[0] for r in PACKED_RUNS]
 )
 def test_two_packed_processes_match_one_packed_process(launcher, config_name, loop, flags, configs,
-                                                       packed_reference, tmp_path):
+                                                       packed_reference_dir, tmp_path):
     out = tmp_path / "out"
     extra = PACKED + MICRO2_ACC2 + ["--loop", loop] + flags
+    config = None
     if launcher == "accelerate":
         config = configs / "accelerate_configs" / f"{config_name}.yaml"
-        run_ok(launcher_command(launcher, config=config) + COMMON + ["--output_dir", str(out)] + extra,
-               cwd=configs, env=child_env())
     else:
         extra += ["--deepspeed", str(configs / "ds_configs" / f"{config_name}.json")]
-        run_ok(launcher_command(launcher) + COMMON + ["--output_dir", str(out)] + extra, cwd=configs,
-               env=child_env())
-    _assert_same_packed_steps(out, packed_reference)
+    _train(launcher, out, extra, config=config, cwd=configs)
+    _assert_same_packed_steps(out, packed_reference_dir)
     assert_saved_model_reproduces(out)
 
 
-def test_fsdp2_packed_matches_one_packed_process(packed_reference, tmp_path):
+def test_fsdp2_packed_matches_one_packed_process(packed_reference_dir, tmp_path):
     config = tmp_path / "fsdp2.yaml"
     config.write_text(
         "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 2}\n"
@@ -270,4 +338,4 @@ def test_fsdp2_packed_matches_one_packed_process(packed_reference, tmp_path):
     )
     out = tmp_path / "out"
     _train("torchrun", out, PACKED + ["--hf_scale_config", str(config), "--loop", "accelerate"])
-    _assert_same_packed_steps(out, packed_reference)
+    _assert_same_packed_steps(out, packed_reference_dir)

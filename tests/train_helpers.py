@@ -89,9 +89,17 @@ def run_ok(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
+def _records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
-    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    """The per-optimizer-step records (eval records, which carry eval_loss instead of loss, left out)."""
+    return [record for record in _records(output_dir) if "loss" in record]
+
+
+def read_eval_metrics(output_dir: Path) -> list[dict]:
+    return [record for record in _records(output_dir) if "eval_loss" in record]
 
 
 def losses(output_dir: Path) -> list[float]:

@@ -15,11 +15,27 @@ so one file serves every node; nothing secret is ever written.
 
 from __future__ import annotations
 
-from hf_scale.config import DistributedConfig
+import shlex
+
+from hf_scale.config import DistributedConfig, host_problem, name_problem
 from hf_scale.train.checkpoint import EXIT_PREEMPTED  # train.py's "checkpoint saved, run me again"
+from hf_scale.train.preemption import PREEMPTED_MARKER_ENV
 
 # Seconds before the SLURM time limit at which the training processes are asked to checkpoint and stop.
 PREEMPT_SIGNAL_LEAD_S = 120
+# How often a stop request is repeated until the launcher has ended (a process still starting may not
+# listen yet).
+STOP_REPEAT_S = 10
+
+q = shlex.quote
+
+
+def _check_name(name: str) -> None:
+    # The config and `hf-scale generate` validate everything; the generators refuse what would still break
+    # a script or a hostfile line, whoever calls them.
+    problem = name_problem(name)
+    if problem:
+        raise ValueError(f"name {name!r} {problem}")
 
 
 def _comment(header: str) -> str:
@@ -36,53 +52,115 @@ def _preamble(header: str) -> str:
     )
 
 
-def _train_command(cfg: DistributedConfig, name: str, *, with_deepspeed_flag: bool) -> str:
-    command = '"${TRAIN_SCRIPT:-train.py}"'
-    if with_deepspeed_flag and cfg.strategy == "deepspeed":
-        command += f" --deepspeed ds_configs/{name}.json"
-    return command + ' "$@"'
+def _env_default(variable: str, environment: str, value: object) -> str:
+    """``variable`` = $environment, else the literal ``value`` quoted for the shell (a separate assignment:
+    inside ``${VAR:-...}`` quoting rules differ between bash's contexts)."""
+    return f"{variable}=${{{environment}:-}}\n" + f'[ -n "${variable}" ] || {variable}={q(str(value))}\n'
 
 
-def accelerate_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
-    """``accelerate launch`` on one machine. SIGUSR1 (SLURM ``--signal``, or ``kill -USR1``) asks the
-    training to checkpoint and stop; the script then exits 75 so a scheduler can requeue."""
-    topo = cfg.topology
-    lines = [f"launch=(accelerate launch --config_file accelerate_configs/{name}.yaml)"]
-    if topo.num_machines > 1:
-        lines.append(
-            "# This machine's rank and the rank-0 address: set them per node (the sbatch script does).\n"
-            'launch+=(--machine_rank "${MACHINE_RANK:-${SLURM_NODEID:-0}}")\n'
-            f'launch+=(--main_process_ip "${{MAIN_PROCESS_IP:-{topo.main_process_ip}}}")'
-        )
-    if cfg.strategy != "single":
-        lines.append(f'launch+=(--main_process_port "${{MAIN_PROCESS_PORT:-{topo.main_process_port}}}")')
-    body = "\n".join(lines) + "\n"
-    body += f"""
-# SIGUSR1 means "save a checkpoint and stop". The launcher must survive it: torchrun (inside accelerate
-# launch) handles only TERM/INT/HUP/QUIT and USR1's default action would kill it and orphan the workers.
-# So the launcher ignores USR1, its training processes inherit that until train.py installs its handler,
-# and this shell remembers that the stop was requested. TERM and INT are passed on to the launcher.
-signals=0
-trap 'signals=$((signals + 1))' USR1
-trap 'kill -TERM "$launcher" 2>/dev/null || true' TERM
-trap 'kill -INT "$launcher" 2>/dev/null || true' INT
-( trap '' USR1; exec "${{launch[@]}}" {_train_command(cfg, name, with_deepspeed_flag=False)} ) &
+def _supervised(launch: str, train_args: str) -> str:
+    """Run ``launch`` (a bash array holding the launcher command) on the training script, pass stop
+    requests on to the training processes, and exit EXIT_PREEMPTED when train.py saved a checkpoint."""
+    return f"""train_script=${{TRAIN_SCRIPT:-train.py}}
+
+# Stop requests: SIGTERM (preemption, `kill`) or SIGUSR1 (SLURM's --signal, `kill -USR1`) to this script
+# mean "save a checkpoint and stop". Both are passed on as SIGUSR1 (train.py treats the two alike) to
+# every process the launcher started, and repeated every {STOP_REPEAT_S} s until the launcher has ended
+# (a process still loading the model may not listen yet). The launcher itself never gets them: it
+# ignores SIGUSR1 (set below, inherited by its children until train.py installs its handler), and on
+# SIGTERM torchrun and the deepspeed launcher kill the training processes after 30 s, possibly while
+# they write the checkpoint. SIGINT (Ctrl-C) goes to the launcher: stop without saving.
+# train.py creates ${PREEMPTED_MARKER_ENV} after saving on a stop request; every launcher reports that
+# exit as a failure, so this script exits {EXIT_PREEMPTED} instead, and the SLURM script requeues the job.
+status_dir=$(mktemp -d "${{TMPDIR:-/tmp}}/hf-scale.XXXXXX")
+export {PREEMPTED_MARKER_ENV}="$status_dir/preempted"
+launcher=""
+repeater=""
+stop_requested=0
+trap 'if [ -n "$repeater" ]; then kill "$repeater" 2>/dev/null || true; fi; rm -rf -- "$status_dir"' EXIT
+descendants() {{
+  local child
+  for child in $(pgrep -P "$1" || true); do
+    echo "$child"
+    descendants "$child"
+  done
+}}
+forward_stop() {{
+  local pids
+  pids=$(descendants "$launcher")
+  # shellcheck disable=SC2086  # one PID per word
+  if [ -n "$pids" ]; then kill -USR1 $pids 2>/dev/null || true; fi
+}}
+repeat_stop() {{
+  local sleeper=""
+  trap - USR1
+  trap 'if [ -n "$sleeper" ]; then kill "$sleeper" 2>/dev/null || true; fi; exit 0' TERM
+  while :; do
+    forward_stop
+    sleep {STOP_REPEAT_S} &
+    sleeper=$!
+    wait "$sleeper" || true
+  done
+}}
+request_stop() {{
+  stop_requested=1
+  if [ -n "$launcher" ] && [ -z "$repeater" ]; then
+    repeat_stop >/dev/null 2>&1 &
+    repeater=$!
+  fi
+}}
+trap request_stop TERM USR1
+trap 'if [ -n "$launcher" ]; then kill -INT "$launcher" 2>/dev/null || true; fi' INT
+if ! command -v pgrep >/dev/null; then
+  echo "hf-scale: warning: pgrep (procps) not found: stop requests cannot reach the training processes" >&2
+fi
+(trap '' USR1; exec "${{{launch}[@]}}" "$train_script" {train_args}"$@") &
 launcher=$!
+if [ "$stop_requested" -eq 1 ]; then request_stop; fi
 status=0
-# A trapped signal interrupts `wait`; keep waiting until the launcher itself has ended.
 while :; do
   status=0
   wait "$launcher" || status=$?
+  # A trapped signal interrupts `wait`: keep waiting until the launcher itself has ended.
   kill -0 "$launcher" 2>/dev/null || break
 done
-if [ "$status" -ne 0 ] && [ "$signals" -gt 0 ]; then
-  # train.py exits {EXIT_PREEMPTED} after checkpointing, but torchrun reports any worker exit != 0 as its own
-  # failure (1): after a stop request the non-zero status means "stopped, resume from the checkpoint".
+if [ -e "${PREEMPTED_MARKER_ENV}" ]; then
   exit {EXIT_PREEMPTED}
 fi
 exit "$status"
 """
-    return _preamble(header) + "\n" + body
+
+
+def _train_args(cfg: DistributedConfig, name: str, *, with_deepspeed_flag: bool) -> str:
+    if with_deepspeed_flag and cfg.strategy == "deepspeed":
+        return f"--deepspeed {q(f'ds_configs/{name}.json')} "
+    return ""
+
+
+def accelerate_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
+    """``accelerate launch`` on one machine. SIGTERM or SIGUSR1 (SLURM ``--signal``, ``kill -USR1``) asks
+    the training to checkpoint and stop; the script then exits 75 so a scheduler can requeue."""
+    _check_name(name)
+    topo = cfg.topology
+    body = f"launch=(accelerate launch --config_file {q(f'accelerate_configs/{name}.yaml')})\n"
+    if topo.num_machines > 1:
+        body += (
+            "# This machine's rank and the rank-0 address: set them per node (the sbatch script does).\n"
+            "machine_rank=${MACHINE_RANK:-${SLURM_NODEID:-0}}\n"
+            + _env_default("main_process_ip", "MAIN_PROCESS_IP", _host(topo.main_process_ip))
+            + 'launch+=(--machine_rank "$machine_rank" --main_process_ip "$main_process_ip")\n'
+        )
+    if cfg.strategy != "single":
+        body += _env_default("main_process_port", "MAIN_PROCESS_PORT", topo.main_process_port)
+        body += 'launch+=(--main_process_port "$main_process_port")\n'
+    return _preamble(header) + "\n" + body + _supervised("launch", "")
+
+
+def _host(value: str | None) -> str:
+    problem = host_problem(value) if value is not None else "is missing"
+    if problem:
+        raise ValueError(f"host {value!r} {problem}")
+    return value
 
 
 def torchrun_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
@@ -90,27 +168,23 @@ def torchrun_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     JSON with ``--deepspeed`` (the HF Trainer flag)."""
     if cfg.strategy == "fsdp":
         raise ValueError("FSDP is configured through accelerate: use the accelerate launch script")
+    _check_name(name)
     topo = cfg.topology
-    args = [f"--nnodes {topo.num_machines}", f"--nproc_per_node {topo.processes_per_machine}"]
-    if topo.rdzv_backend == "c10d":
-        args += [
-            "--rdzv_backend c10d",
-            f'--rdzv_endpoint "${{MASTER_ADDR:-{topo.main_process_ip or "127.0.0.1"}}}:'
-            f'${{MASTER_PORT:-{topo.main_process_port}}}"',
-            f'--rdzv_id "${{RDZV_ID:-{name}}}"',
-        ]
-    else:
-        args += [
-            '--node_rank "${NODE_RANK:-${SLURM_NODEID:-0}}"',
-            f'--master_addr "${{MASTER_ADDR:-{topo.main_process_ip or "127.0.0.1"}}}"',
-            f'--master_port "${{MASTER_PORT:-{topo.main_process_port}}}"',
-        ]
-    note = ""
+    body = ""
     if topo.num_machines > 1:
         last = topo.num_machines - 1
-        note = f"# Run on every machine with NODE_RANK=0..{last} and MASTER_ADDR=<rank-0 address>.\n"
-    command = " \\\n  ".join(["exec torchrun", *args, _train_command(cfg, name, with_deepspeed_flag=True)])
-    return _preamble(header) + "\n" + note + command + "\n"
+        body += f"# Run on every machine with NODE_RANK=0..{last} and MASTER_ADDR=<rank-0 address>.\n"
+    body += _env_default("master_addr", "MASTER_ADDR", _host(topo.main_process_ip or "127.0.0.1"))
+    body += _env_default("master_port", "MASTER_PORT", topo.main_process_port)
+    body += f"launch=(torchrun --nnodes {topo.num_machines} --nproc_per_node {topo.processes_per_machine})\n"
+    if topo.rdzv_backend == "c10d":
+        body += _env_default("rdzv_id", "RDZV_ID", name)
+        body += 'launch+=(--rdzv_backend c10d --rdzv_endpoint "$master_addr:$master_port" --rdzv_id "$rdzv_id")\n'
+    else:
+        body += "node_rank=${NODE_RANK:-${SLURM_NODEID:-0}}\n"
+        body += 'launch+=(--node_rank "$node_rank" --master_addr "$master_addr" --master_port "$master_port")\n'
+    train_args = _train_args(cfg, name, with_deepspeed_flag=True)
+    return _preamble(header) + "\n" + body + _supervised("launch", train_args)
 
 
 def deepspeed_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
@@ -118,22 +192,25 @@ def deepspeed_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     over passwordless ssh (pdsh) using ``launch/NAME.hostfile`` and takes the first host as master."""
     if cfg.strategy != "deepspeed":
         raise ValueError("the deepspeed launcher script is for strategy deepspeed")
+    _check_name(name)
     topo = cfg.topology
-    args = []
+    body = "launch=(deepspeed)\n"
     if topo.num_machines > 1:
-        args += [f"--hostfile launch/{name}.hostfile", f"--num_nodes {topo.num_machines}"]
-    args += [
-        f"--num_gpus {topo.processes_per_machine}",
-        f'--master_port "${{MASTER_PORT:-{topo.main_process_port}}}"',
-    ]
-    command = " \\\n  ".join(["exec deepspeed", *args, _train_command(cfg, name, with_deepspeed_flag=True)])
-    return _preamble(header) + "\n" + command + "\n"
+        body += f"launch+=(--hostfile {q(f'launch/{name}.hostfile')} --num_nodes {topo.num_machines})\n"
+    body += _env_default("master_port", "MASTER_PORT", topo.main_process_port)
+    body += f'launch+=(--num_gpus {topo.processes_per_machine} --master_port "$master_port")\n'
+    train_args = _train_args(cfg, name, with_deepspeed_flag=True)
+    return _preamble(header) + "\n" + body + _supervised("launch", train_args)
 
 
 def hostfile(cfg: DistributedConfig, name: str) -> str:
     """DeepSpeed hostfile with placeholder host names (multi-node DeepSpeed only)."""
+    _check_name(name)
     topo = cfg.topology
-    hosts = [topo.main_process_ip or "node-0"] + [f"node-{rank}" for rank in range(1, topo.num_machines)]
+    hosts = [_host(topo.main_process_ip or "node-0")] + [f"node-{rank}" for rank in range(1, topo.num_machines)]
+    if any(len(host.split()) != 1 or host != host.strip() or "#" in host for host in hosts):
+        # The file's structure does not rest on host validation: a host never adds a line or a field.
+        raise ValueError(f"hostfile: a host name must be one word without '#', got {hosts!r}")
     return (
         f"# DeepSpeed hostfile for {name}: one line per machine, `HOSTNAME slots=GPUS`.\n"
         "# Replace the placeholder names with your machines (reachable by passwordless ssh: the deepspeed\n"
@@ -145,6 +222,7 @@ def hostfile(cfg: DistributedConfig, name: str) -> str:
 def sbatch_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     """SLURM batch script: one task per node running ``launch/NAME.accelerate.sh``; rank from
     ``$SLURM_NODEID``, rank-0 address = first host of the allocation; requeues on exit 75."""
+    _check_name(name)
     topo = cfg.topology
     directives = [
         f"--job-name=hf-scale-{name}",
@@ -156,6 +234,7 @@ def sbatch_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
         "--open-mode=append",
         "--output=%x-%j.out",
     ]
+    port = _env_default("main_process_port", "MAIN_PROCESS_PORT", topo.main_process_port)
     return (
         "#!/usr/bin/env bash\n"
         + "".join(f"#SBATCH {directive}\n" for directive in directives)
@@ -181,7 +260,7 @@ fi
 # host list, and with pipefail the script would stop here.)
 MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')"
 export MAIN_PROCESS_IP
-export MAIN_PROCESS_PORT="${{MAIN_PROCESS_PORT:-{topo.main_process_port}}}"
+{port}export MAIN_PROCESS_PORT="$main_process_port"
 unset MACHINE_RANK  # a value exported at submission would give every node the same rank
 
 # Each node runs: accelerate launch --config_file accelerate_configs/{name}.yaml \\
@@ -195,7 +274,7 @@ case " $* " in
 esac
 # No --kill-on-bad-exit: every node must finish writing its checkpoint shard before the step ends.
 status=0
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash launch/{name}.accelerate.sh "${{args[@]}}" || status=$?
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash {q(f"launch/{name}.accelerate.sh")} "${{args[@]}}" || status=$?
 if [ "$status" -eq {EXIT_PREEMPTED} ]; then
   echo "hf-scale: checkpoint saved before the time limit; requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"

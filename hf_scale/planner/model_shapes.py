@@ -7,15 +7,16 @@ norms and any architecture quirk included.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from huggingface_hub.errors import StrictDataclassError
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from hf_scale.errors import UserError
+from hf_scale.inputs import load_json, read_text
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class ModelShapes:
 def load_model_config(model: str) -> PretrainedConfig:
     """MODEL as a Hub id, a local model directory or a path to a config.json -> its transformers config."""
     path = Path(model).expanduser()
-    if path.is_file():
+    if path.exists() and not path.is_dir():  # a file; a FIFO or device is refused when it is read
         return _config_from_file(path, model)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -71,6 +72,8 @@ def load_model_config(model: str) -> PretrainedConfig:
         )
     try:
         return AutoConfig.from_pretrained(model)
+    except StrictDataclassError as error:
+        raise UserError(f"MODEL {model!r}: its config.json: {' '.join(str(error).split())[:200]}") from None
     except (OSError, ValueError) as error:
         reason = " ".join(str(error).split()).split(". ")[0].rstrip(".")
         raise UserError(
@@ -82,17 +85,65 @@ def load_model_config(model: str) -> PretrainedConfig:
 
 
 def _config_from_file(path: Path, model: str) -> PretrainedConfig:
-    try:
-        data: Any = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UserError(f"MODEL {model!r}: {path} is not a readable JSON config ({error})") from None
+    data: Any = load_json(read_text(path, "MODEL config"), f"MODEL {model!r}: {path}")
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise UserError(f'MODEL {model!r}: {path} has no "model_type" (expected a transformers config.json)')
     model_type = data.pop("model_type")
+    _check_dimensions(data, model)  # before transformers builds anything from them
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"MODEL {model!r}: model_type {model_type!r} is unknown to transformers {_version()}")
     try:
         return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError) as error:
-        raise UserError(f"MODEL {model!r}: model_type {model_type!r} is unknown to transformers ({error})") from None
+    except CONFIG_ERRORS as error:  # transformers' typed configs reject a value
+        raise UserError(f"MODEL {model!r}: {path}: {' '.join(str(error).split())[:200]}") from None
+
+
+# What transformers' config classes and model constructors raise on values they cannot use: building a
+# config or a model runs the architecture's own code on the user's values.
+CONFIG_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, AssertionError, ZeroDivisionError,
+                 RuntimeError, StrictDataclassError)
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# Bounds on what the planner builds (on the meta device, but module by module: 10^6 layers take minutes).
+# Far beyond any published model (Llama-3.1-405B: 126 layers, 16384 hidden, 128256 vocabulary).
+DIMENSION_BOUNDS = {
+    "num_hidden_layers": 512,
+    "hidden_size": 131_072,
+    "intermediate_size": 1_048_576,
+    "vocab_size": 4_194_304,
+    "num_attention_heads": 2_048,
+    "num_key_value_heads": 2_048,
+    "head_dim": 4_096,
+    "num_local_experts": 1_024,  # Mixtral
+    "num_experts": 1_024,  # Qwen-MoE
+    "n_routed_experts": 1_024,  # DeepSeek
+}
+MAX_EXPERT_LAYERS = 65_536
+"""Layers x experts: one module each (DeepSeek-V3: 61 x 256)."""
+
+
+def _check_dimensions(config: dict[str, Any], model: str) -> None:
+    """Every size the planner builds from is a positive integer within DIMENSION_BOUNDS (nested text configs
+    of multimodal models included); one line naming the first that is not."""
+    for section in (config, *(v for v in config.values() if isinstance(v, dict))):
+        for name, bound in DIMENSION_BOUNDS.items():
+            value = section.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+                raise UserError(f"MODEL {model!r}: {name}={value!r} is invalid: allowed an integer from 1 to {bound}")
+        experts = max((section.get(k) or 1) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+        if (section.get("num_hidden_layers") or 1) * experts > MAX_EXPERT_LAYERS:
+            raise UserError(
+                f"MODEL {model!r}: num_hidden_layers x experts = {section['num_hidden_layers']} x {experts} is more "
+                f"than the {MAX_EXPERT_LAYERS} the planner builds"
+            )
 
 
 def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> ModelShapes:
@@ -100,12 +151,16 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
     config = load_model_config(model) if isinstance(model, str) else model
     name = name or (model if isinstance(model, str) else config.model_type)
     try:
+        _check_dimensions(config.to_dict(), name)  # a Hub config too
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(config)
     except ValueError as error:
         raise UserError(
             f"MODEL {name!r}: transformers has no causal LM for this config ({' '.join(str(error).split())[:160]})"
         ) from None
+    except CONFIG_ERRORS as error:  # e.g. hidden_size not divisible by num_attention_heads
+        detail = " ".join(str(error).split())[:160]
+        raise UserError(f"MODEL {name!r}: transformers cannot build a model from this config ({detail})") from None
     unique = {id(p): p for p in lm.parameters()}  # parameters() already yields a tied tensor once
     layer_classes = list(getattr(lm, "_no_split_modules", None) or [])
     layers = [m for m in lm.modules() if type(m).__name__ in layer_classes]

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from hf_scale.errors import UserError
+from hf_scale.files import save_figure_atomically
 from hf_scale.planner.rank import Plan, distributed_config, gib
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "logits", "buffers")
@@ -162,12 +161,7 @@ def write_plot(plan: Plan, path: Path) -> None:
     )
     plt.setp(ax.get_xticklabels(), rotation=45, ha="right", rotation_mode="anchor")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        save_figure_atomically(fig, path, dpi=110, format="png")
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)

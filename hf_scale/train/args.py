@@ -40,6 +40,14 @@ class ModelArguments:
             "fp32 master copy); DeepSpeed casts to its own precision."
         },
     )
+    chat_template_path: str | None = field(  # help text: argparse needs % doubled
+        default=None,
+        metadata={
+            "help": "A Jinja chat template file for chat (messages) data: for a base model whose tokenizer has "
+            "none, or in place of its own. Saved with the tokenizer (chat_template.jinja). Completion-only loss "
+            "needs {%% generation %%} ... {%% endgeneration %%} around the assistant turns."
+        },
+    )
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow custom modelling code from the Hub."}
     )

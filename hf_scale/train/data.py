@@ -50,19 +50,23 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 @dataclass
 class DataArguments:
-    dataset_name: str | None = field(
+    dataset_name: list[str] | None = field(
         default=None,
-        metadata={"help": "Hub dataset id or local dataset directory, loaded with `datasets.load_dataset`."},
+        metadata={"help": "Hub dataset id(s) or local dataset directory(ies), loaded with `datasets.load_dataset`; "
+                  "several are mixed (see --mixture_weights)."},
     )
     dataset_config_name: str | None = field(
         default=None, metadata={"help": "Configuration (subset) of --dataset_name, if it has several."}
     )
-    train_file: str | None = field(
+    train_file: list[str] | None = field(
         default=None,
-        metadata={"help": "Training data file: .json, .jsonl, .csv, .parquet or .txt (by extension)."},
+        metadata={"help": "Training data file(s): .json, .jsonl, .csv, .parquet or .txt (by extension); several "
+                  "are mixed (see --mixture_weights), each in its own format."},
     )
     validation_file: str | None = field(
-        default=None, metadata={"help": "Validation data file; same formats as --train_file."}
+        default=None,
+        metadata={"help": "Validation data file (same formats as --train_file), evaluated with --eval_strategy or "
+                  "--do_eval."},
     )
     train_split: str = field(default="train", metadata={"help": "Split of --dataset_name used for training."})
     text_column: str | None = field(
@@ -115,6 +119,19 @@ class DataArguments:
     )
 
 
+    def __post_init__(self):
+        # One source may be given as a plain string (Python callers, tests): a list of one.
+        for name in ("dataset_name", "train_file"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, [getattr(self, name)])
+
+
+def _one_source(flag: str, values: list[str] | None) -> str | None:
+    if values is not None and len(values) > 1:
+        raise ValueError(f"--{flag}: {len(values)} sources; hf_scale.train.sources loads them one by one")
+    return values[0] if values else None
+
+
 @dataclass(frozen=True)
 class ResolvedFormat:
     """A dataset format together with the columns it reads."""
@@ -150,14 +167,14 @@ def _load_file(flag: str, path_str: str) -> datasets.Dataset:
         raise UserError(f"--{flag} {path_str}: could not be read as {builder}: {cause}") from error
 
 
-def _load_named(args: DataArguments) -> datasets.DatasetDict:
+def _load_named(args: DataArguments, name: str) -> datasets.DatasetDict:
     try:
-        loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        loaded = datasets.load_dataset(name, args.dataset_config_name)
     except (datasets.exceptions.DatasetsError, FileNotFoundError, ConnectionError, ValueError) as error:
-        raise UserError(f"--dataset_name {args.dataset_name}: could not be loaded: {error}") from error
+        raise UserError(f"--dataset_name {name}: could not be loaded: {error}") from error
     if args.train_split not in loaded:
         raise UserError(
-            f"--train_split {args.train_split}: no such split in {args.dataset_name}; "
+            f"--train_split {args.train_split}: no such split in {name}; "
             f"available: {_describe(list(loaded))}"
         )
     splits = {"train": loaded[args.train_split]}
@@ -167,23 +184,26 @@ def _load_named(args: DataArguments) -> datasets.DatasetDict:
 
 
 def load_raw_datasets(args: DataArguments) -> datasets.DatasetDict:
-    """Load ``train`` (and ``validation`` when available) from the Hub/a directory, files, or the sample.
+    """Load ``train`` (and ``validation`` when available) of ONE source: the Hub/a directory, a file, or the
+    sample (several sources: hf_scale.train.sources loads each through here).
 
     With no data argument at all, the sample dataset shipped with hf_scale is used.
     """
-    if args.dataset_name and (args.train_file or args.validation_file):
+    dataset_name = _one_source("dataset_name", args.dataset_name)
+    train_file = _one_source("train_file", args.train_file)
+    if dataset_name and (train_file or args.validation_file):
         raise UserError("--dataset_name and --train_file/--validation_file are mutually exclusive; pass one")
     if args.max_train_samples is not None and args.max_train_samples <= 0:
         raise UserError(
             f"--max_train_samples {args.max_train_samples}: must be a positive number of examples"
         )
-    if args.dataset_name:
-        raw = _load_named(args)
+    if dataset_name:
+        raw = _load_named(args, dataset_name)
     else:
-        if args.validation_file and not args.train_file:
+        if args.validation_file and not train_file:
             raise UserError("--validation_file needs --train_file")
         raw = datasets.DatasetDict(
-            {"train": _load_file("train_file", args.train_file or str(EMBEDDED_DATA_FILE))}
+            {"train": _load_file("train_file", train_file or str(EMBEDDED_DATA_FILE))}
         )
         if args.validation_file:
             raw["validation"] = _load_file("validation_file", args.validation_file)
@@ -280,11 +300,14 @@ def _check_tokenizer(tokenizer: Any, kind: DatasetFormat, completion_only: bool)
         return
     template = tokenizer.chat_template
     if not template:
-        raise UserError("the dataset has chat messages but the tokenizer has no chat_template to render them")
+        raise UserError(
+            "the dataset has chat messages but the tokenizer has no chat_template to render them; pass "
+            "--chat_template_path FILE (a Jinja chat template)"
+        )
     if completion_only and not _GENERATION_TAG.search(str(template)):
         raise UserError(
             "--completion_only_loss true: the tokenizer's chat template has no {% generation %} block, so "
-            "assistant tokens cannot be told apart; use a template that marks them, or "
+            "assistant tokens cannot be told apart; use a template that marks them (--chat_template_path FILE), or "
             "--completion_only_loss false"
         )
 

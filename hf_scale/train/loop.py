@@ -24,7 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, fsdp, guard, reshard
+from hf_scale.train import checkpoint, evaluation, fsdp, guard, reshard
 from hf_scale.train.data import count_target_tokens, make_train_dataloader
 from hf_scale.train.distributed import has_gpu
 from hf_scale.train.liger import apply_liger
@@ -105,10 +105,12 @@ def run(
     resume_dir: Path | None = None,
     stop: checkpoint.StopRequest | None = None,
     fsdp_settings: dict | None = None,
+    eval_dataset=None,
 ) -> LoopResult:
     """Train with `args`; save `checkpoint-STEP` every --save_steps and at the end; resume from `resume_dir`.
 
     `fsdp_settings`: the `fsdp` section of a `--hf_scale_config` (FSDP not configured by accelerate launch).
+    `eval_dataset`: evaluated by --eval_strategy/--eval_steps/--eval_on_start and at the end (--do_eval).
     """
     ds_plugin = getattr(args, "deepspeed_plugin", None)
     fsdp_plugin = None
@@ -193,8 +195,23 @@ def run(
         first_step=step,
         track_compilations=args.torch_compile,
     )
+    schedule = evaluation.EvalSchedule.from_args(args, total_steps) if eval_dataset is not None else None
+
+    def evaluate_now(epoch_now: float) -> None:
+        result = evaluation.evaluate(
+            model, eval_dataset, collator, accelerator,
+            batch_size=args.per_device_eval_batch_size, num_workers=args.dataloader_num_workers,
+            inputs=model_inputs,
+        )
+        record = metrics.log_eval(step=step, epoch=epoch_now, result=result)
+        if accelerator.log_with:
+            accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
+
+    if schedule is not None and schedule.on_start:
+        evaluate_now(float(epoch))
     model.train()
     preempted = False
+    epoch_now = float(epoch)
     while step < total_steps and not preempted:
         dataloader.set_epoch(epoch)
         batches = iter(accelerator.skip_first_batches(dataloader, skip_batches) if skip_batches else dataloader)
@@ -205,6 +222,8 @@ def run(
             window = _take(batches, args.gradient_accumulation_steps)
             data_wait_s = time.perf_counter() - waited  # the accelerator idles while the loader catches up
             if not window:
+                if schedule is not None and schedule.strategy == "epoch":
+                    evaluate_now(epoch_now)
                 break
             local_targets = torch.tensor(sum(count_target_tokens(b) for b in window), device=accelerator.device)
             global_targets = accelerator.reduce(local_targets, reduction="sum")
@@ -247,16 +266,21 @@ def run(
                 epoch=epoch + batches_in_epoch / batches_per_epoch,
                 data_wait_s=data_wait_s,
             )
+            epoch_now = record["epoch"]
             if accelerator.log_with:
                 accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
             # Checkpoints only at optimizer-step boundaries: never with accumulation half done.
             preempted = stop is not None and stop.agreed(accelerator)
+            if not preempted and schedule is not None and schedule.after_step(step):
+                evaluate_now(epoch_now)
             if preempted or saver.due(step, total_steps):
                 saver.save(step, epoch, batches_in_epoch)
             if preempted:
                 break
         if not preempted:
             epoch += 1
+    if schedule is not None and schedule.at_end and not preempted and metrics.last_eval_step != step:
+        evaluate_now(epoch_now)
     if accelerator.log_with:
         accelerator.end_training()
     return LoopResult(accelerator=accelerator, model=model, metrics=metrics, preempted=preempted)

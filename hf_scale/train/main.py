@@ -9,20 +9,16 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
+from hf_scale import hub
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train import attention, checkpoint, distributed, guard, reshard
+from hf_scale.train import attention, checkpoint, distributed, evaluation, guard, preemption, reshard, sources
 from hf_scale.train.args import ModelArguments, ScaleArguments
-from hf_scale.train.data import (
-    DataArguments,
-    check_max_seq_length,
-    default_dataloader_workers,
-    load_raw_datasets,
-    make_collator,
-    tokenize_dataset,
-)
+from hf_scale.train.chat_template import read_chat_template
+from hf_scale.train.data import DataArguments, check_max_seq_length, default_dataloader_workers, make_collator
 from hf_scale.train.liger import check_liger
 from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
 from hf_scale.train.model import (
@@ -32,6 +28,7 @@ from hf_scale.train.model import (
     resolve_model_path,
 )
 from hf_scale.train.packing import maybe_pack
+from hf_scale.train.recipe import add_config_flag, expand_recipe
 from hf_scale.train.save import live_logits, save_with_accelerator, verify_saved_model
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
@@ -47,13 +44,15 @@ class _OneLineParser(HfArgumentParser):
 
 def build_parser() -> HfArgumentParser:
     parser = _OneLineParser(
-        (ModelArguments, DataArguments, ScaleArguments, TrainingArguments),
+        (ModelArguments, DataArguments, sources.SourceArguments, ScaleArguments, TrainingArguments),
         allow_abbrev=False,  # a typo like --learning_rat must not silently mean --learning_rate
         description="Fine-tune a causal LM with the HF Trainer or hf_scale's Accelerator loop. Every "
         "TrainingArguments flag works. With no model/data flags it fine-tunes the tiny Llama shipped with "
         "hf_scale on its sample dataset (CPU, seconds). Launch unchanged with python, torchrun, "
-        "accelerate launch or deepspeed.",
+        "accelerate launch or deepspeed. All flags can come from a recipe file: python train.py recipe.yaml "
+        "[flags that override it].",
     )
+    add_config_flag(parser)
     parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1,
                         dataloader_num_workers=None)
     parser._option_string_actions["--dataloader_num_workers"].help = (
@@ -94,6 +93,19 @@ def _validate_flags(ns) -> None:
         ns.warmup_steps = ns.warmup_ratio
     if ns.learning_rate < 0:
         raise UserError(f"--learning_rate={ns.learning_rate}: must be >= 0")
+    evaluation.check_flags(ns)
+
+
+def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
+    """The data flags checked, the chat template's text and the Hub target: before anything is launched or loaded."""
+    sources.data_sources(_dataclass_from(ns, DataArguments), _dataclass_from(ns, sources.SourceArguments),
+                         evaluation.requested_by(ns))  # the data flags, before anything is launched
+    chat_template = read_chat_template(ns.chat_template_path) if ns.chat_template_path else None
+    hub_target = hub.training_target(ns, ns.output_dir)
+    if hub_target is not None:
+        hub.check_target(hub_target, "--push_to_hub")
+        ns.push_to_hub = False  # hf_scale pushes once, after the save check, in both loops (not the Trainer)
+    return chat_template, hub_target
 
 
 def _dataclass_from(namespace, cls):
@@ -101,14 +113,34 @@ def _dataclass_from(namespace, cls):
     return cls(**{k: v for k, v in vars(namespace).items() if k in names})
 
 
+def _datasets(args, data_args, source_args, tokenizer, state):
+    """Training set (one source or a mixture), validation set when evaluation is asked for, and the mixture's
+    manifest; built on the main process first (cached), then by the others from the cache."""
+    with state.main_process_first():
+        data = sources.prepare_datasets(
+            data_args, source_args, tokenizer,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            eval_requested_by=evaluation.requested_by(args),
+        )
+    if state.is_main_process:
+        sources.announce(data.manifest)
+        if data.unused_validation:
+            print("hf_scale: note: validation data is loaded but never evaluated; add --eval_strategy steps|epoch "
+                  "or --do_eval", file=sys.stderr)
+    return data.train, data.validation, data.manifest
+
+
 def train(argv: list[str] | None = None) -> int:
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecated, once per step and rank: noise, not news.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     parser = build_parser()
+    # A recipe's values become flags before the command line's (which override them), so "given" covers both.
+    argv, recipe_path = expand_recipe(parser, sys.argv[1:] if argv is None else list(argv))
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
     _validate_flags(ns)
+    chat_template, hub_target = _checked_extras(ns)
 
     # 1. What the launcher asks for, and a process group that really delivers it.
     request = distributed.detect_launch(ns.deepspeed)
@@ -126,6 +158,7 @@ def train(argv: list[str] | None = None) -> int:
 
     model_args = _dataclass_from(ns, ModelArguments)
     data_args = _dataclass_from(ns, DataArguments)
+    source_args = _dataclass_from(ns, sources.SourceArguments)
     scale_args = _dataclass_from(ns, ScaleArguments)
     ns.accelerator_config = {"use_configured_state": True}
     if ns.dataloader_num_workers is None:
@@ -154,6 +187,8 @@ def train(argv: list[str] | None = None) -> int:
     if state.is_main_process:
         for path in checkpoint.remove_incomplete(args.output_dir):
             print(f"hf_scale: removed incomplete checkpoint {path}", file=sys.stderr)
+        if hub_target is not None:  # as the Trainer does: a refused token stops the run before training
+            hub.create_repo(hub_target, "--push_to_hub")
     state.wait_for_everyone()
     resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_dir is not None:  # refuse what cannot resume (another loop, strategy, or world size for the Trainer)
@@ -174,13 +209,14 @@ def train(argv: list[str] | None = None) -> int:
         announce=state.is_main_process,
     )
     tokenizer = load_tokenizer(model_args)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template  # before tokenization; saved with the tokenizer
 
-    # 2. Data: tokenised (and packed) once on the main process (cached), then read by the others.
+    # 2. Data: tokenised (mixed, packed) once on the main process (cached), then read by the others.
+    train_examples, eval_dataset, data_manifest = _datasets(args, data_args, source_args, tokenizer, state)
     with state.main_process_first():
-        raw = load_raw_datasets(data_args)
-        tokenized = tokenize_dataset(raw["train"], tokenizer, data_args)
         data_seed = args.data_seed if args.data_seed is not None else args.seed
-        train_dataset = maybe_pack(tokenized, data_args, seed=data_seed, announce=state.is_main_process)
+        train_dataset = maybe_pack(train_examples, data_args, seed=data_seed, announce=state.is_main_process)
     collator = make_collator(
         tokenizer,
         packing=data_args.packing,
@@ -203,7 +239,7 @@ def train(argv: list[str] | None = None) -> int:
         and bool(getattr(args, "deepspeed_plugin", None))
         and bool(args.deepspeed_plugin.zero3_init_flag),
     )
-    fpt = flops_per_token(model_config, matmul_parameters(model), mean_example_length(tokenized))
+    fpt = flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_examples))
     is_lora = model_args.lora_r > 0
 
     # 4. Train.
@@ -223,6 +259,7 @@ def train(argv: list[str] | None = None) -> int:
             resume_dir=resume_dir,
             stop=stop,
             fsdp_settings=request.fsdp_settings,
+            eval_dataset=eval_dataset,
         )
         accelerator, wrapped, metrics, preempted = result.accelerator, result.model, result.metrics, result.preempted
         if not preempted:
@@ -234,6 +271,7 @@ def train(argv: list[str] | None = None) -> int:
             model=model,
             args=args,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             data_collator=collator,
             processing_class=tokenizer,
         )
@@ -243,12 +281,15 @@ def train(argv: list[str] | None = None) -> int:
         trainer.add_callback(checkpoints)
         trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
         preempted = checkpoints.preempted
+        if not preempted and args.do_eval and callback.metrics.last_eval_step != trainer.state.global_step:
+            trainer.evaluate()  # at the end (--do_eval, any --eval_strategy), as the manual loop does
         if not preempted:
             trainer.save_model(args.output_dir)
         accelerator, wrapped, metrics = trainer.accelerator, trainer.model_wrapped, callback.metrics
 
     if preempted:
         metrics.close()
+        preemption.mark_preempted()  # the launch script exits 75 on it (launchers turn 75 into 1)
         if accelerator.is_main_process:
             print(f"hf_scale: stopped by {stop.signal_name or 'a signal on another rank'}; checkpoint saved in "
                   f"{args.output_dir}; run again with --resume_from_checkpoint auto", file=sys.stderr, flush=True)
@@ -272,6 +313,9 @@ def train(argv: list[str] | None = None) -> int:
         summary["strategy"] = request.strategy
         summary["world_size"] = request.world_size
         summary["saved_model_verified"] = report["ok"]
+        summary["data"] = data_manifest
+        if recipe_path is not None:
+            summary["recipe"] = os.path.abspath(recipe_path)
         with open(os.path.join(args.output_dir, "train_summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(
@@ -288,6 +332,10 @@ def train(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
     distributed.shutdown()
+    # After the group is gone: an upload of a large model outlasts any collective timeout.
+    if hub_target is not None and report is not None and report["ok"]:
+        hub.push_folder(Path(args.output_dir), hub_target, "--push_to_hub",
+                        message=f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}")
     return 0 if report is None or report["ok"] else 1
 
 

@@ -1,7 +1,8 @@
 """Per-step training metrics: `OUTPUT_DIR/metrics.jsonl`, the progress bar and the end-of-run summary.
 
 Both loops feed :class:`StepMetrics` with already globally-reduced values; only the main process
-writes. MFU uses the usual dense-transformer count (6·N + 12·L·H·T FLOPs per token: N parameters taking
+writes. Evaluations (hf_scale.train.evaluation) add records with `eval_loss` and `eval_perplexity` in
+place of `loss`. MFU uses the usual dense-transformer count (6·N + 12·L·H·T FLOPs per token: N parameters taking
 part in matmuls — all but an untied input embedding, which is a lookup —, L layers, H hidden size, T the
 mean example length, over which each token attends) and is reported only when the device's peak FLOP/s
 is known.
@@ -110,6 +111,7 @@ class StepMetrics:
         self.track_compilations = track_compilations
         self.peak_flops = device_peak_flops()
         self.history: list[dict] = []
+        self.eval_history: list[dict] = []
         self._file = None
         self._bar = None
         self._profiler = profile.from_env(is_main)  # HF_SCALE_PROFILE=DIR: a few steps under torch.profiler
@@ -167,6 +169,24 @@ class StepMetrics:
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
         return record
 
+    def log_eval(self, *, step: int, epoch: float, result) -> dict:
+        """One eval record (an `hf_scale.train.evaluation.EvalResult`) in metrics.jsonl, told apart from the
+        step records by `eval_loss` in place of `loss`."""
+        record = {"step": step, "epoch": round(epoch, 4), **result.metrics("eval")}
+        self.eval_history.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._bar is not None:
+            perplexity = record["eval_perplexity"]
+            self._bar.write(f"step {step}: eval_loss {result.loss:.4f}, eval_perplexity "
+                            + (f"{perplexity:.4g}" if perplexity is not None else "overflow"))
+        return record
+
+    @property
+    def last_eval_step(self) -> int | None:
+        return self.eval_history[-1]["step"] if self.eval_history else None
+
     def summary(self) -> dict:
         elapsed = time.perf_counter() - self._start
         tokens = sum(r["tokens"] for r in self.history)
@@ -178,6 +198,9 @@ class StepMetrics:
             "peak_memory_bytes": peak_memory_bytes(),
             "train_time_s": elapsed,
         }
+        if self.eval_history:
+            summary["eval_loss"] = self.eval_history[-1]["eval_loss"]
+            summary["eval_perplexity"] = self.eval_history[-1]["eval_perplexity"]
         if self.peak_flops and self.flops_per_token:
             summary["mfu"] = (
                 summary["tokens_per_sec"] * self.flops_per_token / (self.peak_flops * self.world_size)

@@ -157,6 +157,8 @@ class PackedCollator:
       ``max_length_q/k`` (Python ints, computed here on the CPU so no kernel waits for a device sync),
       which transformers hands to flash-attention and hf_scale's ``torch_varlen`` attention.
     - ``num_real_tokens``: tokens without the padding (metrics only; dropped before the forward pass).
+
+    Rows without ``seq_lengths`` (an unpacked validation set) are one example each.
     """
 
     pad_token_id: int
@@ -167,7 +169,8 @@ class PackedCollator:
         width = self.pad_to or max(len(row["input_ids"]) for row in rows)
         input_ids, labels, positions, segments = [], [], [], []
         for row in rows:
-            lengths = list(row[SEQ_LENGTHS])
+            # A row of an unpacked dataset (the validation set) is one example.
+            lengths = list(row[SEQ_LENGTHS]) if SEQ_LENGTHS in row else [len(row["input_ids"])]
             padding = width - len(row["input_ids"])
             if padding < 0:
                 raise ValueError(f"a packed row of {len(row['input_ids'])} tokens does not fit in {width}")

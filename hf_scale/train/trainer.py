@@ -3,7 +3,7 @@
 The stock Trainer already normalises the loss by the target tokens of the whole accumulation window
 across ranks (`average_tokens_across_devices`). hf_scale adds the runtime guard before the first
 step and the same per-step `metrics.jsonl` as the manual loop, with unrounded losses (the Trainer's
-own log rounds to 4 digits).
+own log rounds to 4 digits), and evaluates with hf_scale.train.evaluation, as the manual loop does.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_scale.train import checkpoint, guard
+from hf_scale.train import checkpoint, evaluation, guard
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
 
@@ -28,6 +28,7 @@ class HfScaleTrainer(Trainer):
         self.window_tokens = 0
         self.window_data_wait_s = 0.0
         self.last_grad_norm = None
+        self.last_eval: evaluation.EvalResult | None = None
 
     def _set_signature_columns_if_needed(self):
         # Packed rows carry their examples' lengths (SEQ_LENGTHS), which the collator needs but the model's
@@ -52,6 +53,25 @@ class HfScaleTrainer(Trainer):
         # With token-normalised accumulation the returned loss is sum(token losses) * world / global targets.
         self.window_loss += float(loss) / self.accelerator.num_processes
         return loss
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """hf_scale's exact token-weighted eval loss (the Trainer's own averages per-batch means over
+        samples, and pads the last batches with repeated samples); logged and passed to the callbacks
+        (best-model tracking, metrics.jsonl) like the Trainer's."""
+        result = evaluation.evaluate(
+            self.model_wrapped,
+            self.eval_dataset if eval_dataset is None else eval_dataset,
+            self.data_collator,
+            self.accelerator,
+            batch_size=self.args.per_device_eval_batch_size,
+            num_workers=self.args.dataloader_num_workers,
+            inputs=model_inputs,
+        )
+        self.last_eval = result
+        metrics = {k: v for k, v in result.metrics(metric_key_prefix).items() if v is not None}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def _get_grad_norm(self, model, grad_norm=None):
         # Private Trainer hook (transformers 5): the only place the step's gradient norm is visible.
@@ -120,6 +140,9 @@ class GuardAndMetricsCallback(TrainerCallback):
         )
         trainer.window_loss = 0.0
         trainer.window_tokens = 0
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.metrics.log_eval(step=state.global_step, epoch=state.epoch or 0.0, result=self.trainer.last_eval)
 
 
 class CheckpointCallback(TrainerCallback):

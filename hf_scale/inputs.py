@@ -1,0 +1,204 @@
+"""Reading what a user hands to a command: files, YAML and JSON, strictly and with bounded cost.
+
+Every problem is a one-line :class:`~hf_scale.errors.UserError` naming the input: a missing file, a
+directory or FIFO given as a file (refused before anything blocks on it), an unreadable or oversized
+file, bytes that are not UTF-8, duplicate keys (YAML and JSON alike would silently keep the last one),
+YAML alias bombs (refused before the document is built), ``NaN``/``Infinity`` or a number that overflows
+to infinity in JSON (not JSON, and DeepSpeed/accelerate would run with it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hf_scale.errors import UserError
+
+MAX_CONFIG_BYTES = 4 * 2**20
+"""Config files (YAML, JSON) are a few KiB; anything this large is not one."""
+MAX_YAML_ALIASES = 100
+MAX_YAML_NODES = 100_000
+"""A config has a few hundred nodes: these bound what a document may expand to (alias bombs)."""
+
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def read_bytes(path: str | Path, what: str, *, max_bytes: int = MAX_CONFIG_BYTES) -> bytes:
+    """The content of a regular file. Opened without blocking, so a FIFO is refused, not waited on."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UserError(f"{what} {path}: not found") from None
+    except PermissionError:
+        raise UserError(f"{what} {path}: permission denied (cannot read it)") from None
+    except OSError as error:
+        raise UserError(f"{what} {path}: cannot be opened ({error.strerror or error})") from None
+    mode = os.fstat(fd).st_mode
+    kind = "a directory" if stat.S_ISDIR(mode) else next((k for test, k in _FILE_KINDS if test(mode)), None)
+    if kind is not None:
+        os.close(fd)
+        raise UserError(f"{what} {path}: is {kind}, not a regular file")
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            data = handle.read(max_bytes + 1)
+        except OSError as error:
+            raise UserError(f"{what} {path}: cannot be read ({error.strerror or error})") from None
+    if len(data) > max_bytes:
+        raise UserError(f"{what} {path}: larger than the {max_bytes} bytes allowed")
+    return data
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+    """UTF-8 text (a leading byte-order mark is dropped); one line naming the first bad byte otherwise."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise UserError(
+            f"{where}: not UTF-8 text (byte 0x{data[error.start]:02x} at line {line}); save it as UTF-8"
+        ) from None
+
+
+def read_text(path: str | Path, what: str, *, max_bytes: int = MAX_CONFIG_BYTES) -> str:
+    """A regular UTF-8 text file's content, or a one-line UserError that says what is wrong with it."""
+    return decode_utf8(read_bytes(path, what, max_bytes=max_bytes), f"{what} {path}")
+
+
+# --- YAML ------------------------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that counts aliases while composing and refuses duplicate keys while constructing."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_YAML_ALIASES:
+                mark = self.peek_event().start_mark
+                raise _Refused(f"more than {MAX_YAML_ALIASES} aliases (*name)", mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` then overriding keys is what merge keys are for
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:
+                continue  # an unhashable key: SafeLoader reports it below
+            if first is not key_node.start_mark:
+                raise _Refused(f"duplicate key {key!r} (first at line {first.line + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Refused(yaml.YAMLError):
+    def __init__(self, problem: str, mark: yaml.Mark | None) -> None:
+        super().__init__(problem)
+        self.problem, self.problem_mark = problem, mark
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int], active: set[int]) -> int:
+    """Nodes the document expands to once aliases are copied out (what a consumer walks)."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in active:
+        raise _Refused("an alias refers to the collection it is in (a recursive document)", node.start_mark)
+    active.add(key)
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, memo, active) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, memo, active) + _expanded_size(v, memo, active) for k, v in node.value)
+    active.discard(key)
+    memo[key] = min(size, MAX_YAML_NODES + 1)
+    return memo[key]
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """Parse one YAML document strictly; ``where`` names it in the one-line error."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, {}, set()) > MAX_YAML_NODES:
+            raise _Refused(f"expands to more than {MAX_YAML_NODES} values (aliases copied out)", node.start_mark)
+        return loader.construct_document(node)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or "invalid YAML"
+        raise UserError(f"{where}: not valid YAML{at}: {problem}") from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid YAML: nested too deeply") from None
+    except ValueError as error:  # e.g. an integer with more digits than Python converts
+        raise UserError(f"{where}: not valid YAML: {' '.join(str(error).split())[:160]}") from None
+    finally:
+        loader.dispose()
+
+
+# --- JSON ------------------------------------------------------------------------------------------------
+
+
+class _NotFinite:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _float(text: str) -> float | _NotFinite:
+    value = float(text)
+    return value if value not in (float("inf"), float("-inf")) else _NotFinite(text)
+
+
+def _first_not_finite(node: Any, path: str = "") -> tuple[str, str] | None:
+    if isinstance(node, _NotFinite):
+        return path or "(top level)", node.text
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        found = _first_not_finite(child, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".lstrip("."))
+        if found:
+            return found
+    return None
+
+
+def load_json(text: str, where: str) -> Any:
+    """Parse JSON strictly: no duplicate keys, no NaN/Infinity, no number that overflows to infinity."""
+    try:
+        data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_NotFinite, parse_float=_float)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{where}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid JSON: nested too deeply") from None
+    except ValueError as error:
+        raise UserError(f"{where}: not valid JSON: {' '.join(str(error).split())[:160]}") from None
+    found = _first_not_finite(data)
+    if found:
+        raise UserError(f"{where}: {found[0]}={found[1]} is not a finite number (JSON has no NaN or Infinity)")
+    return data
