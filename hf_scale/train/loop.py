@@ -201,7 +201,6 @@ def run(
         result = evaluation.evaluate(
             model, eval_dataset, collator, accelerator,
             batch_size=args.per_device_eval_batch_size, num_workers=args.dataloader_num_workers,
-            inputs=model_inputs,
         )
         record = metrics.log_eval(step=step, epoch=epoch_now, result=result)
         if accelerator.log_with:
