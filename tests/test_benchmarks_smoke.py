@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,8 @@ def _ok(script: str, tmp_path: Path, *args: str) -> dict:
 def test_gpu_script_documents_its_options():
     result = _bench("gpu.py", "--help", timeout=120)
     assert result.returncode == 0, result.stderr
-    for expected in ("MFU", "--variants", "--cpu-smoke", "--peak-tflops", "baseline"):
+    for expected in ("MFU", "--variants", "--cpu-smoke", "--peak-tflops", "baseline", "torch_packed_bf16",
+                     "hf_scale_best", "--budget", "--variant-timeout", "--profile", "--merge"):
         assert expected in result.stdout
 
 
@@ -67,12 +69,12 @@ def test_overhead_compares_both_loops_with_their_baselines(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_packing_sees_the_same_batches_and_loss_as_padding(tmp_path):
+def test_packing_compares_budget_rows_with_padded_batches(tmp_path):
     data = _ok("packing.py", tmp_path, "--reps", "1", "--steps", "3", "--warmup", "1", "--rows", "64")
-    results = data["results"]
-    assert results["same_micro_batches"]
-    assert results["max_relative_loss_diff"] < 1e-4
+    results, runs = data["results"], data["runs"]
     assert results["effective_tokens_per_s"]["packed"] > 0 and results["effective_tokens_per_s"]["padded"] > 0
+    assert all(0 < tokens <= 1024 for tokens in runs["packed"][0]["tokens_per_step"])  # one row of <= 1,024
+    assert all(loss > 0 for loss in results["mean_step_loss"].values())
     assert data["setup"]["length_distribution"]["token_lengths"]["examples"] == 64
 
 
@@ -92,13 +94,23 @@ def test_strategies_run_two_processes_each_and_report_ratios_to_ddp(tmp_path):
 
 @pytest.mark.multiprocess
 def test_gpu_script_pipeline_runs_on_a_tiny_model_without_gpu(tmp_path):
+    """The plain Trainer, the plain PyTorch packed references, hf_scale's best configuration (without its
+    GPU-only flags) and the profile of the fastest variant."""
     data = _ok(
-        "gpu.py", tmp_path, "--cpu-smoke", "--variants", "baseline", "hf_scale", "--steps", "3", "--warmup", "1",
-        "--seq-len", "256", "--rows", "64", "--threads", "1",
+        "gpu.py", tmp_path, "--cpu-smoke", "--variants", "baseline", "torch_packed", "torch_packed_bf16",
+        "hf_scale_best", "--steps", "3", "--warmup", "1", "--seq-len", "256", "--budget", "512", "--rows", "64",
+        "--threads", "1", "--profile",
     )  # fmt: skip
     assert data["status"] == "cpu smoke (not a measurement)"
-    assert data["results"]["hf_scale"]["vs_baseline"] > 0
-    assert data["setup"]["flops_per_token"] > 0
+    rows = data["results"]
+    assert set(rows) == {"baseline", "torch_packed", "torch_packed_bf16", "hf_scale_best"}
+    assert all(row["vs_baseline"] > 0 and row["mean_loss"] > 0 for row in rows.values())
+    assert 0 < rows["torch_packed"]["tokens_per_step"] <= 512 and 0 < rows["hf_scale_best"]["tokens_per_step"] <= 512
+    assert rows["hf_scale_best"]["attention"] == "sdpa"  # what auto takes on a CPU
+    assert data["setup"]["flops_per_token"] > 0 and "--use_liger_kernel" in data["setup"]["smoke_dropped_flags"]
+    profile = data["profile"]
+    assert profile["variant"] in rows and "Self CPU" in profile["top_kernels"] and "aten::mm" in profile["top_kernels"]
+    assert Path(profile["file"]).read_text().endswith(profile["top_kernels"])
 
 
 def test_a_failed_command_keeps_its_whole_stderr_and_shows_the_last_lines():
@@ -148,3 +160,43 @@ def test_planner_gpu_memory_cpu_smoke_runs_zero3_without_a_compiler(tmp_path):
     assert "needs DeepSpeed's cpu_adam op" in reason
     assert any(line.startswith("zero3_offload_opt") and "NOT RUN" in line for line in result.stdout.splitlines())
     assert sorted(p.name for p in (tmp_path / "jit").iterdir()) == ["deepspeed_shm_comm"]  # nothing compiled
+
+
+def _gpu_module():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(BENCH))
+    return gpu
+
+
+def test_gpu_variant_process_keeps_its_whole_stderr_and_its_exit_code(tmp_path):
+    gpu = _gpu_module()
+    noisy = "import sys; sys.stderr.write('x' * 20000 + '\\nreal error\\n'); sys.exit(3)"
+    code, stderr = gpu.run_process([sys.executable, "-c", noisy], env=None, timeout=60, log_dir=tmp_path / "v")
+    assert code == 3 and len(stderr) == 20012 and stderr.endswith("real error\n")
+    assert (tmp_path / "v" / "stderr.log").read_text() == stderr
+
+
+def test_gpu_variant_past_its_time_limit_is_killed_with_its_children(tmp_path):
+    gpu = _gpu_module()
+    # A child that would outlive its parent (like torchrun's workers): killing the process group takes it too.
+    sleeper = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+               "time.sleep(60)']); print(child.pid, file=sys.stderr, flush=True); time.sleep(60)")
+    with pytest.raises(gpu.VariantFailed) as info:
+        gpu.run_process([sys.executable, "-c", sleeper], env=None, timeout=3, log_dir=tmp_path / "v")
+    assert str(info.value) == "timed out after 3 s"
+    child = Path(f"/proc/{int(info.value.stderr)}/stat")
+    deadline = time.monotonic() + 10
+    while child.exists() and child.read_text().split(")")[1].split()[0] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not child.exists() or child.read_text().split(")")[1].split()[0] == "Z", "the child survived"
+
+
+def test_gpu_merge_keeps_rows_only_of_the_same_setup(tmp_path):
+    gpu = _gpu_module()
+    output = tmp_path / "gpu.json"
+    output.write_text(json.dumps({"setup": {"budget": 16384}, "results": {"baseline": {"tokens_per_s": 1.0}}}))
+    assert gpu._previous_rows(output, {"budget": 16384}) == {"baseline": {"tokens_per_s": 1.0}}
+    assert gpu._previous_rows(output, {"budget": 8192}) == {}

@@ -1,4 +1,4 @@
-"""The data pipeline: formats, masking, truncation, collators (packing proven against the real model),
+"""The data pipeline: formats, masking, truncation, collators (packing: tests/test_packing.py),
 rank-aware shuffling in a real 2-process run, and one-line errors for bad input."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainingArguments
 
 from hf_scale.errors import UserError
@@ -266,21 +265,6 @@ def test_padded_batch_pads_inputs_and_ignores_padded_labels(tokenizer, sample_ex
         assert batch["labels"][row].tolist() == example["labels"] + [IGNORE_INDEX] * (max(lengths) - length)
 
 
-def test_packed_batch_is_one_row_with_restarting_positions_and_ignored_first_labels(tokenizer,
-                                                                                    sample_examples):
-    batch = make_collator(tokenizer, packing=True)(sample_examples)
-    assert set(batch) == {"input_ids", "labels", "position_ids"}
-    assert batch["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in sample_examples))
-    start = 0
-    for example in sample_examples:
-        length = len(example["input_ids"])
-        span = slice(start, start + length)
-        assert batch["position_ids"][0, span].tolist() == list(range(length))
-        assert batch["input_ids"][0, span].tolist() == example["input_ids"]
-        assert batch["labels"][0, span].tolist() == [IGNORE_INDEX] + example["labels"][1:]
-        start += length
-
-
 def test_collator_falls_back_to_eos_for_padding_when_the_tokenizer_has_no_pad_token(sample_examples):
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     tokenizer.pad_token = None
@@ -298,9 +282,9 @@ def _model(attn_implementation: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_count_target_tokens_is_what_the_causal_lm_loss_averages_over(tokenizer, sample_examples, packing):
-    batch = make_collator(tokenizer, packing=packing)(sample_examples)
+def test_count_target_tokens_is_what_the_causal_lm_loss_averages_over(tokenizer, sample_examples):
+    # Packed rows: tests/test_packing.py.
+    batch = make_collator(tokenizer, packing=False)(sample_examples)
     model = _model("sdpa")
     with torch.no_grad():
         mean = model(**batch).loss
@@ -308,36 +292,6 @@ def test_count_target_tokens_is_what_the_causal_lm_loss_averages_over(tokenizer,
     torch.testing.assert_close(normalized, mean, rtol=1e-6, atol=0)
     assert count_target_tokens(batch) == sum(len(targets(e)) - (e["labels"][0] != IGNORE_INDEX)
                                              for e in sample_examples)
-
-
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_packing_gives_each_example_its_own_logits_and_the_same_per_token_loss(
-    tokenizer, sample_examples, attn_implementation
-):
-    model = _model(attn_implementation)
-    packed = make_collator(tokenizer, packing=True)(sample_examples)
-    padded = make_collator(tokenizer, packing=False)(sample_examples)
-    with torch.no_grad():
-        packed_out = model(**packed)
-        padded_loss = model(**padded).loss
-        loss_sum, n_targets, start = 0.0, 0, 0
-        for example in sample_examples:
-            ids, labels = torch.tensor([example["input_ids"]]), torch.tensor(example["labels"])
-            logits = model(input_ids=ids).logits[0].float()
-            length = ids.shape[1]
-            # No attention across examples: the packed logits of this example are its own logits.
-            own = packed_out.logits[0, start : start + length]
-            torch.testing.assert_close(own, logits, rtol=1e-5, atol=1e-5)
-            loss_sum += F.cross_entropy(logits[:-1], labels[1:], ignore_index=IGNORE_INDEX, reduction="sum")
-            n_targets += int((labels[1:] != IGNORE_INDEX).sum())
-            start += length
-        # The control: concatenated without restarting positions, later examples do see earlier ones.
-        concatenated = model(input_ids=packed["input_ids"]).logits[0, len(sample_examples[0]["input_ids"]):]
-        own_second = model(input_ids=torch.tensor([sample_examples[1]["input_ids"]])).logits[0]
-    assert (concatenated[: own_second.shape[0]] - own_second).abs().max() > 1e-3
-    per_token = loss_sum / n_targets
-    torch.testing.assert_close(packed_out.loss, per_token, rtol=1e-5, atol=0)
-    torch.testing.assert_close(padded_loss, per_token, rtol=1e-5, atol=0)
 
 
 # --- shuffling and sharding ----------------------------------------------------------------------

@@ -61,6 +61,9 @@ BAD_INPUTS = {
         ["--lora_r", "4", "--lora_target_modules", "no_such_proj"],
         "--lora_target_modules",
     ),
+    "liger-without-package-or-gpu": (["--use_liger_kernel"], "--use_liger_kernel: needs"),
+    "varlen-attention-on-cpu": (["--attn_implementation", "torch_varlen", "--packing"], "needs a CUDA GPU"),
+    "unknown-packing-strategy": (["--packing", "--packing_strategy", "wrapped"], "--packing_strategy wrapped"),
 }
 
 
@@ -274,14 +277,23 @@ def test_report_to_tensorboard_logs_the_loss_in_both_loops(loop, tmp_path):
     assert len(scalars[loss_tag]) == 3
 
 
-def test_torch_compile_in_the_manual_loop_saves_and_exports_plain_weights(tmp_path):
-    """--torch_compile wraps the model; the saved model and the export must use the module's own names."""
+@pytest.mark.multiprocess
+def test_torch_compile_with_packing_compiles_once_and_saves_and_exports_plain_weights(tmp_path):
+    """--torch_compile --packing: every packed row is padded to the budget, so 20 steps of rows holding
+    different examples compile a bounded number of times (metrics.jsonl counts the graphs). The model is
+    wrapped; the saved model and the export must use the module's own names."""
     from hf_scale.cli import main as cli_main
 
-    run_ok([sys.executable, TRAIN_PY, "--torch_compile", "--loop", "accelerate", "--max_steps", "2",
-            "--save_steps", "2", "--output_dir", str(tmp_path / "run")], timeout=400)
+    run_ok([sys.executable, TRAIN_PY, "--torch_compile", "--packing", "--max_seq_length", "128",
+            "--per_device_train_batch_size", "1", "--loop", "accelerate", "--max_steps", "20",
+            "--save_steps", "20", "--output_dir", str(tmp_path / "run")], timeout=600)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 20 and len({r["tokens"] for r in records}) > 1, "rows of different real lengths"
+    compilations = [r["compilations"] for r in records]
+    assert 1 <= max(compilations) <= 2 and compilations[-1] == compilations[1], compilations
+    assert all(r["data_wait_s"] >= 0 for r in records)
     assert_saved_model_verified(tmp_path / "run")  # the plain names, exactly the trained tensors
-    assert cli_main(["export", str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "exported")]) == 0
+    assert cli_main(["export", str(tmp_path / "run" / "checkpoint-20"), str(tmp_path / "exported")]) == 0
     import torch
 
     torch.testing.assert_close(logits(tmp_path / "exported"), logits(tmp_path / "run"), rtol=1e-5, atol=1e-5)

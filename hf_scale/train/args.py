@@ -22,10 +22,15 @@ class ModelArguments:
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer to use when it differs from --model_name_or_path."}
     )
-    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = field(
-        default=None,
+    attn_implementation: Literal[
+        "auto", "flash_attention_3", "flash_attention_2", "torch_varlen", "flex_attention", "sdpa", "eager"
+    ] = field(
+        default="auto",
         metadata={
-            "help": "Attention kernel. Default: flash_attention_2 when installed and on GPU, else sdpa."
+            "help": "Attention kernel. auto (default): the fastest that runs here, named in one log line. With "
+            "--packing: flash_attention_3/2 if installed, else torch_varlen (PyTorch's own varlen flash kernel: "
+            "CUDA, bf16/fp16), else flex_attention (CUDA), else sdpa with a dense mask; without packing: "
+            "flash-attention if installed, else sdpa."
         },
     )
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(

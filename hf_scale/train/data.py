@@ -8,8 +8,8 @@ Three dataset formats are understood (column names are auto-detected or given ex
 - ``messages``: a list of ``{"role", "content"}`` dicts rendered by the tokenizer's chat template.
 
 With completion-only loss (the default for the last two formats) only response/assistant tokens
-are targets; the rest carry label ``-100``. Batches are either padded to the longest example or
-packed padding-free (examples concatenated into one row, position ids restarting per example).
+are targets; the rest carry label ``-100``. Batches are either padded to the longest example or,
+with ``--packing``, rows packed to a token budget (hf_scale.train.packing).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Literal
 import datasets
 import torch
 from torch.utils.data import DataLoader, RandomSampler
-from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PretrainedConfig
+from transformers import DataCollatorForSeq2Seq, PretrainedConfig
 
 from hf_scale.errors import UserError
 from hf_scale.train.embedded import EMBEDDED_DATA_FILE
@@ -94,8 +94,19 @@ class DataArguments:
     )
     packing: bool = field(
         default=False,
-        metadata={"help": "Padding-free packing: concatenate the examples of a micro-batch into one row with "
-                  "position ids restarting per example (no attention across examples, no pad tokens)."},
+        metadata={"help": "Pack whole examples into rows of up to --max_seq_length tokens (best-fit decreasing "
+                  "within a shuffled window, TRL's convention); --per_device_train_batch_size then counts packed "
+                  "rows. Position ids restart per example: no attention across examples."},
+    )
+    packing_strategy: str = field(
+        default="bfd",
+        metadata={"help": "With --packing: bfd (examples longer than --max_seq_length are truncated) or "
+                  "bfd_split (they are split into pieces of at most --max_seq_length tokens)."},
+    )
+    packing_window: int = field(
+        default=1000,
+        metadata={"help": "With --packing: examples packed together by one best-fit-decreasing pass (TRL packs "
+                  "per 1000 too); the dataset is shuffled (seeded) before it is cut into windows."},
     )
     completion_only_loss: bool | None = field(
         default=None,
@@ -344,7 +355,7 @@ def _tokenize_batch(
     *,
     tokenizer: Any,
     fmt: ResolvedFormat,
-    max_seq_length: int,
+    max_seq_length: int | None,
     completion_only: bool,
 ) -> dict[str, list[list[int]]]:
     if fmt.kind == "text":
@@ -382,7 +393,8 @@ def tokenize_dataset(dataset: datasets.Dataset, tokenizer: Any, args: DataArgume
         _tokenize_batch,
         tokenizer=tokenizer,
         fmt=fmt,
-        max_seq_length=args.max_seq_length,
+        # bfd_split packing cuts long examples into budget-sized pieces itself (hf_scale.train.packing).
+        max_seq_length=None if args.packing and args.packing_strategy == "bfd_split" else args.max_seq_length,
         completion_only=completion_only,
     )
     tokenized = dataset.map(
@@ -421,32 +433,41 @@ def check_max_seq_length(max_seq_length: int | None, model_config: PretrainedCon
     return max_seq_length
 
 
-def make_collator(tokenizer: Any, packing: bool):
-    """Collate a list of tokenized examples into a dict of tensors for ``model(**batch)``.
+def make_collator(tokenizer: Any, packing: bool, *, pad_to: int | None = None, varlen_kwargs: bool = False):
+    """Collate a list of dataset rows into a dict of tensors for ``model(**batch)``.
 
-    - ``packing=True``: transformers' padding-free ``DataCollatorWithFlattening``. The micro-batch
-      becomes one row ``[1, total_tokens]``; ``position_ids`` restart at 0 for every example, from
-      which the model builds a block-diagonal causal mask (no attention across examples), and the
-      first label of every example is ``-100`` so no example predicts the next one's first token.
+    - ``packing=True``: rows packed by hf_scale.train.packing, collated by its ``PackedCollator``
+      (position ids restarting per example, the first label of every example ignored, rows padded to
+      `pad_to` or to the longest row; `varlen_kwargs` adds the ``cu_seq_lens`` of varlen kernels).
       The model must run with ``use_cache=False`` (the Trainer's default; set
       ``model.config.use_cache = False`` in a manual loop): with a cache transformers does not look
       for packed sequences and the examples would attend to each other.
     - ``packing=False``: pad to the longest example; ``attention_mask`` marks the padding and
       padded labels are ``-100``.
     """
-    if packing:
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
     if tokenizer.pad_token is None:
         # Many base-model tokenizers (Llama 3, Mistral) have no pad token. Padded positions are masked
         # out of attention and of the loss, so which id fills them does not matter; eos is always there.
         tokenizer.pad_token = tokenizer.eos_token
+    if packing:
+        from hf_scale.train.packing import PackedCollator
+
+        return PackedCollator(tokenizer.pad_token_id, pad_to=pad_to, varlen_kwargs=varlen_kwargs)
     return DataCollatorForSeq2Seq(
         tokenizer, label_pad_token_id=IGNORE_INDEX, padding="longest", return_tensors="pt"
     )
 
 
 def make_train_dataloader(
-    dataset: datasets.Dataset, collator, micro_batch_size: int, seed: int, num_workers: int = 0
+    dataset: datasets.Dataset,
+    collator,
+    micro_batch_size: int,
+    seed: int,
+    num_workers: int = 0,
+    *,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool = False,
 ) -> DataLoader:
     """A shuffling DataLoader of micro-batches, meant to go through ``accelerator.prepare``.
 
@@ -463,6 +484,10 @@ def make_train_dataloader(
     ranks, or the last one is short, the last micro-batches are completed with samples from the
     start of the same epoch's order, so every rank runs the same number of full micro-batches and
     up to ``num_processes * micro_batch_size - 1`` samples are seen twice in that epoch.
+
+    The loader flags are the Trainer's (--dataloader_num_workers, --dataloader_pin_memory,
+    --dataloader_prefetch_factor, --dataloader_persistent_workers): collation runs in worker processes
+    and batches are copied from pinned memory, so the next micro-batch is ready when a step ends.
     """
     generator = torch.Generator()
     generator.manual_seed(seed)
@@ -473,7 +498,18 @@ def make_train_dataloader(
         collate_fn=collator,
         drop_last=False,
         num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        persistent_workers=persistent_workers and num_workers > 0,
     )
+
+
+def default_dataloader_workers(cuda: bool, local_processes: int, cores: int | None) -> int:
+    """--dataloader_num_workers when not given: 2 per GPU process when the cores allow (collation and the
+    host-to-device copy overlap the step), none on CPU-only runs (the cores are busy training)."""
+    if not cuda:
+        return 0
+    return max(0, min(2, (cores or 1) // max(1, local_processes) - 1))
 
 
 def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from hf_scale.errors import UserError
 from hf_scale.train.data import count_target_tokens
+from hf_scale.train.packing import model_inputs
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def rank_batches(num_examples: int, batch_size: int, rank: int, world_size: int)
 
 @torch.no_grad()
 def evaluate(model, dataset, collator, accelerator, *, batch_size: int, num_workers: int = 0,
-             inputs=lambda batch: batch) -> EvalResult:
+             inputs=model_inputs) -> EvalResult:
     """Every rank must call this (collective). `model` is the prepared (wrapped) model; `inputs` turns a
     collated batch into the model's keyword arguments, as the training step does."""
     start = time.perf_counter()

@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from hf_scale.errors import UserError
 from hf_scale.train import checkpoint, evaluation, fsdp, guard, reshard
 from hf_scale.train.data import count_target_tokens, make_train_dataloader
 from hf_scale.train.distributed import has_gpu
+from hf_scale.train.liger import apply_liger
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
+from hf_scale.train.packing import model_inputs
 
 
 @dataclass
@@ -144,6 +147,9 @@ def run(
         args.per_device_train_batch_size,
         args.seed,
         num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory and has_gpu(),
+        prefetch_factor=args.dataloader_prefetch_factor,
+        persistent_workers=args.dataloader_persistent_workers,
     )
     batches_per_epoch = math.ceil(len(dataloader) / accelerator.num_processes)
     steps_per_epoch = max(1, math.ceil(batches_per_epoch / args.gradient_accumulation_steps))
@@ -154,6 +160,7 @@ def run(
         hf_ds_config = ds_plugin.hf_ds_config
         hf_ds_config.trainer_config_finalize(args, model, total_steps)
         ds_config = hf_ds_config.config
+    apply_liger(model, args)  # as the Trainer does in train(): before the model is wrapped
     if shard_ourselves:
         model = fsdp.shard_on_cpu(model, fsdp_settings)
     optimizer, scheduler = _optimizer_and_scheduler(model, args, ds_config, total_steps)
@@ -190,6 +197,7 @@ def run(
         world_size=accelerator.num_processes,
         flops_per_token=flops_per_token,
         first_step=step,
+        track_compilations=args.torch_compile,
     )
     schedule = evaluation.EvalSchedule.from_args(args, total_steps) if eval_dataset is not None else None
 
@@ -213,7 +221,9 @@ def run(
         batches_in_epoch = skip_batches
         skip_batches = 0
         while step < total_steps:
+            waited = time.perf_counter()
             window = _take(batches, args.gradient_accumulation_steps)
+            data_wait_s = time.perf_counter() - waited  # the accelerator idles while the loader catches up
             if not window:
                 if schedule is not None and schedule.strategy == "epoch":
                     evaluate_now(epoch_now)
@@ -233,7 +243,7 @@ def run(
                 no_sync_needed = not (last or is_deepspeed or shard_ourselves)
                 sync_context = accelerator.no_sync(model) if no_sync_needed else contextlib.nullcontext()
                 with sync_context:
-                    outputs = model(**batch, num_items_in_batch=global_targets)
+                    outputs = model(**model_inputs(batch), num_items_in_batch=global_targets)
                     # The model's loss is sum(token losses) / global_targets; gradients are averaged over ranks.
                     loss = outputs.loss * accelerator.num_processes
                     backward_kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
@@ -257,6 +267,7 @@ def run(
                 grad_norm=_as_float(grad_norm),
                 tokens=tokens,
                 epoch=epoch + batches_in_epoch / batches_per_epoch,
+                data_wait_s=data_wait_s,
             )
             epoch_now = record["epoch"]
             if accelerator.log_with:

@@ -3,6 +3,7 @@ data → model → train (Trainer or manual loop) → save → prove the save �
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -14,18 +15,35 @@ from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from hf_scale import deepspeed_ops, hub, launch_values
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train import checkpoint, distributed, evaluation, guard, preemption, reconcile, reshard, sources
+from hf_scale.train import (
+    attention,
+    checkpoint,
+    distributed,
+    evaluation,
+    guard,
+    preemption,
+    reconcile,
+    reshard,
+    sources,
+)
 from hf_scale.train.args import ModelArguments, ScaleArguments
 from hf_scale.train.chat_template import read_chat_template
-from hf_scale.train.data import DEFAULT_MAX_SEQ_LENGTH, DataArguments, check_max_seq_length, make_collator
+from hf_scale.train.data import (
+    DEFAULT_MAX_SEQ_LENGTH,
+    DataArguments,
+    check_max_seq_length,
+    default_dataloader_workers,
+    make_collator,
+)
+from hf_scale.train.liger import check_liger
 from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
 from hf_scale.train.model import (
-    default_attn_implementation,
     load_model,
     load_model_config,
     load_tokenizer,
     resolve_model_path,
 )
+from hf_scale.train.packing import maybe_pack
 from hf_scale.train.recipe import add_config_flag, expand_recipe
 from hf_scale.train.save import failure_message, save_with_accelerator, verify_saved_model
 
@@ -50,8 +68,25 @@ def build_parser() -> HfArgumentParser:
         "[flags that override it].",
     )
     add_config_flag(parser)
-    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1)
+    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1,
+                        dataloader_num_workers=None)
+    parser._option_string_actions["--dataloader_num_workers"].help = (
+        "Processes that collate micro-batches ahead of the step. Default: 2 per GPU process when the cores "
+        "allow, 0 without a GPU."
+    )
+    # HfArgumentParser types this dict flag as `dict`, which cannot parse a command-line string.
+    parser._option_string_actions["--liger_kernel_config"].type = _json_object
     return parser
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
 
 
 def _validate_flags(ns) -> None:
@@ -177,6 +212,12 @@ def train(argv: list[str] | None = None) -> int:
     source_args = _dataclass_from(ns, sources.SourceArguments)
     scale_args = _dataclass_from(ns, ScaleArguments)
     ns.accelerator_config = {"use_configured_state": True}
+    if ns.dataloader_num_workers is None:
+        import torch
+
+        ns.dataloader_num_workers = default_dataloader_workers(
+            torch.cuda.is_available(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), os.cpu_count()
+        )
     # Non-reentrant checkpointing (works with LoRA's frozen inputs and ZeRO-3 hooks); the flag was
     # renamed activation_checkpointing_kwargs in transformers 5.
     ckpt_kwargs = (
@@ -216,25 +257,34 @@ def train(argv: list[str] | None = None) -> int:
         print(f"hf_scale: --max_seq_length {data_args.max_seq_length} (default: the smaller of "
               f"{DEFAULT_MAX_SEQ_LENGTH} and the model's max_position_embeddings "
               f"{getattr(model_config, 'max_position_embeddings', None)})", file=sys.stderr)
+    check_liger(args, zero_stage=request.zero_stage)
+    model_args.attn_implementation = attention.resolve(
+        model_args.attn_implementation,
+        packing=data_args.packing,
+        half_precision=args.bf16 or args.fp16 or model_args.torch_dtype in ("bfloat16", "float16"),
+        announce=state.is_main_process,
+    )
     tokenizer = load_tokenizer(model_args)
     if chat_template is not None:
         tokenizer.chat_template = chat_template  # before tokenization; saved with the tokenizer
 
-    # 2. Data: tokenised (and mixed) once on the main process (cached), then read by the others.
-    train_dataset, eval_dataset, data_manifest = _datasets(args, data_args, source_args, tokenizer, state)
+    # 2. Data: tokenised (mixed, packed) once on the main process (cached), then read by the others.
+    train_examples, eval_dataset, data_manifest = _datasets(args, data_args, source_args, tokenizer, state)
+    with state.main_process_first():
+        data_seed = args.data_seed if args.data_seed is not None else args.seed
+        train_dataset = maybe_pack(train_examples, data_args, seed=data_seed, announce=state.is_main_process)
     if ds_config is not None and "scheduler" in ds_config and args.max_steps <= 0:
         # A DeepSpeed scheduler's step counts are compared with the run's length, known now.
         steps = launch_values.planned_optimizer_steps(
             len(train_dataset), reconcile.training_values(ns, request.world_size), args.num_train_epochs)
         reconcile.follow_launcher_config(ns, given, request, ds_config, num_training_steps=steps, late=True)
-    collator = make_collator(tokenizer, packing=data_args.packing)
-    attn = model_args.attn_implementation or default_attn_implementation()
-    if data_args.packing and attn != "flash_attention_2" and state.is_main_process:
-        # Correct either way (packed examples never attend to each other), but only flash-attention skips the
-        # masked-out blocks: sdpa/eager compute attention over the whole packed row.
-        print(f"hf_scale: warning: --packing with attn_implementation={attn} masks attention over the whole "
-              "packed row (cost grows with the row length squared); install flash-attn for the full speed-up",
-              file=sys.stderr)
+    collator = make_collator(
+        tokenizer,
+        packing=data_args.packing,
+        # torch.compile, and flex_attention (a compiled kernel itself): one row shape, hence one compilation.
+        pad_to=data_args.max_seq_length if attention.compiles(model_args.attn_implementation, args) else None,
+        varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
+    )
 
     # 3. Model.
     model = load_model(model_args, gradient_checkpointing=args.gradient_checkpointing)
@@ -250,7 +300,7 @@ def train(argv: list[str] | None = None) -> int:
         and bool(getattr(args, "deepspeed_plugin", None))
         and bool(args.deepspeed_plugin.zero3_init_flag),
     )
-    fpt = flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_dataset))
+    fpt = flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_examples))
 
     # 4. Train.
     if scale_args.loop == "accelerate":

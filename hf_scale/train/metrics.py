@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_scale.train import profile
+from hf_scale.train.packing import REAL_TOKENS
+
 # Dense bf16/fp16 tensor-core peaks (no sparsity), by substring of torch.cuda.get_device_name().
 _PEAK_FLOPS_BY_DEVICE = {
     "H200": 989e12,
@@ -63,10 +66,20 @@ def flops_per_token(model_config, num_parameters: int, seq_len: float) -> float:
 
 
 def count_real_tokens(batch) -> int:
-    """Non-padding tokens of a micro-batch (a packed batch has no padding)."""
+    """Non-padding tokens of a micro-batch (a packed batch says how many, see hf_scale.train.packing)."""
+    if REAL_TOKENS in batch:
+        return int(batch[REAL_TOKENS])
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
     return int(batch["input_ids"].numel())
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far; growth after the first step is a
+    recompilation (a new shape or a failed guard), which metrics.jsonl makes visible."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def peak_memory_bytes() -> int:
@@ -90,15 +103,18 @@ class StepMetrics:
         flops_per_token: float | None,
         progress_bar: bool = True,
         first_step: int = 0,
+        track_compilations: bool = False,
     ):
         self.is_main = is_main
         self.world_size = world_size
         self.flops_per_token = flops_per_token
+        self.track_compilations = track_compilations
         self.peak_flops = device_peak_flops()
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
         self._file = None
         self._bar = None
+        self._profiler = profile.from_env(is_main)  # HF_SCALE_PROFILE=DIR: a few steps under torch.profiler
         self._start = time.perf_counter()
         self._last = self._start
         if is_main:
@@ -111,7 +127,15 @@ class StepMetrics:
                                  dynamic_ncols=True)
 
     def log_step(
-        self, *, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, epoch: float
+        self,
+        *,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        tokens: int,
+        epoch: float,
+        data_wait_s: float | None = None,
     ) -> dict:
         now = time.perf_counter()
         elapsed = max(now - self._last, 1e-9)
@@ -127,6 +151,10 @@ class StepMetrics:
             "step_time_s": elapsed,
             "peak_memory_bytes": peak_memory_bytes(),
         }
+        if data_wait_s is not None:
+            record["data_wait_s"] = data_wait_s
+        if self.track_compilations:
+            record["compilations"] = compiled_graphs()
         if self.peak_flops and self.flops_per_token:
             achieved = record["tokens_per_sec"] * self.flops_per_token
             record["mfu"] = achieved / (self.peak_flops * self.world_size)
@@ -134,6 +162,8 @@ class StepMetrics:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._profiler is not None:
+            self._profiler.step()
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
@@ -178,6 +208,10 @@ class StepMetrics:
         return summary
 
     def close(self) -> None:
+        if self._profiler is not None:
+            table = self._profiler.finish()
+            self._profiler = None
+            print(f"hf_scale: profile: {table or 'training ended before the profiled steps'}", file=sys.stderr)
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:

@@ -8,7 +8,6 @@ materialises the full weights.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
@@ -56,25 +55,14 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def default_attn_implementation() -> str:
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
 def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
-    """The caller has already validated the path with load_model_config (one-line error, no traceback)."""
+    """The caller has already validated the path with load_model_config (one-line error, no traceback)
+    and resolved `--attn_implementation auto` (hf_scale.train.attention.resolve)."""
     path = resolve_model_path(model_args)
-    attn = model_args.attn_implementation or default_attn_implementation()
-    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise UserError(
-            "--attn_implementation=flash_attention_2: the flash_attn package is not installed; "
-            "use sdpa or eager, or pip install flash-attn"
-        )
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=_DTYPES[model_args.torch_dtype],
-        attn_implementation=attn,
+        attn_implementation=model_args.attn_implementation,
         trust_remote_code=model_args.trust_remote_code,
     )
     # Training never needs the KV cache, and with it on transformers ignores packed position_ids: packed

@@ -8,6 +8,7 @@ own log rounds to 4 digits), and evaluates with hf_scale.train.evaluation, as th
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from transformers import Trainer, TrainerCallback
 
 from hf_scale.train import checkpoint, evaluation, guard
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
+from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
 
 
 class HfScaleTrainer(Trainer):
@@ -24,8 +26,26 @@ class HfScaleTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.window_loss = 0.0
         self.window_tokens = 0
+        self.window_data_wait_s = 0.0
         self.last_grad_norm = None
         self.last_eval: evaluation.EvalResult | None = None
+
+    def _set_signature_columns_if_needed(self):
+        # Packed rows carry their examples' lengths (SEQ_LENGTHS), which the collator needs but the model's
+        # forward does not take: without this the Trainer would drop the column (TRL's SFTTrainer does the same).
+        super()._set_signature_columns_if_needed()
+        if SEQ_LENGTHS not in self._signature_columns:
+            self._signature_columns.append(SEQ_LENGTHS)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # The whole accumulation window is fetched here: the time the step waited for data.
+        waited = time.perf_counter()
+        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.window_data_wait_s = time.perf_counter() - waited
+        return batches
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        return super().compute_loss(model, model_inputs(inputs), *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.window_tokens += count_real_tokens(inputs)
@@ -94,6 +114,7 @@ class GuardAndMetricsCallback(TrainerCallback):
             world_size=trainer.accelerator.num_processes,
             flops_per_token=self.flops_per_token,
             progress_bar=False,  # the Trainer draws its own
+            track_compilations=args.torch_compile,
         )
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -114,6 +135,7 @@ class GuardAndMetricsCallback(TrainerCallback):
             grad_norm=None if grad_norm is None else float(grad_norm),
             tokens=int(tokens),
             epoch=state.epoch or 0.0,
+            data_wait_s=trainer.window_data_wait_s,
         )
         trainer.window_loss = 0.0
         trainer.window_tokens = 0
