@@ -388,6 +388,23 @@ def _source(args: DataArguments) -> str:
     return f"--train_file {args.train_file}" if args.train_file else "the sample dataset"
 
 
+def _first_invalid_utf8(dataset: datasets.Dataset, fmt: ResolvedFormat) -> str:
+    """Where the bytes that are not UTF-8 are (only called once decoding failed, so cost is no concern)."""
+    import pyarrow as pa
+
+    table = dataset.with_format("arrow")[:]
+    for column in fmt.columns:
+        values = table[column]
+        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+            continue
+        for row, raw in enumerate(values.cast(pa.large_binary()).to_pylist()):
+            try:
+                raw is None or raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"row {row} of '{column}' is not valid UTF-8 text"
+    return f"a value of {', '.join(repr(c) for c in fmt.columns)} is not valid UTF-8 text"
+
+
 def drop_bad_rows(dataset: datasets.Dataset, fmt: ResolvedFormat, args: DataArguments) -> datasets.Dataset:
     """Rows that cannot be used are counted, never replaced by empty text: above --max_bad_row_fraction the
     run stops with the count and the first bad row, below it they are dropped with a warning saying so.
@@ -396,8 +413,11 @@ def drop_bad_rows(dataset: datasets.Dataset, fmt: ResolvedFormat, args: DataArgu
     """
     import pyarrow.compute as pc
 
-    checked = dataset.map(partial(_row_problems, fmt=fmt), batched=True, remove_columns=dataset.column_names,
-                          num_proc=args.preprocessing_num_workers, desc="Checking rows")
+    try:
+        checked = dataset.map(partial(_row_problems, fmt=fmt), batched=True, remove_columns=dataset.column_names,
+                              num_proc=args.preprocessing_num_workers, desc="Checking rows")
+    except UnicodeDecodeError:  # the JSON/parquet reader stored bytes that are not UTF-8 as text
+        raise UserError(f"{_source(args)}: {_first_invalid_utf8(dataset, fmt)}; save the data as UTF-8") from None
     problems = checked.with_format("arrow")[:]["problem"]
     bad = pc.not_equal(problems, "")
     count = pc.sum(bad).as_py() or 0
