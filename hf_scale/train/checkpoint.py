@@ -291,8 +291,8 @@ def publish(written: Path, output_dir: str | Path, step: int) -> Path:
         print(f"hf_scale: {final} was not a complete hf_scale checkpoint; moved it to {kept} (nothing deleted)",
               file=sys.stderr, flush=True)
     os.replace(written, final)
-    if written.parent != root:
-        written.parent.rmdir()
+    if written.parent != root:  # the Trainer's .tmp-checkpoint-STEP/, hf_scale's own
+        shutil.rmtree(written.parent, ignore_errors=True)
     _fsync_dir(root)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
