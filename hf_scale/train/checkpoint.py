@@ -26,6 +26,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 
 from hf_scale.errors import UserError
 from hf_scale.train import integrity
@@ -39,6 +40,7 @@ EXIT_PREEMPTED = 75
 the generated SLURM script requeues the job on it."""
 
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
+_ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
 # Small state files every resume loads; a garbage one must stop the resume, not be skipped (accelerate
 # ignores an unloadable RNG file) or surface as a traceback.
 _STATE_FILES = re.compile(r"^(random_states_\d+\.pkl|rng_state(_\d+)?\.pth|scheduler(_\d+)?\.(bin|pt)|"
@@ -268,6 +270,11 @@ def seal(directory: Path, step: int, state) -> None:
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, directory / MANIFEST)
+
+
+def write_manifest(path: Path, step: int) -> None:
+    """`seal` by this process alone, outside any process group (tools and tests that build a checkpoint)."""
+    seal(path, step, _ONE_PROCESS)
 
 
 def publish(written: Path, output_dir: str | Path, step: int) -> Path:

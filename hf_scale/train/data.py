@@ -382,12 +382,6 @@ def _row_problems(batch: dict[str, list], *, fmt: ResolvedFormat) -> dict[str, l
     return {"problem": [_row_problem(fmt, values) or "" for values in rows]}
 
 
-def _source(args: DataArguments) -> str:
-    if args.dataset_name:
-        return f"--dataset_name {args.dataset_name}"
-    return f"--train_file {args.train_file}" if args.train_file else "the sample dataset"
-
-
 def _first_invalid_utf8(dataset: datasets.Dataset, fmt: ResolvedFormat) -> str:
     """Where the bytes that are not UTF-8 are (only called once decoding failed, so cost is no concern)."""
     import pyarrow as pa
@@ -405,7 +399,8 @@ def _first_invalid_utf8(dataset: datasets.Dataset, fmt: ResolvedFormat) -> str:
     return f"a value of {', '.join(repr(c) for c in fmt.columns)} is not valid UTF-8 text"
 
 
-def drop_bad_rows(dataset: datasets.Dataset, fmt: ResolvedFormat, args: DataArguments) -> datasets.Dataset:
+def drop_bad_rows(dataset: datasets.Dataset, fmt: ResolvedFormat, args: DataArguments,
+                  split: str = "training") -> datasets.Dataset:
     """Rows that cannot be used are counted, never replaced by empty text: above --max_bad_row_fraction the
     run stops with the count and the first bad row, below it they are dropped with a warning saying so.
 
@@ -417,14 +412,14 @@ def drop_bad_rows(dataset: datasets.Dataset, fmt: ResolvedFormat, args: DataArgu
         checked = dataset.map(partial(_row_problems, fmt=fmt), batched=True, remove_columns=dataset.column_names,
                               num_proc=args.preprocessing_num_workers, desc="Checking rows")
     except UnicodeDecodeError:  # the JSON/parquet reader stored bytes that are not UTF-8 as text
-        raise UserError(f"{_source(args)}: {_first_invalid_utf8(dataset, fmt)}; save the data as UTF-8") from None
+        raise UserError(f"the {split} data: {_first_invalid_utf8(dataset, fmt)}; save it as UTF-8") from None
     problems = checked.with_format("arrow")[:]["problem"]
     bad = pc.not_equal(problems, "")
     count = pc.sum(bad).as_py() or 0
     if not count:
         return dataset
     first = pc.indices_nonzero(bad)[0].as_py()
-    found = (f"{count} of {len(dataset)} rows of {_source(args)} cannot be used (first bad row: index {first}, "
+    found = (f"{count} of {len(dataset)} rows of the {split} data cannot be used (first bad row: index {first}, "
              f"{problems[first].as_py()})")
     if count == len(dataset):
         raise UserError(f"{found}; fix the data")
@@ -501,18 +496,20 @@ def _tokenize_batch(
     return out
 
 
-def tokenize_dataset(dataset: datasets.Dataset, tokenizer: Any, args: DataArguments) -> datasets.Dataset:
+def tokenize_dataset(dataset: datasets.Dataset, tokenizer: Any, args: DataArguments,
+                     split: str = "training") -> datasets.Dataset:
     """Tokenize into ``input_ids`` and ``labels`` (``-100`` on non-targets), truncated to max_seq_length.
 
     Examples left with no target token (e.g. a prompt longer than max_seq_length) are dropped and
     counted in one warning. Runs through ``datasets.map``, so the result is cached next to the data
     files and reused by a later run with the same tokenizer and arguments; call it inside
-    ``accelerator.main_process_first()`` so that only one rank tokenizes.
+    ``accelerator.main_process_first()`` so that only one rank tokenizes. `split` ("training",
+    "validation") names the data in the messages about its rows.
     """
     fmt = resolve_format(dataset.column_names, args)
     completion_only = resolve_completion_only(fmt.kind, args)
     _check_tokenizer(tokenizer, fmt.kind, completion_only)
-    dataset = drop_bad_rows(dataset, fmt, args)
+    dataset = drop_bad_rows(dataset, fmt, args, split)
     # Only what changes the output goes into the function, so that the cache fingerprint (a hash of
     # the function and its arguments) does not move when an unrelated flag such as --packing does.
     tokenize = partial(
