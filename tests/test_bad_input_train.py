@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from train_helpers import TRAIN_PY, run, run_in_process, tree
+from train_helpers import REPO, TRAIN_PY, run, run_in_process, tree
 
 from hf_scale.train import checkpoint, output_lock
 from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
@@ -239,6 +239,12 @@ CASES: dict[str, Case] = {
                               files={"ds.json": json.dumps({"zero_optimization": {"stage": 7}})}),
     "deepspeed-array": Case(["--deepspeed", "{d}/ds.json"], "must be a JSON object", files={"ds.json": "[1, 2]"}),
     "deepspeed-directory": Case(["--deepspeed", "{d}"], "file not found"),
+    "precision-flag-against-deepspeed-json": Case(["--deepspeed", str(REPO / "ds_configs" / "zero2.json"), "--fp16"],
+                                                  "--fp16 conflicts with"),
+    "micro-batch-flag-against-deepspeed-json": Case(
+        ["--deepspeed", "{d}/ds.json", "--per_device_train_batch_size", "2"],
+        "train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size=2",
+        files={"ds.json": json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}})}),
     "hf-scale-config-missing": Case(["--hf_scale_config", "/nonexistent/cfg.yaml"], "/nonexistent/cfg.yaml"),
     "hf-scale-config-world-size": Case(
         ["--hf_scale_config", "{d}/c.yaml"], "world_size=2",
