@@ -200,3 +200,10 @@ def test_gpu_merge_keeps_rows_only_of_the_same_setup(tmp_path):
     output.write_text(json.dumps({"setup": {"budget": 16384}, "results": {"baseline": {"tokens_per_s": 1.0}}}))
     assert gpu._previous_rows(output, {"budget": 16384}) == {"baseline": {"tokens_per_s": 1.0}}
     assert gpu._previous_rows(output, {"budget": 8192}) == {}
+
+
+def test_checkpoint_checksums_measures_hashing_sealing_and_verifying(tmp_path):
+    data = _ok("checkpoint_checksums.py", tmp_path, "--size-mb", "4", "--files", "2", "--reps", "1")
+    results = data["results"]
+    assert set(results["hash_gb_per_s"]) == {"xxh3_128", "blake2b", "sha256"}
+    assert all(results[key] > 0 for key in ("write_fsync_s_per_gb", "seal_s_per_gb", "verify_s_per_gb"))

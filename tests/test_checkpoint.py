@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from train_helpers import REPO, TRAIN_PY, child_env, generate_config, launcher_command, read_metrics, run, run_ok
+from train_helpers import REPO, TRAIN_PY, child_env, generate_config, launcher_command, read_metrics, run_ok
 
 from hf_scale.train import checkpoint
 
@@ -52,14 +52,18 @@ def test_resume_mid_epoch_is_bit_identical(launcher, ds, loop, ds_configs, tmp_p
     run_ok(launcher_command(launcher) + extra + ["--output_dir", str(full)])
     assert [p.name for p in checkpoint.complete_checkpoints(full)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
-    # A second run that starts from the step-2 checkpoint (8 of 256 samples: mid-epoch).
+    # A second run that starts from the step-2 checkpoint (8 of 256 samples: mid-epoch), in a directory whose
+    # metrics.jsonl holds what a crashed run wrote: steps 1-2, then 3-6 after its last checkpoint.
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
+    shutil.copy(full / "metrics.jsonl", resumed / "metrics.jsonl")
     run_ok(launcher_command(launcher) + extra + ["--output_dir", str(resumed), "--resume_from_checkpoint", "auto"])
     want = {r["step"]: (r["loss"], r["lr"]) for r in read_metrics(full)}
-    got = {r["step"]: (r["loss"], r["lr"]) for r in read_metrics(resumed)}
-    assert sorted(got) == [3, 4, 5, 6]
+    records = read_metrics(resumed)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # each step once: appended, not truncated
+    assert records[:2] == read_metrics(full)[:2]  # the history before the resume, kept as it was
+    got = {r["step"]: (r["loss"], r["lr"]) for r in records[2:]}
     assert got == {step: want[step] for step in got}  # exact float equality: bit-identical
 
 
@@ -96,7 +100,7 @@ def test_signal_saves_a_checkpoint_exits_75_and_resumes_exactly(sig, tmp_path):
     run_ok(command + ["--resume_from_checkpoint", "auto"])
     want = {r["step"]: r["loss"] for r in read_metrics(reference)}
     got = {r["step"]: r["loss"] for r in read_metrics(out)}
-    assert sorted(got) == list(range(1, 41))
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 41))  # each step once
     assert all(got[s] == want[s] for s in range(stopped_at + 1, 41))
 
 
@@ -147,20 +151,10 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_resumable(tmp_path)
     newest = checkpoint.step_of(complete[-1])
 
     result = run_ok(command[:2] + ["--max_steps", str(newest + 1)] + command[4:] + ["--resume_from_checkpoint", "auto"])
-    assert "removed incomplete checkpoint" in result.stderr
+    assert "removed interrupted save" in result.stderr  # and the dead run's lock did not block this one
     assert f"resuming from {complete[-1]}" in result.stderr
     assert not any(p.name.startswith(checkpoint.TMP_PREFIX) for p in out.iterdir())
     assert read_metrics(out)[-1]["step"] == newest + 1
-
-
-def test_resume_from_incomplete_path_is_an_error(tmp_path):
-    broken = tmp_path / "checkpoint-3"
-    broken.mkdir()
-    (broken / "optimizer.bin").write_bytes(b"partial")
-    result = run([sys.executable, TRAIN_PY, "--max_steps", "1", "--output_dir", str(tmp_path / "o"),
-                  "--resume_from_checkpoint", str(broken)], timeout=120)
-    assert result.returncode == 2
-    assert "incomplete or corrupt checkpoint" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_a_dead_rank_makes_the_others_exit_instead_of_hanging(tmp_path):

@@ -1,4 +1,6 @@
-"""train.py's interface: bad input is one line + exit 2; --hf_scale_config; LoRA; packing."""
+"""train.py's interface: --hf_scale_config, LoRA, packing, trackers, torch.compile, the DeepSpeed op pre-check.
+
+(Bad input: tests/test_bad_input_train.py.)"""
 
 from __future__ import annotations
 
@@ -20,84 +22,6 @@ from train_helpers import (
     run,
     run_ok,
 )
-
-BAD_INPUTS = {
-    "missing-model-path": (
-        ["--model_name_or_path", "/nonexistent/model"],
-        "--model_name_or_path=/nonexistent/model",
-    ),
-    "unknown-column": (["--text_column", "body"], "body"),
-    "seq-len-above-model-limit": (["--max_seq_length", "100000"], "max_seq_length"),
-    "seq-len-zero": (["--max_seq_length", "0"], "max_seq_length"),
-    "accumulation-zero": (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps=0"),
-    "micro-batch-zero": (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size=0"),
-    "deepspeed-file-missing": (["--deepspeed", "/nonexistent/ds.json"], "--deepspeed=/nonexistent/ds.json"),
-    "deepspeed-not-json": (["--deepspeed", "{tmp}/bad.json"], "not valid JSON"),
-    "deepspeed-bad-stage": (["--deepspeed", "{tmp}/stage7.json"], "zero_optimization.stage=7"),
-    "unknown-loop": (["--loop", "keras"], "keras"),
-    "conflicting-precision": (["--bf16", "--fp16"], "--bf16 and --fp16"),
-    "train-file-missing": (["--train_file", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
-    "unknown-flag": (["--learning_rat", "1e-4"], "--learning_rat"),
-    "warmup-ratio-out-of-range": (["--warmup_ratio", "2"], "--warmup_ratio=2"),
-    "completion-only-on-plain-text": (
-        ["--train_file", "{tmp}/plain.txt", "--completion_only_loss", "true"],
-        "completion",
-    ),
-    "hf-scale-config-world-size": (["--hf_scale_config", "{tmp}/two_procs.yaml"], "world_size=2"),
-    "hf-scale-config-missing": (["--hf_scale_config", "/nonexistent/cfg.yaml"], "/nonexistent/cfg.yaml"),
-    "hf-scale-config-conflicting-micro": (
-        ["--hf_scale_config", "{tmp}/single.yaml", "--per_device_train_batch_size", "3"],
-        "batch.micro_batch_size=4 but --per_device_train_batch_size=3",
-    ),
-    "precision-flag-against-deepspeed-json": (
-        ["--deepspeed", "ds_configs/zero2.json", "--fp16"],
-        "--fp16 conflicts with ds_configs/zero2.json bf16.enabled=true",
-    ),
-    "micro-batch-flag-against-deepspeed-json": (
-        ["--deepspeed", "{tmp}/micro4.json", "--per_device_train_batch_size", "2"],
-        "{tmp}/micro4.json train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size=2",
-    ),
-    "lora-unknown-target": (
-        ["--lora_r", "4", "--lora_target_modules", "no_such_proj"],
-        "--lora_target_modules",
-    ),
-    "liger-without-package-or-gpu": (["--use_liger_kernel"], "--use_liger_kernel: needs"),
-    "varlen-attention-on-cpu": (["--attn_implementation", "torch_varlen", "--packing"], "needs a CUDA GPU"),
-    "unknown-packing-strategy": (["--packing", "--packing_strategy", "wrapped"], "--packing_strategy wrapped"),
-}
-
-
-@pytest.fixture
-def bad_files(tmp_path):
-    (tmp_path / "bad.json").write_text("{not json")
-    (tmp_path / "stage7.json").write_text(json.dumps({"zero_optimization": {"stage": 7}}))
-    (tmp_path / "micro4.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 4,
-                                                      "zero_optimization": {"stage": 2}}))
-    (tmp_path / "plain.txt").write_text("hello world\nsecond line\n")
-    (tmp_path / "two_procs.yaml").write_text(
-        yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2}})
-    )
-    (tmp_path / "single.yaml").write_text(
-        yaml.safe_dump({"strategy": "single", "precision": "no", "batch": {"micro_batch_size": 4}})
-    )
-    return tmp_path
-
-
-@pytest.mark.parametrize(("flags", "fragment"), BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_bad_input_is_one_line_and_exit_2(flags, fragment, bad_files):
-    out = bad_files / "out"
-    flags = [f.replace("{tmp}", str(bad_files)) for f in flags]
-    result = run(
-        [sys.executable, TRAIN_PY, "--max_steps", "1", "--output_dir", str(out), *flags], timeout=180
-    )
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
-    assert len(error_lines) == 1, result.stderr[-3000:]
-    assert fragment.replace("{tmp}", str(bad_files)) in error_lines[0]
-    assert not (out / "model.safetensors").exists()
-    if "json" in fragment or "deepspeed" in " ".join(flags):  # stopped before the run was even set up
-        assert not out.exists()
 
 
 def test_optimizer_offload_without_a_compiler_stops_before_the_model_loads(tmp_path):

@@ -14,7 +14,9 @@ with ``--packing``, rows packed to a token budget (hf_scale.train.packing).
 
 from __future__ import annotations
 
+import csv
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import datasets
+import jinja2
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 from transformers import DataCollatorForSeq2Seq, PretrainedConfig
@@ -119,6 +123,12 @@ class DataArguments:
     max_train_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N training examples (quick runs, tests)."}
     )
+    max_bad_row_fraction: float = field(
+        default=0.0,
+        metadata={"help": "Rows that cannot be used (a missing or null column, a value that is not text, an "
+                  "empty text or response, a chat message without role or content) stop the run with the "
+                  "count and the first one. Allow dropping up to this fraction of the rows instead (0-1)."},
+    )
 
 
     def __post_init__(self):
@@ -146,8 +156,17 @@ def _describe(column_names: list[str]) -> str:
     return ", ".join(column_names) if column_names else "(none)"
 
 
+def _csv_text_features(path: Path) -> datasets.Features:
+    """CSV has no types: every column is read as text (pandas would turn an answer "19" into the integer 19)."""
+    with open(path, newline="", encoding="utf-8") as handle:
+        header = next(csv.reader(handle), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
 def _load_file(flag: str, path_str: str) -> datasets.Dataset:
     path = Path(path_str)
+    if path.is_dir():
+        raise UserError(f"--{flag} {path_str}: is a directory; pass a data file (or the directory as --dataset_name)")
     if not path.is_file():
         raise UserError(f"--{flag} {path_str}: no such file")
     builder = FILE_BUILDERS.get(path.suffix.lower())
@@ -160,13 +179,19 @@ def _load_file(flag: str, path_str: str) -> datasets.Dataset:
     if path.stat().st_size == 0:
         raise empty
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        kwargs = {"features": _csv_text_features(path)} if builder == "csv" else {}
+        loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+    except OSError as error:
+        raise UserError(f"--{flag} {path_str}: cannot be read ({error.strerror or error})") from None
     except (datasets.exceptions.DatasetsError, ValueError) as error:
         if "corresponds to no data" in str(error):  # datasets' words for a file with no rows ("[]", a header)
             raise empty from error
         # datasets wraps the parser's error (JSON/CSV syntax, ...); the cause is what the user can fix.
         cause = error.__cause__ or error
         raise UserError(f"--{flag} {path_str}: could not be read as {builder}: {cause}") from error
+    if builder == "text":  # one example per line; blank lines separate, they are not examples
+        loaded = loaded.filter(lambda batch: [bool(t.strip()) for t in batch["text"]], batched=True)
+    return loaded
 
 
 def _load_named(args: DataArguments, name: str) -> datasets.DatasetDict:
@@ -314,17 +339,108 @@ def _check_tokenizer(tokenizer: Any, kind: DatasetFormat, completion_only: bool)
         )
 
 
-def _encode_text(tokenizer: Any, texts: list[str | None]) -> list[tuple[list[int], list[int]]]:
-    encoded = tokenizer([text or "" for text in texts])["input_ids"]
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _text_problem(column: str, value, *, may_be_empty: bool = False) -> str | None:
+    if value is None:
+        return f"'{column}' is missing"
+    if not isinstance(value, str):
+        return f"'{column}' is {_kind(value)}, not text"
+    if not may_be_empty and not value.strip():
+        return f"'{column}' is empty"
+    return None
+
+
+def _messages_problem(column: str, messages) -> str | None:
+    if messages is None:
+        return f"'{column}' is missing"
+    if not isinstance(messages, list) or not messages:
+        return f"'{column}' is {'empty' if isinstance(messages, list) else _kind(messages)}, not a list of messages"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"message {i} of '{column}' is {_kind(message)}, not a {{role, content}} object"
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                return f"message {i} of '{column}' has {_kind(message.get(key))} {key}, not text"
+    return None
+
+
+def _row_problem(fmt: ResolvedFormat, values: tuple) -> str | None:
+    """Why a row cannot be used in format `fmt` (its columns' values, in order), or None."""
+    if fmt.kind == "messages":
+        return _messages_problem(fmt.columns[0], values[0])
+    if fmt.kind == "prompt_response":  # an empty prompt is a prompt; an empty response teaches nothing
+        return (_text_problem(fmt.columns[0], values[0], may_be_empty=True)
+                or _text_problem(fmt.columns[1], values[1]))
+    return _text_problem(fmt.columns[0], values[0])
+
+
+def _row_problems(batch: dict[str, list], *, fmt: ResolvedFormat) -> dict[str, list[str]]:
+    rows = zip(*(batch[column] for column in fmt.columns), strict=True)
+    return {"problem": [_row_problem(fmt, values) or "" for values in rows]}
+
+
+def _first_invalid_utf8(dataset: datasets.Dataset, fmt: ResolvedFormat) -> str:
+    """Where the bytes that are not UTF-8 are (only called once decoding failed, so cost is no concern)."""
+    import pyarrow as pa
+
+    table = dataset.with_format("arrow")[:]
+    for column in fmt.columns:
+        values = table[column]
+        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+            continue
+        for row, raw in enumerate(values.cast(pa.large_binary()).to_pylist()):
+            try:
+                raw is None or raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"row {row} of '{column}' is not valid UTF-8 text"
+    return f"a value of {', '.join(repr(c) for c in fmt.columns)} is not valid UTF-8 text"
+
+
+def drop_bad_rows(dataset: datasets.Dataset, fmt: ResolvedFormat, args: DataArguments,
+                  split: str = "training") -> datasets.Dataset:
+    """Rows that cannot be used are counted, never replaced by empty text: above --max_bad_row_fraction the
+    run stops with the count and the first bad row, below it they are dropped with a warning saying so.
+
+    The check runs through ``datasets.map`` (cached like the tokenization); counting is vectorised.
+    """
+    import pyarrow.compute as pc
+
+    try:
+        checked = dataset.map(partial(_row_problems, fmt=fmt), batched=True, remove_columns=dataset.column_names,
+                              num_proc=args.preprocessing_num_workers, desc="Checking rows")
+    except UnicodeDecodeError:  # the JSON/parquet reader stored bytes that are not UTF-8 as text
+        raise UserError(f"the {split} data: {_first_invalid_utf8(dataset, fmt)}; save it as UTF-8") from None
+    problems = checked.with_format("arrow")[:]["problem"]
+    bad = pc.not_equal(problems, "")
+    count = pc.sum(bad).as_py() or 0
+    if not count:
+        return dataset
+    first = pc.indices_nonzero(bad)[0].as_py()
+    found = (f"{count} of {len(dataset)} rows of the {split} data cannot be used (first bad row: index {first}, "
+             f"{problems[first].as_py()})")
+    if count == len(dataset):
+        raise UserError(f"{found}; fix the data")
+    if count > args.max_bad_row_fraction * len(dataset):
+        needed = math.ceil(count / len(dataset) * 1000) / 1000
+        raise UserError(f"{found}; fix the data, or drop such rows with --max_bad_row_fraction {needed:g}")
+    logger.warning("dropped %s (--max_bad_row_fraction %g)", found, args.max_bad_row_fraction)
+    return dataset.select(np.asarray(pc.indices_nonzero(pc.invert(bad)), dtype=np.int64))
+
+
+def _encode_text(tokenizer: Any, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+    encoded = tokenizer(texts)["input_ids"]
     return [(ids + [tokenizer.eos_token_id], ids + [tokenizer.eos_token_id]) for ids in encoded]
 
 
 def _encode_prompt_response(
-    tokenizer: Any, prompts: list[str | None], responses: list[str | None], completion_only: bool
+    tokenizer: Any, prompts: list[str], responses: list[str], completion_only: bool
 ) -> list[tuple[list[int], list[int]]]:
     # Prompt and response are tokenized separately so the boundary between them is exact.
-    prompt_ids = tokenizer([p or "" for p in prompts])["input_ids"]
-    response_ids = tokenizer([r or "" for r in responses], add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(prompts)["input_ids"]
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     examples = []
     for prompt, response in zip(prompt_ids, response_ids, strict=True):
         target = response + [tokenizer.eos_token_id]
@@ -338,9 +454,13 @@ def _encode_messages(
 ) -> list[tuple[list[int], list[int]]]:
     examples = []
     for messages in conversations:
-        encoded = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=completion_only
-        )
+        try:
+            encoded = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=completion_only
+            )
+        except jinja2.TemplateError as error:  # e.g. a role the template does not know, turns out of order
+            raise UserError(f"the tokenizer's chat template rejects a conversation ({error}): "
+                            f"{str(messages)[:200]}") from None
         ids = list(encoded["input_ids"])
         if completion_only:
             labels = [t if m else IGNORE_INDEX for t, m in zip(ids, encoded["assistant_masks"], strict=True)]
@@ -376,17 +496,20 @@ def _tokenize_batch(
     return out
 
 
-def tokenize_dataset(dataset: datasets.Dataset, tokenizer: Any, args: DataArguments) -> datasets.Dataset:
+def tokenize_dataset(dataset: datasets.Dataset, tokenizer: Any, args: DataArguments,
+                     split: str = "training") -> datasets.Dataset:
     """Tokenize into ``input_ids`` and ``labels`` (``-100`` on non-targets), truncated to max_seq_length.
 
     Examples left with no target token (e.g. a prompt longer than max_seq_length) are dropped and
     counted in one warning. Runs through ``datasets.map``, so the result is cached next to the data
     files and reused by a later run with the same tokenizer and arguments; call it inside
-    ``accelerator.main_process_first()`` so that only one rank tokenizes.
+    ``accelerator.main_process_first()`` so that only one rank tokenizes. `split` ("training",
+    "validation") names the data in the messages about its rows.
     """
     fmt = resolve_format(dataset.column_names, args)
     completion_only = resolve_completion_only(fmt.kind, args)
     _check_tokenizer(tokenizer, fmt.kind, completion_only)
+    dataset = drop_bad_rows(dataset, fmt, args, split)
     # Only what changes the output goes into the function, so that the cache fingerprint (a hash of
     # the function and its arguments) does not move when an unrelated flag such as --packing does.
     tokenize = partial(

@@ -11,7 +11,6 @@ Gradient sync is skipped on all but the last micro-batch of a window.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 import time
@@ -24,7 +23,7 @@ from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, evaluation, fsdp, guard, reshard
+from hf_scale.train import checkpoint, divergence, evaluation, fsdp, guard, reshard
 from hf_scale.train.data import count_target_tokens, make_train_dataloader
 from hf_scale.train.distributed import has_gpu
 from hf_scale.train.liger import apply_liger
@@ -272,6 +271,8 @@ def run(
             epoch_now = record["epoch"]
             if accelerator.log_with:
                 accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
+            divergence.check_step(step, step_loss, record["grad_norm"], loss_scaling=expected.precision == "fp16",
+                                  output_dir=args.output_dir)
             # Checkpoints only at optimizer-step boundaries: never with accumulation half done.
             preempted = stop is not None and stop.agreed(accelerator)
             if not preempted and schedule is not None and schedule.after_step(step):
@@ -311,6 +312,10 @@ class _CheckpointSaver:
         return step % interval == 0 or step == total_steps
 
     def save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
+        with checkpoint.write_errors_reported(f"{checkpoint.PREFIX}{step}", self.args.output_dir):
+            return self._save(step, epoch, batches_in_epoch)
+
+    def _save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
         accelerator, args = self.accelerator, self.args
         tmp = Path(args.output_dir) / f"{checkpoint.TMP_PREFIX}{step}"
         if accelerator.is_main_process:
@@ -341,9 +346,10 @@ class _CheckpointSaver:
             if getattr(unwrapped, "peft_config", None):  # LoRA: what `hf-scale export` rebuilds the adapter from
                 unwrapped.peft_config[unwrapped.active_adapter].save_pretrained(tmp)
         accelerator.wait_for_everyone()
+        checkpoint.seal(tmp, step, accelerator)
         final = tmp.parent / f"{checkpoint.PREFIX}{step}"
         if accelerator.is_main_process:
-            checkpoint.publish(tmp, step)
+            checkpoint.publish(tmp, args.output_dir, step)
             checkpoint.rotate(args.output_dir, args.save_total_limit)
         accelerator.wait_for_everyone()
         return final
@@ -351,7 +357,7 @@ class _CheckpointSaver:
     def load(self, path: Path) -> tuple[int, int, int]:
         """Restore everything, also at another world size (hf_scale.train.reshard; main.py has already
         refused what cannot resume); returns (step, epoch, micro-batches per rank to skip in that epoch)."""
-        state = json.loads((path / checkpoint.STATE).read_text())
+        state = checkpoint.read_state(path)
         world = self.accelerator.num_processes
         samples_per_batch_row = self.args.per_device_train_batch_size * world
         if state["samples_consumed_in_epoch"] % samples_per_batch_row:
@@ -360,14 +366,16 @@ class _CheckpointSaver:
                 f"{state['epoch']} were consumed, not a whole number of micro-batches of "
                 f"{self.args.per_device_train_batch_size} x {world} processes"
             )
-        if state["world_size"] != world and self.expected.strategy == "deepspeed":
-            with reshard.deepspeed_universal(path, self.accelerator, self.model, Path(self.args.output_dir)) as view:
-                self.accelerator.load_state(str(view))
-        else:
-            # Full states (DDP, one process) load at any world size; FSDP2's DCP shards reshard on load.
-            self.accelerator.load_state(str(path))
-        if self.shard_ourselves:
-            fsdp.load_sharded(self.model, self.optimizer, path / fsdp.DCP_DIR)
+        with checkpoint.load_errors_reported(path):
+            if state["world_size"] != world and self.expected.strategy == "deepspeed":
+                work_root = Path(self.args.output_dir)
+                with reshard.deepspeed_universal(path, self.accelerator, self.model, work_root) as view:
+                    self.accelerator.load_state(str(view))
+            else:
+                # Full states (DDP, one process) load at any world size; FSDP2's DCP shards reshard on load.
+                self.accelerator.load_state(str(path))
+            if self.shard_ourselves:
+                fsdp.load_sharded(self.model, self.optimizer, path / fsdp.DCP_DIR)
         return state["step"], state["epoch"], state["samples_consumed_in_epoch"] // samples_per_batch_row
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import warnings
@@ -21,6 +22,7 @@ from hf_scale.train import (
     distributed,
     evaluation,
     guard,
+    output_lock,
     preemption,
     reconcile,
     reshard,
@@ -38,6 +40,7 @@ from hf_scale.train.data import (
 from hf_scale.train.liger import check_liger
 from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
 from hf_scale.train.model import (
+    check_lora_flags,
     load_model,
     load_model_config,
     load_tokenizer,
@@ -48,6 +51,8 @@ from hf_scale.train.recipe import add_config_flag, expand_recipe
 from hf_scale.train.save import failure_message, save_with_accelerator, verify_saved_model
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
+MAX_LEARNING_RATE = 10.0
+"""Above any rate that trains (SGD rarely exceeds 1, Adam 1e-2): a larger one is a typo (1e30 for 1e-3)."""
 
 
 class _OneLineParser(HfArgumentParser):
@@ -89,7 +94,26 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _validate_numbers(ns) -> None:
+    """Every float flag finite; the optimizer's numbers in the ranges where they mean something."""
+    for name, value in vars(ns).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--{name}={value}: must be a finite number")
+    if not 0 <= ns.learning_rate <= MAX_LEARNING_RATE:
+        raise UserError(f"--learning_rate={ns.learning_rate}: must be in [0, {MAX_LEARNING_RATE:g}]")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(ns, name) < 1:
+            raise UserError(f"--{name}={getattr(ns, name)}: must be in [0, 1)")
+    for name in ("weight_decay", "adam_epsilon", "max_grad_norm"):
+        if getattr(ns, name) < 0:
+            raise UserError(f"--{name}={getattr(ns, name)}: must be >= 0")
+    if not 0 <= ns.max_bad_row_fraction <= 1:
+        raise UserError(f"--max_bad_row_fraction={ns.max_bad_row_fraction}: must be in [0, 1]")
+
+
 def _validate_flags(ns) -> None:
+    _validate_numbers(ns)
+    check_lora_flags(ns)
     if ns.bf16 and ns.fp16:
         raise UserError("--bf16 and --fp16 are both set; choose one precision")
     if ns.gradient_accumulation_steps < 1:
@@ -106,8 +130,6 @@ def _validate_flags(ns) -> None:
                 f"--warmup_ratio={ns.warmup_ratio} and --warmup_steps={ns.warmup_steps}: set only one"
             )
         ns.warmup_steps = ns.warmup_ratio
-    if ns.learning_rate < 0:
-        raise UserError(f"--learning_rate={ns.learning_rate}: must be >= 0")
     evaluation.check_flags(ns)
 
 
@@ -234,14 +256,16 @@ def train(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as error:
         raise UserError(f"training arguments: {' '.join(str(error).split())}") from None
 
-    # Interrupted saves are removed before anything picks a checkpoint; `auto` takes the newest complete one.
+    # One run per output_dir, locked before anything in it is touched. hf_scale's own interrupted saves are
+    # removed (nothing else ever is); `auto` takes the newest checkpoint that verifies.
+    output_lock.acquire(args.output_dir, state)
     if state.is_main_process:
-        for path in checkpoint.remove_incomplete(args.output_dir):
-            print(f"hf_scale: removed incomplete checkpoint {path}", file=sys.stderr)
+        for path in checkpoint.remove_interrupted(args.output_dir):
+            print(f"hf_scale: removed interrupted save {path}", file=sys.stderr)
         if hub_target is not None:  # as the Trainer does: a refused token stops the run before training
             hub.create_repo(hub_target, "--push_to_hub")
     state.wait_for_everyone()
-    resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir, state)
     if resume_dir is not None:  # refuse what cannot resume (another loop, strategy, or world size for the Trainer)
         reshard.check_resumable(resume_dir, loop=scale_args.loop, world_size=request.world_size,
                                 strategy=request.strategy, zero_stage=request.zero_stage)
@@ -324,7 +348,8 @@ def train(argv: list[str] | None = None) -> int:
             )
         accelerator, wrapped, metrics, preempted = result.accelerator, result.model, result.metrics, result.preempted
         if not preempted:
-            save_with_accelerator(accelerator, wrapped, tokenizer, args.output_dir)
+            with checkpoint.write_errors_reported("the final model", args.output_dir):
+                save_with_accelerator(accelerator, wrapped, tokenizer, args.output_dir)
     else:
         from hf_scale.train.trainer import CheckpointCallback, GuardAndMetricsCallback, HfScaleTrainer
 
@@ -335,10 +360,11 @@ def train(argv: list[str] | None = None) -> int:
             eval_dataset=eval_dataset,
             data_collator=collator,
             processing_class=tokenizer,
+            expected=expected,
         )
         callback = GuardAndMetricsCallback(trainer, expected, loaded_partitioned, fpt)
         trainer.add_callback(callback)
-        checkpoints = CheckpointCallback(trainer, stop, expected)
+        checkpoints = CheckpointCallback(trainer, stop)
         trainer.add_callback(checkpoints)
         with reconcile.deepspeed_mismatch_as_user_error():
             trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
@@ -346,7 +372,8 @@ def train(argv: list[str] | None = None) -> int:
         if not preempted and args.do_eval and callback.metrics.last_eval_step != trainer.state.global_step:
             trainer.evaluate()  # at the end (--do_eval, any --eval_strategy), as the manual loop does
         if not preempted:
-            trainer.save_model(args.output_dir)
+            with checkpoint.write_errors_reported("the final model", args.output_dir):
+                trainer.save_model(args.output_dir)
         accelerator, wrapped, metrics = trainer.accelerator, trainer.model_wrapped, callback.metrics
 
     if preempted:
@@ -393,6 +420,15 @@ def train(argv: list[str] | None = None) -> int:
     return 0 if report is None or report["ok"] else 1
 
 
+def _close_progress_bars() -> None:
+    """A run stopped mid-training (a diverged step, a failed save) leaves its progress bar open; closing it
+    puts the error on a line of its own."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         code = train(argv)
@@ -400,5 +436,8 @@ def main(argv: list[str] | None = None) -> None:
         # Tear the group down without a barrier (other ranks may be gone): a live gloo group aborts the
         # interpreter at exit and would turn exit code 2 into SIGABRT.
         distributed.shutdown(barrier=False)
+        _close_progress_bars()
         exit_with_user_error("train.py", error)
+    finally:
+        output_lock.release()
     sys.exit(code)

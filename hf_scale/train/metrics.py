@@ -90,6 +90,26 @@ def peak_memory_bytes() -> int:
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # Linux reports KiB
 
 
+def continue_metrics_file(path: Path, first_step: int):
+    """metrics.jsonl opened for the steps after `first_step`: a fresh run (0) starts it anew; a run resumed
+    from checkpoint-K keeps the history up to step K and drops the lines a crashed run wrote after its last
+    checkpoint (steps > K, and a line cut short by the crash), so every step appears once."""
+    if not first_step or not path.is_file():
+        return path.open("w")
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(step, int) and step <= first_step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+    return path.open("a")
+
+
 class StepMetrics:
     """Writes one JSON object per optimizer step and drives the progress bar (main process only)."""
 
@@ -120,8 +140,7 @@ class StepMetrics:
         if is_main:
             path = Path(output_dir)
             path.mkdir(parents=True, exist_ok=True)
-            # A resumed run continues the same file after the steps it already has.
-            self._file = (path / "metrics.jsonl").open("a" if first_step else "w")
+            self._file = continue_metrics_file(path / "metrics.jsonl", first_step)
             if progress_bar:
                 self._bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step",
                                  dynamic_ncols=True)

@@ -8,6 +8,8 @@ materialises the full weights.
 
 from __future__ import annotations
 
+import math
+import pickle
 from pathlib import Path
 
 import torch
@@ -55,16 +57,58 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def check_lora_flags(model_args) -> None:
+    """Each LoRA flag in its range, named by itself (before anything is loaded)."""
+    if model_args.lora_r < 0:
+        raise UserError(f"--lora_r={model_args.lora_r}: must be >= 0 (0 trains all weights, > 0 is the LoRA rank)")
+    if model_args.lora_r == 0:
+        return
+    if model_args.lora_alpha <= 0:
+        raise UserError(f"--lora_alpha={model_args.lora_alpha}: must be > 0 (the LoRA scaling is alpha / r)")
+    if not (math.isfinite(model_args.lora_dropout) and 0 <= model_args.lora_dropout < 1):
+        raise UserError(f"--lora_dropout={model_args.lora_dropout}: must be in [0, 1)")
+    if not model_args.lora_target_modules.strip(" ,"):
+        raise UserError("--lora_target_modules is empty: name modules (comma-separated) or use all-linear")
+
+
+def _weights_error(error: BaseException) -> str | None:
+    """`error` from from_pretrained described in one line when the weight files are the problem, else None."""
+    import torch
+
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return None
+    unreadable = isinstance(error, (OSError, EOFError, ValueError, pickle.UnpicklingError)) or (
+        type(error).__name__ == "SafetensorError")
+    # transformers raises RuntimeError for shapes that do not fit the config; torch for a broken zip (.bin).
+    mismatch = isinstance(error, RuntimeError) and any(
+        k in str(error) for k in ("ignore_mismatched_sizes", "size mismatch", "PytorchStreamReader"))
+    if not (unreadable or mismatch):
+        return None
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+
+
 def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
     """The caller has already validated the path with load_model_config (one-line error, no traceback)
     and resolved `--attn_implementation auto` (hf_scale.train.attention.resolve)."""
     path = resolve_model_path(model_args)
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=_DTYPES[model_args.torch_dtype],
-        attn_implementation=model_args.attn_implementation,
-        trust_remote_code=model_args.trust_remote_code,
-    )
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=_DTYPES[model_args.torch_dtype],
+            attn_implementation=model_args.attn_implementation,
+            trust_remote_code=model_args.trust_remote_code,
+            output_loading_info=True,
+        )
+    except Exception as error:
+        described = _weights_error(error)
+        if described is None:
+            raise
+        raise UserError(f"--model_name_or_path={path}: the weights cannot be loaded ({described})") from None
+    if info.get("missing_keys"):
+        # transformers would initialise them randomly and train a model that is not the one asked for.
+        missing = sorted(info["missing_keys"])
+        raise UserError(f"--model_name_or_path={path}: the weights lack {len(missing)} tensors of the model "
+                        f"(first: {missing[0]}); they would be trained from random values")
     # Training never needs the KV cache, and with it on transformers ignores packed position_ids: packed
     # examples would silently attend to each other.
     model.config.use_cache = False
@@ -79,8 +123,6 @@ def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
 def apply_lora(model, model_args: ModelArguments, *, gradient_checkpointing: bool):
     from peft import LoraConfig, get_peft_model
 
-    if model_args.lora_r < 0:
-        raise UserError(f"--lora_r={model_args.lora_r}: must be >= 0 (0 disables LoRA)")
     targets = model_args.lora_target_modules
     target_modules = (
         targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shutil
 import sys
 from collections.abc import Iterator
@@ -55,7 +54,7 @@ def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, ze
 
     Runs before the model is built, so a refusal costs nothing.
     """
-    state = json.loads((path / checkpoint.STATE).read_text())
+    state = checkpoint.read_state(path)
     convert = (
         f"or convert it with `hf-scale export {path} EXPORT_DIR` and start a new run from it "
         "(--model_name_or_path EXPORT_DIR; the optimizer state starts fresh)"
@@ -99,7 +98,7 @@ def deepspeed_universal(path: Path, accelerator, engine, work_root: Path) -> Ite
     if error:
         raise UserError(
             f"--resume_from_checkpoint={path}: DeepSpeed's universal-checkpoint conversion failed ({error}); "
-            f"resume with {json.loads((path / checkpoint.STATE).read_text())['world_size']} processes"
+            f"resume with {checkpoint.read_state(path)['world_size']} processes"
         )
     # The config key "checkpoint": {"load_universal": true} becomes this attribute; DeepSpeed reads it only
     # while loading, so setting it now is the same as having it in the JSON from the start.

@@ -128,11 +128,11 @@ def prepare_datasets(args: DataArguments, extra: SourceArguments, tokenizer, *, 
         with _naming(source, several):
             train_parts.append(tokenize_dataset(raw["train"], tokenizer, args))
             if eval_requested_by and "validation" in raw:
-                validation_parts.append(tokenize_dataset(raw["validation"], tokenizer, args))
+                validation_parts.append(tokenize_dataset(raw["validation"], tokenizer, args, "validation"))
     if args.validation_file:  # read (and so checked) even when not evaluated
         validation_file = _load_file("validation_file", args.validation_file)
         if eval_requested_by:
-            validation_parts.append(tokenize_dataset(validation_file, tokenizer, args))
+            validation_parts.append(tokenize_dataset(validation_file, tokenizer, args, "validation"))
     validation = None
     if eval_requested_by:
         if not validation_parts:

@@ -8,27 +8,31 @@ own log rounds to 4 digits), and evaluates with hf_scale.train.evaluation, as th
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_scale.train import checkpoint, evaluation, guard
+from hf_scale.train import checkpoint, divergence, evaluation, guard
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
 
 
 class HfScaleTrainer(Trainer):
-    """A Trainer that remembers each optimizer step's loss, token count and gradient norm."""
+    """A Trainer that remembers each optimizer step's loss, token count and gradient norm, and whose
+    checkpoints appear complete (sealed with hf_scale's manifest) or not at all."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, expected: guard.Expected, **kwargs):
         super().__init__(*args, **kwargs)
+        self.expected = expected
         self.window_loss = 0.0
         self.window_tokens = 0
         self.window_data_wait_s = 0.0
         self.last_grad_norm = None
         self.last_eval: evaluation.EvalResult | None = None
+        self._saving_step: int | None = None
 
     def _set_signature_columns_if_needed(self):
         # Packed rows carry their examples' lengths (SEQ_LENGTHS), which the collator needs but the model's
@@ -78,6 +82,61 @@ class HfScaleTrainer(Trainer):
         self.last_grad_norm = grad_norm
         return grad_norm
 
+    # --- checkpoints: written under hf_scale's temporary name, sealed, then renamed into place -------------
+
+    def _get_output_dir(self, trial):
+        # Private Trainer hook (transformers 5): where _save_checkpoint puts `checkpoint-STEP`. While saving it
+        # is `.tmp-checkpoint-STEP/`, so an interrupted save is hf_scale's own temporary directory (removed at
+        # the next start), never a checkpoint-STEP without a manifest; the Trainer's own rotation, which would
+        # delete any checkpoint-* (also foreign ones), only sees that directory.
+        if self._saving_step is not None:
+            return str(Path(self.args.output_dir) / f"{checkpoint.TMP_PREFIX}{self._saving_step}")
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        step, output_dir = self.state.global_step, self.args.output_dir
+        with checkpoint.write_errors_reported(f"{checkpoint.PREFIX}{step}", output_dir):
+            self._write_sealed_checkpoint(model, trial, step, Path(output_dir))
+
+    def _write_sealed_checkpoint(self, model, trial, step: int, output_dir: Path) -> None:
+        accelerator, is_main = self.accelerator, self.accelerator.is_main_process
+        staging = output_dir / f"{checkpoint.TMP_PREFIX}{step}"
+        written = staging / f"{checkpoint.PREFIX}{step}"
+        if is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        self._saving_step = step
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._saving_step = None
+        accelerator.wait_for_everyone()  # every rank's shards are on disk
+        final = output_dir / f"{checkpoint.PREFIX}{step}"
+        if is_main:
+            checkpoint.write_state(written, step=step, loop="trainer", world_size=accelerator.num_processes,
+                                   expected=self.expected, args=self.args)
+            if self.state.best_model_checkpoint == str(written):  # the Trainer recorded the temporary name
+                self.state.best_model_checkpoint = str(final)
+                self.state.save_to_json(str(written / "trainer_state.json"))
+        checkpoint.seal(written, step, accelerator)
+        if is_main:
+            checkpoint.publish(written, output_dir, step)
+            checkpoint.rotate(output_dir, self.args.save_total_limit, protect=self.state.best_model_checkpoint)
+        accelerator.wait_for_everyone()
+
+    # A checkpoint that verified but does not load is one line, not a traceback (private hooks, transformers 5).
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        with checkpoint.load_errors_reported(Path(resume_from_checkpoint)):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir):
+        with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
+            super()._load_optimizer_and_scheduler(checkpoint_dir)
+
+    def _load_rng_state(self, checkpoint_dir):
+        with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
+            super()._load_rng_state(checkpoint_dir)
+
 
 class GuardAndMetricsCallback(TrainerCallback):
     """Runs the runtime guard once the model is wrapped and writes metrics.jsonl per optimizer step."""
@@ -115,6 +174,7 @@ class GuardAndMetricsCallback(TrainerCallback):
             flops_per_token=self.flops_per_token,
             progress_bar=False,  # the Trainer draws its own
             track_compilations=args.torch_compile,
+            first_step=state.global_step,  # restored from the checkpoint when resuming
         )
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -128,7 +188,7 @@ class GuardAndMetricsCallback(TrainerCallback):
         )
         loss, tokens = trainer.accelerator.reduce(totals, reduction="sum").tolist()
         grad_norm = trainer.last_grad_norm
-        self.metrics.log_step(
+        record = self.metrics.log_step(
             step=state.global_step,
             loss=loss,
             lr=self.lr,
@@ -139,19 +199,21 @@ class GuardAndMetricsCallback(TrainerCallback):
         )
         trainer.window_loss = 0.0
         trainer.window_tokens = 0
+        # Before the Trainer's _maybe_log_save_evaluate: a diverged step is never saved.
+        divergence.check_step(state.global_step, loss, record["grad_norm"],
+                              loss_scaling=self.expected.precision == "fp16", output_dir=args.output_dir)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.metrics.log_eval(step=state.global_step, epoch=state.epoch or 0.0, result=self.trainer.last_eval)
 
 
 class CheckpointCallback(TrainerCallback):
-    """The Trainer keeps its own checkpoint format; hf_scale adds what makes it trustworthy: the
-    completeness manifest once every rank has written, a final checkpoint, and stop-on-signal."""
+    """A checkpoint at the end of the run (the full state, not only the final model), and stop-on-signal.
+    (The manifest and the atomic rename are HfScaleTrainer._save_checkpoint's.)"""
 
-    def __init__(self, trainer: HfScaleTrainer, stop: checkpoint.StopRequest, expected: guard.Expected):
+    def __init__(self, trainer: HfScaleTrainer, stop: checkpoint.StopRequest):
         self.trainer = trainer
         self.stop = stop
-        self.expected = expected
         self.preempted = False
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -163,13 +225,3 @@ class CheckpointCallback(TrainerCallback):
             state.global_step == state.max_steps
         ):
             control.should_save = True  # the full state at the end, not only the final model
-
-    def on_save(self, args, state, control, **kwargs):
-        accelerator = self.trainer.accelerator
-        accelerator.wait_for_everyone()  # every rank's shards are on disk
-        if state.is_world_process_zero:
-            path = Path(args.output_dir) / f"{checkpoint.PREFIX}{state.global_step}"
-            checkpoint.write_state(path, step=state.global_step, loop="trainer",
-                                   world_size=accelerator.num_processes, expected=self.expected, args=args)
-            checkpoint.write_manifest(path, state.global_step)
-        accelerator.wait_for_everyone()
