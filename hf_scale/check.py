@@ -1987,7 +1987,6 @@ example:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "check",
-        help="report inconsistencies between an accelerate YAML, a DeepSpeed JSON and training args",
         description="Read an existing accelerate YAML (and its DeepSpeed JSON and the training args) and "
         "report every inconsistency before a job starts: a table (or --json) of findings, each with a "
         "severity, a code, the file:key, the disagreeing values and the fix.",

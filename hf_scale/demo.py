@@ -31,7 +31,6 @@ DEMO_OVERRIDES = [
 def register(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo",
-        help="generate a ZeRO-3 config and fine-tune the embedded tiny Llama with 2 processes (CPU is fine)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  hf-scale demo --output-dir outputs/demo --max-steps 20",

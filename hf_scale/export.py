@@ -49,7 +49,6 @@ examples:
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="turn a training checkpoint (ZeRO-1/2/3, FSDP2, DDP) into a Hugging Face model directory",
         description="Consolidate a train.py checkpoint into config + sharded safetensors (with index) + "
         "tokenizer + generation config that from_pretrained loads without DeepSpeed.",
         epilog=EPILOG,

@@ -64,7 +64,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the generate, presets and schema sub-commands."""
     generate = subparsers.add_parser(
         "generate",
-        help="write accelerate YAML, DeepSpeed JSON and launch scripts from a config or preset",
         description="Validate a DistributedConfig (a YAML file or a preset, plus --set overrides) and write "
         "every file needed to launch it.",
         epilog=GENERATE_EPILOG,
@@ -115,7 +114,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     presets = subparsers.add_parser(
         "presets",
-        help="list the built-in presets",
         description="List the presets usable with `hf-scale generate --preset NAME`.",
         epilog="example:\n  hf-scale presets\n  hf-scale generate --preset zero3_offload",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -124,7 +122,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     schema = subparsers.add_parser(
         "schema",
-        help="print the JSON Schema of the config",
         description="Print the JSON Schema of DistributedConfig, for editor completion and validation "
         "(e.g. a `# yaml-language-server: $schema=hf-scale.schema.json` line in your YAML).",
         epilog="example:\n  hf-scale schema > hf-scale.schema.json",

@@ -17,7 +17,6 @@ from hf_scale.config import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
 from hf_scale.errors import UserError
 from hf_scale.files import check_output_file, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
-from hf_scale.planner.model_shapes import model_shapes
 from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, make_plan, planned_config_data
 from hf_scale.planner.report import format_table, plan_dict, write_plot
 
@@ -122,6 +121,8 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
         raise UserError(f"--safety-margin {args.safety_margin} is invalid: allowed 0 <= fraction < 1, e.g. 0.1")
     gpu_memory = parse_size("--gpu-memory", args.gpu_memory)
     cpu_memory = None if args.cpu_memory is None else parse_size("--cpu-memory", args.cpu_memory)
+    from hf_scale.planner.model_shapes import model_shapes  # torch and transformers: only once they are needed
+
     workload = Workload(
         shapes=model_shapes(model),
         gpus_per_machine=args.gpus_per_machine,
@@ -158,7 +159,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the plan sub-command."""
     parser = subparsers.add_parser(
         "plan",
-        help="estimate per-GPU memory of every strategy and recommend the fastest that fits",
         description="Count the model's parameters exactly (meta device), estimate per-GPU memory of DDP, "
         "ZeRO-1/2/3 (with offload) and FSDP2 with and without activation checkpointing, and recommend the "
         "fastest candidate that fits.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -87,6 +88,23 @@ def run_ok(command: list[str], **kwargs) -> subprocess.CompletedProcess:
         f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     )
     return result
+
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line \d+', re.MULTILINE)
+
+
+def training_traceback_frames(output: str) -> list[str]:
+    """The Python traceback frames in `output` that are in train.py or the hf_scale package: a refusal of
+    train.py must be one line, not a traceback. A launcher's own report (torchrun's ChildFailedError
+    traceback, its summary naming the script) is not one of train.py's. Paths are compared resolved, so the
+    answer does not depend on where the repository is cloned (a clone folder named `hf_scale` included)."""
+    package = (REPO / "hf_scale").resolve()
+    ours = []
+    for match in _FRAME.finditer(output):
+        path = Path(match["path"]).resolve()
+        if path == Path(TRAIN_PY).resolve() or path.is_relative_to(package):
+            ours.append(match.group(0).strip())
+    return ours
 
 
 def _records(output_dir: Path) -> list[dict]:
