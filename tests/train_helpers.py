@@ -107,6 +107,26 @@ def training_traceback_frames(output: str) -> list[str]:
     return ours
 
 
+LIBRARY_NOISE = (
+    "Gradient accumulation steps mismatch",  # accelerate, when the Trainer runs DeepSpeed with accumulation
+    "'pin_memory' argument is set as true but no accelerator is found",  # torch's DataLoader on a CPU machine
+)
+DEEPSPEED_NO_GPU_NOTICE = "Setting accelerator to CPU"
+
+
+def assert_quiet(result: subprocess.CompletedProcess, steps: int, launcher: str = "python") -> None:
+    """train.py's output without the libraries' known noise (hf_scale.quiet), and the finished progress bar
+    printed once: no other output (a save's bars) between its renderings. `accelerate launch` and the deepspeed
+    launcher import DeepSpeed in their own process, which prints its notice once (not train.py's)."""
+    output = result.stdout + result.stderr
+    assert not [noise for noise in LIBRARY_NOISE if noise in output], output[-3000:]
+    assert output.count(DEEPSPEED_NO_GPU_NOTICE) <= (1 if launcher in ("accelerate", "deepspeed") else 0)
+    # Text-mode output turns a progress bar's carriage returns into line ends: each rendering is a line.
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    finished = [i for i, line in enumerate(lines) if re.search(rf"100%\|.*\| {steps}/{steps} \[", line)]
+    assert finished and finished == list(range(finished[0], finished[-1] + 1)), "\n".join(lines[finished[0]:])
+
+
 def _records(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 

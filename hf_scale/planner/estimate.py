@@ -32,10 +32,9 @@ Differences from DeepSpeed's ``estimate_zero2/zero3_model_states_mem_needs`` (de
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:  # model_shapes imports torch and transformers; the estimates are plain arithmetic
-    from hf_scale.planner.model_shapes import ModelShapes
+from hf_scale.planner.model_shapes import ModelShapes
 
 Precision = Literal["no", "fp16", "bf16"]
 OptimizerName = Literal["adamw", "adamw_8bit", "sgd"]

@@ -18,6 +18,7 @@ from hf_scale.train import checkpoint, distributed, evaluation, guard, preemptio
 from hf_scale.train.args import ModelArguments, ScaleArguments
 from hf_scale.train.chat_template import read_chat_template
 from hf_scale.train.data import DataArguments, check_max_seq_length, make_collator
+from hf_scale.train.help import GroupedHelp
 from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
 from hf_scale.train.model import (
     default_attn_implementation,
@@ -33,8 +34,9 @@ DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
 PROBE_TOKENS = 16
 
 
-class _OneLineParser(HfArgumentParser):
-    """argparse prints usage and exits; hf_scale reports bad flags as one line (exit 2) instead."""
+class _OneLineParser(GroupedHelp, HfArgumentParser):
+    """argparse prints usage and exits; hf_scale reports bad flags as one line (exit 2) instead. --help leads
+    with hf_scale's own flags (hf_scale.train.help)."""
 
     def error(self, message):
         raise UserError(message)
@@ -134,6 +136,10 @@ def train(argv: list[str] | None = None) -> int:
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
+    if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.train.entry) saw only the command line
+        from hf_scale import quiet
+
+        quiet.undo()
     _validate_flags(ns)
     chat_template, hub_target = _checked_extras(ns)
 

@@ -27,6 +27,14 @@ class HfScaleTrainer(Trainer):
         self.last_grad_norm = None
         self.last_eval: evaluation.EvalResult | None = None
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled:
+            # The Trainer accumulates itself and hands accelerate num_steps=1; with DeepSpeed accelerate's prepare
+            # then warns "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config
+            # has N" and takes DeepSpeed's N. Taking it now leaves the same state without the false alarm.
+            self.accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.window_tokens += count_real_tokens(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -115,6 +123,8 @@ class GuardAndMetricsCallback(TrainerCallback):
             tokens=int(tokens),
             epoch=state.epoch or 0.0,
         )
+        if state.global_step >= state.max_steps:
+            _finish_progress_bar(trainer)
         trainer.window_loss = 0.0
         trainer.window_tokens = 0
 
@@ -151,3 +161,13 @@ class CheckpointCallback(TrainerCallback):
                                    world_size=accelerator.num_processes, expected=self.expected, args=args)
             checkpoint.write_manifest(path, state.global_step)
         accelerator.wait_for_everyone()
+
+
+def _finish_progress_bar(trainer: Trainer) -> None:
+    """Close the Trainer's progress bar at the last step. The Trainer saves the last checkpoint before it closes
+    the bar (on_train_end): the save's own bars would print below it, and the finished bar once more after them."""
+    from transformers.trainer_callback import ProgressCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+            callback.training_bar.close()
