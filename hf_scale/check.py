@@ -88,7 +88,8 @@ class CheckInputs:
     deepspeed_refs: tuple[tuple[str, str, str], ...] = ()
     """Every place naming a DeepSpeed JSON: (``file:key``, path as written, resolved path)."""
     deepspeed_path_note: str | None = None
-    """How the YAML's relative ``deepspeed_config_file`` resolves: ``yaml_dir_only`` / ``cwd_only`` / None."""
+    """How the YAML's relative ``deepspeed_config_file`` resolves: ``yaml_dir_only`` / ``cwd_only`` /
+    ``layout_only`` / None (see :func:`_resolve_yaml_reference`)."""
     training: dict[str, Any] | None = None
     """Parsed ``TrainingArguments`` fields (defaults included) when training args were given."""
     training_argv: tuple[str, ...] = ()
@@ -606,6 +607,20 @@ def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:
             "launching from anywhere else fails.",
             f"{_in(inp.accelerate_file)}write `{key}` as an absolute path, or always launch from this "
             "directory.",
+            {f"{inp.accelerate_file}:{key}": written},
+        )
+    elif inp.deepspeed_path_note == "layout_only":
+        root = Path(inp.accelerate_file).parent.parent
+        name = Path(inp.accelerate_file).stem
+        yield Finding(
+            WARNING,
+            "deepspeed-config-path",
+            inp.accelerate_file,
+            key,
+            f"`{written}` resolves from {root}/ (where the generated launch scripts start `accelerate launch`), "
+            "not from the current directory: `accelerate launch` started here fails.",
+            f"Start `accelerate launch` from {root}/ (launch/{name}.accelerate.sh there does), or write `{key}` "
+            "as an absolute path.",
             {f"{inp.accelerate_file}:{key}": written},
         )
     refs = inp.deepspeed_refs
@@ -1731,25 +1746,37 @@ def _parse_training_args(argv: list[str]) -> dict[str, Any]:
     return vars(namespace)
 
 
+GENERATED_YAML_DIR = "accelerate_configs"
+"""`hf-scale generate` writes DIR/accelerate_configs/NAME.yaml naming `ds_configs/NAME.json` relative to DIR, and
+its launch scripts run `accelerate launch` from DIR."""
+
+
 def _resolve_yaml_reference(written: str, yaml_dir: Path, cwd: Path) -> tuple[Path, str | None]:
-    """accelerate resolves ``deepspeed_config_file`` relative to the directory it is launched from; a
-    hand-written YAML usually means its own directory. Prefer the YAML's directory; say when only one
-    works."""
+    """The JSON a relative ``deepspeed_config_file`` names, and a note when a launch could miss it.
+
+    accelerate resolves it relative to the directory `accelerate launch` is started from (what it reads from
+    here, when it exists here); a hand-written YAML usually means its own directory; hf-scale's layout means
+    the directory holding ``accelerate_configs/``, where its launch scripts start. Notes: ``yaml_dir_only``
+    (a launch from here fails), ``cwd_only`` (only a launch from here works), ``layout_only`` (the generated
+    scripts work, a launch started here does not); None when the launch from here and the intended one agree."""
     path = Path(written).expanduser()
     if path.is_absolute():
         return path, None
     beside_yaml, from_cwd = yaml_dir / path, cwd / path
+    layout_root = yaml_dir.parent if yaml_dir.name == GENERATED_YAML_DIR else None
+    from_layout = layout_root / path if layout_root is not None else None
     # exists(), not is_file(): a directory or FIFO there is reported as what it is when it is read.
-    if beside_yaml.exists() and from_cwd.exists():
-        return beside_yaml, None
+    if from_cwd.exists():
+        intended = beside_yaml.exists() or (from_layout is not None and from_layout.resolve() == from_cwd.resolve())
+        return from_cwd, None if intended else "cwd_only"
+    if from_layout is not None and from_layout.exists():
+        return from_layout, "layout_only"
     if beside_yaml.exists():
         return beside_yaml, "yaml_dir_only"
-    if from_cwd.exists():
-        return from_cwd, "cwd_only"
-    raise UserError(
-        f"deepspeed_config.deepspeed_config_file={written!r}: file not found relative to the YAML's "
-        f"directory ({yaml_dir}) nor the current directory ({cwd})"
-    )
+    searched = f"the YAML's directory ({yaml_dir}) nor the current directory ({cwd})"
+    if layout_root is not None:
+        searched = f"{layout_root} (where generated launch scripts start), " + searched
+    raise UserError(f"deepspeed_config.deepspeed_config_file={written!r}: file not found relative to {searched}")
 
 
 def _accelerate_launch_env(yaml_path: Path, raw: dict[str, Any]) -> tuple[dict[str, str] | None, str | None]:
@@ -1987,7 +2014,6 @@ example:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "check",
-        help="report inconsistencies between an accelerate YAML, a DeepSpeed JSON and training args",
         description="Read an existing accelerate YAML (and its DeepSpeed JSON and the training args) and "
         "report every inconsistency before a job starts: a table (or --json) of findings, each with a "
         "severity, a code, the file:key, the disagreeing values and the fix.",

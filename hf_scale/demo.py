@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hf_scale import quiet
 from hf_scale.errors import UserError
 
 DEMO_NAME = "zero3_demo"
@@ -31,7 +32,6 @@ DEMO_OVERRIDES = [
 def register(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo",
-        help="generate a ZeRO-3 config and fine-tune the embedded tiny Llama with 2 processes (CPU is fine)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  hf-scale demo --output-dir outputs/demo --max-steps 20",
@@ -69,6 +69,12 @@ def run_demo(args: argparse.Namespace) -> int:
     ]
     print(f"$ accelerate launch --config_file {yaml_path} -m hf_scale.train ...", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
+    if args.verbose:
+        env[quiet.VERBOSE_ENV] = "1"
+    elif not quiet.gpu_device_present():
+        # What DeepSpeed picks here anyway, said up front: `accelerate launch` itself (not hf_scale's code) would
+        # print DeepSpeed's "Setting accelerator to CPU" notice.
+        env.setdefault("DS_ACCELERATOR", "cpu")
     result = subprocess.run(command, env=env)
     if result.returncode != 0:
         print(f"hf-scale demo: training failed (exit {result.returncode})", file=sys.stderr)

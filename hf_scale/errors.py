@@ -18,17 +18,19 @@ EXIT_BAD_INPUT = 2
 class UserError(Exception):
     """Invalid input from the user; the message is a single line shown as is."""
 
+    exit_code = EXIT_BAD_INPUT
+
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
 
 
 def exit_with_user_error(prog: str, error: UserError) -> NoReturn:
     print(f"{prog}: error: {error}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+    sys.exit(error.exit_code)
 
 
 def run_or_exit(prog: str, fn: Callable[[], int | None]) -> int:
-    """Run ``fn``; a :class:`UserError` becomes one line on stderr and exit code 2."""
+    """Run ``fn``; a :class:`UserError` becomes one line on stderr and its exit code (2 unless it says)."""
     try:
         return fn() or 0
     except UserError as error:

@@ -34,10 +34,12 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 EPILOG = """\
 CHECKPOINT_DIR is a complete OUTPUT_DIR/checkpoint-STEP written by train.py (either loop; DeepSpeed
-ZeRO-1/2/3, FSDP2 or DDP). An incomplete one (no hf_scale_complete.json) is refused.
+ZeRO-1/2/3, FSDP2 or DDP), or OUTPUT_DIR itself: its newest complete checkpoint is exported (named on
+stderr). An incomplete checkpoint (no valid hf_scale_complete.json) is refused.
 
 examples:
   hf-scale export outputs/run/checkpoint-500 exported/                      # the dtype it was trained in
+  hf-scale export outputs/run exported/                                     # the run's newest complete checkpoint
   hf-scale export outputs/run/checkpoint-500 exported-bf16/ --dtype bf16 --max-shard-size 2GB
   hf-scale export outputs/lora/checkpoint-200 adapter/                      # LoRA: the adapter only
   hf-scale export outputs/lora/checkpoint-200 merged/ --lora merged         # LoRA merged into the base
@@ -49,13 +51,13 @@ examples:
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="turn a training checkpoint (ZeRO-1/2/3, FSDP2, DDP) into a Hugging Face model directory",
         description="Consolidate a train.py checkpoint into config + sharded safetensors (with index) + "
         "tokenizer + generation config that from_pretrained loads without DeepSpeed.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a complete OUTPUT_DIR/checkpoint-STEP")
+    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
+                        help="a complete OUTPUT_DIR/checkpoint-STEP, or OUTPUT_DIR (its newest complete checkpoint)")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where the model goes (must not exist, or be empty)")
     parser.add_argument(
         "--dtype",
@@ -129,12 +131,15 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     if not checkpoint_dir.is_dir():
         what = "is not a directory" if checkpoint_dir.exists() else "no such directory"
         raise UserError(f"CHECKPOINT_DIR {checkpoint_dir}: {what}")
+    checkpoint_dir = _checkpoint_of(checkpoint_dir)
     with _reading(checkpoint_dir):
         complete = checkpoint.is_complete(checkpoint_dir)
     if not complete:
+        siblings = checkpoint.complete_checkpoints(checkpoint_dir.parent) if checkpoint.step_of(checkpoint_dir) else []
         raise UserError(
             f"CHECKPOINT_DIR {checkpoint_dir}: incomplete or corrupt checkpoint (no valid {checkpoint.MANIFEST}); "
-            "export a complete OUTPUT_DIR/checkpoint-STEP"
+            + (f"the newest complete one beside it is {siblings[-1]}" if siblings
+               else "export a complete OUTPUT_DIR/checkpoint-STEP")
         )
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"OUT_DIR {out_dir}: already exists and is not empty; choose a new directory")
@@ -178,6 +183,35 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     files = sorted(p.name for p in out_dir.iterdir())
     _log(f"done: {out_dir} ({', '.join(files)})")
     return out_dir
+
+
+def _checkpoint_of(path: Path) -> Path:
+    """`path` itself when it is a checkpoint; for a training output directory (OUTPUT_DIR holding
+    checkpoint-STEP folders), its newest complete checkpoint, said in one line on stderr."""
+    from hf_scale.train import checkpoint
+
+    if checkpoint.step_of(path) is not None or (path / checkpoint.MANIFEST).exists():
+        return path
+    with _reading(path):
+        folders = sorted((p for p in path.iterdir() if p.is_dir() and checkpoint.step_of(p) is not None),
+                         key=checkpoint.step_of)
+        complete = checkpoint.complete_checkpoints(path)
+    final_model = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    note = " (its final model is already in it: from_pretrained loads that directory)" if final_model else ""
+    if not folders:
+        if final_model:
+            raise UserError(f"CHECKPOINT_DIR {path}: a saved Hugging Face model, not a checkpoint: from_pretrained "
+                            "loads it as it is (export takes an OUTPUT_DIR/checkpoint-STEP)")
+        return path  # reported as an incomplete checkpoint
+    if not complete:
+        names = ", ".join(p.name for p in folders)
+        raise UserError(f"CHECKPOINT_DIR {path}: a training output directory without a complete checkpoint ({names} "
+                        f"{'is' if len(folders) == 1 else 'are'} incomplete: no valid {checkpoint.MANIFEST}){note}")
+    newest = complete[-1]
+    skipped = [p.name for p in folders if checkpoint.step_of(p) > checkpoint.step_of(newest)]
+    _log(f"{path} is a training output directory: exporting its newest complete checkpoint, {newest.name}"
+         + (f" ({', '.join(skipped)} incomplete)" if skipped else ""))
+    return newest
 
 
 def _validate_shard_size(size: str) -> None:

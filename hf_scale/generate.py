@@ -22,7 +22,7 @@ from hf_scale.files import write_files_together
 from hf_scale.generators import render_files
 from hf_scale.generators.deepspeed_json import MODES
 from hf_scale.inputs import read_bytes
-from hf_scale.plan import add_plan_arguments, plan_argv, plan_from_args
+from hf_scale.plan import NothingFits, add_plan_arguments, plan_argv, plan_from_args
 from hf_scale.planner.rank import planned_config_data
 from hf_scale.planner.report import verdict_lines
 from hf_scale.presets import PRESETS
@@ -57,6 +57,9 @@ examples:
 
 --strategy auto runs `hf-scale plan` on --model with the planning flags below and generates the
 recommended config (default NAME: the recommended candidate, e.g. zero2); --set still applies on top.
+
+exit codes: 0 written, 1 --strategy auto found no strategy that fits (nothing written), 2 bad input (one line
+on stderr, nothing written).
 """
 
 
@@ -64,7 +67,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the generate, presets and schema sub-commands."""
     generate = subparsers.add_parser(
         "generate",
-        help="write accelerate YAML, DeepSpeed JSON and launch scripts from a config or preset",
         description="Validate a DistributedConfig (a YAML file or a preset, plus --set overrides) and write "
         "every file needed to launch it.",
         epilog=GENERATE_EPILOG,
@@ -115,7 +117,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     presets = subparsers.add_parser(
         "presets",
-        help="list the built-in presets",
         description="List the presets usable with `hf-scale generate --preset NAME`.",
         epilog="example:\n  hf-scale presets\n  hf-scale generate --preset zero3_offload",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -124,7 +125,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     schema = subparsers.add_parser(
         "schema",
-        help="print the JSON Schema of the config",
         description="Print the JSON Schema of DistributedConfig, for editor completion and validation "
         "(e.g. a `# yaml-language-server: $schema=hf-scale.schema.json` line in your YAML).",
         epilog="example:\n  hf-scale schema > hf-scale.schema.json",
@@ -204,7 +204,8 @@ def _planned_overrides(args: argparse.Namespace) -> list[str]:
     for line in verdict_lines(plan):
         print(line)
     if plan.recommended is None:
-        raise UserError(f"--strategy auto: no strategy fits {args.model} on this hardware (see the reasons above)")
+        raise NothingFits(f"--strategy auto: no strategy fits {args.model} on this hardware (see the reasons above); "
+                          "nothing written")
     args.planned_name = plan.recommended.slug
     data = planned_config_data(plan, plan.recommended)
     return [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}" for key, value in _dotted(data)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 import yaml
@@ -17,7 +18,6 @@ from hf_scale.config import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
 from hf_scale.errors import UserError
 from hf_scale.files import check_output_file, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
-from hf_scale.planner.model_shapes import model_shapes
 from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, make_plan, planned_config_data
 from hf_scale.planner.report import format_table, plan_dict, write_plot
 
@@ -47,7 +47,17 @@ examples:
   hf-scale plan ./config.json --gpu-memory 24GiB --gpus-per-machine 4 --lora-r 16 --json
   hf-scale plan ./my-model --machines 2 --cpu-memory 1TiB --plot plan.png --write-config plan.yaml
   hf-scale generate plan.yaml        # or both at once: hf-scale generate --strategy auto --model MODEL
+
+exit codes: 0 a candidate fits (the recommendation), 1 no candidate fits (the table says why; no config is
+written), 2 bad input (one line on stderr, nothing written).
 """
+EXIT_NOTHING_FITS = 1
+
+
+class NothingFits(UserError):
+    """No candidate fits the hardware: exit 1 (not bad input, the answer is "no")."""
+
+    exit_code = EXIT_NOTHING_FITS
 
 
 def parse_size(flag: str, text: str) -> int:
@@ -122,6 +132,8 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
         raise UserError(f"--safety-margin {args.safety_margin} is invalid: allowed 0 <= fraction < 1, e.g. 0.1")
     gpu_memory = parse_size("--gpu-memory", args.gpu_memory)
     cpu_memory = None if args.cpu_memory is None else parse_size("--cpu-memory", args.cpu_memory)
+    from hf_scale.planner.model_shapes import model_shapes
+
     workload = Workload(
         shapes=model_shapes(model),
         gpus_per_machine=args.gpus_per_machine,
@@ -158,14 +170,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the plan sub-command."""
     parser = subparsers.add_parser(
         "plan",
-        help="estimate per-GPU memory of every strategy and recommend the fastest that fits",
         description="Count the model's parameters exactly (meta device), estimate per-GPU memory of DDP, "
         "ZeRO-1/2/3 (with offload) and FSDP2 with and without activation checkpointing, and recommend the "
         "fastest candidate that fits.",
         epilog=PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", metavar="MODEL", help="Hub id, model directory or config.json")
+    parser.add_argument(
+        "model", metavar="MODEL", help="model directory, config.json or Hub id (a path that exists wins; only the "
+        "Hub repository's config.json is fetched, from the cache when it is there)"
+    )
     add_plan_arguments(parser)
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
@@ -180,12 +194,20 @@ def run_plan(args: argparse.Namespace) -> int:
             check_output_file(Path(path), flag)
     plan = plan_from_args(args, args.model)
     # Everything that can fail is computed before any file is written.
-    config_text = planned_config_yaml(plan) if args.write_config else None
+    config_text = planned_config_yaml(plan) if args.write_config and plan.recommended is not None else None
     if args.plot:
         write_plot(plan, Path(args.plot))
     if config_text is not None:
         write_text_atomically(Path(args.write_config), config_text)
     print(json.dumps(plan_dict(plan), indent=2) if args.json else format_table(plan), end="" if not args.json else "\n")
-    if args.write_config and not args.json:
-        print(f"wrote {args.write_config} (turn it into launch files with: hf-scale generate {args.write_config})")
+    written = sys.stderr if args.json else sys.stdout  # --json keeps stdout one JSON document
+    if args.plot:
+        print(f"wrote {args.plot} (memory per GPU of every candidate)", file=written)
+    if config_text is not None:
+        print(f"wrote {args.write_config} (turn it into launch files with: hf-scale generate {args.write_config})",
+              file=written)
+    if plan.recommended is None:
+        if args.write_config:
+            print(f"hf-scale plan: no candidate fits, so {args.write_config} was not written", file=sys.stderr)
+        return EXIT_NOTHING_FITS
     return 0

@@ -228,7 +228,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the plot sub-command."""
     parser = subparsers.add_parser(
         "plot",
-        help="plot loss curves (metrics.jsonl) and tokens/s per run or strategy",
         description="Plot the loss curve of one or more train.py runs (their metrics.jsonl) with the tokens/s "
         "of each, or the tokens/s per strategy of a benchmark results JSON.",
         epilog=PLOT_EPILOG,

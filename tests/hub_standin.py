@@ -1,13 +1,14 @@
-"""A local stand-in for the few Hugging Face Hub endpoints huggingface_hub's `create_repo` and `upload_folder`
-call, so pushes are tested for real (huggingface_hub's own client, HTTP, auth header) and never reach the
-network. Point a process at it with HF_ENDPOINT=server.url and HF_TOKEN=server.token.
+"""A local stand-in for the few Hugging Face Hub endpoints huggingface_hub's `create_repo`, `upload_folder` and
+`hf_hub_download` call, so pushes and downloads are tested for real (huggingface_hub's own client, HTTP, auth
+header) and never reach the network. Point a process at it with HF_ENDPOINT=server.url and HF_TOKEN=server.token.
 
 Endpoints (huggingface_hub 2.x, hf_api.py / _commit_api.py):
 - POST /api/repos/create                        {"name", "organization", ...} -> {"url"}; 409 if it exists
 - POST /api/models/{repo}/preupload/{revision}  {"files": [{"path", "sample", "size"}]} -> every file "regular"
 - POST /api/models/{repo}/commit/{revision}     ndjson: a header line, then {"key": "file", "value":
                                                 {"path", "content" (base64), "encoding"}} -> {"commitUrl", "commitOid"}
-Anything else is answered 404 and recorded, so a test sees an unexpected call.
+- HEAD/GET /{repo}/resolve/{revision}/{path}     a file of `repos` (404 RepoNotFound / EntryNotFound otherwise)
+Anything else is answered 404 and recorded, so a test sees an unexpected call; `requests` lists every call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class HubStandIn:
         self.commits: list[tuple[str, str, list[str]]] = []
         """(repo id, commit message, paths) per commit."""
         self.unexpected: list[str] = []
+        self.requests: list[str] = []
+        """"METHOD path" of every request received."""
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -65,11 +68,39 @@ def _handler(hub: HubStandIn):
             self.end_headers()
             self.wfile.write(data)
 
+        def do_HEAD(self):
+            hub.requests.append(f"HEAD {self.path}")
+            self._file(send_body=False)
+
         def do_GET(self):
-            hub.unexpected.append(f"GET {self.path}")
-            self._reply(404, {"error": "not implemented by the stand-in"})
+            hub.requests.append(f"GET {self.path}")
+            self._file(send_body=True)
+
+        def _file(self, *, send_body: bool) -> None:
+            match = re.fullmatch(r"/(.+)/resolve/([^/]+)/(.+)", self.path.split("?")[0])
+            if match is None:
+                hub.unexpected.append(f"{self.command} {self.path}")
+                self._reply(404, {"error": "not implemented by the stand-in"})
+                return
+            repo_id, _revision, path = match.groups()
+            if repo_id not in hub.repos or path not in hub.repos[repo_id]:
+                code = "RepoNotFound" if repo_id not in hub.repos else "EntryNotFound"
+                self.send_response(404)
+                self.send_header("X-Error-Code", code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            data = hub.repos[repo_id][path]
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", hashlib.sha1(repo_id.encode()).hexdigest())
+            self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if send_body:
+                self.wfile.write(data)
 
         def do_POST(self):
+            hub.requests.append(f"POST {self.path}")
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if self.headers.get("Authorization") != f"Bearer {TOKEN}":
                 self._reply(401, {"error": "Invalid credentials in Authorization header"})

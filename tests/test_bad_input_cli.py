@@ -478,7 +478,7 @@ OTHER = [
     Case("demo-output-is-file", ["demo", "--output-dir", "f", "--max-steps", "1"], "is not a directory", {"f": "x"}),
     Case("unknown-command", ["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate'"),
     Case("no-command", [], "the following arguments are required: COMMAND"),
-    Case("unknown-global-flag", ["--verbose", "presets"], "unrecognized arguments: --verbose"),
+    Case("unknown-global-flag", ["--quiet", "presets"], "unrecognized arguments: --quiet"),
 ]
 
 CASES = [*GENERATE, *CHECK, *PLAN, *PLOT, *EXPORT, *OTHER]

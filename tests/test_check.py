@@ -783,6 +783,30 @@ def test_deepspeed_file_only_in_launch_dir_is_a_warning(tmp_path, monkeypatch, c
     ]
 
 
+def test_generated_files_check_clean_from_their_directory_and_say_where_to_launch_from_elsewhere(
+    tmp_path, monkeypatch, capsys
+):
+    """`hf-scale generate` names ds_configs/NAME.json relative to the directory holding accelerate_configs/, where
+    its launch scripts start `accelerate launch`: no finding there (the demo checks its own files so); from
+    another directory the JSON is still found, and the finding says where the launch must start."""
+    out = tmp_path / "run"
+    assert main(["generate", "--preset", "zero3", "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    monkeypatch.chdir(out)
+    code, table, _ = run_cli(["check", "--accelerate-config", "accelerate_configs/zero3.yaml"], capsys)
+    assert code == 0 and table.splitlines() == [
+        "ok: 0 error(s), 0 warning(s) in accelerate_configs/zero3.yaml, ds_configs/zero3.json (runner: trainer)"
+    ]
+    monkeypatch.chdir(tmp_path)
+    code, payload, _ = run_cli(["check", "--accelerate-config", "run/accelerate_configs/zero3.yaml", "--json"], capsys)
+    (finding,) = json.loads(payload)["findings"]
+    assert code == 0 and (finding["code"], finding["severity"]) == ("deepspeed-config-path", "warning")
+    assert "resolves from run/ (where the generated launch scripts start" in finding["problem"]
+    assert finding["fix"].startswith("Start `accelerate launch` from run/ (launch/zero3.accelerate.sh there does)")
+    checked = json.loads(payload)["summary"]["checked"]
+    assert checked == ["run/accelerate_configs/zero3.yaml", "run/ds_configs/zero3.json"]
+
+
 OTHER_PROJECT_FINDINGS = {
     ("unknown-accelerate-key", "other_project.yaml:deepspeed_config.zero3_save_16bit_modle"),
     ("ds-key-duplicated", "other_project.yaml:deepspeed_config.gradient_accumulation_steps"),

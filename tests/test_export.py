@@ -103,6 +103,28 @@ def test_export_refuses_an_incomplete_checkpoint_in_one_line(tmp_path_factory, t
     assert not out.exists() and not list(tmp_path.glob(".tmp-export-*"))
 
 
+def test_export_of_a_run_directory_takes_its_newest_complete_checkpoint_and_says_which(tmp_path_factory, tmp_path):
+    run_dir = tmp_path / "run"
+    for name in ("checkpoint-2", "checkpoint-4"):
+        shutil.copytree(trained(tmp_path_factory, "ddp", 2) / name, run_dir / name)
+    (run_dir / "checkpoint-4" / checkpoint.MANIFEST).unlink()  # interrupted while saving
+    out = tmp_path / "exported"
+    result = _export(run_dir, out)
+    assert (f"hf-scale export: {run_dir} is a training output directory: exporting its newest complete checkpoint, "
+            "checkpoint-2 (checkpoint-4 incomplete)") in result.stderr.splitlines()
+    AutoModelForCausalLM.from_pretrained(out)
+    refused = run(EXPORT + [str(run_dir / "checkpoint-4"), str(tmp_path / "out4")], timeout=120)
+    assert refused.stderr.strip().endswith(f"the newest complete one beside it is {run_dir / 'checkpoint-2'}")
+
+    (run_dir / "checkpoint-2" / checkpoint.MANIFEST).unlink()
+    result = run(EXPORT + [str(run_dir), str(tmp_path / "out2")], timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"hf-scale: error: CHECKPOINT_DIR {run_dir}: a training output directory without a complete checkpoint "
+        f"(checkpoint-2, checkpoint-4 are incomplete: no valid {checkpoint.MANIFEST})"
+    ]
+    assert not (tmp_path / "out2").exists()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

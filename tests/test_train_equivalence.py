@@ -37,6 +37,7 @@ import yaml
 from train_helpers import (
     REPO,
     SHM_COMM_OP,
+    assert_quiet,
     assert_saved_model_verified,
     child_env,
     free_port,
@@ -144,7 +145,7 @@ def _train(launcher: str, out, extra: list[str], *, config=None, cwd=None, via: 
         recipe.write_text(yaml.safe_dump(_as_recipe(flags)))
         flags = [str(recipe)] if via == "recipe" else ["--config", str(recipe)]
     command = launcher_command(launcher, config=config) + flags + ["--output_dir", str(out)]
-    run_ok(command, cwd=cwd, env=env or child_env())
+    assert_quiet(run_ok(command, cwd=cwd, env=env or child_env()), STEPS, launcher)
     return losses(out)
 
 

@@ -135,6 +135,45 @@ def run_ok(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line \d+', re.MULTILINE)
+
+
+def training_traceback_frames(output: str) -> list[str]:
+    """The Python traceback frames in `output` that are in train.py or the hf_scale package: a refusal of
+    train.py must be one line, not a traceback. A launcher's own report (torchrun's ChildFailedError
+    traceback, its summary naming the script) is not one of train.py's. Paths are compared resolved, so the
+    answer does not depend on where the repository is cloned (a clone folder named `hf_scale` included)."""
+    package = (REPO / "hf_scale").resolve()
+    ours = []
+    for match in _FRAME.finditer(output):
+        path = Path(match["path"]).resolve()
+        if path == Path(TRAIN_PY).resolve() or path.is_relative_to(package):
+            ours.append(match.group(0).strip())
+    return ours
+
+
+LIBRARY_NOISE = (
+    "Gradient accumulation steps mismatch",  # accelerate, when the Trainer runs DeepSpeed with accumulation
+    "'pin_memory' argument is set as true but no accelerator is found",  # torch's DataLoader on a CPU machine
+)
+DEEPSPEED_NO_GPU_NOTICE = "Setting accelerator to CPU"
+
+
+def assert_quiet(result: subprocess.CompletedProcess, steps: int, launcher: str = "python") -> None:
+    """train.py's output without the libraries' known noise (hf_scale.quiet), and the finished progress bar
+    printed once: no other output (a save's bars) between its renderings. The launchers' own processes are not
+    train.py's: `accelerate launch` (DeepSpeed configs) imports DeepSpeed, which prints its notice once; the
+    deepspeed launcher twice (its runner and the per-node launch process it starts)."""
+    output = result.stdout + result.stderr
+    assert not [noise for noise in LIBRARY_NOISE if noise in output], output[-3000:]
+    notices = [line for line in output.splitlines() if DEEPSPEED_NO_GPU_NOTICE in line]
+    assert len(notices) <= {"accelerate": 1, "deepspeed": 2}.get(launcher, 0), notices
+    # Text-mode output turns a progress bar's carriage returns into line ends: each rendering is a line.
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    finished = [i for i, line in enumerate(lines) if re.search(rf"100%\|.*\| {steps}/{steps} \[", line)]
+    assert finished and finished == list(range(finished[0], finished[-1] + 1)), "\n".join(lines[finished[0]:])
+
+
 def _records(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 

@@ -48,7 +48,8 @@ def starter_recipe(cfg: DistributedConfig, name: str, *, header: str) -> str:
             ("gradient_checkpointing", cfg.activation_checkpointing, "activation_checkpointing"),
             ("max_grad_norm", cfg.gradient_clipping or 0.0, "gradient_clipping (0: off)"),
         ]),
-        ("optimizer: the config's optimizer section (the DeepSpeed JSON's \"auto\" values come from these)", [
+        ("optimizer: the config's optimizer section" + (' (the DeepSpeed JSON\'s "auto" values come from these)'
+                                                         if cfg.strategy == "deepspeed" else ""), [
             ("learning_rate", opt.lr, "optimizer.lr"),
             ("weight_decay", opt.weight_decay, "optimizer.weight_decay"),
             ("adam_beta1", opt.betas[0], "optimizer.betas[0]"),

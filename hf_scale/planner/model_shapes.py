@@ -7,16 +7,21 @@ norms and any architecture quirk included.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, read_text
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# torch and transformers are imported where a model is built or a config read: a mistyped MODEL is reported
+# before they load.
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,15 @@ class ModelShapes:
         return rank * self.lora_params_per_rank
 
 
+HUB_TIMEOUT_S = 10.0
+"""Seconds one request to the Hub may take. The planner asks once, without huggingface_hub's retries (which
+add up to half a minute without a network)."""
+
+
 def load_model_config(model: str) -> PretrainedConfig:
-    """MODEL as a Hub id, a local model directory or a path to a config.json -> its transformers config."""
+    """MODEL as a local model directory or config.json (an existing path always wins), else a Hub id whose
+    config.json is taken from the local cache or fetched (one request, no retries). A name that is no valid
+    Hub id, or that names a local folder (``models/llama3_8b`` where ``models/`` exists), is a missing path."""
     path = Path(model).expanduser()
     if path.exists() and not path.is_dir():  # a file; a FIFO or device is refused when it is read
         return _config_from_file(path, model)
@@ -66,22 +78,72 @@ def load_model_config(model: str) -> PretrainedConfig:
         if not (path / "config.json").is_file():
             raise UserError(f"MODEL {model!r}: directory has no config.json (pass a model directory or a config.json)")
         return _config_from_file(path / "config.json", model)
-    if model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1:
+    local = _local_path_reason(model)
+    if local is not None:
         raise UserError(
-            f"MODEL {model!r}: no such file or directory (expected a Hub id, a model directory or a config.json)"
+            f"MODEL {model!r}: no such file or directory ({local}expected a Hub id, a model directory or a "
+            "config.json)"
         )
+    return _config_from_file(_hub_config_json(model), model)
+
+
+def _local_path_reason(model: str) -> str | None:
+    """Why ``model``, which does not exist, is a mistyped local path and not a Hub id, as the start of the error's
+    parenthesis ("" when it is plainly a path; None: it is a Hub id).
+    transformers' rule is that an existing path wins; a name that cannot be a repository id, or whose first
+    component is a folder here, was meant as a path too."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if model.startswith((".", "/", "~")) or "\\" in model or model.endswith(".json"):
+        return ""
+    if model.count("/") > 1:
+        return "a Hub id is NAME or ORG/NAME; "
     try:
-        return AutoConfig.from_pretrained(model)
-    except StrictDataclassError as error:
-        raise UserError(f"MODEL {model!r}: its config.json: {' '.join(str(error).split())[:200]}") from None
-    except (OSError, ValueError) as error:
-        reason = " ".join(str(error).split()).split(". ")[0].rstrip(".")
-        raise UserError(
-            f"MODEL {model!r}: cannot get its config.json from the Hugging Face Hub or the local cache "
-            f"({reason[:200]}); "
-            "offline, download config.json elsewhere and pass its path (hf-scale plan ./config.json) or a local "
-            "model directory"
-        ) from None
+        validate_repo_id(model)
+    except HFValidationError:
+        return "nor a valid Hub id; "
+    folder, _, name = model.rpartition("/")
+    if folder and Path(folder).is_dir():
+        nearest = difflib.get_close_matches(name, [p.name for p in Path(folder).iterdir()], n=1, cutoff=0.6)
+        hint = f" (did you mean {folder}/{nearest[0]}?)" if nearest else ""
+        return f"{folder}/ is a folder here, so this is a local path{hint}, not a Hub id; "
+    return None
+
+
+def _hub_config_json(model: str) -> Path:
+    """config.json of the Hub repository ``model``: from the local cache, else downloaded after one request
+    that says whether the Hub has it. One line for every failure."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    offline_hint = ("; offline, download config.json elsewhere and pass its path (hf-scale plan ./config.json) or a "
+                    "local model directory")
+    try:
+        return Path(hf_hub_download(model, "config.json", local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass  # not cached
+    try:
+        get_hf_file_metadata(hf_hub_url(model, "config.json"), timeout=HUB_TIMEOUT_S)
+        return Path(hf_hub_download(model, "config.json", etag_timeout=HUB_TIMEOUT_S))
+    except OfflineModeIsEnabled:
+        reason = "not in the local cache, and HF_HUB_OFFLINE is set" + offline_hint
+    except GatedRepoError:
+        reason = "a gated repository: accept its license on the Hub and log in (hf auth login or HF_TOKEN)"
+    except RepositoryNotFoundError:
+        reason = "no such repository on the Hub (or a private one: log in with hf auth login or HF_TOKEN)"
+    except RemoteEntryNotFoundError:
+        reason = "the Hub repository has no config.json"
+    except (HTTPError, OSError, ValueError) as error:
+        detail = " ".join(str(error).split())[:160] or type(error).__name__
+        reason = f"cannot reach the Hugging Face Hub ({detail})" + offline_hint
+    raise UserError(f"MODEL {model!r}: cannot get its config.json: {reason}")
 
 
 def _config_from_file(path: Path, model: str) -> PretrainedConfig:
@@ -90,6 +152,8 @@ def _config_from_file(path: Path, model: str) -> PretrainedConfig:
         raise UserError(f'MODEL {model!r}: {path} has no "model_type" (expected a transformers config.json)')
     model_type = data.pop("model_type")
     _check_dimensions(data, model)  # before transformers builds anything from them
+    from transformers import CONFIG_MAPPING, AutoConfig
+
     if model_type not in CONFIG_MAPPING:
         raise UserError(f"MODEL {model!r}: model_type {model_type!r} is unknown to transformers {_version()}")
     try:
@@ -149,6 +213,9 @@ def _check_dimensions(config: dict[str, Any], model: str) -> None:
 def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> ModelShapes:
     """Build the causal LM on the meta device and measure it."""
     config = load_model_config(model) if isinstance(model, str) else model
+    import torch
+    from transformers import AutoModelForCausalLM
+
     name = name or (model if isinstance(model, str) else config.model_type)
     try:
         _check_dimensions(config.to_dict(), name)  # a Hub config too

@@ -141,6 +141,28 @@ def write_plot(plan: Plan, path: Path) -> None:
     matplotlib.use("Agg")  # files only; never open a window
     import matplotlib.pyplot as plt
 
+    fig = plan_figure(plan)
+    try:
+        save_figure_atomically(fig, path, dpi=110, format="png")
+    finally:
+        plt.close(fig)
+
+
+PLOT_HEADROOM = 1.6
+"""The chart's height in GPU memories: candidates that need more are cut at the top edge, labelled."""
+
+
+def clipped_bars(plan: Plan) -> list[tuple[int, str]]:
+    """(bar index, label) of the candidates taller than the chart: their total, written at the top edge."""
+    top = plan.gpu_memory * PLOT_HEADROOM
+    return [(i, f"{a.estimate.gpu_total / _GIB:.1f} GiB \u2191") for i, a in enumerate(plan.assessments)
+            if a.estimate.gpu_total > top]
+
+
+def plan_figure(plan: Plan):
+    """The chart of :func:`write_plot` as a matplotlib Figure (the caller closes it)."""
+    import matplotlib.pyplot as plt
+
     labels = [a.candidate.label + (" +AC" if a.candidate.activation_checkpointing else "") for a in plan.assessments]
     fig, ax = plt.subplots(figsize=(max(8, 0.75 * len(labels)), 5.5), layout="constrained")
     bottoms = [0.0] * len(labels)
@@ -153,7 +175,12 @@ def write_plot(plan: Plan, path: Path) -> None:
     if plan.recommended is not None:
         index = plan.assessments.index(plan.recommended)
         ax.annotate("recommended", (index, bottoms[index]), ha="center", va="bottom", fontsize=9, weight="bold")
-    ax.set_ylim(0, max(plan.gpu_memory / _GIB * 1.6, 1e-9))
+    top = max(plan.gpu_memory / _GIB * PLOT_HEADROOM, 1e-9)
+    ax.set_ylim(0, top)
+    for index, text in clipped_bars(plan):
+        ax.annotate(text, (index, top), xytext=(0, -3), textcoords="offset points", rotation=90, ha="center",
+                    va="top", fontsize=8, weight="bold",
+                    bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
     ax.set_ylabel("GiB per GPU")
     s, w = plan.workload.shapes, plan.workload
     ax.set_title(
@@ -161,7 +188,4 @@ def write_plot(plan: Plan, path: Path) -> None:
     )
     plt.setp(ax.get_xticklabels(), rotation=45, ha="right", rotation_mode="anchor")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    try:
-        save_figure_atomically(fig, path, dpi=110, format="png")
-    finally:
-        plt.close(fig)
+    return fig

@@ -80,3 +80,12 @@ class ScaleArguments:
             "takes a fraction < 1 in --warmup_steps, which this sets)."
         },
     )
+    verbose: bool = field(
+        default=False,
+        metadata={
+            "help": "Show the libraries' own notices (DeepSpeed, transformers, datasets) on every process; by "
+            "default known noise is filtered and processes other than the first log errors only. Also "
+            "HF_SCALE_VERBOSE=1; on the command line or in the environment it also covers what the libraries "
+            "print while they load."
+        },
+    )

@@ -37,6 +37,7 @@ from hf_scale.train.data import (
     default_dataloader_workers,
     make_collator,
 )
+from hf_scale.train.help import GroupedHelp
 from hf_scale.train.liger import check_liger
 from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
 from hf_scale.train.model import (
@@ -55,8 +56,9 @@ MAX_LEARNING_RATE = 10.0
 """Above any rate that trains (SGD rarely exceeds 1, Adam 1e-2): a larger one is a typo (1e30 for 1e-3)."""
 
 
-class _OneLineParser(HfArgumentParser):
-    """argparse prints usage and exits; hf_scale reports bad flags as one line (exit 2) instead."""
+class _OneLineParser(GroupedHelp, HfArgumentParser):
+    """argparse prints usage and exits; hf_scale reports bad flags as one line (exit 2) instead. --help leads
+    with hf_scale's own flags (hf_scale.train.help)."""
 
     def error(self, message):
         raise UserError(message)
@@ -190,6 +192,10 @@ def train(argv: list[str] | None = None) -> int:
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
+    if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.train.entry) saw only the command line
+        from hf_scale import quiet
+
+        quiet.undo()
     _validate_flags(ns)
     chat_template, hub_target = _checked_extras(ns)
 

@@ -126,6 +126,7 @@ class StepMetrics:
         track_compilations: bool = False,
     ):
         self.is_main = is_main
+        self.total_steps = total_steps
         self.world_size = world_size
         self.flops_per_token = flops_per_token
         self.track_compilations = track_compilations
@@ -186,6 +187,10 @@ class StepMetrics:
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+            if step >= self.total_steps:
+                # Finished: closed before the final save, whose own bars would otherwise print below it and
+                # the finished bar once more after them.
+                self._bar.close()
         return record
 
     def log_eval(self, *, step: int, epoch: float, result) -> dict:

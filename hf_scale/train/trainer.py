@@ -51,6 +51,14 @@ class HfScaleTrainer(Trainer):
     def compute_loss(self, model, inputs, *args, **kwargs):
         return super().compute_loss(model, model_inputs(inputs), *args, **kwargs)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled:
+            # The Trainer accumulates itself and hands accelerate num_steps=1; with DeepSpeed accelerate's prepare
+            # then warns "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config
+            # has N" and takes DeepSpeed's N. Taking it now leaves the same state without the false alarm.
+            self.accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.window_tokens += count_real_tokens(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -197,6 +205,8 @@ class GuardAndMetricsCallback(TrainerCallback):
             epoch=state.epoch or 0.0,
             data_wait_s=trainer.window_data_wait_s,
         )
+        if state.global_step >= state.max_steps:
+            _finish_progress_bar(trainer)
         trainer.window_loss = 0.0
         trainer.window_tokens = 0
         # Before the Trainer's _maybe_log_save_evaluate: a diverged step is never saved.
@@ -225,3 +235,13 @@ class CheckpointCallback(TrainerCallback):
             state.global_step == state.max_steps
         ):
             control.should_save = True  # the full state at the end, not only the final model
+
+
+def _finish_progress_bar(trainer: Trainer) -> None:
+    """Close the Trainer's progress bar at the last step. The Trainer saves the last checkpoint before it closes
+    the bar (on_train_end): the save's own bars would print below it, and the finished bar once more after them."""
+    from transformers.trainer_callback import ProgressCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+            callback.training_bar.close()

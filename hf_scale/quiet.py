@@ -1,0 +1,110 @@
+"""Quiet by default: the libraries' known noise is filtered at hf_scale's entry points, never a real warning.
+
+What is filtered, and why it is noise:
+
+- DeepSpeed's ``Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+  it.``, logged whenever DeepSpeed is imported where it finds no GPU. `hf-scale` commands need no GPU
+  (they read and write files), so it is dropped there; in train.py it is dropped only where the machine has
+  no GPU device at all (``/dev/nvidiactl``, ``/dev/kfd``), since on a GPU machine it is real news: CUDA
+  is broken there.
+- torch's DataLoader ``'pin_memory' argument is set as true but no accelerator is found`` (the Trainer's
+  default ``--dataloader_pin_memory`` on a CPU-only machine: pinning is simply skipped).
+- On every process but the first of a multi-process run (``RANK`` > 0), the libraries follow their own
+  convention of logging on the main process: transformers and datasets log errors only
+  (``TRANSFORMERS_VERBOSITY``, ``DATASETS_VERBOSITY``), their progress bars are off
+  (``HF_HUB_DISABLE_PROGRESS_BARS``, ``HF_DATASETS_DISABLE_PROGRESS_BARS``) and DeepSpeed's logger shows
+  errors only (rank 0 shows the same notices once).
+
+``--verbose`` (train.py and every `hf-scale` command) or ``HF_SCALE_VERBOSE=1`` keeps everything. Environment
+variables the user set explicitly are never overridden.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+VERBOSE_ENV = "HF_SCALE_VERBOSE"
+VERBOSE_FLAG = "--verbose"
+_TRUE = ("1", "true", "yes", "on")
+
+DEEPSPEED_LOGGER = "DeepSpeed"
+DEEPSPEED_NO_GPU = "Setting accelerator to CPU"
+PIN_MEMORY_ON_CPU = r"'pin_memory' argument is set as true but no accelerator is found"
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+"""Device nodes of the NVIDIA and AMD (ROCm) kernel drivers: present on any machine with a usable GPU."""
+
+_REPLICA_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DATASETS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+}
+
+
+def verbose_requested(argv: Sequence[str] = ()) -> bool:
+    """``--verbose`` among the arguments (also ``--verbose=true``), or ``HF_SCALE_VERBOSE=1``."""
+    if os.environ.get(VERBOSE_ENV, "").strip().lower() in _TRUE:
+        return True
+    return any(arg == VERBOSE_FLAG or arg.lower() in (f"{VERBOSE_FLAG}={v}" for v in _TRUE) for arg in argv)
+
+
+def gpu_device_present() -> bool:
+    return any(Path(path).exists() for path in GPU_DEVICE_FILES)
+
+
+class _Drop(logging.Filter):
+    """Drops records below ``min_level`` or whose message starts with one of ``prefixes``. A filter on the
+    logger object survives DeepSpeed's own logger setup at import (which sets the level and adds a handler)."""
+
+    def __init__(self, *, prefixes: tuple[str, ...] = (), min_level: int = logging.NOTSET):
+        super().__init__()
+        self.prefixes, self.min_level = prefixes, min_level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.min_level and not str(record.msg).startswith(self.prefixes)
+
+
+_installed: list[tuple[logging.Logger, _Drop]] = []
+
+
+def _add_filter(logger_name: str, **kwargs) -> None:
+    logger = logging.getLogger(logger_name)
+    new = _Drop(**kwargs)
+    if not any(isinstance(f, _Drop) and vars(f) == vars(new) for f in logger.filters):
+        logger.addFilter(new)
+        _installed.append((logger, new))
+
+
+def undo() -> None:
+    """Show the libraries' log records again (``--verbose`` read from a recipe, after the entry point filtered);
+    what they printed while loading is gone."""
+    while _installed:
+        logger, installed = _installed.pop()
+        logger.removeFilter(installed)
+
+
+def is_replica(environ=os.environ) -> bool:
+    """A process other than the first of a launched job (torchrun, accelerate launch and the deepspeed launcher
+    all set RANK); a single process is the main one."""
+    rank = environ.get("RANK", "0").strip()
+    return rank.isdigit() and int(rank) > 0
+
+
+def quiet_command() -> None:
+    """For `hf-scale` commands: they never need a GPU, so DeepSpeed's "no GPU" notice is never news."""
+    _add_filter(DEEPSPEED_LOGGER, prefixes=(DEEPSPEED_NO_GPU,))
+
+
+def quiet_training(*, replica: bool | None = None) -> None:
+    """For train.py, before the libraries are imported (their import-time notices included)."""
+    if not gpu_device_present():
+        _add_filter(DEEPSPEED_LOGGER, prefixes=(DEEPSPEED_NO_GPU,))
+        warnings.filterwarnings("ignore", message=PIN_MEMORY_ON_CPU, category=UserWarning)
+    if is_replica() if replica is None else replica:
+        for name, value in _REPLICA_ENV.items():
+            os.environ.setdefault(name, value)
+        _add_filter(DEEPSPEED_LOGGER, min_level=logging.ERROR)

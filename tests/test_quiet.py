@@ -1,0 +1,165 @@
+"""Quiet by default (hf_scale.quiet), fast help (hf_scale.cli imports only the command being run), and
+train.py's grouped --help (hf_scale.train.help). In-process, except the one fresh interpreter that proves
+what `--help` imports."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+from transformers import TrainingArguments
+
+from hf_scale import quiet
+from hf_scale.cli import COMMANDS, main
+from hf_scale.train import help as train_help
+from hf_scale.train.args import ModelArguments, ScaleArguments
+from hf_scale.train.data import DataArguments
+from hf_scale.train.main import build_parser
+from hf_scale.train.sources import SourceArguments
+
+HEAVY = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "matplotlib")
+
+
+def test_help_of_every_command_imports_none_of_the_heavy_libraries():
+    """`hf-scale --help` and `hf-scale COMMAND --help` load no torch/transformers/accelerate/DeepSpeed; the top
+    level not even pydantic. A fresh interpreter runs them all and lists what got imported."""
+    script = f"""
+import json, sys
+from hf_scale.cli import main
+seen = {{}}
+for command in [None, *{list(COMMANDS)!r}]:
+    try:
+        main(([command] if command else []) + ["--help"])
+    except SystemExit:
+        pass
+    seen[command or "top"] = [m for m in {[*HEAVY, "pydantic"]!r} if m in sys.modules]
+print(json.dumps(seen), file=sys.stderr)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stderr.splitlines()[-1])
+    assert seen["top"] == []
+    assert {command: loaded for command, loaded in seen.items() if set(loaded) - {"pydantic"}} == {}
+
+
+def test_top_level_help_lists_every_command_with_its_summary(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert f"    {command} " in out
+    assert "--verbose" in out and quiet.VERBOSE_ENV in out
+
+
+@pytest.mark.parametrize("argv", [["--verbose", "presets"], ["presets", "--verbose"]])
+def test_verbose_is_taken_before_or_after_the_command(argv, capsys):
+    assert main(argv) == 0
+    assert "zero3" in capsys.readouterr().out
+
+
+def _deepspeed_record(message: str, level: int = logging.WARNING) -> logging.LogRecord:
+    return logging.LogRecord(quiet.DEEPSPEED_LOGGER, level, "real_accelerator.py", 213, message, None, None)
+
+
+def _passes(record: logging.LogRecord) -> bool:
+    return logging.getLogger(quiet.DEEPSPEED_LOGGER).filter(record)
+
+
+def test_commands_drop_only_deepspeeds_no_gpu_notice():
+    quiet.quiet_command()
+    quiet.quiet_command()  # idempotent
+    try:
+        assert not _passes(_deepspeed_record("Setting accelerator to CPU. If you have GPU or other accelerator, ..."))
+        assert _passes(_deepspeed_record("Setting ds_accelerator to cuda (auto detect)"))
+        assert _passes(_deepspeed_record("gradient overflow, skipping step", logging.WARNING))
+        assert len(logging.getLogger(quiet.DEEPSPEED_LOGGER).filters) == 1
+    finally:
+        quiet.undo()
+    assert _passes(_deepspeed_record("Setting accelerator to CPU."))
+
+
+def test_replicas_log_errors_only_and_keep_the_users_own_settings(monkeypatch):
+    for name in quiet._REPLICA_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")  # set by the user: kept
+    quiet.quiet_training(replica=True)
+    try:
+        assert not _passes(_deepspeed_record("Rank 1: some notice", logging.WARNING))
+        assert _passes(_deepspeed_record("Rank 1: out of memory", logging.ERROR))
+        import os
+
+        assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+        assert os.environ["TRANSFORMERS_VERBOSITY"] == "info"
+    finally:
+        quiet.undo()
+    assert _passes(_deepspeed_record("Rank 1: some notice", logging.WARNING))
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [([], "", False), (["--verbose"], "", True), (["--verbose=true"], "", True), (["--x", "1"], "1", True),
+     (["--verbose_not"], "0", False)],
+)
+def test_verbose_comes_from_the_flag_or_the_environment(argv, env, expected, monkeypatch):
+    monkeypatch.setenv(quiet.VERBOSE_ENV, env)
+    assert quiet.verbose_requested(argv) is expected
+
+
+@pytest.mark.parametrize(("rank", "replica"), [(None, False), ("0", False), ("1", True), ("15", True)])
+def test_replica_is_any_rank_but_the_first(rank, replica):
+    assert quiet.is_replica({} if rank is None else {"RANK": rank}) is replica
+
+
+# --- train.py --help --------------------------------------------------------------------------------------
+
+
+def _flags(cls) -> set[str]:
+    return {f"--{f.name}" for f in dataclasses.fields(cls) if f.init}
+
+
+def _sections(text: str) -> dict[str, set[str]]:
+    """Section title -> the flags listed in it (the first word of each `  --flag ...` line)."""
+    sections, title = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            sections[title] = set()
+        elif title is not None and line.startswith("  -"):
+            sections[title].add(line.split()[0].rstrip(","))
+    return sections
+
+
+def test_train_help_leads_with_hf_scales_own_flags_and_the_most_used_training_flags():
+    text = build_parser().format_help()
+    options = _sections(text)
+    assert list(options) == ["model", "data", "hf_scale", f"{train_help.TRAINING}, the most used"]
+    assert options["model"] == _flags(ModelArguments)
+    assert options["data"] == _flags(DataArguments) | _flags(SourceArguments)
+    assert options["hf_scale"] == _flags(ScaleArguments) | {"--config", "-h", "--help-all"}
+    assert options[f"{train_help.TRAINING}, the most used"] == {f"--{n}" for n in train_help.COMMON_TRAINING_FLAGS}
+    assert "more TrainingArguments flags" in text and "train.py --help-all" in text
+    assert "(default: None)" not in text and "--learning-rate" not in text  # one spelling per flag
+    assert text.count("\n") < 300  # was 718 lines with every TrainingArguments flag
+
+
+def test_every_common_training_flag_is_a_training_argument():
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert set(train_help.COMMON_TRAINING_FLAGS) <= names
+
+
+def test_help_all_shows_every_flag_the_parser_takes(capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_known_args(["--help-all"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    listed = set().union(*_sections(out).values())
+    assert _flags(TrainingArguments) <= listed
+    every = {a.option_strings[0] for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS}
+    assert every <= listed
