@@ -8,6 +8,7 @@ naming the dotted field, the value and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import ipaddress
 import math
@@ -490,6 +491,13 @@ def load_config(
         data = _read_yaml(Path(path))
     else:
         data = {}
+    return config_from_data(data, overrides)
+
+
+def config_from_data(data: dict, overrides: Sequence[str] = ()) -> DistributedConfig:
+    """A config's plain data (a YAML file's, a preset's, the planner's) with dotted ``key=value`` overrides
+    applied on top (values parsed as YAML), validated. `data` itself is left as it is."""
+    data = copy.deepcopy(data)
     for override in overrides:
         _apply_override(data, override)
     _check_keys(data)
