@@ -142,7 +142,6 @@ def _validate_flags(ns) -> None:
             raise UserError(
                 f"--warmup_ratio={ns.warmup_ratio} and --warmup_steps={ns.warmup_steps}: set only one"
             )
-        ns.warmup_steps = ns.warmup_ratio
     evaluation.check_flags(ns)
 
 
@@ -254,6 +253,8 @@ def prepare(argv: list[str] | None) -> Run:
     group that really delivers it, the output directory locked and the checkpoint to resume from found."""
     ns, argv, recipe_path = _parse(argv)
     _validate_flags(ns)
+    if ns.warmup_ratio is not None:  # transformers 4's flag; transformers 5 takes the fraction in --warmup_steps
+        ns.warmup_steps = ns.warmup_ratio
     chat_template, hub_target = _checked_extras(ns)
     launch = _reconcile_with_launcher(ns, argv)
     state = distributed.init_process_state(launch.request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
@@ -267,11 +268,11 @@ def prepare(argv: list[str] | None) -> Run:
     spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing)
     if state.is_main_process:
         print(f"hf_scale: run: {spec.describe()}", file=sys.stderr, flush=True)
+    resume_dir = _claim_output_dir(args, spec, state, hub_target)
     return Run(
         spec=spec, args=args, model_args=_dataclass_from(ns, ModelArguments), data_args=data_args,
         source_args=_dataclass_from(ns, sources.SourceArguments), launch=launch, state=state, stop=stop,
-        resume_dir=_claim_output_dir(args, spec, state, hub_target), chat_template=chat_template,
-        hub_target=hub_target, recipe_path=recipe_path,
+        resume_dir=resume_dir, chat_template=chat_template, hub_target=hub_target, recipe_path=recipe_path,
     )
 
 
