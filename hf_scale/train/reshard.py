@@ -36,9 +36,7 @@ from pathlib import Path
 
 from hf_scale.errors import UserError
 from hf_scale.train import checkpoint
-
-DEEPSPEED_TAG = "pytorch_model"
-"""accelerate's DeepSpeed checkpoint tag (the sub-directory holding the engine's files)."""
+from hf_scale.train.checkpoint_layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MANIFEST, staging_dir, step_of
 
 _LAYOUT = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
 
@@ -84,8 +82,7 @@ def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, ze
 def deepspeed_universal(path: Path, accelerator, engine, work_root: Path) -> Iterator[Path]:
     """A view of checkpoint `path` whose DeepSpeed tag is a universal checkpoint, and `engine` set to load
     it as one. Yields the directory to hand to `accelerator.load_state` (every rank)."""
-    step = checkpoint.step_of(path)
-    view = work_root / f"{checkpoint.TMP_PREFIX}universal-{step}"
+    view = staging_dir(work_root, f"universal-{step_of(path)}")
     error = None
     if accelerator.is_main_process:
         try:
@@ -120,7 +117,7 @@ def _convert(path: Path, view: Path, new_world: int) -> None:
     shutil.rmtree(view, ignore_errors=True)
     view.mkdir(parents=True)
     for entry in path.iterdir():
-        if entry.name not in (DEEPSPEED_TAG, "latest", checkpoint.MANIFEST):
+        if entry.name not in (DEEPSPEED_TAG, DEEPSPEED_LATEST, MANIFEST):
             (view / entry.name).symlink_to(entry.resolve())
     print(
         f"hf_scale: converting {path} to a DeepSpeed universal checkpoint to resume with {new_world} processes",
