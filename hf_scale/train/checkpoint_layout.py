@@ -196,7 +196,8 @@ class Layout:
         """One line for messages: what `path` is."""
         if self.kind == CHECKPOINT:
             tag = f" (tag {self.deepspeed_tag})" if self.deepspeed_tag else ""
-            return f"a complete checkpoint of the {self.loop or 'unknown'} loop, weights: {self.weights}{tag}"
+            loop = f" of the {self.loop} loop" if self.loop else ""
+            return f"a complete checkpoint{loop}, weights: {self.weights or 'none found'}{tag}"
         if self.kind == INCOMPLETE:
             return f"an incomplete checkpoint: {self.problem}"
         if self.kind == RUN_DIR:

@@ -38,13 +38,14 @@ from hf_scale.errors import UserError
 from hf_scale.train import checkpoint
 from hf_scale.train.checkpoint_layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MANIFEST, staging_dir, step_of
 
-_LAYOUT = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
+_FULL_STATES = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
 
 
-def _describe(strategy: str, zero_stage: int | None) -> str:
+def _state_layout(strategy: str, zero_stage: int | None) -> str:
+    """How a strategy lays out the saved training state (what must match to resume)."""
     if strategy == "deepspeed":
         return f"DeepSpeed ZeRO-{zero_stage}"
-    return _LAYOUT.get(strategy, strategy)
+    return _FULL_STATES.get(strategy, strategy)
 
 
 def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, zero_stage: int | None) -> dict:
@@ -63,7 +64,7 @@ def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, ze
             f"--resume_from_checkpoint={path}: written by --loop {saved_loop}, resumed with --loop {loop}; "
             f"the two loops keep different checkpoint layouts: resume with --loop {saved_loop}, {convert}"
         )
-    saved, wanted = _describe(state["strategy"], state.get("zero_stage")), _describe(strategy, zero_stage)
+    saved, wanted = _state_layout(state["strategy"], state.get("zero_stage")), _state_layout(strategy, zero_stage)
     if saved != wanted:
         raise UserError(
             f"--resume_from_checkpoint={path}: saved with {saved}, resumed with {wanted}; "
