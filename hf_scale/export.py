@@ -25,9 +25,12 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from hf_scale.errors import UserError
+
+if TYPE_CHECKING:
+    from hf_scale.train.checkpoint_layout import Layout
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 LORA_MODES = ("adapter", "merged")
@@ -174,8 +177,8 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     return out_dir
 
 
-def _checkpoint_of(path: Path):
-    """The complete checkpoint to export (a `checkpoint_layout.Layout`): `path` itself, or for a training
+def _checkpoint_of(path: Path) -> Layout:
+    """The complete checkpoint to export: `path` itself, or for a training
     output directory (OUTPUT_DIR holding checkpoint-STEP folders) its newest complete checkpoint, said in one
     line on stderr. Everything else is refused in one line saying what `path` is."""
     from hf_scale.train import checkpoint_layout as layout
@@ -193,7 +196,7 @@ def _checkpoint_of(path: Path):
     _refuse(found)
 
 
-def _refuse(found) -> NoReturn:
+def _refuse(found: Layout) -> NoReturn:
     """Why the directory `detect_layout` described cannot be exported, in one line."""
     from hf_scale.train import checkpoint_layout as layout
 
@@ -239,8 +242,8 @@ def _resolve_dtype(dtype: str, checkpoint_dir: Path):
     return getattr(torch, saved) if isinstance(getattr(torch, str(saved), None), torch.dtype) else torch.float32
 
 
-def _find_source(found) -> Source:
-    """The reader of the weights of the complete checkpoint `found` (a `checkpoint_layout.Layout`)."""
+def _find_source(found: Layout) -> Source:
+    """The reader of the weights of the complete checkpoint `found`."""
     from hf_scale.train import checkpoint_layout as layout
 
     path = found.path
