@@ -125,7 +125,7 @@ class HfScaleTrainer(Trainer):
                                    expected=self.expected, args=self.args)
             if self.state.best_model_checkpoint == str(written):  # the Trainer recorded the temporary name
                 self.state.best_model_checkpoint = str(final)
-                self.state.save_to_json(str(written / "trainer_state.json"))
+                self.state.save_to_json(str(written / checkpoint_layout.TRAINER_STATE))
         checkpoint.seal(written, step, accelerator)
         if is_main:
             checkpoint.publish(written, output_dir, step)
