@@ -154,6 +154,8 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
             tmp.mkdir(parents=True)
         with _reading(checkpoint_dir):
             model = _build_model(checkpoint_dir, torch_dtype, is_lora)
+            if is_lora:
+                source = _with_adapter_names(source, model)
             wanted = [n for n in source.names if "lora_" in n] if lora_mode == "adapter" else source.names
             _fill(model, source, wanted, torch_dtype, only_adapter=lora_mode == "adapter")
             tokenizer = _load_tokenizer(checkpoint_dir)
@@ -364,6 +366,29 @@ _WRAPPER_MODULES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_
 def _module_name(saved: str) -> str:
     """The model's own name of a saved tensor: without the wrappers' parts."""
     return ".".join(part for part in saved.split(".") if part not in _WRAPPER_MODULES)
+
+
+def _with_adapter_names(source: Source, model) -> Source:
+    """`source` with peft's adapter name put back into the adapter's tensor names the model does not know.
+
+    peft's adapter-only state dict (`get_peft_model_state_dict`: the Trainer's FSDP checkpoints, whose
+    `save_fsdp_model(adapter_only=True)` uses it with a sharded state dict) drops the adapter name
+    (`lora_A.weight` for the model's `lora_A.default.weight`); peft's own loader puts it back with this helper.
+    """
+    from peft.utils.save_and_load import _insert_adapter_name_into_state_dict
+
+    known = dict(model.named_parameters(remove_duplicate=False))
+    unknown = {n: n for n in source.names if n not in known}
+    if not unknown:
+        return source
+    renamed = _insert_adapter_name_into_state_dict(unknown, model.active_adapter, model.base_model.prefix)
+    saved = {n: n for n in source.names if n in known} | renamed  # the model's name -> the saved one
+
+    def read(names):
+        found = source.read([saved[n] for n in names])
+        return {n: found[saved[n]] for n in names}
+
+    return Source(source.description, list(saved), read)
 
 
 def _build_model(checkpoint_dir: Path, torch_dtype, is_lora: bool):

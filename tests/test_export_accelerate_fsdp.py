@@ -165,3 +165,34 @@ def test_a_damaged_accelerate_fsdp_file_is_one_line_naming_the_checkpoint(traine
     assert len(err) == 1 and f"CHECKPOINT_DIR {ckpt}: cannot be read" in err[0]
     assert not (tmp_path / "out").exists()
 
+
+
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_the_trainers_adapter_only_fsdp_save_of_a_lora_model_exports_the_trained_adapter(trained, accelerator,
+                                                                                          tmp_path, state_dict_type):
+    """The Trainer saves LoRA under FSDP with save_fsdp_model(adapter_only=True) (transformers'
+    get_fsdp_ckpt_kwargs): peft's adapter-only names when sharded, the trainable tensors only when full."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in lora.named_parameters():
+            if "lora_B" in name:  # zero at the start: non-zero values prove the trained adapter was read
+                parameter.normal_()
+
+    def write(model, path, accelerator):
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils.fsdp_utils import save_fsdp_model
+
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
+        save_fsdp_model(plugin, accelerator, model, str(path), 0, adapter_only=True)
+
+    ckpt = _checkpoint(tmp_path / "run", lora, write, accelerator, "trainer")
+    assert _export(ckpt, tmp_path / "adapter", "--lora", "adapter") == 0
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    expected = get_peft_model_state_dict(lora)
+    assert exported.keys() == expected.keys() and any("lora_B" in name for name in expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
