@@ -601,7 +601,8 @@ def test_launch_scripts_are_valid_bash_and_pass_arguments_through(cfg, tmp_path)
         torchrun = files["run.torchrun.sh"]
         assert f"--nnodes {cfg.topology.num_machines}" in torchrun
         assert f"--nproc_per_node {cfg.topology.processes_per_machine}" in torchrun
-        assert ("--deepspeed ds_configs/run.json" in torchrun) == (cfg.strategy == "deepspeed")
+        assert '--hf_scale_config "$generated_dir"/hf_scale_configs/run.yaml' in torchrun
+        assert ('--deepspeed "$generated_dir"/ds_configs/run.json' in torchrun) == (cfg.strategy == "deepspeed")
 
 
 def test_sbatch_uses_one_task_per_node_and_requeues_on_exit_75():
@@ -634,10 +635,11 @@ def test_hostfile_is_parsed_by_deepspeed():
 
 PROBE = """\
 import os, pathlib, signal, sys, time
-out = pathlib.Path(sys.argv[1])
+out = pathlib.Path(os.environ["PROBE_OUT"])
 rank = os.environ.get("RANK", "0")
 mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "")
-(out / f"env-{rank}").write_text(mixed_precision + " " + " ".join(sys.argv[2:]))
+(out / f"env-{rank}").write_text(mixed_precision + " " + " ".join(sys.argv[1:]))
+(out / f"cwd-{rank}").write_text(os.getcwd())
 if "--wait-for-usr1" in sys.argv:
     def stop(signum, frame):
         (out / f"checkpoint-{rank}").write_text("saved")
@@ -664,7 +666,8 @@ def script_env(tmp_path: Path) -> dict:
     bin_dir = str(Path(sys.executable).parent)  # the `accelerate` of this interpreter
     return {
         **os.environ,
-        "TRAIN_SCRIPT": "probe.py",
+        "TRAIN_SCRIPT": str(tmp_path / "probe.py"),
+        "PROBE_OUT": str(tmp_path),
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "MAIN_PROCESS_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
@@ -672,16 +675,22 @@ def script_env(tmp_path: Path) -> dict:
 
 
 def test_accelerate_script_runs_the_training_script_with_its_arguments(tmp_path):
+    """From another directory: the script finds its files relative to itself and leaves the cwd alone."""
     script = generate_into(tmp_path, get_preset("single_gpu"), "single")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     result = subprocess.run(
-        ["bash", str(script), str(tmp_path), "--foo", "a b"],
+        ["bash", str(script), "--foo", "a b"],
+        cwd=elsewhere,
         env=script_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert (tmp_path / "env-0").read_text() == "bf16 --foo a b"
+    config = tmp_path / "hf_scale_configs" / "single.yaml"
+    assert (tmp_path / "env-0").read_text() == f"bf16 --hf_scale_config {config} --foo a b"
+    assert (tmp_path / "cwd-0").read_text() == str(elsewhere)
 
 
 def test_usr1_reaches_the_training_processes_and_the_script_exits_75(tmp_path):
@@ -692,7 +701,7 @@ def test_usr1_reaches_the_training_processes_and_the_script_exits_75(tmp_path):
     cfg = validate_config({"strategy": "ddp", "precision": "no", "topology": {"processes_per_machine": 2}})
     script = generate_into(tmp_path, cfg, "ddp2")
     process = subprocess.Popen(
-        ["bash", str(script), str(tmp_path), "--wait-for-usr1"],
+        ["bash", str(script), "--wait-for-usr1"],
         env=script_env(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -759,9 +768,9 @@ SLURM_STANDINS = {
     ' else echo "$*" >> "$SCONTROL_LOG"; fi\n',
 }
 EXIT_75_PROBE = """\
-import pathlib, signal, sys, psutil
+import os, pathlib, signal, sys, psutil
 from hf_scale.train.preemption import mark_preempted
-pathlib.Path(sys.argv[1], "argv").write_text(" ".join(sys.argv[2:]))
+pathlib.Path(os.environ["PROBE_OUT"], "argv").write_text(" ".join(sys.argv[1:]))
 # What SLURM's --signal=USR1 does to the job step (the srun task's processes): the step's shell hears it,
 # train.py saves a checkpoint, marks it and exits 75.
 signal.signal(signal.SIGUSR1, lambda *_: None)
@@ -787,7 +796,7 @@ def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path):
     env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NUM_NODES="1",
                SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_ID="4242", SLURM_NODEID="0",
                SCONTROL_LOG=str(tmp_path / "scontrol.log"))
-    result = subprocess.run(["bash", str(tmp_path / "launch" / "one.sbatch"), str(tmp_path), *given],
+    result = subprocess.run(["bash", str(tmp_path / "launch" / "one.sbatch"), *given],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 75, result.stderr[-2000:]
     argv = (tmp_path / "argv").read_text()

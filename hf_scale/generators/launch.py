@@ -21,9 +21,8 @@ from __future__ import annotations
 import shlex
 
 from hf_scale.config import DistributedConfig, host_problem, name_problem
+from hf_scale.exit_codes import EXIT_PREEMPTED, PREEMPTED_MARKER_ENV
 from hf_scale.generators import layout
-from hf_scale.train.checkpoint import EXIT_PREEMPTED  # train.py's "checkpoint saved, run me again"
-from hf_scale.train.preemption import PREEMPTED_MARKER_ENV
 
 # Seconds before the SLURM time limit at which the training processes are asked to checkpoint and stop.
 PREEMPT_SIGNAL_LEAD_S = 120

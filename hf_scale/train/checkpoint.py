@@ -29,15 +29,13 @@ from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 
 from hf_scale.errors import UserError
+from hf_scale.exit_codes import EXIT_PREEMPTED  # noqa: F401 (checkpoint.EXIT_PREEMPTED: train.py's exit code)
 from hf_scale.train import integrity
 
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
 MANIFEST = "hf_scale_complete.json"
 STATE = "hf_scale_state.json"
-EXIT_PREEMPTED = 75
-"""train.py's exit code after saving a checkpoint on SIGTERM/SIGUSR1 (EX_TEMPFAIL: run again to resume);
-the generated SLURM script requeues the job on it."""
 
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
 _ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
