@@ -284,13 +284,13 @@ if [ "${{SLURM_JOB_NUM_NODES:-{topo.num_machines}}}" -ne {topo.num_machines} ]; 
   exit 2
 fi
 # The folder of this file. sbatch runs a copy of it from a spool directory, so the submitted file's place
-# comes from SLURM (`scontrol show job`: Command=); run with bash, it is this file's own folder; last,
-# launch/ under the submit directory.
+# comes from SLURM (`scontrol show job`: Command=, the script's path followed by its arguments, if any);
+# run with bash, it is this file's own folder; last, launch/ under the submit directory.
 accelerate_script={q(f"{name}.accelerate.sh")}
 submitted=""
 if [ -n "${{SLURM_JOB_ID:-}}" ]; then
   submitted=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null \\
-    | awk '{{ if (sub(/^[[:space:]]*Command=/, "")) print }}' || true)
+    | awk '{{ if (sub(/^[[:space:]]*Command=/, "")) {{ sub(/\\.sbatch[[:space:]].*$/, ".sbatch"); print }} }}' || true)
 fi
 launch_dir=""
 for candidate in "$(dirname -- "${{BASH_SOURCE[0]}}")" "$(dirname -- "${{submitted:-.}}")" launch; do
