@@ -144,3 +144,62 @@ def test_deepspeed_under_torchrun_gets_the_auto_json_built_from_the_config(tmp_p
     assert deepspeed["zero_optimization"]["stage"] == 2
     assert deepspeed["train_micro_batch_size_per_gpu"] == "auto"  # the Trainer fills it from the flags below
     assert (ns.per_device_train_batch_size, ns.gradient_accumulation_steps) == (1, 3)
+
+
+def _resolved_deepspeed(tmp_path, ds_config: dict):
+    """A "resolved" JSON launched with --deepspeed next to --hf_scale_config (the torchrun/deepspeed scripts)."""
+    import json
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(ds_config))
+    request = _request(world_size=1, strategy="deepspeed", deepspeed_config_file=str(path), zero_stage=2)
+    return request, path
+
+
+@pytest.mark.parametrize("lr_in_json", [3e-4, 1e-3])
+def test_a_resolved_deepspeed_json_agrees_with_the_flags_or_is_refused_in_one_line(lr_in_json, tmp_path,
+                                                                                     monkeypatch):
+    """The JSON's optimizer block holds lr/betas/eps/weight decay, which transformers compares with the flags
+    --hf_scale_config filled: the generated JSON passes transformers' own comparison; a JSON whose lr was
+    edited is refused in one line before transformers' traceback could happen."""
+    import json
+    from types import SimpleNamespace
+
+    from accelerate.state import AcceleratorState
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    from hf_scale.config import validate_config
+    from hf_scale.generators.deepspeed_json import deepspeed_config
+    from hf_scale.train.reconcile import follow_launcher_config
+
+    config = {**CONFIG, "strategy": "deepspeed", "deepspeed": {"zero_stage": 2, "torch_adam": True},
+              "topology": {"processes_per_machine": 1}}  # one process: what TrainingArguments sees here
+    ds_config = deepspeed_config(validate_config(config), "resolved")
+    ds_config["optimizer"]["params"]["lr"] = lr_in_json
+    request, path = _resolved_deepspeed(tmp_path, ds_config)
+    ns, request, deepspeed = _apply(tmp_path, ["--deepspeed", str(path)], config, request=request)
+    assert deepspeed == str(path)
+    if lr_in_json != 3e-4:
+        with pytest.raises(UserError, match=rf"optimizer.params.lr={lr_in_json} .*--learning_rate") as refused:
+            follow_launcher_config(ns, typed_flags(ns, []), request, ds_config)
+        assert "\n" not in str(refused.value)
+        return
+    follow_launcher_config(ns, typed_flags(ns, []), request, ds_config)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, fp16=False,
+        per_device_train_batch_size=ns.per_device_train_batch_size,
+        gradient_accumulation_steps=ns.gradient_accumulation_steps, max_grad_norm=ns.max_grad_norm,
+        learning_rate=ns.learning_rate, adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2,
+        adam_epsilon=ns.adam_epsilon, weight_decay=ns.weight_decay, max_steps=10,
+    )
+    try:
+        hf = HfTrainerDeepSpeedConfig(json.loads(json.dumps(ds_config)))
+        hf.trainer_config_process(args)
+        # transformers' own comparison (batch triple, clipping, precision, optimizer values): raises on a mismatch.
+        hf.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=64)),
+                                   num_training_steps=10)
+    finally:
+        unset_hf_deepspeed_config()
+        AcceleratorState._reset_state(reset_partial_state=True)
