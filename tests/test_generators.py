@@ -593,6 +593,10 @@ def test_launch_scripts_are_valid_bash_and_pass_arguments_through(cfg, tmp_path)
         first_command = next(line for line in lines[1:] if line and not line.startswith("#"))
         assert first_command == "set -euo pipefail"
         assert '"$@"' in text
+        # The header says where it runs from (anywhere) and what reaches the training.
+        says = "# Submit from any directory:" if file_name.endswith(".sbatch") else "# Runs from any directory."
+        assert says in text
+        assert "--hf_scale_config hf_scale_configs/run.yaml" in text
         script = tmp_path / file_name
         script.write_text(text)
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)

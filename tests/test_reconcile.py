@@ -203,3 +203,32 @@ def test_a_resolved_deepspeed_json_agrees_with_the_flags_or_is_refused_in_one_li
     finally:
         unset_hf_deepspeed_config()
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+FSDP_AC = {**CONFIG, "strategy": "fsdp", "activation_checkpointing": False, "fsdp": {"activation_checkpointing": True}}
+
+
+@pytest.mark.parametrize(
+    ("launcher", "yaml_value", "flags", "error"),
+    [
+        ("accelerate", "true", [], None),
+        ("accelerate", "false", [], "fsdp.activation_checkpointing=true but the accelerate config has "
+                                     "fsdp_activation_checkpointing=false"),
+        ("accelerate", "true", ["--gradient_checkpointing"], "checkpoints the decoder layers already"),
+        ("torchrun", None, [], "without a GPU train.py shards with torch's fully_shard"),
+    ],
+)
+def test_fsdp_activation_checkpointing_must_be_what_the_fsdp_plugin_applies(launcher, yaml_value, flags, error,
+                                                                            tmp_path, monkeypatch):
+    """FSDP's own checkpointing is applied by accelerate's FSDP plugin (its YAML's fsdp_activation_checkpointing,
+    seen as FSDP_ACTIVATION_CHECKPOINTING), never by a flag; where nothing would apply it, it is refused."""
+    if yaml_value is not None:
+        monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", yaml_value)
+    strategy = "fsdp" if launcher == "accelerate" else "ddp"
+    request = _request(launcher=launcher, strategy=strategy, mixed_precision="no" if launcher == "accelerate" else None)
+    if error:
+        with pytest.raises(UserError, match=error):
+            _apply(tmp_path, [*flags, "--loop", "accelerate"], FSDP_AC, request=request)
+        return
+    ns, _, _ = _apply(tmp_path, ["--loop", "accelerate"], FSDP_AC, request=request)
+    assert ns.gradient_checkpointing is False  # the plugin checkpoints the layers, the model's own stays off
