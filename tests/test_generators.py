@@ -847,7 +847,8 @@ def test_sbatch_job_trains_with_every_configured_value_from_its_spool_copy(tmp_p
     from hf_scale.cli import main
 
     root = tmp_path / "generated"
-    values = ["precision=no", "batch.micro_batch_size=1", "batch.gradient_accumulation_steps=3",
+    # precision stays the preset's bf16 (CPU bf16 here): the flags' default is fp32, so bf16 must come from the config.
+    values = ["batch.micro_batch_size=1", "batch.gradient_accumulation_steps=3",
               "gradient_clipping=0.7", "optimizer.lr=3e-4", "optimizer.betas=[0.85,0.97]", "optimizer.eps=1e-7",
               "optimizer.weight_decay=0.05", "activation_checkpointing=true"]
     sets = [arg for value in values for arg in ("--set", value)]
@@ -864,5 +865,5 @@ def test_sbatch_job_trains_with_every_configured_value_from_its_spool_copy(tmp_p
                             cwd=submit, env=env, capture_output=True, text=True, timeout=420)
     assert result.returncode == 0, result.stderr[-3000:]
     live = assert_live_values(submit / "out", root / "hf_scale_configs" / "one.yaml")
-    assert live["loop"] == "trainer" and live["world_size"] == 1
+    assert live["loop"] == "trainer" and live["world_size"] == 1 and live["precision"] == "bf16"
 
