@@ -5,6 +5,8 @@ one line naming the field, both values, when the flag says otherwise. In process
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -78,6 +80,13 @@ def test_a_flag_that_says_otherwise_is_refused_in_one_line(field, flag, value, s
     assert "\n" not in message
     shown = str(value).lower() if isinstance(value, bool) else str(value)
     assert f"{field}={shown} but --{flag}=" in message, message
+
+
+@pytest.mark.parametrize(("field", "flag", "value", "same", "other"), FIELDS, ids=[f[0] for f in FIELDS])
+def test_the_dashed_spelling_of_a_flag_is_refused_too(field, flag, value, same, other, tmp_path):
+    """HfArgumentParser accepts --learning-rate for --learning_rate: no silent override by that spelling."""
+    with pytest.raises(UserError, match=re.escape(f"{field}=") + f".* but --{flag}="):
+        _apply(tmp_path, [f"--{flag.replace('_', '-')}={other}"])
 
 
 @pytest.mark.parametrize(

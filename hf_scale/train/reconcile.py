@@ -34,7 +34,9 @@ _FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulati
 
 
 def _given(flag: str, argv: list[str]) -> bool:
-    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+    """`--flag_name` typed, in any spelling the parser accepts: HfArgumentParser also takes `--flag-name`."""
+    spellings = {flag, "--" + flag[2:].replace("_", "-")}
+    return any(arg.split("=", 1)[0] in spellings for arg in argv)
 
 
 def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None):
