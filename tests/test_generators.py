@@ -822,20 +822,6 @@ def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path):
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
 
 
-def test_generators_do_not_import_the_training_runtime():
-    """Pure functions from config to files: the exit codes and the preemption marker the scripts test come
-    from hf_scale.exit_codes, which hf_scale.train imports too (never generators -> train)."""
-    import ast
-
-    import hf_scale.generators
-
-    for path in Path(hf_scale.generators.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not [name for name in names if name.startswith("hf_scale.train")], path.name
-
-
 @pytest.mark.multiprocess
 def test_sbatch_job_trains_with_every_configured_value_from_its_spool_copy(tmp_path):
     """As SLURM runs it: a copy of the sbatch file in a spool folder, started in the submit directory, which
