@@ -46,16 +46,33 @@ class Observed:
     micro_batch_size: int | None
     mixed_precision: str
     deepspeed: dict | None = None
-    """engine facts: zero_stage, micro_batch_size, gradient_accumulation_steps, train_batch_size, precision."""
+    """engine facts (deepspeed_engine_facts): zero_stage, micro_batch_size, gradient_accumulation_steps,
+    train_batch_size, gradient_clipping, precision."""
     zero3_partitioned: bool | None = None
     single_process_cpu_launch: bool = False
     """accelerate's simple launcher started 1 process although num_processes > 1 was asked (use_cpu)."""
 
 
+def deepspeed_engine_facts(engine) -> dict:
+    """What a DeepSpeedEngine runs with, from the engine itself."""
+    return {
+        "zero_stage": engine.zero_optimization_stage(),
+        "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "train_batch_size": engine.train_batch_size(),
+        "gradient_clipping": engine.gradient_clipping(),
+        "precision": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "no",
+    }
+
+
+def is_deepspeed_engine(model) -> bool:
+    return type(model).__name__ == "DeepSpeedEngine"
+
+
 def _wrapper_kind(model) -> str:
     from torch.nn.parallel import DistributedDataParallel
 
-    if type(model).__name__ == "DeepSpeedEngine":
+    if is_deepspeed_engine(model):
         return "deepspeed"
     if isinstance(model, DistributedDataParallel):
         return "ddp"
@@ -87,14 +104,7 @@ def observe(
     wrapper = _wrapper_kind(model)
     deepspeed = None
     if wrapper == "deepspeed":
-        precision = "bf16" if model.bfloat16_enabled() else "fp16" if model.fp16_enabled() else "no"
-        deepspeed = {
-            "zero_stage": model.zero_optimization_stage(),
-            "micro_batch_size": model.train_micro_batch_size_per_gpu(),
-            "gradient_accumulation_steps": model.gradient_accumulation_steps(),
-            "train_batch_size": model.train_batch_size(),
-            "precision": precision,
-        }
+        deepspeed = deepspeed_engine_facts(model)
     single_cpu_launch = (
         os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"
         and "MASTER_ADDR" in os.environ
