@@ -209,15 +209,6 @@ def _with_sample_values(ds: dict[str, Any]) -> dict[str, Any]:
     return sample
 
 
-def _drop(mapping: dict[str, Any], loc: tuple[str, ...]) -> None:
-    node = mapping
-    for part in loc[:-1]:
-        node = node.get(part)
-        if not isinstance(node, dict):
-            return
-    node.pop(loc[-1], None)
-
-
 def _pydantic_names(model: Any, loc: tuple[Any, ...]) -> set[str]:
     """Field names and aliases of the (nested) pydantic model at ``loc``, for suggestions."""
     from pydantic import BaseModel
