@@ -74,7 +74,6 @@ TRIGGERS = {
         "cpu-single-process",
         "warning",
     ),
-    "cpu-train-py-flag": (DDP_YAML, None, ["--cpu", "--bf16"], None, [], "cpu-single-process", "warning"),
     "fsdp-with-use-cpu": (
         merged(FSDP_YAML, {"use_cpu": True, "num_processes": 1}),
         None,

@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from hf_scale.check.findings import TRAINING_ARGS, _get, _is_int, _Source
 from hf_scale.check.knowledge import YAML_TO_DS_PATH
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, load_yaml, read_text
+from hf_scale.rules import flag_given
 
 RUNNERS = ("trainer", "accelerate", "deepspeed")
 """What resolves DeepSpeed's "auto" values: the HF Trainer (hf_scale's train.py resolves "auto" with the
@@ -46,6 +48,7 @@ class CheckInputs:
     training: dict[str, Any] | None = None
     """Parsed ``TrainingArguments`` fields (defaults included) when training args were given."""
     training_argv: tuple[str, ...] = ()
+    """The training args as train.py reads them: a recipe's flags first, then the command line's."""
     gpus_per_machine: int | None = None
     """``--gpus-per-machine N``: GPUs per machine on the target cluster; None = not assumed (no GPU findings)."""
     launch_env: dict[str, str] | None = None
@@ -56,11 +59,6 @@ class CheckInputs:
     inline_deepspeed: dict[str, Any] | None = None
     """For a DeepSpeed YAML without ``deepspeed_config_file``: the DeepSpeed config accelerate's
     DeepSpeedPlugin builds from it, exactly as train.py builds it (hf_scale.train.inline_deepspeed)."""
-
-
-def _flag_given(argv: tuple[str, ...], name: str) -> bool:
-    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
-    return any(arg.split("=", 1)[0] in spellings for arg in argv)
 
 
 def _world_size(inp: CheckInputs) -> int | None:
@@ -115,7 +113,7 @@ def _ds_view(inp: CheckInputs) -> _DsView | None:
 def _training_source(inp: CheckInputs, name: str) -> _Source | None:
     if inp.training is None:
         return None
-    given = _flag_given(inp.training_argv, name)
+    given = flag_given(inp.training_argv, name)
     return _Source(TRAINING_ARGS, f"--{name}" + ("" if given else " (default)"), inp.training[name])
 
 
@@ -129,7 +127,7 @@ def _only_a_default_flag_differs(inp: CheckInputs, sources: list[_Source], flags
         and inp.deepspeed is None
         and bool(written and defaults)
         and len({repr(s.value) for s in written}) == 1
-        and not any(_flag_given(inp.training_argv, flag) for flag in flags)
+        and not any(flag_given(inp.training_argv, flag) for flag in flags)
     )
 
 
@@ -147,18 +145,36 @@ def _read_mapping(path: Path, what: str, parse: Callable[[str, str], Any]) -> di
     return data
 
 
-def _parse_training_args(argv: list[str]) -> dict[str, Any]:
-    """Parse with the Trainer's own parser, without constructing TrainingArguments (its __post_init__
-    touches devices); flags of train.py itself (``--loop``, ``--hf_scale_config``, model/data flags) are
-    tolerated. ``--loop accelerate`` changes nothing here: train.py resolves "auto" like the Trainer."""
-    from transformers import HfArgumentParser, TrainingArguments
+def _parse_training_args(argv: list[str]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Parse exactly as train.py does, with train.py's own parser (hf_scale.train.main.build_parser: every
+    TrainingArguments flag plus train.py's model/data/hf_scale flags, no abbreviations, an unknown flag refused,
+    a recipe file expanded before the flags), without constructing TrainingArguments (its __post_init__ touches
+    devices). Returns the parsed values and the flags as train.py sees them (the recipe's first). ``--loop
+    accelerate`` changes nothing here: train.py resolves "auto" like the Trainer."""
+    from hf_scale.train.main import build_parser
+    from hf_scale.train.recipe import expand_recipe
 
-    class _Parser(HfArgumentParser):
-        def error(self, message: str):  # argparse would print usage and exit
-            raise UserError(f"training args: {message}")
+    parser = build_parser()
+    try:
+        with _environment_kept():  # a recipe's `env:` is for the training processes, not for this check
+            argv, _ = expand_recipe(parser, list(argv))
+        namespace, unknown = parser.parse_known_args(argv)
+    except UserError as error:
+        raise UserError(f"training args: {error} (train.py refuses them the same way)") from None
+    if unknown:
+        raise UserError(f"training args: unrecognized arguments: {' '.join(unknown)} (train.py refuses them; see "
+                        "python train.py --help)")
+    return vars(namespace), tuple(argv)
 
-    namespace, _unknown = _Parser(TrainingArguments).parse_known_args(argv)
-    return vars(namespace)
+
+@contextlib.contextmanager
+def _environment_kept() -> Iterator[None]:
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 GENERATED_YAML_DIR = "accelerate_configs"
@@ -282,7 +298,7 @@ def load_inputs(
     if loader_error is None:
         launch_env, launch_error = _accelerate_launch_env(yaml_path, accelerate)
 
-    training = _parse_training_args(list(training_args)) if training_args else None
+    training, training_argv = _parse_training_args(list(training_args)) if training_args else (None, ())
 
     refs: list[tuple[str, str, str]] = []  # (file:key, as written, resolved)
     chosen: Path | None = None
@@ -315,7 +331,7 @@ def load_inputs(
         deepspeed_refs=tuple(refs),
         deepspeed_path_note=path_note,
         training=training,
-        training_argv=tuple(training_args),
+        training_argv=training_argv,
         gpus_per_machine=gpus_per_machine,
         launch_env=launch_env,
         launch_error=launch_error,

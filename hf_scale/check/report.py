@@ -107,7 +107,8 @@ The DeepSpeed JSON is --deepspeed-config, else the YAML's deepspeed_config.deeps
 (relative to the YAML's directory, then the current one), else --deepspeed in the training args.
 A YAML with its DeepSpeed settings inline (no deepspeed_config_file) is checked as the config
 accelerate's DeepSpeedPlugin builds from it, which is also what train.py trains with.
-Training args after `--` are parsed like the Trainer does (unknown flags are ignored).
+Training args after `--` are parsed by train.py's own parser: what train.py refuses (an abbreviation, an
+unknown flag, a bad value) is bad input here too.
 GPU findings need --gpus-per-machine N (GPUs per machine on the target); this machine's GPUs are never used.
 
 example:
@@ -151,7 +152,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "training_args",
         nargs="*",
         metavar="-- TRAINING-ARGS",
-        help="the training script's arguments (TrainingArguments flags), after `--`",
+        help="train.py's arguments (TrainingArguments and train.py flags, or a recipe file), after `--`",
     )
     parser.set_defaults(func=run)
 

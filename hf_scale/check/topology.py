@@ -10,12 +10,12 @@ from typing import Any
 
 from hf_scale.check.accelerate_yaml import _launch_int
 from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, _get, _in, _is_int
-from hf_scale.check.inputs import CheckInputs, _flag_given, _world_size
+from hf_scale.check.inputs import CheckInputs, _world_size
 
 
 def check_use_cpu_processes(inp: CheckInputs) -> Iterator[Finding]:
     """`cpu-single-process`: `use_cpu: true` with more than one process starts ONE process (accelerate's
-    simple launcher; several CPU processes need mpirun); `--use_cpu`/`--cpu` in the training args with
+    simple launcher; several CPU processes need mpirun); `--use_cpu` in the training args with
     several processes trains on CPU in each of them."""
     world = _world_size(inp)
     if world is None or world <= 1:
@@ -33,12 +33,9 @@ def check_use_cpu_processes(inp: CheckInputs) -> Iterator[Finding]:
             "processes need `mpirun_config.mpirun_hostfile` (or torchrun with a gloo backend).",
             {f"{inp.accelerate_file}:use_cpu": True, f"{inp.accelerate_file}:num_processes": world},
         )
-    if inp.training is not None and inp.training["use_cpu"]:
-        flag = "--use_cpu"
-    elif _flag_given(inp.training_argv, "cpu"):  # train.py-style flag, unknown to TrainingArguments
-        flag = "--cpu"
-    else:
+    if inp.training is None or not inp.training["use_cpu"]:
         return
+    flag = "--use_cpu"
     yield Finding(
         WARNING,
         "cpu-single-process",

@@ -4,14 +4,14 @@
 
 from __future__ import annotations
 
-import copy
-import re
-import types
+import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, _get, _in
-from hf_scale.check.inputs import CheckInputs, _flag_given, _world_size
-from hf_scale.check.knowledge import _PARSE_ERRORS
+from hf_scale import launch_values
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, _in
+from hf_scale.check.inputs import CheckInputs, _world_size
+from hf_scale.rules import flag_given
 
 
 def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
@@ -55,43 +55,72 @@ _COMPARED_ELSEWHERE = (
 )
 
 
-_MISMATCH_LINE = re.compile(r"- ds (?P<key>\S+)=(?P<ds>.*) vs hf (?P<hf>\S+)=(?P<flag>.*)")
-
-
 def check_trainer_compared_values(inp: CheckInputs) -> Iterator[Finding]:
-    """`ds-trainer-mismatch`: a concrete value of the JSON that the HF Trainer compares with a training flag
-    differs from it (`gradient_clipping` vs `--max_grad_norm`, the optimizer's lr/betas/eps/weight_decay,
-    the scheduler's `warmup_max_lr` vs `--learning_rate`), defaults included: the Trainer stops at start
-    ("mismatch"). Found with transformers' own HfTrainerDeepSpeedConfig."""
+    """`ds-trainer-mismatch`: a concrete value of the JSON that the HF Trainer compares with a training flag at
+    launch differs from it (`gradient_clipping` vs `--max_grad_norm`, the optimizer's lr/betas/eps/weight_decay,
+    the scheduler's `warmup_max_lr` vs `--learning_rate`, `warmup_num_steps` vs `--warmup_steps`/`--warmup_ratio`,
+    `total_num_steps` vs `--max_steps`), defaults included: a plain HF Trainer script stops at start on it, train.py
+    too when the flag is typed (it takes the JSON's value for a flag left at its default). The comparisons are
+    hf_scale.launch_values.reconcile, the rule train.py applies (tested against transformers' own)."""
     if inp.deepspeed is None or inp.runner != "trainer" or inp.training is None:
         return
-
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
-
-    args = types.SimpleNamespace(**inp.training, world_size=_world_size(inp) or 1)
-    try:
-        resolver = HfTrainerDeepSpeedConfig(copy.deepcopy(inp.deepspeed))
-        resolver.trainer_config_process(args)
-    except _PARSE_ERRORS:
-        return  # the schema checks report what it cannot read
-    finally:
-        unset_hf_deepspeed_config()  # the resolver registers itself globally
     file = inp.deepspeed_file or ""
-    for line in resolver.mismatches:
-        match = _MISMATCH_LINE.fullmatch(line)
-        if match is None or match["key"] in _COMPARED_ELSEWHERE:
-            continue
-        flags = "/".join(f"--{name}" for name in re.split(r"[+|]", match["hf"]))
-        yield Finding(
-            ERROR,
-            "ds-trainer-mismatch",
-            file,
-            match["key"],
-            f"{match['key']}={match['ds']} but {flags}={match['flag']}"
-            + (" (default)" if not any(_flag_given(inp.training_argv, f[2:]) for f in flags.split("/")) else "")
-            + ": the HF Trainer (and train.py) stop at start on this mismatch.",
-            f'{_in(file)}set `{match["key"]}` to "auto" (it then follows {flags}), or pass the same value '
-            f"as {flags} in the training args.",
-            {f"{file}:{match['key']}": _get(inp.deepspeed, match["key"], None),
-             f"{TRAINING_ARGS}:{flags}": match["flag"]},
-        )
+    max_steps = inp.training["max_steps"]
+    # Every flag counts as typed: the HF Trainer compares a default like any other value (it follows nothing).
+    result = launch_values.reconcile(
+        _training_values(inp),
+        _ALL_FLAGS,
+        deepspeed_config=inp.deepspeed,
+        deepspeed_source=file,
+        num_training_steps=max_steps if max_steps > 0 else None,
+    )
+    for difference in result.differences:
+        if difference.key not in _COMPARED_ELSEWHERE and _is_number_or_numbers(difference.config_value):
+            yield _mismatch_finding(inp, file, difference)
+
+
+_ALL_FLAGS = frozenset(
+    {"per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "learning_rate", "adam_beta1",
+     "adam_beta2", "adam_epsilon", "weight_decay", "bf16", "fp16", "max_steps", "num_train_epochs", "warmup_steps"}
+)
+
+
+def _training_values(inp: CheckInputs) -> launch_values.TrainingValues:
+    training = inp.training or {}
+    names = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} - {"world_size"}
+    values = {name: training[name] for name in names}
+    if training.get("warmup_ratio") is not None:  # train.py: --warmup_ratio is the warmup as a fraction
+        values["warmup_steps"] = training["warmup_ratio"]
+    return launch_values.TrainingValues(world_size=_world_size(inp) or 1, **values)
+
+
+def _is_number_or_numbers(value: Any) -> bool:
+    """A value of the wrong kind is `deepspeed-value-invalid`'s, not a mismatch."""
+    values = value if isinstance(value, list) else [value]
+    return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+
+
+def _mismatch_finding(inp: CheckInputs, file: str, difference: launch_values.Difference) -> Finding:
+    key, shown = difference.key, "/".join(f"--{name}" for name in difference.flags)
+    typed = any(flag_given(inp.training_argv, name) for name in difference.flags)
+    flag_value = difference.flag_value
+    if key == "scheduler.params.warmup_num_steps":
+        flag_value = f"{flag_value} steps"
+    elif key == "scheduler.params.total_num_steps":
+        flag_value = f"{flag_value} optimizer steps"
+    elif isinstance(flag_value, list):
+        flag_value = "/".join(map(str, flag_value))
+    consequence = (
+        "the HF Trainer and train.py stop at start on this mismatch" if typed
+        else "a plain HF Trainer script stops at start on this mismatch (train.py takes the JSON's value)"
+    )
+    return Finding(
+        ERROR,
+        "ds-trainer-mismatch",
+        file,
+        key,
+        f"{key}={difference.config_value} but {shown}={flag_value}{'' if typed else ' (default)'}: {consequence}.",
+        f'{_in(file)}set `{key}` to "auto" (it then follows {shown}), or pass the value of `{key}` as {shown} in '
+        "the training args.",
+        {f"{file}:{key}": difference.config_value, f"{TRAINING_ARGS}:{shown}": difference.flag_value},
+    )

@@ -22,15 +22,12 @@ import sys
 
 from hf_scale import launch_values
 from hf_scale.errors import UserError
+from hf_scale.rules import flag_given
 from hf_scale.train.distributed import LaunchRequest
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
 _FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",
                              "fp16")
-
-
-def _given(flag: str, argv: list[str]) -> bool:
-    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
 
 
 def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None):
@@ -99,7 +96,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
     )
     _fill_or_match(ns, argv, where, "max_grad_norm", "gradient_clipping", cfg.gradient_clipping or 0.0)
     flags_precision = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "no"
-    if (_given("--bf16", argv) or _given("--fp16", argv)) and flags_precision != cfg.precision:
+    if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != cfg.precision:
         raise UserError(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
     ns.bf16, ns.fp16 = cfg.precision == "bf16", cfg.precision == "fp16"
     if request.mixed_precision not in (None, cfg.precision) and request.strategy != "deepspeed":
@@ -111,7 +108,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
 
 
 def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value) -> None:
-    if _given(f"--{flag}", argv) and getattr(ns, flag) != value:
+    if flag_given(argv, flag) and getattr(ns, flag) != value:
         raise UserError(f"{where}: {field}={value} but --{flag}={getattr(ns, flag)}")
     setattr(ns, flag, value)
 
@@ -120,8 +117,8 @@ def typed_flags(ns, argv: list[str] | None) -> set[str]:
     """The launch_values flag names the user typed (or --hf_scale_config fixed)."""
     argv = sys.argv[1:] if argv is None else argv
     names = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} | {"num_train_epochs"}
-    given = {name for name in names if _given(f"--{name}", argv)}
-    if _given("--warmup_ratio", argv):
+    given = {name for name in names if flag_given(argv, name)}
+    if flag_given(argv, "warmup_ratio"):
         given.add("warmup_steps")
     if ns.hf_scale_config:
         given.update(_FIXED_BY_HF_SCALE_CONFIG)
