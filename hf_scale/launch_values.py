@@ -24,7 +24,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-PRECISIONS = ("no", "bf16", "fp16")
+from hf_scale import rules
+
+PRECISIONS = rules.PRECISIONS
 # (JSON key, flag) pairs the Trainer fill_match-es one to one, in transformers' order.
 FLAG_KEYS = (
     ("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
@@ -62,7 +64,7 @@ class TrainingValues:
 
     @property
     def precision(self) -> str:
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        return rules.precision_from_flags(self.bf16, self.fp16)
 
 
 @dataclass(frozen=True)
@@ -242,8 +244,8 @@ def _train_batch_size(state: _State, ds: dict) -> None:
     if not _concrete(ds_value):
         return
     v = state.values
-    per_step = v.world_size * v.per_device_train_batch_size
-    implied = per_step * v.gradient_accumulation_steps
+    per_step = rules.global_batch_size(v.per_device_train_batch_size, 1, v.world_size)
+    implied = rules.global_batch_size(v.per_device_train_batch_size, v.gradient_accumulation_steps, v.world_size)
     if ds_value == implied:
         return
     # DeepSpeed derives a missing accumulation from train_batch_size; so does train.py when no flag says it.

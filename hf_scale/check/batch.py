@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from hf_scale import rules
 from hf_scale.check.findings import ERROR, WARNING, Finding, _agree_fix, _disagreement, _get, _in, _is_int, _Source
 from hf_scale.check.inputs import (
     _DEFAULT_FLAG_NOTE,
@@ -126,7 +127,7 @@ def _batch_problem(total: Any, micro: Any, accum: Any, world: int) -> tuple[str,
             'set `train_micro_batch_size_per_gpu` (or "auto" for the Trainer) or `train_batch_size`.',
         )
     if micro is not None and accum is not None:
-        product = micro * accum * world
+        product = rules.global_batch_size(micro, accum, world)
         return (
             "train-batch-mismatch",
             f"train_batch_size={total} but micro batch x accumulation x world size = "

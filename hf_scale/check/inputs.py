@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_scale import rules
 from hf_scale.check.findings import TRAINING_ARGS, _get, _is_int, _Source
-from hf_scale.check.knowledge import YAML_TO_DS_PATH
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, load_yaml, read_text
 from hf_scale.rules import flag_given
@@ -85,7 +85,7 @@ class _DsView:
     def where(self, path: str) -> tuple[str, str]:
         if not self.from_yaml:
             return self.file, path
-        yaml_key = {v: k for k, v in YAML_TO_DS_PATH.items()}.get(path)
+        yaml_key = rules.yaml_key_of(path)
         return self.file, f"deepspeed_config.{yaml_key}" if yaml_key else "deepspeed_config"
 
 
@@ -96,17 +96,10 @@ def _ds_view(inp: CheckInputs) -> _DsView | None:
         return None
     if inp.inline_deepspeed is not None:
         return _DsView(inp.inline_deepspeed, inp.accelerate_file, from_yaml=True)
-    # accelerate's launch code could not read the YAML (reported as such): map its keys by hand.
+    # accelerate's launch code could not read the YAML (reported as such): map its keys by accelerate's table.
     section = inp.accelerate.get("deepspeed_config")
     section = section if isinstance(section, dict) else {}  # not a mapping: `accelerate-value-invalid`
-    config: dict[str, Any] = {"zero_optimization": {"stage": 2}}  # accelerate's default ZeRO stage
-    for yaml_key, path in YAML_TO_DS_PATH.items():
-        if yaml_key in section:
-            node = config
-            *parents, leaf = path.split(".")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = section[yaml_key]
+    config = rules.deepspeed_config_from_yaml(section)
     return _DsView(config, inp.accelerate_file, from_yaml=True)
 
 

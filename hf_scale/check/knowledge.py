@@ -16,6 +16,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from hf_scale import rules
 from hf_scale.check.findings import _get
 
 
@@ -27,18 +28,7 @@ def _auto_paths(node: Any, prefix: str = "") -> Iterator[str]:
         yield prefix[:-1]
 
 
-# accelerate's DeepSpeedPlugin.__post_init__ (`plugin_to_config_mapping`, accelerate/utils/dataclasses.py):
-# the YAML's `deepspeed_config` keys and the DeepSpeed JSON paths they set.
-YAML_TO_DS_PATH = {
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "gradient_clipping": "gradient_clipping",
-    "zero_stage": "zero_optimization.stage",
-    "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
-    "offload_param_device": "zero_optimization.offload_param.device",
-    "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
-    "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
-    "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-}
+YAML_TO_DS_PATH = rules.ACCELERATE_YAML_TO_DEEPSPEED
 
 
 # accelerate's DeepSpeedPlugin._deepspeed_config_checks (accelerate/utils/dataclasses.py) raises at launch
@@ -80,68 +70,16 @@ def _accelerate_config_fields(raw: dict[str, Any]) -> frozenset[str]:
     return frozenset(cls.__dataclass_fields__) | {"fp16", "dynamo_backend"}
 
 
-# Which "auto" values each runner fills in. Hand-listed because the libraries fill them inline (no
-# importable list); tests/test_check_knowledge.py checks every entry against the libraries' source.
-# Resolved by accelerate's DeepSpeedPlugin.__post_init__ for both the Trainer and an Accelerator loop.
-_PLUGIN_RESOLVED = frozenset(YAML_TO_DS_PATH.values())
-
-
-# transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process / _finalize.
-TRAINER_RESOLVED = _PLUGIN_RESOLVED | {
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "train_batch_size",
-    "gradient_clipping",
-    "optimizer.params.lr",
-    "optimizer.params.betas",
-    "optimizer.params.eps",
-    "optimizer.params.weight_decay",
-    "scheduler.params.warmup_min_lr",
-    "scheduler.params.warmup_max_lr",
-    "scheduler.params.total_num_steps",
-    "scheduler.params.warmup_num_steps",
-    "fp16.enabled",
-    "bf16.enabled",
-    "zero_optimization.reduce_bucket_size",
-}
-
-
-TRAINER_RESOLVED_ZERO3_ONLY = frozenset(
-    {"zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold"}
-)
-
-
-# accelerate/accelerator.py Accelerator._prepare_deepspeed (batch sizes from the prepared DataLoader, the
-# bucket sizes from model.config.hidden_size, optimizer lr/weight_decay from DummyOptim, scheduler values
-# from DummyScheduler) and DeepSpeedPlugin.set_mixed_precision (fp16/bf16). Betas, eps and anything else
-# left "auto" make _prepare_deepspeed raise "`...` not found in kwargs".
-ACCELERATE_RESOLVED = (
-    _PLUGIN_RESOLVED
-    | TRAINER_RESOLVED_ZERO3_ONLY
-    | {
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-        "train_batch_size",
-        "gradient_clipping",
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-        "zero_optimization.reduce_bucket_size",
-        "optimizer.params.lr",
-        "optimizer.params.weight_decay",
-        "scheduler.params.warmup_min_lr",
-        "scheduler.params.warmup_max_lr",
-        "scheduler.params.warmup_num_steps",
-        "scheduler.params.total_num_steps",
-        "fp16.enabled",
-        "bf16.enabled",
-    }
-)
+# Which "auto" values each runner fills in: hf_scale.rules, the one table (also behind the generated JSON's "auto").
+_PLUGIN_RESOLVED = rules.PLUGIN_FILLED
+TRAINER_RESOLVED = rules.TRAINER_FILLED
+TRAINER_RESOLVED_ZERO3_ONLY = rules.TRAINER_FILLED_ZERO3_ONLY
+ACCELERATE_RESOLVED = rules.ACCELERATOR_LOOP_FILLED
 
 
 def _resolvable(runner: str, path: str, ds: dict[str, Any]) -> bool:
     if runner == "trainer":
-        return path in TRAINER_RESOLVED or (
-            path in TRAINER_RESOLVED_ZERO3_ONLY and _get(ds, "zero_optimization.stage") == 3
-        )
+        return rules.trainer_fills(path, _get(ds, "zero_optimization.stage"))
     if runner == "accelerate":
         return path in ACCELERATE_RESOLVED
     return False  # raw deepspeed.initialize resolves nothing

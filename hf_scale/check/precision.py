@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from hf_scale import rules
 from hf_scale.check.findings import (
     ERROR,
     TRAINING_ARGS,
@@ -82,13 +83,16 @@ def check_fp16_and_bf16(inp: CheckInputs) -> Iterator[Finding]:
             "(bf16 on Ampere+).",
             {s.where: s.value for s in explicit.values()},
         )
-    if inp.training is not None and inp.training["fp16"] and inp.training["bf16"]:
+    training = inp.training or {}
+    try:
+        rules.precision_from_flags(bool(training.get("bf16")), bool(training.get("fp16")))
+    except ValueError as refused:
         yield Finding(
             ERROR,
             "fp16-and-bf16",
             TRAINING_ARGS,
             "--fp16/--bf16",
-            "Both --fp16 and --bf16 are given; TrainingArguments refuses this.",
+            f"{refused}: TrainingArguments and train.py refuse this.",
             "Pass only one of --fp16 and --bf16 in the training args.",
             {f"{TRAINING_ARGS}:--fp16": True, f"{TRAINING_ARGS}:--bf16": True},
         )

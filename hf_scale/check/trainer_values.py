@@ -64,6 +64,8 @@ def check_trainer_compared_values(inp: CheckInputs) -> Iterator[Finding]:
     hf_scale.launch_values.reconcile, the rule train.py applies (tested against transformers' own)."""
     if inp.deepspeed is None or inp.runner != "trainer" or inp.training is None:
         return
+    if inp.training["bf16"] and inp.training["fp16"]:
+        return  # `fp16-and-bf16`: no precision to compare with
     file = inp.deepspeed_file or ""
     max_steps = inp.training["max_steps"]
     # Every flag counts as typed: the HF Trainer compares a default like any other value (it follows nothing).

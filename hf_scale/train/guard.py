@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from hf_scale import rules
 from hf_scale.errors import UserError
 
 
@@ -87,7 +88,7 @@ def observe(
     wrapper = _wrapper_kind(model)
     deepspeed = None
     if wrapper == "deepspeed":
-        precision = "bf16" if model.bfloat16_enabled() else "fp16" if model.fp16_enabled() else "no"
+        precision = rules.precision_from_flags(model.bfloat16_enabled(), model.fp16_enabled())
         deepspeed = {
             "zero_stage": model.zero_optimization_stage(),
             "micro_batch_size": model.train_micro_batch_size_per_gpu(),
@@ -166,7 +167,8 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"DeepSpeed gradient_accumulation_steps={ds['gradient_accumulation_steps']} but "
                 f"--gradient_accumulation_steps={expected.gradient_accumulation_steps}"
             )
-        implied = expected.micro_batch_size * expected.gradient_accumulation_steps * expected.world_size
+        implied = rules.global_batch_size(expected.micro_batch_size, expected.gradient_accumulation_steps,
+                                          expected.world_size)
         if ds["train_batch_size"] != implied:
             problems.append(
                 f"DeepSpeed train_batch_size={ds['train_batch_size']} but micro {expected.micro_batch_size} x "
@@ -201,7 +203,7 @@ def verify_runtime(expected: Expected, observed: Observed) -> None:
 
 
 def expected_precision(bf16: bool, fp16: bool) -> str:
-    return "bf16" if bf16 else "fp16" if fp16 else "no"
+    return rules.precision_from_flags(bf16, fp16)
 
 
 def zero3_weights_partitioned(model) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_scale.errors import UserError
-from hf_scale.rules import flag_given
+from hf_scale.rules import flag_given, precision_from_flags
 
 PRECISIONS = ("no", "fp16", "bf16")
 _ENV_PREFIX = "ACCELERATE_"
@@ -139,7 +139,7 @@ def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> tuple[dict, 
         fill_or_match("max_grad_norm", "deepspeed_config.gradient_clipping", inline.gradient_clipping)
 
     flags_given = flag_given(argv, "bf16") or flag_given(argv, "fp16")
-    flags_precision = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "no"
+    flags_precision = precision_from_flags(ns.bf16, ns.fp16)
     if flags_given and flags_precision != inline.mixed_precision:
         raise UserError(
             f"the accelerate config has mixed_precision={inline.mixed_precision} but the flags ask for "

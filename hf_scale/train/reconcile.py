@@ -22,7 +22,7 @@ import sys
 
 from hf_scale import launch_values
 from hf_scale.errors import UserError
-from hf_scale.rules import flag_given
+from hf_scale.rules import flag_given, precision_from_flags
 from hf_scale.train.distributed import LaunchRequest
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
@@ -95,7 +95,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
         cfg.batch.gradient_accumulation_steps,
     )
     _fill_or_match(ns, argv, where, "max_grad_norm", "gradient_clipping", cfg.gradient_clipping or 0.0)
-    flags_precision = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "no"
+    flags_precision = precision_from_flags(ns.bf16, ns.fp16)
     if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != cfg.precision:
         raise UserError(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
     ns.bf16, ns.fp16 = cfg.precision == "bf16", cfg.precision == "fp16"
