@@ -128,7 +128,7 @@ def test_batch_findings_agree_with_deepspeeds_own_arithmetic(total, micro, accum
                        ("gradient_accumulation_steps", accum)):
         if value is not None:
             ds[key] = value
-    accepted, _, _ = batch_checks._deepspeed_accepts_batch(total, micro, accum, world)
+    accepted, _, _ = batch_checks.deepspeed_accepts_batch(total, micro, accum, world)
     _, payload = check_json(tmp_path, monkeypatch, capsys, merged(DS_YAML, {"num_processes": world}), ds,
                             runner="deepspeed")
     batch = [f for f in payload["findings"] if f["code"].startswith("train-batch")]

@@ -49,22 +49,22 @@ def test_auto_resolution_lists_match_the_libraries_source():
     filled = set(re.findall(r'fill_(?:match|only)\(\s*"([\w.]+)"', trainer_source))
     trainer_lists = check.TRAINER_RESOLVED | check.TRAINER_RESOLVED_ZERO3_ONLY
     assert filled <= trainer_lists, filled - trainer_lists
-    assert trainer_lists - filled <= knowledge._PLUGIN_RESOLVED
+    assert trainer_lists - filled <= knowledge.PLUGIN_RESOLVED
     plugin_source = inspect.getsource(DeepSpeedPlugin.__post_init__)
     for yaml_key, path in check.YAML_TO_DS_PATH.items():
         assert f'"{yaml_key}": "{path}"' in plugin_source
     accelerate_source = inspect.getsource(Accelerator._prepare_deepspeed) + inspect.getsource(
         DeepSpeedPlugin.set_mixed_precision
     )
-    for path in check.ACCELERATE_RESOLVED - knowledge._PLUGIN_RESOLVED:
+    for path in check.ACCELERATE_RESOLVED - knowledge.PLUGIN_RESOLVED:
         assert f'"{path}"' in accelerate_source, path
     assert '"optimizer.params.betas"' not in accelerate_source
 
 
 def test_no_rename_to_an_unrelated_key():
-    assert findings._closest("_comment", {"comet", "comms_logger"}) is None
-    assert findings._closest("wandb_project", {"wandb", "comet"}) is None
-    assert findings._closest("overlap_com", {"overlap_comm", "stage"}) == "overlap_comm"
+    assert findings.closest("_comment", {"comet", "comms_logger"}) is None
+    assert findings.closest("wandb_project", {"wandb", "comet"}) is None
+    assert findings.closest("overlap_com", {"overlap_comm", "stage"}) == "overlap_comm"
 
 
 def test_the_offload_devices_and_stages_are_deepspeeds():

@@ -100,7 +100,7 @@ def test_every_fix_names_the_file_and_key_that_hold_the_value(case, tmp_path, mo
 
 
 
-@pytest.mark.parametrize("spelling", zero._GATHER_SPELLINGS)
+@pytest.mark.parametrize("spelling", zero.GATHER_SPELLINGS)
 def test_16bit_gather_is_read_in_every_spelling_deepspeed_reads(spelling, tmp_path, monkeypatch, capsys):
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 

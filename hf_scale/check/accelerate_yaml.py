@@ -11,14 +11,14 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from hf_scale.check.findings import ERROR, Finding, _ignored_key_severity, _in, _is_int, _rename_fix, is_comment_key
+from hf_scale.check.findings import ERROR, Finding, ignored_key_severity, in_file, is_comment_key, is_int, rename_fix
 from hf_scale.check.inputs import CheckInputs
-from hf_scale.check.knowledge import OFFLOAD_DEVICES, _accelerate_config_fields, known_section_keys
+from hf_scale.check.knowledge import OFFLOAD_DEVICES, accelerate_config_fields, known_section_keys
 
 
 def check_accelerate_top_level(inp: CheckInputs) -> Iterator[Finding]:
     """`unknown-accelerate-key`, `accelerate-config-invalid`: accelerate's loader rejects the YAML."""
-    known = _accelerate_config_fields(inp.accelerate)
+    known = accelerate_config_fields(inp.accelerate)
     unknown = [key for key in inp.accelerate if key not in known]
     for key in unknown:
         yield Finding(
@@ -27,7 +27,7 @@ def check_accelerate_top_level(inp: CheckInputs) -> Iterator[Finding]:
             inp.accelerate_file,
             key,
             "Not an accelerate config key: `accelerate launch` refuses the file.",
-            _rename_fix(key, known, "accelerate config key", inp.accelerate_file),
+            rename_fix(key, known, "accelerate config key", inp.accelerate_file),
             {f"{inp.accelerate_file}:{key}": inp.accelerate[key]},
         )
     # With unknown keys the loader fails on them first; anything else it reports on its own.
@@ -38,7 +38,7 @@ def check_accelerate_top_level(inp: CheckInputs) -> Iterator[Finding]:
             inp.accelerate_file,
             "(file)",
             f"accelerate's config loader rejects the file: {inp.accelerate_loader_error}",
-            f"{_in(inp.accelerate_file)}fix the value accelerate names (or regenerate the file with "
+            f"{in_file(inp.accelerate_file)}fix the value accelerate names (or regenerate the file with "
             "`accelerate config` or `hf-scale generate`).",
         )
 
@@ -57,7 +57,7 @@ def check_accelerate_launch(inp: CheckInputs) -> Iterator[Finding]:
         inp.accelerate_file,
         "(file)",
         f"`accelerate launch` fails on this file: {inp.launch_error}",
-        f"{_in(inp.accelerate_file)}write the value accelerate cannot use as a plain number/string of the "
+        f"{in_file(inp.accelerate_file)}write the value accelerate cannot use as a plain number/string of the "
         "type `accelerate config` writes.",
     )
 
@@ -77,17 +77,17 @@ def check_accelerate_nested_keys(inp: CheckInputs) -> Iterator[Finding]:
             # A comment key is copied onto the launch arguments like any other and changes nothing.
             if effective not in known and not is_comment_key(key):
                 yield Finding(
-                    _ignored_key_severity(effective, known),
+                    ignored_key_severity(effective, known),
                     "unknown-accelerate-key",
                     inp.accelerate_file,
                     f"{section}.{key}",
                     "Not an option accelerate reads: ignored without a warning.",
-                    _rename_fix(effective, known, f"`{section}` key", inp.accelerate_file),
+                    rename_fix(effective, known, f"`{section}` key", inp.accelerate_file),
                     {f"{inp.accelerate_file}:{section}.{key}": value},
                 )
 
 
-def _launch_int(value: Any) -> int | None:
+def launch_int(value: Any) -> int | None:
     """`machine_rank` as `accelerate launch` reads it: it calls int() on it (prepare_multi_gpu_env,
     prepare_deepspeed_cmd_env), so a quoted "1" is 1; None when int() fails."""
     if isinstance(value, bool):
@@ -100,13 +100,13 @@ def _launch_int(value: Any) -> int | None:
 
 # Types and ranges of the values accelerate and DeepSpeed read: a value of the wrong kind is copied through
 # without a complaint and fails (or silently means something else) only at launch.
-def _value_problem(value: Any, hint: Any) -> str | None:
+def value_problem(value: Any, hint: Any) -> str | None:
     """Why ``value`` does not fit the type annotation ``hint`` of accelerate's ClusterConfig (None if it
     does). Booleans are not numbers; numbers must be finite; None means "accelerate's default"."""
     if value is None:
         return None
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        problems = [_value_problem(value, arg) for arg in typing.get_args(hint) if arg is not type(None)]
+        problems = [value_problem(value, arg) for arg in typing.get_args(hint) if arg is not type(None)]
         return None if None in problems else problems[0]
     if typing.get_origin(hint) is list:
         return None if isinstance(value, list) and all(isinstance(v, str) for v in value) else "must be a list"
@@ -115,7 +115,7 @@ def _value_problem(value: Any, hint: Any) -> str | None:
     if hint is bool:
         return None if isinstance(value, bool) else "must be true or false"
     if hint is int:
-        return None if _is_int(value) else "must be an integer"
+        return None if is_int(value) else "must be an integer"
     if hint is float:
         number = isinstance(value, int | float) and not isinstance(value, bool)
         return None if number and math.isfinite(value) else "must be a finite number"
@@ -127,7 +127,7 @@ def _value_problem(value: Any, hint: Any) -> str | None:
     return None
 
 
-def _range_problem(value: Any, low: float | None, high: float | None) -> str | None:
+def range_problem(value: Any, low: float | None, high: float | None) -> str | None:
     if low is not None and value < low:
         return f"must be >= {low}"
     if high is not None and value > high:
@@ -168,7 +168,7 @@ def _accelerate_value_problems(inp: CheckInputs) -> Iterator[tuple[str, Any, str
     for key, value in inp.accelerate.items():
         if key in _OWN_CHECKS:
             continue
-        problem = _value_problem(value, hints[key]) if key in hints else None
+        problem = value_problem(value, hints[key]) if key in hints else None
         yield key, value, problem or _option_problem(key, value, options.get(key))
     for section, prefix in (("deepspeed_config", ""), ("fsdp_config", "fsdp_")):
         values = inp.accelerate.get(section)
@@ -182,7 +182,7 @@ def _option_problem(key: str, value: Any, action: Any) -> str | None:
     if value is None or action is None:
         return None
     if action.type is int or action.type is float:
-        problem = _value_problem(value, action.type)
+        problem = value_problem(value, action.type)
         if problem:
             return problem
     elif isinstance(value, dict | list):
@@ -196,7 +196,7 @@ def _option_problem(key: str, value: Any, action: Any) -> str | None:
 
         return host_problem(str(value))
     bounds = ACCELERATE_RANGES.get(key)
-    return _range_problem(value, *bounds) if bounds and isinstance(value, int | float) else None
+    return range_problem(value, *bounds) if bounds and isinstance(value, int | float) else None
 
 
 def _launch_actions(group: str) -> list[Any]:
@@ -218,7 +218,7 @@ def check_accelerate_values(inp: CheckInputs) -> Iterator[Finding]:
                 inp.accelerate_file,
                 key,
                 f"`{key}`={value!r} {problem}: `accelerate launch` fails on it or misreads it.",
-                f"{_in(inp.accelerate_file)}write `{key}` as a value of the right type and range "
+                f"{in_file(inp.accelerate_file)}write `{key}` as a value of the right type and range "
                 "(`accelerate config` or `hf-scale generate` writes valid files).",
                 {f"{inp.accelerate_file}:{key}": value},
             )

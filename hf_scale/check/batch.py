@@ -8,15 +8,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from hf_scale import rules
-from hf_scale.check.findings import ERROR, WARNING, Finding, _agree_fix, _disagreement, _get, _in, _is_int, _Source
+from hf_scale.check.findings import ERROR, WARNING, Finding, Source, agree_fix, disagreement, get_path, in_file, is_int
 from hf_scale.check.inputs import (
-    _DEFAULT_FLAG_NOTE,
+    DEFAULT_FLAG_NOTE,
     CheckInputs,
-    _only_a_default_flag_differs,
-    _training_source,
-    _world_size,
+    only_a_default_flag_differs,
+    training_source,
+    world_size_of,
 )
-from hf_scale.check.knowledge import _deepspeed_off_stdout
+from hf_scale.check.knowledge import deepspeed_off_stdout
 
 
 def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:
@@ -24,44 +24,44 @@ def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:
     args (a warning when only a flag left at its default differs from an inline `deepspeed_config`: train.py
     takes the YAML's value, a plain HF Trainer stops)."""
     sources = [
-        _Source(inp.accelerate_file, key, _get(inp.accelerate, key))
+        Source(inp.accelerate_file, key, get_path(inp.accelerate, key))
         for key in ("deepspeed_config.gradient_accumulation_steps", "gradient_accumulation_steps")
-        if _is_int(_get(inp.accelerate, key))
+        if is_int(get_path(inp.accelerate, key))
     ]
-    if _is_int(_get(inp.deepspeed, "gradient_accumulation_steps")):
+    if is_int(get_path(inp.deepspeed, "gradient_accumulation_steps")):
         sources.append(
-            _Source(
+            Source(
                 inp.deepspeed_file or "",
                 "gradient_accumulation_steps",
                 inp.deepspeed["gradient_accumulation_steps"],
             )
         )
-    if (training := _training_source(inp, "gradient_accumulation_steps")) is not None:
+    if (training := training_source(inp, "gradient_accumulation_steps")) is not None:
         sources.append(training)
-    soft = _only_a_default_flag_differs(inp, sources, ("gradient_accumulation_steps",))
+    soft = only_a_default_flag_differs(inp, sources, ("gradient_accumulation_steps",))
     hint = ' ("auto" in the DeepSpeed JSON follows the training args)' if inp.deepspeed is not None else ""
-    yield from _disagreement(
+    yield from disagreement(
         "grad-accum-mismatch",
         "gradient_accumulation_steps",
         sources,
-        _agree_fix(sources, hint) if len(sources) > 1 else "",
+        agree_fix(sources, hint) if len(sources) > 1 else "",
         WARNING if soft else ERROR,
-        _DEFAULT_FLAG_NOTE if soft else "",
+        DEFAULT_FLAG_NOTE if soft else "",
     )
 
 
 def check_micro_batch(inp: CheckInputs) -> Iterator[Finding]:
     """`micro-batch-mismatch`: the JSON's `train_micro_batch_size_per_gpu` differs from
     `--per_device_train_batch_size` (the Trainer raises)."""
-    micro = _get(inp.deepspeed, "train_micro_batch_size_per_gpu")
-    training = _training_source(inp, "per_device_train_batch_size")
-    if inp.runner != "trainer" or not _is_int(micro) or training is None:
+    micro = get_path(inp.deepspeed, "train_micro_batch_size_per_gpu")
+    training = training_source(inp, "per_device_train_batch_size")
+    if inp.runner != "trainer" or not is_int(micro) or training is None:
         return
-    yield from _disagreement(
+    yield from disagreement(
         "micro-batch-mismatch",
         "the micro batch size per device",
-        [_Source(inp.deepspeed_file or "", "train_micro_batch_size_per_gpu", micro), training],
-        f'{_in(inp.deepspeed_file or "")}set `train_micro_batch_size_per_gpu` to "auto" (the Trainer fills '
+        [Source(inp.deepspeed_file or "", "train_micro_batch_size_per_gpu", micro), training],
+        f'{in_file(inp.deepspeed_file or "")}set `train_micro_batch_size_per_gpu` to "auto" (the Trainer fills '
         "it) or to --per_device_train_batch_size.",
     )
 
@@ -72,21 +72,21 @@ _UNKNOWN = object()
 
 def _batch_value(inp: CheckInputs, key: str, flag: str) -> Any:
     """What DeepSpeed will see for one batch key: an int, None (absent: DeepSpeed derives it) or _UNKNOWN."""
-    value = _get(inp.deepspeed, key, None)
+    value = get_path(inp.deepspeed, key, None)
     if value is None:
         # accelerate's DeepSpeedPlugin (both the Trainer and an Accelerator loop) writes a missing
         # gradient_accumulation_steps as 1.
         return 1 if key == "gradient_accumulation_steps" and inp.runner != "deepspeed" else None
     if value == "auto" and inp.runner == "trainer" and inp.training is not None:
         return inp.training[flag]
-    return value if _is_int(value) and value > 0 else _UNKNOWN  # <= 0: `deepspeed-value-invalid`
+    return value if is_int(value) and value > 0 else _UNKNOWN  # <= 0: `deepspeed-value-invalid`
 
 
-def _deepspeed_accepts_batch(total: Any, micro: Any, accum: Any, world: int) -> tuple[bool, Any, Any]:
+def deepspeed_accepts_batch(total: Any, micro: Any, accum: Any, world: int) -> tuple[bool, Any, Any]:
     """Run DeepSpeed's own batch arithmetic (DeepSpeedConfig._configure_train_batch_size: derive the missing
     values, then assert) on the four numbers; returns (accepted, derived micro, derived accumulation). The
     two methods read only these attributes, so no full config is needed."""
-    with _deepspeed_off_stdout():
+    with deepspeed_off_stdout():
         from deepspeed.runtime.config import DeepSpeedConfig
 
     config = object.__new__(DeepSpeedConfig)
@@ -117,7 +117,7 @@ def _batch_problem(total: Any, micro: Any, accum: Any, world: int) -> tuple[str,
             f"set `train_batch_size` to a multiple of {known}, or to \"auto\".",
         )
     else:
-        ok, micro_seen, accum_seen = _deepspeed_accepts_batch(total, micro, accum, world)
+        ok, micro_seen, accum_seen = deepspeed_accepts_batch(total, micro, accum, world)
     if ok:
         return None
     if total is None:
@@ -155,8 +155,8 @@ def check_train_batch_size(inp: CheckInputs) -> Iterator[Finding]:
     != micro batch x accumulation x world size, or the value DeepSpeed derives is 0 or not a whole number
     (e.g. `train_batch_size` smaller than the world size), or no batch size is set at all. The world size is
     the YAML's `num_processes`, the total over all machines."""
-    world = _world_size(inp)
-    if inp.deepspeed is None or world is None or _get(inp.deepspeed, "train_batch_size", None) == "auto":
+    world = world_size_of(inp)
+    if inp.deepspeed is None or world is None or get_path(inp.deepspeed, "train_batch_size", None) == "auto":
         return  # "auto": the runner computes it from the other two
     total = _batch_value(inp, "train_batch_size", "")
     micro = _batch_value(inp, "train_micro_batch_size_per_gpu", "per_device_train_batch_size")
@@ -172,4 +172,4 @@ def check_train_batch_size(inp: CheckInputs) -> Iterator[Finding]:
     for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
         if value is not _UNKNOWN:
             values[key] = value
-    yield Finding(ERROR, code, file, "train_batch_size", text, _in(file) + fix, values)
+    yield Finding(ERROR, code, file, "train_batch_size", text, in_file(file) + fix, values)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from hf_scale.check.findings import _MISSING, ERROR, WARNING, Finding, _get, _in
-from hf_scale.check.inputs import CheckInputs, _is_deepspeed_yaml
+from hf_scale.check.findings import ERROR, MISSING, WARNING, Finding, get_path, in_file
+from hf_scale.check.inputs import CheckInputs, is_deepspeed_yaml
 from hf_scale.check.knowledge import DS_FILE_CONFLICTING_YAML_KEYS, YAML_TO_DS_PATH
 
 
@@ -16,7 +16,7 @@ def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:
     """`deepspeed-config-path`, `deepspeed-config-differs`: the YAML's `deepspeed_config_file` resolves
     only from one directory, or different places name different DeepSpeed JSON files."""
     key = "deepspeed_config.deepspeed_config_file"
-    written = _get(inp.accelerate, key, None)
+    written = get_path(inp.accelerate, key, None)
     if inp.deepspeed_path_note == "yaml_dir_only":
         yield Finding(
             ERROR,
@@ -25,7 +25,7 @@ def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:
             key,
             f"`{written}` exists next to the YAML but not in the current directory, and `accelerate "
             "launch` resolves it relative to the directory it is started from.",
-            f"{_in(inp.accelerate_file)}write `{key}` as an absolute path, or relative to the directory you "
+            f"{in_file(inp.accelerate_file)}write `{key}` as an absolute path, or relative to the directory you "
             "launch from.",
             {f"{inp.accelerate_file}:{key}": written},
         )
@@ -37,7 +37,7 @@ def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:
             key,
             f"`{written}` resolves only relative to the current directory: "
             "launching from anywhere else fails.",
-            f"{_in(inp.accelerate_file)}write `{key}` as an absolute path, or always launch from this "
+            f"{in_file(inp.accelerate_file)}write `{key}` as an absolute path, or always launch from this "
             "directory.",
             {f"{inp.accelerate_file}:{key}": written},
         )
@@ -82,7 +82,7 @@ def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:
 def check_deepspeed_unused(inp: CheckInputs) -> Iterator[Finding]:
     """`deepspeed-config-unused`: a DeepSpeed JSON is given but the launch never enables DeepSpeed."""
     trainer_flag = inp.training is not None and inp.training.get("deepspeed")
-    if inp.deepspeed is None or _is_deepspeed_yaml(inp) or trainer_flag or inp.runner == "deepspeed":
+    if inp.deepspeed is None or is_deepspeed_yaml(inp) or trainer_flag or inp.runner == "deepspeed":
         return
     dtype = inp.accelerate.get("distributed_type")
     yield Finding(
@@ -91,7 +91,7 @@ def check_deepspeed_unused(inp: CheckInputs) -> Iterator[Finding]:
         inp.accelerate_file,
         "distributed_type",
         f"distributed_type is {dtype!r}, so `accelerate launch` does not use {inp.deepspeed_file}.",
-        f"{_in(inp.accelerate_file)}set `distributed_type: DEEPSPEED` with "
+        f"{in_file(inp.accelerate_file)}set `distributed_type: DEEPSPEED` with "
         "`deepspeed_config.deepspeed_config_file`, or pass `--deepspeed FILE` in the training args.",
         {f"{inp.accelerate_file}:distributed_type": dtype},
     )
@@ -102,21 +102,21 @@ def check_duplicated_deepspeed_keys(inp: CheckInputs) -> Iterator[Finding]:
     training args pass `--deepspeed FILE`: accelerate refuses them ("the following accelerate config
     variables will be ignored") at launch, resp. when TrainingArguments builds its DeepSpeed plugin."""
     section = inp.accelerate.get("deepspeed_config")
-    if not _is_deepspeed_yaml(inp) or not isinstance(section, dict):
+    if not is_deepspeed_yaml(inp) or not isinstance(section, dict):
         return
     flag_json = "deepspeed_config_file" not in section and bool(inp.training and inp.training.get("deepspeed"))
     if "deepspeed_config_file" not in section and not flag_json:
         return
     for key in DS_FILE_CONFLICTING_YAML_KEYS:
         yaml_key = key if key == "mixed_precision" else f"deepspeed_config.{key}"
-        value = _get(inp.accelerate, yaml_key)
+        value = get_path(inp.accelerate, yaml_key)
         # launch adds mixed_precision to the conflicting fields whenever the YAML sets it, even to "no".
-        if value is _MISSING or value is None:
+        if value is MISSING or value is None:
             continue
         values = {f"{inp.accelerate_file}:{yaml_key}": value}
         ds_path = YAML_TO_DS_PATH.get(key, "fp16.enabled / bf16.enabled")
         if inp.deepspeed is not None and key in YAML_TO_DS_PATH:
-            values[f"{inp.deepspeed_file}:{ds_path}"] = _get(inp.deepspeed, ds_path, None)
+            values[f"{inp.deepspeed_file}:{ds_path}"] = get_path(inp.deepspeed, ds_path, None)
         yield Finding(
             ERROR,
             "ds-key-duplicated",

@@ -7,20 +7,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from hf_scale.check.accelerate_yaml import _range_problem, _value_problem
-from hf_scale.check.findings import ERROR, Finding, _get, _ignored_key_severity, _in, _rename_fix, is_comment_key
+from hf_scale.check.accelerate_yaml import range_problem, value_problem
+from hf_scale.check.findings import ERROR, Finding, get_path, ignored_key_severity, in_file, is_comment_key, rename_fix
 from hf_scale.check.inputs import CheckInputs
 from hf_scale.check.knowledge import (
-    _BATCH_KEYS,
-    _PARSE_ERRORS,
+    BATCH_KEYS,
+    PARSE_ERRORS,
     TRAINER_RESOLVED_ZERO3_ONLY,
-    _auto_paths,
-    _deepspeed_off_stdout,
-    _pydantic_names,
-    _ReadTracker,
-    _resolvable,
-    _section_errors,
-    _with_sample_values,
+    ReadTracker,
+    auto_paths,
+    deepspeed_off_stdout,
+    pydantic_names,
+    resolvable,
+    section_errors,
+    with_sample_values,
 )
 
 
@@ -28,8 +28,8 @@ def check_auto_values(inp: CheckInputs) -> Iterator[Finding]:
     """`auto-unresolvable`: "auto" values the chosen runner cannot fill in (one finding per key)."""
     if inp.deepspeed is None:
         return
-    for path in _auto_paths(inp.deepspeed):
-        if not _resolvable(inp.runner, path, inp.deepspeed):
+    for path in auto_paths(inp.deepspeed):
+        if not resolvable(inp.runner, path, inp.deepspeed):
             reason = {
                 "trainer": "the HF Trainer does not fill it"
                 + (" below ZeRO-3" if path in TRAINER_RESOLVED_ZERO3_ONLY else ""),
@@ -44,7 +44,7 @@ def check_auto_values(inp: CheckInputs) -> Iterator[Finding]:
                 inp.deepspeed_file or "",
                 path,
                 f'"auto", but {reason}.',
-                f"{_in(inp.deepspeed_file or '')}write a concrete value for `{path}` (`hf-scale generate` "
+                f"{in_file(inp.deepspeed_file or '')}write a concrete value for `{path}` (`hf-scale generate` "
                 "writes a resolved JSON for this runner).",
                 {f"{inp.deepspeed_file}:{path}": "auto"},
             )
@@ -61,12 +61,12 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
     import pydantic
 
     file = inp.deepspeed_file or ""
-    sample = _with_sample_values(inp.deepspeed)
-    with _deepspeed_off_stdout():
+    sample = with_sample_values(inp.deepspeed)
+    with deepspeed_off_stdout():
         from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
-        for key in [k for k in sample if k not in _BATCH_KEYS]:
-            items, model, message = _section_errors(sample, key)
+        for key in [k for k in sample if k not in BATCH_KEYS]:
+            items, model, message = section_errors(sample, key)
             for item in items:
                 yield _schema_finding(file, inp.deepspeed, key, item, model)
             if message is not None:
@@ -76,33 +76,33 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
                     file,
                     key,
                     f"DeepSpeed refuses `{key}`: {message}",
-                    f"{_in(file)}fix `{key}` as DeepSpeed says.",
+                    f"{in_file(file)}fix `{key}` as DeepSpeed says.",
                     {f"{file}:{key}": inp.deepspeed.get(key)},
                 )
             if items or message is not None:
                 del sample[key]  # reported: parse the rest without it
-        tracked = _ReadTracker(sample)
+        tracked = ReadTracker(sample)
         try:
             DeepSpeedConfig(tracked)
-        except (DeepSpeedConfigError, pydantic.ValidationError, *_PARSE_ERRORS) as error:
+        except (DeepSpeedConfigError, pydantic.ValidationError, *PARSE_ERRORS) as error:
             yield Finding(
                 ERROR,
                 "deepspeed-config-invalid",
                 file,
                 "(file)",
                 f"DeepSpeed refuses the config: {' '.join(str(error).split())}",
-                f"{_in(file)}fix the value DeepSpeed names.",
+                f"{in_file(file)}fix the value DeepSpeed names.",
             )
             return
     for key in inp.deepspeed:
         if key in sample and key not in tracked.read and not is_comment_key(key):
             yield Finding(
-                _ignored_key_severity(key, tracked.read),
+                ignored_key_severity(key, tracked.read),
                 "unknown-deepspeed-key",
                 file,
                 key,
                 "DeepSpeed never reads this top-level key: ignored without a warning.",
-                _rename_fix(key, tracked.read, "DeepSpeed config key", file),
+                rename_fix(key, tracked.read, "DeepSpeed config key", file),
                 {f"{file}:{key}": inp.deepspeed[key]},
             )
 
@@ -112,9 +112,9 @@ def _schema_finding(file: str, ds: dict[str, Any], key: str, item: dict[str, Any
     relative = tuple(str(part) for part in item["loc"])  # relative to `model`
     loc = relative if relative and relative[0] == key else (key, *relative)
     path = ".".join(loc)
-    value = _get(ds, path, None)
+    value = get_path(ds, path, None)
     if item["type"] == "extra_forbidden":
-        names = _pydantic_names(model, relative[:-1]) if model is not None else set()
+        names = pydantic_names(model, relative[:-1]) if model is not None else set()
         problem = "Not a key of this DeepSpeed section: DeepSpeed refuses the config."
         if is_comment_key(loc[-1]):
             problem = "DeepSpeed's sections refuse any key they do not define, comments included."
@@ -124,7 +124,7 @@ def _schema_finding(file: str, ds: dict[str, Any], key: str, item: dict[str, Any
             file,
             path,
             problem,
-            _rename_fix(loc[-1], names, f"key of `{'.'.join(loc[:-1])}`", file),
+            rename_fix(loc[-1], names, f"key of `{'.'.join(loc[:-1])}`", file),
             {f"{file}:{path}": value},
         )
     return Finding(
@@ -133,7 +133,7 @@ def _schema_finding(file: str, ds: dict[str, Any], key: str, item: dict[str, Any
         file,
         path,
         f"DeepSpeed refuses `{path}`={value!r}: {item['msg']}.",
-        f"{_in(file)}set `{path}` to a value DeepSpeed accepts.",
+        f"{in_file(file)}set `{path}` to a value DeepSpeed accepts.",
         {f"{file}:{path}": value},
     )
 
@@ -179,8 +179,8 @@ def _deepspeed_value_problem(path: str, value: Any) -> str | None:
         numbers = numbers and all(isinstance(b, int | float) and not isinstance(b, bool) for b in value)
         return None if numbers and all(0 <= b < 1 for b in value) else "must be two numbers in [0, 1)"
     integer, low, high = DEEPSPEED_RANGES[path]
-    problem = _value_problem(value, int if integer else float)
-    return problem or _range_problem(value, low, high)
+    problem = value_problem(value, int if integer else float)
+    return problem or range_problem(value, low, high)
 
 
 def check_deepspeed_values(inp: CheckInputs) -> Iterator[Finding]:
@@ -190,7 +190,7 @@ def check_deepspeed_values(inp: CheckInputs) -> Iterator[Finding]:
     if inp.deepspeed is None:
         return
     for path in (*DEEPSPEED_SECTIONS, *DEEPSPEED_NAMES, *DEEPSPEED_RANGES, *DEEPSPEED_FLAGS, "optimizer.params.betas"):
-        value = _get(inp.deepspeed, path, None)
+        value = get_path(inp.deepspeed, path, None)
         if value is None or (value == "auto" and path not in DEEPSPEED_SECTIONS):
             continue
         problem = _deepspeed_value_problem(path, value)
@@ -201,7 +201,7 @@ def check_deepspeed_values(inp: CheckInputs) -> Iterator[Finding]:
                 inp.deepspeed_file or "",
                 path,
                 f"`{path}`={value!r} {problem}: DeepSpeed fails on it at start, or trains with it.",
-                f'{_in(inp.deepspeed_file or "")}set `{path}` to a valid value, or "auto" where the runner '
+                f'{in_file(inp.deepspeed_file or "")}set `{path}` to a valid value, or "auto" where the runner '
                 "fills it.",
                 {f"{inp.deepspeed_file}:{path}": value},
             )

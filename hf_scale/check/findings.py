@@ -1,5 +1,5 @@
 """The data model of `hf-scale check`: a :class:`Finding` (severity, code, file:key, problem, fix, values), the
-settings compared across files (:class:`_Source`) and the helpers that phrase problems and fixes.
+settings compared across files (:class:`Source`) and the helpers that phrase problems and fixes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ TRAINING_ARGS = "training args"
 """The ``file`` of findings about the training arguments given after ``--``."""
 
 
-_MISSING = object()
+MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Finding:
         return f"{self.file}:{self.key}"
 
 
-def _get(mapping: Any, dotted: str, default: Any = _MISSING) -> Any:
+def get_path(mapping: Any, dotted: str, default: Any = MISSING) -> Any:
     node = mapping
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -49,7 +49,7 @@ def _get(mapping: Any, dotted: str, default: Any = _MISSING) -> Any:
     return node
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -63,33 +63,33 @@ def is_comment_key(key: Any) -> bool:
     return isinstance(key, str) and (key.startswith("_") or "comment" in key.lower())
 
 
-def _closest(name: str, known: Any) -> str | None:
+def closest(name: str, known: Any) -> str | None:
     if is_comment_key(name):
         return None
     matches = difflib.get_close_matches(name, sorted(known), n=1, cutoff=_SUGGESTION_CUTOFF)
     return matches[0] if matches else None
 
 
-def _ignored_key_severity(name: str, known: Any) -> str:
+def ignored_key_severity(name: str, known: Any) -> str:
     """A key the library ignores silently: an error when it is a misspelling of a key it reads (the setting
     written does not happen), a warning for a foreign key (e.g. another tool's `monitor_config`)."""
-    return ERROR if _closest(name, known) else WARNING
+    return ERROR if closest(name, known) else WARNING
 
 
-def _in(file: str) -> str:
+def in_file(file: str) -> str:
     """The start of a fix text: which file to edit."""
     return f"In {Path(file).name}, "
 
 
-def _rename_fix(name: str, known: Any, what: str, file: str) -> str:
-    suggestion = _closest(name, known)
+def rename_fix(name: str, known: Any, what: str, file: str) -> str:
+    suggestion = closest(name, known)
     if suggestion:
-        return f"{_in(file)}rename `{name}` to `{suggestion}` (the closest {what})."
-    return f"{_in(file)}remove `{name}`; it is not a {what}."
+        return f"{in_file(file)}rename `{name}` to `{suggestion}` (the closest {what})."
+    return f"{in_file(file)}remove `{name}`; it is not a {what}."
 
 
 @dataclass(frozen=True)
-class _Source:
+class Source:
     file: str
     key: str
     value: Any
@@ -104,8 +104,8 @@ class _Source:
         return self.key if self.file == TRAINING_ARGS else f"{Path(self.file).name}:{self.key}"
 
 
-def _disagreement(
-    code: str, what: str, sources: list[_Source], fix: str, severity: str = ERROR, note: str = ""
+def disagreement(
+    code: str, what: str, sources: list[Source], fix: str, severity: str = ERROR, note: str = ""
 ) -> Iterator[Finding]:
     """One finding (an error unless told) when the known values of the same setting differ."""
     if len({repr(s.value) for s in sources}) > 1:
@@ -121,7 +121,7 @@ def _disagreement(
         )
 
 
-def _agree_fix(sources: list[_Source], hint: str = "") -> str:
+def agree_fix(sources: list[Source], hint: str = "") -> str:
     """"Make a.yaml:key, b.json:key and --flag equal" — every place that holds one of the values."""
     places = [s.key.split(" ")[0] if s.file == TRAINING_ARGS else s.label for s in sources]
     listing = ", ".join(places[:-1]) + f" and {places[-1]}" if len(places) > 1 else places[0]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_scale import rules
-from hf_scale.check.findings import TRAINING_ARGS, _get, _is_int, _Source
+from hf_scale.check.findings import TRAINING_ARGS, Source, get_path, is_int
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, load_yaml, read_text
 from hf_scale.rules import flag_given
@@ -61,20 +61,20 @@ class CheckInputs:
     DeepSpeedPlugin builds from it, exactly as train.py builds it (hf_scale.train.inline_deepspeed)."""
 
 
-def _world_size(inp: CheckInputs) -> int | None:
+def world_size_of(inp: CheckInputs) -> int | None:
     """accelerate's ``num_processes`` is the total over all machines; ``-1`` (its default) means unknown."""
     num = inp.accelerate.get("num_processes")
-    if _is_int(num) and num > 0:
+    if is_int(num) and num > 0:
         return num
     return 1 if inp.accelerate.get("distributed_type") == "NO" else None
 
 
-def _is_deepspeed_yaml(inp: CheckInputs) -> bool:
+def is_deepspeed_yaml(inp: CheckInputs) -> bool:
     return inp.accelerate.get("distributed_type") == "DEEPSPEED"
 
 
 @dataclass(frozen=True)
-class _DsView:
+class DeepSpeedView:
     """The DeepSpeed settings the job will run with: the JSON when there is one, else what accelerate
     builds from the YAML's ``deepspeed_config`` (DeepSpeedPlugin's no-config-file branch)."""
 
@@ -89,34 +89,34 @@ class _DsView:
         return self.file, f"deepspeed_config.{yaml_key}" if yaml_key else "deepspeed_config"
 
 
-def _ds_view(inp: CheckInputs) -> _DsView | None:
+def deepspeed_view(inp: CheckInputs) -> DeepSpeedView | None:
     if inp.deepspeed is not None:
-        return _DsView(inp.deepspeed, inp.deepspeed_file or "", from_yaml=False)
-    if not _is_deepspeed_yaml(inp):
+        return DeepSpeedView(inp.deepspeed, inp.deepspeed_file or "", from_yaml=False)
+    if not is_deepspeed_yaml(inp):
         return None
     if inp.inline_deepspeed is not None:
-        return _DsView(inp.inline_deepspeed, inp.accelerate_file, from_yaml=True)
+        return DeepSpeedView(inp.inline_deepspeed, inp.accelerate_file, from_yaml=True)
     # accelerate's launch code could not read the YAML (reported as such): map its keys by accelerate's table.
     section = inp.accelerate.get("deepspeed_config")
     section = section if isinstance(section, dict) else {}  # not a mapping: `accelerate-value-invalid`
     config = rules.deepspeed_config_from_yaml(section)
-    return _DsView(config, inp.accelerate_file, from_yaml=True)
+    return DeepSpeedView(config, inp.accelerate_file, from_yaml=True)
 
 
-def _training_source(inp: CheckInputs, name: str) -> _Source | None:
+def training_source(inp: CheckInputs, name: str) -> Source | None:
     if inp.training is None:
         return None
     given = flag_given(inp.training_argv, name)
-    return _Source(TRAINING_ARGS, f"--{name}" + ("" if given else " (default)"), inp.training[name])
+    return Source(TRAINING_ARGS, f"--{name}" + ("" if given else " (default)"), inp.training[name])
 
 
-def _only_a_default_flag_differs(inp: CheckInputs, sources: list[_Source], flags: tuple[str, ...]) -> bool:
+def only_a_default_flag_differs(inp: CheckInputs, sources: list[Source], flags: tuple[str, ...]) -> bool:
     """The values written in an inline DeepSpeed YAML agree, and only a training flag left at its default
     differs: train.py then takes the YAML's value (hf_scale.train.inline_deepspeed), the HF Trainer stops."""
     written = [s for s in sources if s.file != TRAINING_ARGS]
     defaults = [s for s in sources if s.file == TRAINING_ARGS]
     return (
-        _is_deepspeed_yaml(inp)
+        is_deepspeed_yaml(inp)
         and inp.deepspeed is None
         and bool(written and defaults)
         and len({repr(s.value) for s in written}) == 1
@@ -124,7 +124,7 @@ def _only_a_default_flag_differs(inp: CheckInputs, sources: list[_Source], flags
     )
 
 
-_DEFAULT_FLAG_NOTE = (
+DEFAULT_FLAG_NOTE = (
     " train.py takes the YAML's value; a plain HF Trainer script stops at start on this mismatch."
 )
 
@@ -299,7 +299,7 @@ def load_inputs(
     if deepspeed_config is not None:
         chosen = Path(deepspeed_config)
         refs.append(("--deepspeed-config", deepspeed_config, str(chosen.resolve())))
-    written = _get(accelerate, "deepspeed_config.deepspeed_config_file", None)
+    written = get_path(accelerate, "deepspeed_config.deepspeed_config_file", None)
     if isinstance(written, str) and written:
         resolved, path_note = _resolve_yaml_reference(written, yaml_path.resolve().parent, cwd)
         refs.append(

@@ -17,13 +17,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from hf_scale import rules
-from hf_scale.check.findings import _get
+from hf_scale.check.findings import get_path
 
 
-def _auto_paths(node: Any, prefix: str = "") -> Iterator[str]:
+def auto_paths(node: Any, prefix: str = "") -> Iterator[str]:
     if isinstance(node, dict):
         for key, value in node.items():
-            yield from _auto_paths(value, f"{prefix}{key}.")
+            yield from auto_paths(value, f"{prefix}{key}.")
     elif node == "auto":
         yield prefix[:-1]
 
@@ -62,7 +62,7 @@ def known_section_keys(section: str) -> frozenset[str]:
     return _launch_option_groups()["FSDP Arguments"] | read
 
 
-def _accelerate_config_fields(raw: dict[str, Any]) -> frozenset[str]:
+def accelerate_config_fields(raw: dict[str, Any]) -> frozenset[str]:
     from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
 
     cls = SageMakerConfig if raw.get("compute_environment") == "AMAZON_SAGEMAKER" else ClusterConfig
@@ -71,22 +71,22 @@ def _accelerate_config_fields(raw: dict[str, Any]) -> frozenset[str]:
 
 
 # Which "auto" values each runner fills in: hf_scale.rules, the one table (also behind the generated JSON's "auto").
-_PLUGIN_RESOLVED = rules.PLUGIN_FILLED
+PLUGIN_RESOLVED = rules.PLUGIN_FILLED
 TRAINER_RESOLVED = rules.TRAINER_FILLED
 TRAINER_RESOLVED_ZERO3_ONLY = rules.TRAINER_FILLED_ZERO3_ONLY
 ACCELERATE_RESOLVED = rules.ACCELERATOR_LOOP_FILLED
 
 
-def _resolvable(runner: str, path: str, ds: dict[str, Any]) -> bool:
+def resolvable(runner: str, path: str, ds: dict[str, Any]) -> bool:
     if runner == "trainer":
-        return rules.trainer_fills(path, _get(ds, "zero_optimization.stage"))
+        return rules.trainer_fills(path, get_path(ds, "zero_optimization.stage"))
     if runner == "accelerate":
         return path in ACCELERATE_RESOLVED
     return False  # raw deepspeed.initialize resolves nothing
 
 
 @contextlib.contextmanager
-def _deepspeed_off_stdout() -> Iterator[None]:
+def deepspeed_off_stdout() -> Iterator[None]:
     """DeepSpeed's logger writes to the ``sys.stdout`` of the moment it is first imported: import it with
     stdout pointing at stderr so that ``--json`` output stays parseable, and keep its warnings quiet
     while it parses the config."""
@@ -102,7 +102,7 @@ def _deepspeed_off_stdout() -> Iterator[None]:
             ds_logger.setLevel(level)
 
 
-class _ReadTracker(dict):
+class ReadTracker(dict):
     """A dict that records which keys DeepSpeedConfig reads: a top-level key it never reads has no
     effect. ``__copy__`` returns itself because DeepSpeedConfig copies the dict before reading it."""
 
@@ -110,7 +110,7 @@ class _ReadTracker(dict):
         super().__init__(*args)
         self.read: set[str] = set()
 
-    def __copy__(self) -> _ReadTracker:
+    def __copy__(self) -> ReadTracker:
         return self
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -126,7 +126,7 @@ class _ReadTracker(dict):
         return super().__contains__(key)
 
 
-def _with_sample_values(ds: dict[str, Any]) -> dict[str, Any]:
+def with_sample_values(ds: dict[str, Any]) -> dict[str, Any]:
     """A copy DeepSpeed's parser accepts: "auto" -> a sample value; batch sizes -> 1 (DeepSpeedConfig checks
     them against a world size of 1 outside a job; the real arithmetic is the `train-batch-mismatch` check);
     bf16 off when fp16 is on too (already the `fp16-and-bf16` finding)."""
@@ -142,12 +142,12 @@ def _with_sample_values(ds: dict[str, Any]) -> dict[str, Any]:
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         if key in sample:
             sample[key] = 1
-    if _get(sample, "fp16.enabled") is True and _get(sample, "bf16.enabled") is True:
+    if get_path(sample, "fp16.enabled") is True and get_path(sample, "bf16.enabled") is True:
         sample["bf16"]["enabled"] = False
     return sample
 
 
-def _pydantic_names(model: Any, loc: tuple[Any, ...]) -> set[str]:
+def pydantic_names(model: Any, loc: tuple[Any, ...]) -> set[str]:
     """Field names and aliases of the (nested) pydantic model at ``loc``, for suggestions."""
     from pydantic import BaseModel
 
@@ -164,10 +164,10 @@ def _pydantic_names(model: Any, loc: tuple[Any, ...]) -> set[str]:
     return set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 
-_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-_PARSE_ERRORS = (AssertionError, ValueError, TypeError, KeyError, AttributeError)
+PARSE_ERRORS = (AssertionError, ValueError, TypeError, KeyError, AttributeError)
 
 
 @functools.cache
@@ -183,19 +183,19 @@ def _deepspeed_models() -> dict[str, Any]:
     return found
 
 
-def _section_errors(sample: dict[str, Any], key: str) -> tuple[list[dict[str, Any]], Any, str | None]:
+def section_errors(sample: dict[str, Any], key: str) -> tuple[list[dict[str, Any]], Any, str | None]:
     """Parse one top-level section on its own with DeepSpeedConfig, so that an invalid key elsewhere cannot
     hide it: (pydantic error items, the model that raised, or another parse error's message)."""
     import pydantic
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
-    alone = {k: sample[k] for k in _BATCH_KEYS if k in sample} or {"train_batch_size": 1}
+    alone = {k: sample[k] for k in BATCH_KEYS if k in sample} or {"train_batch_size": 1}
     alone[key] = sample[key]
     try:
         DeepSpeedConfig(alone)
     except pydantic.ValidationError as error:
         return error.errors(), _deepspeed_models().get(error.title), None
-    except (DeepSpeedConfigError, *_PARSE_ERRORS) as error:
+    except (DeepSpeedConfigError, *PARSE_ERRORS) as error:
         return [], None, " ".join(str(error).split())
     return [], None, None
 

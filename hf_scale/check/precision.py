@@ -11,30 +11,30 @@ from hf_scale.check.findings import (
     TRAINING_ARGS,
     WARNING,
     Finding,
-    _agree_fix,
-    _disagreement,
-    _get,
-    _in,
-    _Source,
+    Source,
+    agree_fix,
+    disagreement,
+    get_path,
+    in_file,
 )
-from hf_scale.check.inputs import _DEFAULT_FLAG_NOTE, CheckInputs, _only_a_default_flag_differs
+from hf_scale.check.inputs import DEFAULT_FLAG_NOTE, CheckInputs, only_a_default_flag_differs
 
 
-def _precision_sources(inp: CheckInputs) -> tuple[list[_Source], dict[str, _Source]]:
+def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source]]:
     """(what the YAML / training args ask for, DeepSpeed's explicit ``enabled`` flags by dtype)."""
     wanted = []
     mixed = inp.accelerate.get("mixed_precision")
     if isinstance(mixed, str):
-        wanted.append(_Source(inp.accelerate_file, "mixed_precision", mixed))
+        wanted.append(Source(inp.accelerate_file, "mixed_precision", mixed))
     if inp.training is not None:
         flags = [name for name in ("bf16", "fp16") if inp.training[name]]
         given = "--" + "/--".join(flags) if flags else "--bf16/--fp16 (not given)"
-        wanted.append(_Source(TRAINING_ARGS, given, flags[0] if len(flags) == 1 else "no"))
+        wanted.append(Source(TRAINING_ARGS, given, flags[0] if len(flags) == 1 else "no"))
     explicit = {}
     for dtype, block in (("fp16", "fp16"), ("bf16", "bf16"), ("bf16", "bfloat16")):
-        enabled = _get(inp.deepspeed, f"{block}.enabled", None)
+        enabled = get_path(inp.deepspeed, f"{block}.enabled", None)
         if isinstance(enabled, bool):
-            explicit[dtype] = _Source(inp.deepspeed_file or "", f"{block}.enabled", enabled)
+            explicit[dtype] = Source(inp.deepspeed_file or "", f"{block}.enabled", enabled)
     return wanted, explicit
 
 
@@ -43,14 +43,14 @@ def check_precision(inp: CheckInputs) -> Iterator[Finding]:
     ask for different precisions (a warning when only unset flags differ from an inline `deepspeed_config`
     YAML, as for grad-accum-mismatch)."""
     wanted, explicit = _precision_sources(inp)
-    soft = _only_a_default_flag_differs(inp, wanted, ("bf16", "fp16"))
-    yield from _disagreement(
+    soft = only_a_default_flag_differs(inp, wanted, ("bf16", "fp16"))
+    yield from disagreement(
         "precision-mismatch",
         "mixed precision",
         wanted,
-        _agree_fix(wanted, " (one precision: no, fp16 or bf16)") if len(wanted) > 1 else "",
+        agree_fix(wanted, " (one precision: no, fp16 or bf16)") if len(wanted) > 1 else "",
         WARNING if soft else ERROR,
-        _DEFAULT_FLAG_NOTE if soft else "",
+        DEFAULT_FLAG_NOTE if soft else "",
     )
     for source in wanted:
         # accelerate runs fp8 on top of DeepSpeed's bf16 (DeepSpeedPlugin.set_mixed_precision).
@@ -63,7 +63,7 @@ def check_precision(inp: CheckInputs) -> Iterator[Finding]:
                     ds.file,
                     ds.key,
                     f"{ds.label}={ds.value} but {source.label}={source.value!r}.",
-                    f'{_in(ds.file)}set `{ds.key}` to "auto" (it then follows {source.label}), or make the two '
+                    f'{in_file(ds.file)}set `{ds.key}` to "auto" (it then follows {source.label}), or make the two '
                     "agree.",
                     {ds.where: ds.value, source.where: source.value},
                 )
@@ -79,7 +79,7 @@ def check_fp16_and_bf16(inp: CheckInputs) -> Iterator[Finding]:
             explicit["fp16"].file,
             "fp16.enabled",
             "fp16 and bf16 are both enabled; DeepSpeed refuses this.",
-            f"{_in(explicit['fp16'].file)}enable only one of `fp16.enabled` and `{explicit['bf16'].key}` "
+            f"{in_file(explicit['fp16'].file)}enable only one of `fp16.enabled` and `{explicit['bf16'].key}` "
             "(bf16 on Ampere+).",
             {s.where: s.value for s in explicit.values()},
         )

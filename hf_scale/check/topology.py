@@ -8,19 +8,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hf_scale.check.accelerate_yaml import _launch_int
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, _get, _in, _is_int
-from hf_scale.check.inputs import CheckInputs, _world_size
+from hf_scale.check.accelerate_yaml import launch_int
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, get_path, in_file, is_int
+from hf_scale.check.inputs import CheckInputs, world_size_of
 
 
 def check_use_cpu_processes(inp: CheckInputs) -> Iterator[Finding]:
     """`cpu-single-process`: `use_cpu: true` with more than one process starts ONE process (accelerate's
     simple launcher; several CPU processes need mpirun); `--use_cpu` in the training args with
     several processes trains on CPU in each of them."""
-    world = _world_size(inp)
+    world = world_size_of(inp)
     if world is None or world <= 1:
         return
-    if inp.accelerate.get("use_cpu") is True and not _get(
+    if inp.accelerate.get("use_cpu") is True and not get_path(
         inp.accelerate, "mpirun_config.mpirun_hostfile", None
     ):
         yield Finding(
@@ -29,7 +29,7 @@ def check_use_cpu_processes(inp: CheckInputs) -> Iterator[Finding]:
             inp.accelerate_file,
             "use_cpu",
             f"use_cpu is true with num_processes={world}: `accelerate launch` then starts a single process.",
-            f"{_in(inp.accelerate_file)}set `use_cpu: false` for GPUs, or `num_processes: 1`; several CPU "
+            f"{in_file(inp.accelerate_file)}set `use_cpu: false` for GPUs, or `num_processes: 1`; several CPU "
             "processes need `mpirun_config.mpirun_hostfile` (or torchrun with a gloo backend).",
             {f"{inp.accelerate_file}:use_cpu": True, f"{inp.accelerate_file}:num_processes": world},
         )
@@ -60,7 +60,7 @@ def check_use_cpu_ignores_plugin(inp: CheckInputs) -> Iterator[Finding]:
             "use_cpu",
             f"use_cpu is true with distributed_type {dtype}: accelerate then ignores the {dtype} settings "
             "without an error.",
-            f"{_in(inp.accelerate_file)}set `use_cpu: false` ({dtype} through accelerate needs GPUs).",
+            f"{in_file(inp.accelerate_file)}set `use_cpu: false` ({dtype} through accelerate needs GPUs).",
             {f"{inp.accelerate_file}:use_cpu": True, f"{inp.accelerate_file}:distributed_type": dtype},
         )
 
@@ -76,7 +76,7 @@ def check_fsdp_without_gpu(inp: CheckInputs) -> Iterator[Finding]:
             "distributed_type",
             "FSDP through accelerate needs GPUs and the target machines have none (--gpus-per-machine 0): it would run "
             "without sharding or gradient sync.",
-            f"{_in(inp.accelerate_file)}choose `distributed_type: MULTI_CPU` for CPU machines, or check the "
+            f"{in_file(inp.accelerate_file)}choose `distributed_type: MULTI_CPU` for CPU machines, or check the "
             "target's GPUs (--gpus-per-machine N).",
             {f"{inp.accelerate_file}:distributed_type": "FSDP", "--gpus-per-machine": 0},
         )
@@ -92,7 +92,7 @@ def check_processes_per_gpu(inp: CheckInputs) -> Iterator[Finding]:
     processes, machines = acc.get("num_processes"), acc.get("num_machines", 1)
     if gpus is None or acc.get("distributed_type") not in _GPU_TYPES or acc.get("use_cpu") is True:
         return
-    if not (_is_int(processes) and processes > 0 and _is_int(machines) and machines > 0):
+    if not (is_int(processes) and processes > 0 and is_int(machines) and machines > 0):
         return
     if (gpus == 0 and acc.get("distributed_type") == "FSDP") or processes // machines <= gpus:
         return  # FSDP without GPUs: `fsdp-no-gpu`
@@ -103,7 +103,7 @@ def check_processes_per_gpu(inp: CheckInputs) -> Iterator[Finding]:
         "num_processes",
         f"num_processes={processes} over num_machines={machines} is {processes // machines} processes per "
         f"machine, but the target machines have {gpus} GPU(s) each (--gpus-per-machine {gpus}).",
-        f"{_in(inp.accelerate_file)}set `num_processes` to {gpus} x num_machines = {gpus * machines} "
+        f"{in_file(inp.accelerate_file)}set `num_processes` to {gpus} x num_machines = {gpus * machines} "
         "(it is the total over all machines).",
         {f"{inp.accelerate_file}:num_processes": processes, f"{inp.accelerate_file}:num_machines": machines,
          "--gpus-per-machine": gpus},
@@ -115,7 +115,7 @@ def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
     multi-node topology (`machine_rank` read as `accelerate launch` reads it: int() of the value)."""
     file, acc = inp.accelerate_file, inp.accelerate
     machines = acc.get("num_machines", 1)
-    if not _is_int(machines) or machines <= 1:
+    if not is_int(machines) or machines <= 1:
         return
     if not acc.get("main_process_ip"):
         yield Finding(
@@ -124,11 +124,11 @@ def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
             file,
             "main_process_ip",
             f"num_machines={machines} but main_process_ip is not set: the machines cannot find each other.",
-            f"{_in(file)}set `main_process_ip` to the address of machine 0 (and main_process_port).",
+            f"{in_file(file)}set `main_process_ip` to the address of machine 0 (and main_process_port).",
             {f"{file}:num_machines": machines, f"{file}:main_process_ip": acc.get("main_process_ip")},
         )
     processes = acc.get("num_processes")
-    if _is_int(processes) and processes > 0 and processes % machines:
+    if is_int(processes) and processes > 0 and processes % machines:
         yield Finding(
             ERROR,
             "processes-not-multiple-of-machines",
@@ -136,12 +136,12 @@ def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
             "num_processes",
             f"num_processes={processes} is not a multiple of num_machines={machines} "
             "(accelerate's num_processes is the TOTAL over all machines).",
-            f"{_in(file)}set `num_processes` to processes-per-machine x {machines}, "
+            f"{in_file(file)}set `num_processes` to processes-per-machine x {machines}, "
             f"e.g. {machines * max(1, processes // machines)}.",
             {f"{file}:num_processes": processes, f"{file}:num_machines": machines},
         )
     written = acc.get("machine_rank", 0)
-    rank = _launch_int(written)
+    rank = launch_int(written)
     if rank is None and inp.launch_error is not None:
         return  # accelerate cannot read it at all: `accelerate-launch-fails` says so
     if rank is None or not 0 <= rank < machines:
@@ -151,7 +151,7 @@ def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
             file,
             "machine_rank",
             f"machine_rank={written!r} is outside 0..{machines - 1}.",
-            f"{_in(file)}set `machine_rank` to 0 on the main machine and 1..{machines - 1} on the others.",
+            f"{in_file(file)}set `machine_rank` to 0 on the main machine and 1..{machines - 1} on the others.",
             {f"{file}:machine_rank": written, f"{file}:num_machines": machines},
         )
 
@@ -205,7 +205,7 @@ def check_main_process_ip(inp: CheckInputs) -> Iterator[Finding]:
     if value in (None, ""):
         return
     problem = address_problem(value)
-    multi_node = _is_int(machines) and machines > 1
+    multi_node = is_int(machines) and machines > 1
     if problem is None or (problem[0] == WARNING and not multi_node):
         return
     severity, why = problem
@@ -220,7 +220,7 @@ def check_main_process_ip(inp: CheckInputs) -> Iterator[Finding]:
             if severity == ERROR
             else f"with num_machines={machines} the launch hangs or fails unless `--main_process_ip` overrides it."
         ),
-        f"{_in(file)}set `main_process_ip` to the IP address or DNS name of machine 0, or pass "
+        f"{in_file(file)}set `main_process_ip` to the IP address or DNS name of machine 0, or pass "
         "`--main_process_ip` to `accelerate launch` (hf_scale's launch scripts: MAIN_PROCESS_IP).",
         {f"{file}:main_process_ip": value, f"{file}:num_machines": machines},
     )

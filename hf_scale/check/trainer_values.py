@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from hf_scale import launch_values
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, _in
-from hf_scale.check.inputs import CheckInputs, _world_size
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, in_file
+from hf_scale.check.inputs import CheckInputs, world_size_of
 from hf_scale.rules import flag_given
 
 
@@ -34,10 +34,10 @@ def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
             key,
             deepspeed_overrides.describe(override, inp.training or {}) + ".",
             (
-                f"{_in(file)}remove the `{override.block}` block (`{key}`) to get {flags}, or drop {flags} "
+                f"{in_file(file)}remove the `{override.block}` block (`{key}`) to get {flags}, or drop {flags} "
                 "from the training args."
                 if override.given
-                else f"{_in(file)}keep `{key}` to run DeepSpeed's {override.block}, or remove the "
+                else f"{in_file(file)}keep `{key}` to run DeepSpeed's {override.block}, or remove the "
                 f"`{override.block}` block to let {flags} decide."
             ),
             {f"{file}:{key}": override.ds_type, **{f"{TRAINING_ARGS}:--{f}": (inp.training or {}).get(f)
@@ -93,7 +93,7 @@ def _training_values(inp: CheckInputs) -> launch_values.TrainingValues:
     values = {name: training[name] for name in names}
     if training.get("warmup_ratio") is not None:  # train.py: --warmup_ratio is the warmup as a fraction
         values["warmup_steps"] = training["warmup_ratio"]
-    return launch_values.TrainingValues(world_size=_world_size(inp) or 1, **values)
+    return launch_values.TrainingValues(world_size=world_size_of(inp) or 1, **values)
 
 
 def _is_number_or_numbers(value: Any) -> bool:
@@ -122,7 +122,7 @@ def _mismatch_finding(inp: CheckInputs, file: str, difference: launch_values.Dif
         file,
         key,
         f"{key}={difference.config_value} but {shown}={flag_value}{'' if typed else ' (default)'}: {consequence}.",
-        f'{_in(file)}set `{key}` to "auto" (it then follows {shown}), or pass the value of `{key}` as {shown} in '
+        f'{in_file(file)}set `{key}` to "auto" (it then follows {shown}), or pass the value of `{key}` as {shown} in '
         "the training args.",
         {f"{file}:{key}": difference.config_value, f"{TRAINING_ARGS}:{shown}": difference.flag_value},
     )

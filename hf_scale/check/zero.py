@@ -6,20 +6,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from hf_scale.check.findings import ERROR, WARNING, Finding, _get, _in
-from hf_scale.check.inputs import CheckInputs, _ds_view
-from hf_scale.check.knowledge import _PARSE_ERRORS, _deepspeed_off_stdout
+from hf_scale.check.findings import ERROR, WARNING, Finding, get_path, in_file
+from hf_scale.check.inputs import CheckInputs, deepspeed_view
+from hf_scale.check.knowledge import PARSE_ERRORS, deepspeed_off_stdout
 
 
 def check_offload_optimizer(inp: CheckInputs) -> Iterator[Finding]:
     """`offload-optimizer-swap`: optimizer offload without a DeepSpeed `optimizer` block while
     `zero_force_ds_cpu_optimizer` is not false (accelerate/HF swap in DeepSpeedCPUAdam, keeping only lr and
     weight_decay; raw DeepSpeed raises)."""
-    view = _ds_view(inp)
+    view = deepspeed_view(inp)
     if view is None:
         return
     path = "zero_optimization.offload_optimizer.device"
-    device = _get(view.config, path, "none")
+    device = get_path(view.config, path, "none")
     if device not in ("cpu", "nvme") or "optimizer" in view.config:
         return
     if view.config.get("zero_force_ds_cpu_optimizer", True) is False:
@@ -38,11 +38,11 @@ def check_offload_optimizer(inp: CheckInputs) -> Iterator[Finding]:
             else "your optimizer is replaced by DeepSpeedCPUAdam (only lr and weight_decay are kept)."
         ),
         (
-            f"{_in(file)}set `{key}: none`, or move the DeepSpeed settings into a JSON file "
+            f"{in_file(file)}set `{key}: none`, or move the DeepSpeed settings into a JSON file "
             '(`deepspeed_config_file`) with an `optimizer` block or `"zero_force_ds_cpu_optimizer": false` '
             "(an inline deepspeed_config cannot set them)."
             if view.from_yaml
-            else f'{_in(file)}add an `optimizer` block, or set `"zero_force_ds_cpu_optimizer": false` '
+            else f'{in_file(file)}add an `optimizer` block, or set `"zero_force_ds_cpu_optimizer": false` '
             f"(`{key}` stays)."
         ),
         {f"{file}:{key}": device},
@@ -51,13 +51,13 @@ def check_offload_optimizer(inp: CheckInputs) -> Iterator[Finding]:
 
 def check_nvme_path(inp: CheckInputs) -> Iterator[Finding]:
     """`nvme-without-path`: offload to nvme without `nvme_path`."""
-    view = _ds_view(inp)
+    view = deepspeed_view(inp)
     if view is None:
         return
     for what in ("offload_optimizer", "offload_param"):
         device_path = f"zero_optimization.{what}.device"
-        nvme = _get(view.config, f"zero_optimization.{what}.nvme_path", None)
-        if _get(view.config, device_path, None) == "nvme" and nvme in (None, "", "none"):
+        nvme = get_path(view.config, f"zero_optimization.{what}.nvme_path", None)
+        if get_path(view.config, device_path, None) == "nvme" and nvme in (None, "", "none"):
             file, key = view.where(device_path)
             yield Finding(
                 ERROR,
@@ -65,7 +65,7 @@ def check_nvme_path(inp: CheckInputs) -> Iterator[Finding]:
                 file,
                 key,
                 f"{what} goes to nvme but no nvme_path is set.",
-                f"{_in(file)}set `"
+                f"{in_file(file)}set `"
                 + (f"deepspeed_config.{what}_nvme_path" if view.from_yaml else f"zero_optimization.{what}.nvme_path")
                 + f"` to a local NVMe mount (or `{key}` to cpu).",
                 {f"{file}:{key}": "nvme"},
@@ -77,12 +77,12 @@ def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
     DeepSpeed reads (`stage3_gather_16bit_weights_on_model_save`, `gather_16bit_weights_on_model_save`, the
     deprecated fp16 name; asked from DeepSpeed's own ZeRO model): the saved model is only the sharded
     checkpoint (needs zero_to_fp32.py)."""
-    view = _ds_view(inp)
-    zero = _get(view.config, "zero_optimization", None) if view is not None else None
+    view = deepspeed_view(inp)
+    zero = get_path(view.config, "zero_optimization", None) if view is not None else None
     if not isinstance(zero, dict) or zero.get("stage") != 3 or _gathers_16bit_on_save(zero):
         return
     # Name the spelling the file uses (DeepSpeed reads all of them), else the canonical one.
-    spelling = next((name for name in _GATHER_SPELLINGS if name in zero), _GATHER_SPELLINGS[0])
+    spelling = next((name for name in GATHER_SPELLINGS if name in zero), GATHER_SPELLINGS[0])
     value = zero.get(spelling)
     file, key = view.where("zero_optimization." + spelling)
     # "auto" is filled from the YAML's zero3_save_16bit_model, which defaults to false.
@@ -93,13 +93,13 @@ def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
         key,
         f'ZeRO-3 with this at {value!r} (missing and "auto" mean false): save_model() writes no usable '
         "weights, only the sharded checkpoint (convert it with zero_to_fp32.py).",
-        f"{_in(file)}set `{key}` to true.",
+        f"{in_file(file)}set `{key}` to true.",
         {f"{file}:{key}": value},
     )
 
 
 # DeepSpeedZeroConfig's field, its alias and the deprecated fp16 name (deepspeed/runtime/zero/config.py).
-_GATHER_SPELLINGS = (
+GATHER_SPELLINGS = (
     "stage3_gather_16bit_weights_on_model_save",
     "gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
@@ -112,10 +112,10 @@ def _gathers_16bit_on_save(zero: dict[str, Any]) -> bool:
     schema check), any spelling set to true counts."""
     import pydantic
 
-    with _deepspeed_off_stdout():
+    with deepspeed_off_stdout():
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
         try:
             return bool(DeepSpeedZeroConfig(**zero).gather_16bit_weights_on_model_save)
-        except (pydantic.ValidationError, *_PARSE_ERRORS):
-            return any(zero.get(name) is True for name in _GATHER_SPELLINGS)
+        except (pydantic.ValidationError, *PARSE_ERRORS):
+            return any(zero.get(name) is True for name in GATHER_SPELLINGS)
