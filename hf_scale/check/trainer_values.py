@@ -81,10 +81,8 @@ def check_trainer_compared_values(inp: CheckInputs) -> Iterator[Finding]:
             yield _mismatch_finding(inp, file, difference)
 
 
-_ALL_FLAGS = frozenset(
-    {"per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "learning_rate", "adam_beta1",
-     "adam_beta2", "adam_epsilon", "weight_decay", "bf16", "fp16", "max_steps", "num_train_epochs", "warmup_steps"}
-)
+# Every flag the rule compares (TrainingValues' fields; the run's length also by epochs).
+_ALL_FLAGS = frozenset({f.name for f in dataclasses.fields(launch_values.TrainingValues)} | {"num_train_epochs"})
 
 
 def _training_values(inp: CheckInputs) -> launch_values.TrainingValues:
