@@ -1,7 +1,7 @@
 """The one typed configuration every generated file is derived from.
 
-A :class:`DistributedConfig` is loaded from YAML (:func:`load_config`) or a preset, optionally with
-dotted ``key=value`` overrides, and validated completely before anything is generated: unknown keys,
+A :class:`DistributedConfig` is loaded from YAML (:func:`load_config`) or a preset (`presets.load_preset`),
+optionally with dotted ``key=value`` overrides, and validated completely before anything is generated: unknown keys,
 wrong types and every cross-field inconsistency become a one-line :class:`~hf_scale.errors.UserError`
 naming the dotted field, the value and what is allowed.
 """
@@ -475,21 +475,14 @@ def config_warnings(cfg: DistributedConfig) -> list[str]:
 # --- loading -----------------------------------------------------------------------------------------
 
 
-def load_config(
-    path: str | Path | None = None, *, preset: str | None = None, overrides: Sequence[str] = ()
-) -> DistributedConfig:
-    """Load a YAML file or a named preset (or the defaults when neither), apply dotted ``key=value``
-    overrides (values parsed as YAML), validate. Every failure is a one-line UserError."""
-    if path is not None and preset is not None:
-        raise UserError(f"give a config file or --preset, not both (got {path} and --preset {preset})")
-    if preset is not None:
-        from hf_scale.presets import preset_data
+def load_config(path: str | Path | None = None, *, overrides: Sequence[str] = ()) -> DistributedConfig:
+    """Load a YAML file (or the defaults without one), apply dotted ``key=value`` overrides (values parsed
+    as YAML), validate. Every failure is a one-line UserError. (A preset: `presets.load_preset`.)"""
+    return config_from_data(_read_yaml(Path(path)) if path is not None else {}, overrides)
 
-        data = preset_data(preset)
-    elif path is not None:
-        data = _read_yaml(Path(path))
-    else:
-        data = {}
+
+def config_from_data(data: Any, overrides: Sequence[str] = ()) -> DistributedConfig:
+    """A raw config mapping (a YAML file's, a preset's) with dotted ``key=value`` overrides applied, validated."""
     for override in overrides:
         _apply_override(data, override)
     _check_keys(data)

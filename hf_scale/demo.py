@@ -43,23 +43,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from hf_scale.cli import main as cli_main
-
     if args.max_steps < 1:
         raise UserError(f"--max-steps={args.max_steps}: must be >= 1")
     out = Path(args.output_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {out} is not a directory")
     sets = [arg for item in DEMO_OVERRIDES for arg in ("--set", item)]
     generate = ["generate", "--preset", "zero3", *sets, "--name", DEMO_NAME, "--output-dir", str(out), "--force"]
-    print(f"$ hf-scale {' '.join(generate)}", flush=True)
-    if cli_main(generate):
-        return 1
+    code = _hf_scale(generate, args.verbose)
+    if code:
+        return code
     yaml_path = out / "accelerate_configs" / f"{DEMO_NAME}.yaml"
     check = ["check", "--accelerate-config", str(yaml_path), "--", "--per_device_train_batch_size", "2",
              "--gradient_accumulation_steps", "2"]
-    print(f"$ hf-scale {' '.join(check)}", flush=True)
-    os.chdir(out)  # the YAML names ds_configs/ relative to where accelerate is launched
-    if cli_main(check) != 0:
-        return 1
+    code = _hf_scale(check, args.verbose, cwd=out)  # where the launch below starts
+    if code:
+        return code
     model_dir = out / "model"
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
@@ -75,7 +74,8 @@ def run_demo(args: argparse.Namespace) -> int:
         # What DeepSpeed picks here anyway, said up front: `accelerate launch` itself (not hf_scale's code) would
         # print DeepSpeed's "Setting accelerator to CPU" notice.
         env.setdefault("DS_ACCELERATOR", "cpu")
-    result = subprocess.run(command, env=env)
+    # The YAML names ds_configs/ relative to where accelerate is launched: the output directory.
+    result = subprocess.run(command, env=env, cwd=out)
     if result.returncode != 0:
         print(f"hf-scale demo: training failed (exit {result.returncode})", file=sys.stderr)
         return result.returncode
@@ -85,3 +85,11 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"{record['step']:>4}  {record['loss']:.4f}")
     print(f"\nmodel saved to {model_dir} (load it with AutoModelForCausalLM.from_pretrained)")
     return 0
+
+
+def _hf_scale(argv: list[str], verbose: bool, cwd: Path | None = None) -> int:
+    """Run `hf-scale ARGV` as a user would (its own process and output; from `cwd`); its exit code. A process,
+    not a call into hf_scale.cli: the CLI imports the commands, a command does not import the CLI."""
+    print(f"$ hf-scale {' '.join(argv)}", flush=True)
+    flags = [quiet.VERBOSE_FLAG] if verbose else []
+    return subprocess.run([sys.executable, "-m", "hf_scale.cli", *flags, *argv], cwd=cwd).returncode

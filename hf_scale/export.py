@@ -25,12 +25,15 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from hf_scale.errors import UserError
 
+if TYPE_CHECKING:
+    from hf_scale.train.checkpoint_layout import Layout
+
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 LORA_MODES = ("adapter", "merged")
-ADAPTER_CONFIG = "adapter_config.json"
 
 EPILOG = """\
 CHECKPOINT_DIR is a complete OUTPUT_DIR/checkpoint-STEP written by train.py (either loop; DeepSpeed
@@ -125,22 +128,11 @@ class Source:
 def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: str | None = None,
            max_shard_size: str = "5GB") -> Path:
     """Write the Hugging Face directory for `checkpoint_dir` to `out_dir` (atomically); returns out_dir."""
-    from hf_scale.train import checkpoint
+    from hf_scale.train.checkpoint_layout import ADAPTER_CONFIG
 
     _validate_shard_size(max_shard_size)
-    if not checkpoint_dir.is_dir():
-        what = "is not a directory" if checkpoint_dir.exists() else "no such directory"
-        raise UserError(f"CHECKPOINT_DIR {checkpoint_dir}: {what}")
-    checkpoint_dir = _checkpoint_of(checkpoint_dir)
-    with _reading(checkpoint_dir):
-        complete = checkpoint.is_complete(checkpoint_dir)
-    if not complete:
-        siblings = checkpoint.complete_checkpoints(checkpoint_dir.parent) if checkpoint.step_of(checkpoint_dir) else []
-        raise UserError(
-            f"CHECKPOINT_DIR {checkpoint_dir}: incomplete or corrupt checkpoint (no valid {checkpoint.MANIFEST}); "
-            + (f"the newest complete one beside it is {siblings[-1]}" if siblings
-               else "export a complete OUTPUT_DIR/checkpoint-STEP")
-        )
+    found = _checkpoint_of(checkpoint_dir)
+    checkpoint_dir = found.path
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"OUT_DIR {out_dir}: already exists and is not empty; choose a new directory")
     is_lora = (checkpoint_dir / ADAPTER_CONFIG).is_file()
@@ -149,7 +141,7 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     lora_mode = (lora or "adapter") if is_lora else None
 
     with _reading(checkpoint_dir):
-        source = _find_source(checkpoint_dir)
+        source = _find_source(found)
         torch_dtype = _resolve_dtype(dtype, checkpoint_dir)
     _log(f"reading {checkpoint_dir} ({source.description}, {len(source.names)} tensors)")
 
@@ -185,33 +177,47 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     return out_dir
 
 
-def _checkpoint_of(path: Path) -> Path:
-    """`path` itself when it is a checkpoint; for a training output directory (OUTPUT_DIR holding
-    checkpoint-STEP folders), its newest complete checkpoint, said in one line on stderr."""
-    from hf_scale.train import checkpoint
+def _checkpoint_of(path: Path) -> Layout:
+    """The complete checkpoint to export: `path` itself, or for a training
+    output directory (OUTPUT_DIR holding checkpoint-STEP folders) its newest complete checkpoint, said in one
+    line on stderr. Everything else is refused in one line saying what `path` is."""
+    from hf_scale.train import checkpoint_layout as layout
 
-    if checkpoint.step_of(path) is not None or (path / checkpoint.MANIFEST).exists():
-        return path
     with _reading(path):
-        folders = sorted((p for p in path.iterdir() if p.is_dir() and checkpoint.step_of(p) is not None),
-                         key=checkpoint.step_of)
-        complete = checkpoint.complete_checkpoints(path)
-    final_model = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-    note = " (its final model is already in it: from_pretrained loads that directory)" if final_model else ""
-    if not folders:
-        if final_model:
-            raise UserError(f"CHECKPOINT_DIR {path}: a saved Hugging Face model, not a checkpoint: from_pretrained "
-                            "loads it as it is (export takes an OUTPUT_DIR/checkpoint-STEP)")
-        return path  # reported as an incomplete checkpoint
-    if not complete:
-        names = ", ".join(p.name for p in folders)
+        found = layout.detect_layout(path)
+        if found.kind == layout.RUN_DIR and found.newest is not None:
+            newest = found.newest
+            skipped = [p.name for p in found.checkpoints if layout.step_of(p) > layout.step_of(newest)]
+            _log(f"{path} is a training output directory: exporting its newest complete checkpoint, {newest.name}"
+                 + (f" ({', '.join(skipped)} incomplete)" if skipped else ""))
+            found = layout.detect_layout(newest)
+    if found.kind == layout.CHECKPOINT:
+        return found
+    _refuse(found)
+
+
+def _refuse(found: Layout) -> NoReturn:
+    """Why the directory `detect_layout` described cannot be exported, in one line."""
+    from hf_scale.train import checkpoint_layout as layout
+
+    path = found.path
+    if found.kind == layout.UNKNOWN and found.problem in ("not a directory", "no such directory"):
+        raise UserError(f"CHECKPOINT_DIR {path}: {'is not a directory' if path.exists() else 'no such directory'}")
+    if found.kind == layout.HF_MODEL:
+        raise UserError(f"CHECKPOINT_DIR {path}: a saved Hugging Face model, not a checkpoint: from_pretrained "
+                        "loads it as it is (export takes an OUTPUT_DIR/checkpoint-STEP)")
+    if found.kind == layout.RUN_DIR:  # without a complete checkpoint
+        names = ", ".join(p.name for p in found.checkpoints)
+        note = " (its final model is already in it: from_pretrained loads that directory)" if found.final_model else ""
+        verb = "is" if len(found.checkpoints) == 1 else "are"
         raise UserError(f"CHECKPOINT_DIR {path}: a training output directory without a complete checkpoint ({names} "
-                        f"{'is' if len(folders) == 1 else 'are'} incomplete: no valid {checkpoint.MANIFEST}){note}")
-    newest = complete[-1]
-    skipped = [p.name for p in folders if checkpoint.step_of(p) > checkpoint.step_of(newest)]
-    _log(f"{path} is a training output directory: exporting its newest complete checkpoint, {newest.name}"
-         + (f" ({', '.join(skipped)} incomplete)" if skipped else ""))
-    return newest
+                        f"{verb} incomplete: no valid {layout.MANIFEST}){note}")
+    # An incomplete checkpoint, or a directory that is none of the above.
+    raise UserError(
+        f"CHECKPOINT_DIR {path}: incomplete or corrupt checkpoint (no valid {layout.MANIFEST}); "
+        + (f"the newest complete one beside it is {found.newest}" if found.newest
+           else "export a complete OUTPUT_DIR/checkpoint-STEP")
+    )
 
 
 def _validate_shard_size(size: str) -> None:
@@ -236,36 +242,37 @@ def _resolve_dtype(dtype: str, checkpoint_dir: Path):
     return getattr(torch, saved) if isinstance(getattr(torch, str(saved), None), torch.dtype) else torch.float32
 
 
-def _find_source(path: Path) -> Source:
-    """The checkpoint's layout, from the files train.py's loops write."""
-    from hf_scale.train import fsdp
+def _find_source(found: Layout) -> Source:
+    """The reader of the weights of the complete checkpoint `found`."""
+    from hf_scale.train import checkpoint_layout as layout
 
-    if (path / fsdp.DCP_DIR / ".metadata").is_file():
-        return _dcp_source(path / fsdp.DCP_DIR)
-    if (path / "latest").is_file():
-        return _deepspeed_source(path)
-    if (path / "model.safetensors").is_file():
-        return _safetensors_source(path / "model.safetensors")
-    if (path / "adapter_model.safetensors").is_file():
+    path = found.path
+    if found.weights == layout.FSDP_DCP:
+        return _dcp_source(path / layout.DCP_DIR)
+    if found.weights == layout.DEEPSPEED:
+        return _deepspeed_source(path, found.deepspeed_tag)
+    if found.weights == layout.FULL:
+        return _safetensors_source(path / layout.MODEL_WEIGHTS)
+    if found.weights == layout.ADAPTER_ONLY:
         raise UserError(
             f"CHECKPOINT_DIR {path}: holds only a LoRA adapter (the Trainer's save without DeepSpeed); it already "
             "is a PEFT adapter directory: load it with peft's AutoPeftModelForCausalLM"
         )
     raise UserError(
-        f"CHECKPOINT_DIR {path}: no model weights found (expected a DeepSpeed tag named in 'latest', "
-        f"{fsdp.DCP_DIR}/ or model.safetensors)"
+        f"CHECKPOINT_DIR {path}: no model weights found (expected a DeepSpeed tag named in "
+        f"'{layout.DEEPSPEED_LATEST}', {layout.DCP_DIR}/ or {layout.MODEL_WEIGHTS})"
     )
 
 
-def _deepspeed_source(path: Path) -> Source:
+def _deepspeed_source(path: Path, tag: str | None) -> Source:
     """DeepSpeed's own consolidation, lazily: ZeRO-3 tensors are gathered from the partitions one at a time."""
     import torch
 
-    from hf_scale.inputs import read_text
+    from hf_scale.train import checkpoint_layout as layout
 
-    tag = read_text(path / "latest", "DeepSpeed tag file").strip()
     if not tag or not (path / tag).is_dir():
-        raise UserError(f"CHECKPOINT_DIR {path}: 'latest' names {tag or 'nothing'}, which is not a directory in it")
+        raise UserError(f"CHECKPOINT_DIR {path}: '{layout.DEEPSPEED_LATEST}' names {tag or 'nothing'}, which is not "
+                        "a directory in it")
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress; stdout stays clean
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -274,9 +281,7 @@ def _deepspeed_source(path: Path) -> Source:
     def read(names):
         return {n: lazy[n] if isinstance(lazy[n], torch.Tensor) else lazy[n].contiguous() for n in names}
 
-    from hf_scale.train import checkpoint
-
-    stage = json.loads((path / checkpoint.STATE).read_text()).get("zero_stage")
+    stage = json.loads((path / layout.STATE).read_text()).get("zero_stage")
     return Source(f"DeepSpeed ZeRO-{stage} partitions in {tag}/", list(lazy), read)
 
 

@@ -11,10 +11,11 @@ micro batch 1 (the Trainer's --per_device_train_batch_size decides in "auto" Dee
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hf_scale.config import DistributedConfig, validate_config
+from hf_scale.config import DistributedConfig, config_from_data
 from hf_scale.errors import UserError
 
 GPUS_PER_MACHINE = 8
@@ -110,6 +111,12 @@ def preset_data(name: str) -> dict[str, Any]:
     return copy.deepcopy(PRESETS[name].config)
 
 
+def load_preset(name: str, overrides: Sequence[str] = ()) -> DistributedConfig:
+    """The preset with dotted ``key=value`` overrides applied (as `config.load_config` applies them to a file),
+    validated."""
+    return config_from_data(preset_data(name), overrides)
+
+
 def get_preset(name: str) -> DistributedConfig:
     """The validated DistributedConfig of a preset."""
-    return validate_config(preset_data(name))
+    return load_preset(name)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from train_helpers import REPO, TRAIN_PY, child_env, generate_config, launcher_command, read_metrics, run_ok
 
-from hf_scale.train import checkpoint
+from hf_scale.train import checkpoint, checkpoint_layout
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,7 +50,8 @@ def test_resume_mid_epoch_is_bit_identical(launcher, ds, loop, ds_configs, tmp_p
     extra = ARGS + ["--loop", loop] + (["--deepspeed", str(ds_configs / f"{ds}.json")] if ds else [])
     full = tmp_path / "full"
     run_ok(launcher_command(launcher) + extra + ["--output_dir", str(full)])
-    assert [p.name for p in checkpoint.complete_checkpoints(full)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    saved = checkpoint_layout.complete_checkpoints(full)
+    assert [p.name for p in saved] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
     # A second run that starts from the step-2 checkpoint (8 of 256 samples: mid-epoch), in a directory whose
     # metrics.jsonl holds what a crashed run wrote: steps 1-2, then 3-6 after its last checkpoint.
@@ -92,9 +93,9 @@ def test_signal_saves_a_checkpoint_exits_75_and_resumes_exactly(sig, tmp_path):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == checkpoint.EXIT_PREEMPTED, stderr[-3000:]
     assert f"stopped by {sig.name}" in stderr
-    saved = checkpoint.complete_checkpoints(out)
+    saved = checkpoint_layout.complete_checkpoints(out)
     assert len(saved) == 1
-    stopped_at = checkpoint.step_of(saved[0])
+    stopped_at = checkpoint_layout.step_of(saved[0])
     assert not (out / "model.safetensors").exists()  # no final model from an unfinished run
 
     run_ok(command + ["--resume_from_checkpoint", "auto"])
@@ -119,9 +120,9 @@ def test_signal_to_one_rank_stops_all_ranks_with_a_checkpoint(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert "exitcode: 75" in stderr or proc.returncode == checkpoint.EXIT_PREEMPTED, stderr[-3000:]
-    saved = checkpoint.complete_checkpoints(out)
+    saved = checkpoint_layout.complete_checkpoints(out)
     assert len(saved) == 1
-    assert json.loads((saved[0] / checkpoint.STATE).read_text())["world_size"] == 2
+    assert json.loads((saved[0] / checkpoint_layout.STATE).read_text())["world_size"] == 2
 
 
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_resumable(tmp_path):
@@ -136,24 +137,24 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_resumable(tmp_path)
             _wait_for_steps(out, 3, proc)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not killed_mid_save:
-                if any(p.name.startswith(checkpoint.TMP_PREFIX) for p in out.iterdir()):
+                if any(p.name.startswith(checkpoint_layout.TMP_PREFIX) for p in out.iterdir()):
                     os.kill(proc.pid, signal.SIGKILL)
                     killed_mid_save = True
         finally:
             proc.kill()
             proc.wait()
-        if killed_mid_save and any(p.name.startswith(checkpoint.TMP_PREFIX) for p in out.iterdir()):
+        if killed_mid_save and any(p.name.startswith(checkpoint_layout.TMP_PREFIX) for p in out.iterdir()):
             break
         killed_mid_save = False
     assert killed_mid_save, "could not kill the process in the middle of a save"
-    complete = checkpoint.complete_checkpoints(out)
+    complete = checkpoint_layout.complete_checkpoints(out)
     assert complete, "the previous checkpoint must survive"
-    newest = checkpoint.step_of(complete[-1])
+    newest = checkpoint_layout.step_of(complete[-1])
 
     result = run_ok(command[:2] + ["--max_steps", str(newest + 1)] + command[4:] + ["--resume_from_checkpoint", "auto"])
     assert "removed interrupted save" in result.stderr  # and the dead run's lock did not block this one
     assert f"resuming from {complete[-1]}" in result.stderr
-    assert not any(p.name.startswith(checkpoint.TMP_PREFIX) for p in out.iterdir())
+    assert not any(p.name.startswith(checkpoint_layout.TMP_PREFIX) for p in out.iterdir())
     assert read_metrics(out)[-1]["step"] == newest + 1
 
 
@@ -180,4 +181,4 @@ def test_a_dead_rank_makes_the_others_exit_instead_of_hanging(tmp_path):
 def test_save_total_limit_keeps_the_newest(tmp_path):
     run_ok([sys.executable, TRAIN_PY, "--max_steps", "5", "--save_steps", "1", "--save_total_limit", "2",
             "--loop", "accelerate", "--output_dir", str(tmp_path)], cwd=REPO)
-    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-5"]
+    assert [p.name for p in checkpoint_layout.complete_checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-5"]

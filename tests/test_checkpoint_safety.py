@@ -32,7 +32,7 @@ from train_helpers import (
 )
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, integrity, output_lock
+from hf_scale.train import checkpoint, checkpoint_layout, integrity, output_lock
 from hf_scale.train.metrics import continue_metrics_file
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
@@ -109,13 +109,13 @@ def test_publishing_over_a_foreign_directory_moves_it_aside_intact(tmp_path):
     foreign = tmp_path / "checkpoint-3"
     foreign.mkdir()
     (foreign / "weights.bin").write_bytes(b"someone else's")
-    written = tmp_path / f"{checkpoint.TMP_PREFIX}3"
+    written = tmp_path / f"{checkpoint_layout.TMP_PREFIX}3"
     written.mkdir()
     (written / "model.safetensors").write_bytes(b"ours")
     checkpoint.seal(written, 3, ONE_PROCESS)
     checkpoint.publish(written, tmp_path, 3)
     assert (tmp_path / "checkpoint-3.kept-1" / "weights.bin").read_bytes() == b"someone else's"
-    assert checkpoint.is_complete(tmp_path / "checkpoint-3")
+    assert checkpoint_layout.is_complete(tmp_path / "checkpoint-3")
     assert checkpoint.verify(tmp_path / "checkpoint-3", ONE_PROCESS) is None
 
 
@@ -161,7 +161,7 @@ def test_a_run_killed_with_sigkill_does_not_block_the_next(tmp_path):
 
 def test_startup_removes_only_hf_scales_own_temporary_directories(tmp_path, capfd):
     out = tmp_path / "out"
-    for name in (f"{checkpoint.TMP_PREFIX}5", f"{checkpoint.TMP_PREFIX}universal-2"):
+    for name in (f"{checkpoint_layout.TMP_PREFIX}5", f"{checkpoint_layout.TMP_PREFIX}universal-2"):
         (out / name / "pytorch_model").mkdir(parents=True)
         (out / name / "pytorch_model" / "shard.pt").write_bytes(b"partial")
     (out / "checkpoint-7").mkdir()  # another tool's checkpoint (no hf_scale manifest)
@@ -171,11 +171,11 @@ def test_startup_removes_only_hf_scales_own_temporary_directories(tmp_path, capf
     assert run_in_process(["--max_steps", "1", "--save_steps", "1", "--loop", "accelerate",
                            "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) == 0
     stderr = capfd.readouterr().err
-    assert f"removed interrupted save {out / (checkpoint.TMP_PREFIX + '5')}" in stderr
-    assert f"skipping {out / 'checkpoint-7'}: no {checkpoint.MANIFEST}" in stderr
-    assert not list(out.glob(f"{checkpoint.TMP_PREFIX}*"))
+    assert f"removed interrupted save {out / (checkpoint_layout.TMP_PREFIX + '5')}" in stderr
+    assert f"skipping {out / 'checkpoint-7'}: no {checkpoint_layout.MANIFEST}" in stderr
+    assert not list(out.glob(f"{checkpoint_layout.TMP_PREFIX}*"))
     assert {name: tree(out / name) for name in foreign} == foreign
-    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["checkpoint-1"]
+    assert [p.name for p in checkpoint_layout.complete_checkpoints(out)] == ["checkpoint-1"]
 
 
 @pytest.mark.parametrize(("loop", "damage"), [("accelerate", "truncated"), ("trainer", "one bit flipped")])
@@ -202,8 +202,9 @@ def test_auto_skips_a_damaged_checkpoint_and_continues_the_metrics(loop, damage,
     if damage == "truncated":  # not a complete hf_scale checkpoint: the new checkpoint-2 never deletes it
         assert f"moved it to {out / 'checkpoint-2.kept-1'} (nothing deleted)" in stderr
         assert tree(out / "checkpoint-2.kept-1") == damaged_files
-    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
-    assert all(checkpoint.verify(p, ONE_PROCESS) is None for p in checkpoint.complete_checkpoints(out))
+    saved = checkpoint_layout.complete_checkpoints(out)
+    assert [p.name for p in saved] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert all(checkpoint.verify(p, ONE_PROCESS) is None for p in checkpoint_layout.complete_checkpoints(out))
     assert _steps(out) == [1, 2, 3]  # each step once; the history before the resume kept as it was
     assert read_metrics(out)[:1] == history
 
@@ -217,7 +218,7 @@ def test_a_diverging_run_stops_at_the_first_non_finite_step_before_saving_it(loo
     step = records[-1]["step"]
     assert f"train.py: error: step {step}: " in line and ("nan" in line or "inf" in line)
     assert all(map(_finite, (r["loss"] for r in records[:-1])))
-    assert [p.name for p in checkpoint.complete_checkpoints(out)] == [f"checkpoint-{s}" for s in range(1, step)]
+    assert [p.name for p in checkpoint_layout.complete_checkpoints(out)] == [f"checkpoint-{s}" for s in range(1, step)]
     assert f"the newest intact checkpoint is {out / f'checkpoint-{step - 1}'}" in line
     assert not list(out.glob(f"*checkpoint-{step}*")) and not (out / "model.safetensors").exists()
 
@@ -247,7 +248,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_intact_checkpoint(loop
     assert f"the newest intact checkpoint is {out / 'checkpoint-1'}" in line and "GiB free" in line
     assert not (out / "checkpoint-2").exists()
     # What the failed save left is hf_scale's own temporary directory: the next start removes it and resumes.
-    assert list(out.glob(f"{checkpoint.TMP_PREFIX}2*"))
+    assert list(out.glob(f"{checkpoint_layout.TMP_PREFIX}2*"))
     assert run_in_process(["--max_steps", "2", "--save_steps", "1", "--loop", loop, "--output_dir", str(out),
                            "--resume_from_checkpoint", "auto"]) == 0
     assert "removed interrupted save" in capfd.readouterr().err
@@ -274,7 +275,8 @@ def test_two_runs_in_one_output_dir_the_second_is_refused_the_first_finishes_unt
             first.kill()
     assert first.returncode == 0, stderr[-3000:]
     assert _steps(out) == list(range(1, 13))
-    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["checkpoint-4", "checkpoint-8", "checkpoint-12"]
+    saved = checkpoint_layout.complete_checkpoints(out)
+    assert [p.name for p in saved] == ["checkpoint-4", "checkpoint-8", "checkpoint-12"]
     assert not (out / output_lock.LOCK_FILE).exists()
 
 
@@ -305,12 +307,12 @@ def test_every_rank_stops_at_the_first_non_finite_step_of_a_ddp_run(tmp_path):
     lines = _error_lines(result.stderr, launcher=True)
     step = read_metrics(out)[-1]["step"]
     assert len(lines) == 2 and all(f"step {step}: " in line for line in lines), result.stderr[-3000:]
-    assert [p.name for p in checkpoint.complete_checkpoints(out)] == [f"checkpoint-{s}" for s in range(1, step)]
+    assert [p.name for p in checkpoint_layout.complete_checkpoints(out)] == [f"checkpoint-{s}" for s in range(1, step)]
     assert not list(out.glob(f"*checkpoint-{step}*"))
 
 
 def test_checksums_are_in_every_manifest_of_both_loops(two_step_runs):
     for loop in ("accelerate", "trainer"):
-        manifest = json.loads((two_step_runs[loop] / "checkpoint-2" / checkpoint.MANIFEST).read_text())
+        manifest = json.loads((two_step_runs[loop] / "checkpoint-2" / checkpoint_layout.MANIFEST).read_text())
         assert manifest["files"] and all(integrity.HASH_NAME in entry for entry in manifest["files"].values())
         assert checkpoint.verify(two_step_runs[loop] / "checkpoint-2", ONE_PROCESS) is None

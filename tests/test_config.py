@@ -8,6 +8,7 @@ import pytest
 
 from hf_scale.config import DistributedConfig, config_warnings, load_config, validate_config
 from hf_scale.errors import UserError
+from hf_scale.presets import load_preset
 
 
 def error_of(data) -> str:
@@ -221,9 +222,7 @@ def test_load_config_reads_yaml_and_applies_dotted_overrides(tmp_path):
 
 
 def test_overrides_re_derive_the_batch_of_a_preset():
-    cfg = load_config(
-        preset="zero2", overrides=["topology.processes_per_machine=2", "batch.global_batch_size=16"]
-    )
+    cfg = load_preset("zero2", overrides=["topology.processes_per_machine=2", "batch.global_batch_size=16"])
     assert (cfg.world_size, cfg.batch.gradient_accumulation_steps) == (2, 8)
 
 
@@ -260,14 +259,13 @@ def test_empty_file_means_defaults(tmp_path):
 )
 def test_bad_overrides_give_one_line(override, fragment):
     with pytest.raises(UserError, match=fragment):
-        load_config(preset="ddp", overrides=[override])
+        load_preset("ddp", overrides=[override])
 
 
-def test_missing_file_and_file_plus_preset_are_errors(tmp_path):
+def test_a_missing_file_is_an_error(tmp_path):
+    # A file and --preset together: tests/test_cli_generate.py (the command refuses the pair).
     with pytest.raises(UserError, match="not found"):
         load_config(tmp_path / "nope.yaml")
-    with pytest.raises(UserError, match="not both"):
-        load_config(tmp_path / "x.yaml", preset="ddp")
 
 
 def test_json_schema_documents_every_field():
@@ -286,4 +284,4 @@ def test_bare_yaml_no_means_precision_no(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("strategy: single\nprecision: no\n")
     assert load_config(path).precision == "no"
-    assert load_config(preset="ddp", overrides=["precision=no"]).precision == "no"
+    assert load_preset("ddp", overrides=["precision=no"]).precision == "no"

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from train_helpers import PROBE_IDS, logits, run, run_ok
 from transformers import AutoModelForCausalLM
 
-from hf_scale.train import checkpoint
+from hf_scale.train import checkpoint_layout
 
 pytestmark = pytest.mark.multiprocess
 
@@ -92,13 +92,13 @@ def test_lora_under_zero3_exports_a_non_empty_adapter_and_a_merged_model(tmp_pat
 def test_export_refuses_an_incomplete_checkpoint_in_one_line(tmp_path_factory, tmp_path):
     broken = tmp_path / "checkpoint-4"
     shutil.copytree(trained(tmp_path_factory, "zero2", 2) / "checkpoint-4", broken)
-    (broken / checkpoint.MANIFEST).unlink()
+    (broken / checkpoint_layout.MANIFEST).unlink()
     out = tmp_path / "out"
     result = run(EXPORT + [str(broken), str(out)], timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"hf-scale: error: CHECKPOINT_DIR {broken}: incomplete or corrupt checkpoint (no valid "
-        f"{checkpoint.MANIFEST}); export a complete OUTPUT_DIR/checkpoint-STEP"
+        f"{checkpoint_layout.MANIFEST}); export a complete OUTPUT_DIR/checkpoint-STEP"
     ]
     assert not out.exists() and not list(tmp_path.glob(".tmp-export-*"))
 
@@ -107,7 +107,7 @@ def test_export_of_a_run_directory_takes_its_newest_complete_checkpoint_and_says
     run_dir = tmp_path / "run"
     for name in ("checkpoint-2", "checkpoint-4"):
         shutil.copytree(trained(tmp_path_factory, "ddp", 2) / name, run_dir / name)
-    (run_dir / "checkpoint-4" / checkpoint.MANIFEST).unlink()  # interrupted while saving
+    (run_dir / "checkpoint-4" / checkpoint_layout.MANIFEST).unlink()  # interrupted while saving
     out = tmp_path / "exported"
     result = _export(run_dir, out)
     assert (f"hf-scale export: {run_dir} is a training output directory: exporting its newest complete checkpoint, "
@@ -116,11 +116,11 @@ def test_export_of_a_run_directory_takes_its_newest_complete_checkpoint_and_says
     refused = run(EXPORT + [str(run_dir / "checkpoint-4"), str(tmp_path / "out4")], timeout=120)
     assert refused.stderr.strip().endswith(f"the newest complete one beside it is {run_dir / 'checkpoint-2'}")
 
-    (run_dir / "checkpoint-2" / checkpoint.MANIFEST).unlink()
+    (run_dir / "checkpoint-2" / checkpoint_layout.MANIFEST).unlink()
     result = run(EXPORT + [str(run_dir), str(tmp_path / "out2")], timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         f"hf-scale: error: CHECKPOINT_DIR {run_dir}: a training output directory without a complete checkpoint "
-        f"(checkpoint-2, checkpoint-4 are incomplete: no valid {checkpoint.MANIFEST})"
+        f"(checkpoint-2, checkpoint-4 are incomplete: no valid {checkpoint_layout.MANIFEST})"
     ]
     assert not (tmp_path / "out2").exists()
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from hf_scale.cli import main as cli_main
-from hf_scale.config import load_config
 from hf_scale.errors import UserError
+from hf_scale.presets import load_preset
 from hf_scale.train.main import build_parser
 from hf_scale.train.main import main as train_main
 from hf_scale.train.recipe import expand_recipe
@@ -182,7 +182,7 @@ def _generate(out, *extra) -> int:
 
 def test_generated_recipe_is_read_by_train_py_with_the_configs_values(tmp_path):
     assert _generate(tmp_path) == 0
-    cfg = load_config(preset="zero2", overrides=SETS)
+    cfg = load_preset("zero2", overrides=SETS)
     recipe = tmp_path / "recipes" / "run.yaml"
     ns, _, _ = _parse([str(recipe)])
     assert ns.per_device_train_batch_size == cfg.batch.micro_batch_size == 2

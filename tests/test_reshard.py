@@ -13,7 +13,7 @@ import pytest
 from checkpoint_runs import COMMON, launcher, strategy_args, trained
 from train_helpers import TRAIN_PY, launcher_command, read_metrics, run, run_ok, training_traceback_frames
 
-from hf_scale.train import checkpoint
+from hf_scale.train import checkpoint_layout
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,8 +49,9 @@ def test_resume_at_another_world_size_continues_the_uninterrupted_run(
     if strategy.startswith("zero"):
         assert "DeepSpeed universal checkpoint" in result.stderr
         # The temporary universal view is gone; only real checkpoints remain.
-        assert not list((tmp_path / "resumed").glob(f"{checkpoint.TMP_PREFIX}*"))
-    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "resumed")] == ["checkpoint-2", "checkpoint-4"]
+        assert not list((tmp_path / "resumed").glob(f"{checkpoint_layout.TMP_PREFIX}*"))
+    saved = checkpoint_layout.complete_checkpoints(tmp_path / "resumed")
+    assert [p.name for p in saved] == ["checkpoint-2", "checkpoint-4"]
 
 
 def test_trainer_path_refuses_another_world_size_before_training(tmp_path):

@@ -1,12 +1,14 @@
 """Checkpoints that appear complete or not at all, are verified before a resume, and the stop request that
 triggers one.
 
-Layout: `OUTPUT_DIR/checkpoint-STEP/`. Both loops write a checkpoint into a temporary directory of
+The layout (names, manifest, what a directory is) belongs to `checkpoint_layout.py`; this module writes,
+seals, publishes, rotates and verifies. Both loops write a checkpoint into a temporary directory of
 hf_scale's own (`OUTPUT_DIR/.tmp-checkpoint-STEP`; the Trainer writes its own format into
 `.tmp-checkpoint-STEP/checkpoint-STEP`), add `hf_scale_state.json` (step, epoch, position in the epoch,
 world size, strategy; the manual loop also the model config and tokenizer), flush every file and record
 its size and checksum in the manifest `hf_scale_complete.json`, written last, then rename the directory
-into place. The checksums are computed and verified by all ranks in parallel (`integrity.py`).
+into place as `OUTPUT_DIR/checkpoint-STEP`. The checksums are computed and verified by all ranks in
+parallel (`integrity.py`).
 
 What startup removes: only hf_scale's own temporary directories (`.tmp-checkpoint-*`: an interrupted save
 of either loop, a leftover DeepSpeed universal-checkpoint conversion), under the output_dir lock
@@ -25,21 +27,30 @@ import re
 import shutil
 import signal
 import sys
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from types import SimpleNamespace
 
 from hf_scale.errors import UserError
 from hf_scale.train import integrity
+from hf_scale.train.checkpoint_layout import (
+    MANIFEST,
+    STATE,
+    TMP_PREFIX,
+    checkpoint_dir,
+    checkpoint_folders,
+    complete_checkpoints,
+    is_complete,
+    manifest_text,
+    read_manifest,
+    size_problem,
+    staging_dir,
+    step_of,  # noqa: F401 - still imported from here by tests/test_launch_signals.py
+)
 
-PREFIX = "checkpoint-"
-TMP_PREFIX = ".tmp-checkpoint-"
-MANIFEST = "hf_scale_complete.json"
-STATE = "hf_scale_state.json"
 EXIT_PREEMPTED = 75
 """train.py's exit code after saving a checkpoint on SIGTERM/SIGUSR1 (EX_TEMPFAIL: run again to resume);
 the generated SLURM script requeues the job on it."""
 
-_STEP = re.compile(rf"^{PREFIX}(\d+)$")
 _ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
 # Small state files every resume loads; a garbage one must stop the resume, not be skipped (accelerate
 # ignores an unloadable RNG file) or surface as a traceback.
@@ -47,59 +58,6 @@ _STATE_FILES = re.compile(r"^(random_states_\d+\.pkl|rng_state(_\d+)?\.pth|sched
                           r"sampler(_\d+)?\.bin|scaler\.pt)$")
 _RNG_KEYS = {"random_states_": {"random_state", "numpy_random_seed", "torch_manual_seed"},
              "rng_state": {"python", "numpy", "cpu"}}
-
-
-def step_of(path: Path) -> int | None:
-    match = _STEP.match(path.name)
-    return int(match.group(1)) if match else None
-
-
-def _read_manifest(path: Path) -> tuple[dict[str, dict] | None, str | None]:
-    """({file: {"size", "xxh3_128"}}, None), or (None, what is wrong)."""
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return None, f"no {MANIFEST} (an interrupted save, or not written by hf_scale)"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-        # Manifests written before checksums existed record sizes only.
-        entries = {name: {"size": v} if type(v) is int else {"size": v["size"], integrity.HASH_NAME:
-                   v[integrity.HASH_NAME]} for name, v in files.items()}
-        safe = all(not PurePosixPath(n).is_absolute() and ".." not in PurePosixPath(n).parts for n in entries)
-        if not safe or not all(type(e["size"]) is int for e in entries.values()):
-            raise ValueError
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-        return None, f"{MANIFEST} is unreadable (not a manifest written by hf_scale)"
-    return entries, None
-
-
-def _size_problem(path: Path, entries: dict[str, dict]) -> str | None:
-    for name, entry in sorted(entries.items()):
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing (listed in {MANIFEST})"
-        if file.stat().st_size != entry["size"]:
-            return f"{name} has {file.stat().st_size} bytes, {MANIFEST} records {entry['size']}"
-    return None
-
-
-def problem(path: Path) -> str | None:
-    """Why `path` is not a complete checkpoint (manifest and file sizes; cheap), or None."""
-    entries, found = _read_manifest(path)
-    return found or _size_problem(path, entries)
-
-
-def is_complete(path: Path) -> bool:
-    """The manifest exists and every file it lists has the recorded size."""
-    return problem(path) is None
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of `output_dir`, oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and is_complete(p)]
-    return sorted(found, key=step_of)
 
 
 def remove_interrupted(output_dir: str | Path) -> list[Path]:
@@ -125,8 +83,8 @@ def verify(path: Path, state) -> str | None:
     """
     found, entries = None, None
     if state.is_main_process:
-        entries, found = _read_manifest(path)
-        found = found or _size_problem(path, entries)
+        entries, found = read_manifest(path)
+        found = found or size_problem(path, entries)
     found, entries = integrity.broadcast(state, (found, entries))
     if found:
         return found
@@ -190,8 +148,7 @@ def resolve_resume(value: str | None, output_dir: str, state) -> Path | None:
 def _newest_resumable(root: Path, state) -> Path | None:
     candidates = None
     if state.is_main_process:  # listed once: every rank then verifies the same directories
-        found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None] if root.is_dir() else []
-        candidates = sorted(found, key=step_of, reverse=True)
+        candidates = checkpoint_folders(root)[::-1]
     for path in integrity.broadcast(state, candidates):
         found = verify(path, state)
         if found is None:
@@ -266,7 +223,7 @@ def seal(directory: Path, step: int, state) -> None:
             _fsync_dir(sub)
         files = {name: {"size": size, integrity.HASH_NAME: digests[name]} for name, size in sizes.items()}
         tmp = directory / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({"step": step, "files": files}, indent=1) + "\n")
+        tmp.write_text(manifest_text(step, files))
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, directory / MANIFEST)
@@ -285,10 +242,10 @@ def publish(written: Path, output_dir: str | Path, step: int) -> Path:
     hf_scale checkpoint (this run's own step, saved again after a resume) and otherwise moved aside intact.
     """
     root = Path(output_dir)
-    final = root / f"{PREFIX}{step}"
+    final = checkpoint_dir(root, step)
     replaced = None
     if final.exists() and is_complete(final):
-        replaced = root / f"{TMP_PREFIX}replaced-{step}"
+        replaced = staging_dir(root, f"replaced-{step}")
         shutil.rmtree(replaced, ignore_errors=True)
         os.replace(final, replaced)
     elif final.exists() or final.is_symlink():

@@ -5,8 +5,8 @@ what it wants in a different place (environment variables, `--deepspeed`, an acc
 into `ACCELERATE_*` variables). :func:`detect_launch` reads all of them into one
 :class:`LaunchRequest`; :func:`init_process_state` then creates accelerate's `PartialState` so that
 the requested engine really runs — on a machine without GPUs that needs the gloo backend, which
-accelerate does not pick by itself (see shared/notes/cpu-distributed.md: without it each of N
-processes silently trains alone).
+accelerate does not pick by itself (without it each of N processes silently trains alone, which
+`guard.py` would then stop).
 """
 
 from __future__ import annotations

@@ -71,12 +71,9 @@ def as_local_float(norm) -> float:
     return float(norm)
 
 
-DCP_DIR = "fsdp_sharded"
-"""Where a checkpoint keeps the FSDP2 model and optimizer shards (torch.distributed.checkpoint format)."""
-
-
 def save_sharded(model, optimizer, path) -> None:
-    """Every rank writes its own shards (collective); DCP reshards on load, also at another world size."""
+    """To `path` (a checkpoint's `checkpoint_layout.DCP_DIR`). Every rank writes its own shards (collective);
+    DCP reshards on load, also at another world size."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

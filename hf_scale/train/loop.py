@@ -23,7 +23,7 @@ from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, divergence, evaluation, fsdp, guard, reshard
+from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, fsdp, guard, reshard
 from hf_scale.train.data import count_target_tokens, make_train_dataloader
 from hf_scale.train.distributed import has_gpu
 from hf_scale.train.liger import apply_liger
@@ -312,19 +312,19 @@ class _CheckpointSaver:
         return step % interval == 0 or step == total_steps
 
     def save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
-        with checkpoint.write_errors_reported(f"{checkpoint.PREFIX}{step}", self.args.output_dir):
+        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), self.args.output_dir):
             return self._save(step, epoch, batches_in_epoch)
 
     def _save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
         accelerator, args = self.accelerator, self.args
-        tmp = Path(args.output_dir) / f"{checkpoint.TMP_PREFIX}{step}"
+        tmp = checkpoint_layout.staging_dir(args.output_dir, step)
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
         if self.shard_ourselves:
-            fsdp.save_sharded(self.model, self.optimizer, tmp / fsdp.DCP_DIR)
+            fsdp.save_sharded(self.model, self.optimizer, tmp / checkpoint_layout.DCP_DIR)
         if accelerator.is_main_process:
             samples_per_batch_row = args.per_device_train_batch_size * accelerator.num_processes
             checkpoint.write_state(
@@ -347,7 +347,7 @@ class _CheckpointSaver:
                 unwrapped.peft_config[unwrapped.active_adapter].save_pretrained(tmp)
         accelerator.wait_for_everyone()
         checkpoint.seal(tmp, step, accelerator)
-        final = tmp.parent / f"{checkpoint.PREFIX}{step}"
+        final = checkpoint_layout.checkpoint_dir(args.output_dir, step)
         if accelerator.is_main_process:
             checkpoint.publish(tmp, args.output_dir, step)
             checkpoint.rotate(args.output_dir, args.save_total_limit)
@@ -375,7 +375,7 @@ class _CheckpointSaver:
                 # Full states (DDP, one process) load at any world size; FSDP2's DCP shards reshard on load.
                 self.accelerator.load_state(str(path))
             if self.shard_ourselves:
-                fsdp.load_sharded(self.model, self.optimizer, path / fsdp.DCP_DIR)
+                fsdp.load_sharded(self.model, self.optimizer, path / checkpoint_layout.DCP_DIR)
         return state["step"], state["epoch"], state["samples_consumed_in_epoch"] // samples_per_batch_row
 
 

@@ -1,4 +1,4 @@
-"""Loading the model and tokenizer, LoRA, and the final Hugging Face save.
+"""Loading the model and tokenizer, and LoRA. (The final Hugging Face save is `save.py`'s.)
 
 The model is always created with `AutoModelForCausalLM.from_pretrained`. Under ZeRO-3 the caller has
 already built `TrainingArguments(deepspeed=...)`, whose `HfTrainerDeepSpeedConfig` registers itself

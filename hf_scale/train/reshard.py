@@ -36,17 +36,16 @@ from pathlib import Path
 
 from hf_scale.errors import UserError
 from hf_scale.train import checkpoint
+from hf_scale.train.checkpoint_layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MANIFEST, staging_dir, step_of
 
-DEEPSPEED_TAG = "pytorch_model"
-"""accelerate's DeepSpeed checkpoint tag (the sub-directory holding the engine's files)."""
-
-_LAYOUT = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
+_FULL_STATES = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
 
 
-def _describe(strategy: str, zero_stage: int | None) -> str:
+def _state_layout(strategy: str, zero_stage: int | None) -> str:
+    """How a strategy lays out the saved training state (what must match to resume)."""
     if strategy == "deepspeed":
         return f"DeepSpeed ZeRO-{zero_stage}"
-    return _LAYOUT.get(strategy, strategy)
+    return _FULL_STATES.get(strategy, strategy)
 
 
 def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, zero_stage: int | None) -> dict:
@@ -65,7 +64,7 @@ def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, ze
             f"--resume_from_checkpoint={path}: written by --loop {saved_loop}, resumed with --loop {loop}; "
             f"the two loops keep different checkpoint layouts: resume with --loop {saved_loop}, {convert}"
         )
-    saved, wanted = _describe(state["strategy"], state.get("zero_stage")), _describe(strategy, zero_stage)
+    saved, wanted = _state_layout(state["strategy"], state.get("zero_stage")), _state_layout(strategy, zero_stage)
     if saved != wanted:
         raise UserError(
             f"--resume_from_checkpoint={path}: saved with {saved}, resumed with {wanted}; "
@@ -84,8 +83,7 @@ def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, ze
 def deepspeed_universal(path: Path, accelerator, engine, work_root: Path) -> Iterator[Path]:
     """A view of checkpoint `path` whose DeepSpeed tag is a universal checkpoint, and `engine` set to load
     it as one. Yields the directory to hand to `accelerator.load_state` (every rank)."""
-    step = checkpoint.step_of(path)
-    view = work_root / f"{checkpoint.TMP_PREFIX}universal-{step}"
+    view = staging_dir(work_root, f"universal-{step_of(path)}")
     error = None
     if accelerator.is_main_process:
         try:
@@ -120,7 +118,7 @@ def _convert(path: Path, view: Path, new_world: int) -> None:
     shutil.rmtree(view, ignore_errors=True)
     view.mkdir(parents=True)
     for entry in path.iterdir():
-        if entry.name not in (DEEPSPEED_TAG, "latest", checkpoint.MANIFEST):
+        if entry.name not in (DEEPSPEED_TAG, DEEPSPEED_LATEST, MANIFEST):
             (view / entry.name).symlink_to(entry.resolve())
     print(
         f"hf_scale: converting {path} to a DeepSpeed universal checkpoint to resume with {new_world} processes",

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_scale.train import checkpoint, divergence, evaluation, guard
+from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
 
@@ -98,18 +98,18 @@ class HfScaleTrainer(Trainer):
         # the next start), never a checkpoint-STEP without a manifest; the Trainer's own rotation, which would
         # delete any checkpoint-* (also foreign ones), only sees that directory.
         if self._saving_step is not None:
-            return str(Path(self.args.output_dir) / f"{checkpoint.TMP_PREFIX}{self._saving_step}")
+            return str(checkpoint_layout.staging_dir(self.args.output_dir, self._saving_step))
         return super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
         step, output_dir = self.state.global_step, self.args.output_dir
-        with checkpoint.write_errors_reported(f"{checkpoint.PREFIX}{step}", output_dir):
+        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), output_dir):
             self._write_sealed_checkpoint(model, trial, step, Path(output_dir))
 
     def _write_sealed_checkpoint(self, model, trial, step: int, output_dir: Path) -> None:
         accelerator, is_main = self.accelerator, self.accelerator.is_main_process
-        staging = output_dir / f"{checkpoint.TMP_PREFIX}{step}"
-        written = staging / f"{checkpoint.PREFIX}{step}"
+        staging = checkpoint_layout.staging_dir(output_dir, step)
+        written = checkpoint_layout.checkpoint_dir(staging, step)  # the Trainer appends checkpoint-STEP
         if is_main:
             shutil.rmtree(staging, ignore_errors=True)
         accelerator.wait_for_everyone()
@@ -119,13 +119,13 @@ class HfScaleTrainer(Trainer):
         finally:
             self._saving_step = None
         accelerator.wait_for_everyone()  # every rank's shards are on disk
-        final = output_dir / f"{checkpoint.PREFIX}{step}"
+        final = checkpoint_layout.checkpoint_dir(output_dir, step)
         if is_main:
             checkpoint.write_state(written, step=step, loop="trainer", world_size=accelerator.num_processes,
                                    expected=self.expected, args=self.args)
             if self.state.best_model_checkpoint == str(written):  # the Trainer recorded the temporary name
                 self.state.best_model_checkpoint = str(final)
-                self.state.save_to_json(str(written / "trainer_state.json"))
+                self.state.save_to_json(str(written / checkpoint_layout.TRAINER_STATE))
         checkpoint.seal(written, step, accelerator)
         if is_main:
             checkpoint.publish(written, output_dir, step)
