@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from hf_scale import rules
 from hf_scale.errors import UserError
 
 
@@ -61,7 +62,7 @@ def deepspeed_engine_facts(engine) -> dict:
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
         "train_batch_size": engine.train_batch_size(),
         "gradient_clipping": engine.gradient_clipping(),
-        "precision": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "no",
+        "precision": rules.precision_from_flags(engine.bfloat16_enabled(), engine.fp16_enabled()),
     }
 
 
@@ -176,7 +177,8 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"DeepSpeed gradient_accumulation_steps={ds['gradient_accumulation_steps']} but "
                 f"--gradient_accumulation_steps={expected.gradient_accumulation_steps}"
             )
-        implied = expected.micro_batch_size * expected.gradient_accumulation_steps * expected.world_size
+        implied = rules.global_batch_size(expected.micro_batch_size, expected.gradient_accumulation_steps,
+                                          expected.world_size)
         if ds["train_batch_size"] != implied:
             problems.append(
                 f"DeepSpeed train_batch_size={ds['train_batch_size']} but micro {expected.micro_batch_size} x "
@@ -211,7 +213,7 @@ def verify_runtime(expected: Expected, observed: Observed) -> None:
 
 
 def expected_precision(bf16: bool, fp16: bool) -> str:
-    return "bf16" if bf16 else "fp16" if fp16 else "no"
+    return rules.precision_from_flags(bf16, fp16)
 
 
 def zero3_weights_partitioned(model) -> bool:

@@ -26,17 +26,12 @@ import sys
 
 from hf_scale import launch_values
 from hf_scale.errors import UserError
+from hf_scale.rules import flag_given, precision_from_flags
 from hf_scale.train.distributed import LaunchRequest, has_gpu
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
 _FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",
                              "fp16", "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
-
-
-def _given(flag: str, argv: list[str]) -> bool:
-    """`--flag_name` typed, in any spelling the parser accepts: HfArgumentParser also takes `--flag-name`."""
-    spellings = {flag, "--" + flag[2:].replace("_", "-")}
-    return any(arg.split("=", 1)[0] in spellings for arg in argv)
 
 
 def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None):
@@ -114,12 +109,12 @@ def _fill_training_values(cfg, request: LaunchRequest, ns, argv: list[str], wher
         raise UserError(f"{where}: --auto_find_batch_size would change batch.micro_batch_size={batch.micro_batch_size} "
                         f"(global batch {batch.global_batch_size}) at run time; drop it")
     optim = str(getattr(ns.optim, "value", ns.optim))
-    if _given("--optim", argv) and "adam" not in optim:
+    if flag_given(argv, "optim") and "adam" not in optim:
         raise UserError(f"{where}: optimizer.betas and optimizer.eps are AdamW's, but --optim={optim} does not use "
                         "them; use an AdamW --optim (adamw_torch, adamw_torch_fused, adamw_8bit, ...) or leave it out")
     _activation_checkpointing(cfg, request, ns, argv, where)
-    flags_precision = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "no"
-    if (_given("--bf16", argv) or _given("--fp16", argv)) and flags_precision != cfg.precision:
+    flags_precision = precision_from_flags(ns.bf16, ns.fp16)
+    if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != cfg.precision:
         raise UserError(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
     ns.bf16, ns.fp16 = cfg.precision == "bf16", cfg.precision == "fp16"
     if request.mixed_precision not in (None, cfg.precision) and request.strategy != "deepspeed":
@@ -133,7 +128,7 @@ def _activation_checkpointing(cfg, request: LaunchRequest, ns, argv: list[str], 
     """activation_checkpointing -> --gradient_checkpointing (the model's own, in both loops); FSDP's
     fsdp.activation_checkpointing is applied by accelerate's FSDP plugin, which must then say the same."""
     fsdp_checkpointing = cfg.strategy == "fsdp" and cfg.fsdp.activation_checkpointing
-    if fsdp_checkpointing and _given("--gradient_checkpointing", argv) and ns.gradient_checkpointing:
+    if fsdp_checkpointing and flag_given(argv, "gradient_checkpointing") and ns.gradient_checkpointing:
         raise UserError(f"{where}: fsdp.activation_checkpointing=true checkpoints the decoder layers already; drop "
                         "--gradient_checkpointing (the layers would be checkpointed twice)")
     _fill_or_match(ns, argv, where, "gradient_checkpointing", "activation_checkpointing", cfg.activation_checkpointing)
@@ -151,7 +146,7 @@ def _activation_checkpointing(cfg, request: LaunchRequest, ns, argv: list[str], 
 
 
 def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value) -> None:
-    if _given(f"--{flag}", argv) and getattr(ns, flag) != value:
+    if flag_given(argv, flag) and getattr(ns, flag) != value:
         raise UserError(f"{where}: {field}={_show(value)} but --{flag}={_show(getattr(ns, flag))}")
     setattr(ns, flag, value)
 
@@ -165,8 +160,8 @@ def typed_flags(ns, argv: list[str] | None) -> set[str]:
     """The launch_values flag names the user typed (or --hf_scale_config fixed)."""
     argv = sys.argv[1:] if argv is None else argv
     names = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} | {"num_train_epochs"}
-    given = {name for name in names if _given(f"--{name}", argv)}
-    if _given("--warmup_ratio", argv):
+    given = {name for name in names if flag_given(argv, name)}
+    if flag_given(argv, "warmup_ratio"):
         given.add("warmup_steps")
     if ns.hf_scale_config:
         given.update(_FIXED_BY_HF_SCALE_CONFIG)
