@@ -23,7 +23,7 @@ from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, fsdp, guard, reshard
+from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, fsdp, guard, live, reshard
 from hf_scale.train.data import count_target_tokens, make_train_dataloader
 from hf_scale.train.distributed import has_gpu
 from hf_scale.train.liger import apply_liger
@@ -188,6 +188,7 @@ def run(
     step, epoch, skip_batches = 0, 0, 0
     if resume_dir is not None:
         step, epoch, skip_batches = saver.load(resume_dir)
+    first_step = step
     is_deepspeed = ds_plugin is not None
     metrics = StepMetrics(
         args.output_dir,
@@ -269,6 +270,10 @@ def run(
                 data_wait_s=data_wait_s,
             )
             epoch_now = record["epoch"]
+            if step == first_step + 1:  # the values the run really uses, once it has made a step
+                live.write(args.output_dir, live.read(accelerator, model, optimizer, live.window_of(window),
+                                                      max_grad_norm=args.max_grad_norm, loop="accelerate",
+                                                      step=step), accelerator)
             if accelerator.log_with:
                 accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
             divergence.check_step(step, step_loss, record["grad_norm"], loss_scaling=expected.precision == "fp16",
