@@ -198,6 +198,18 @@ def write_state(path: Path, *, step: int, loop: str, world_size: int, expected, 
     (path / STATE).write_text(json.dumps(state, indent=2) + "\n")
 
 
+def write_model_files(path: Path, model, tokenizer) -> None:
+    """What `hf-scale export` rebuilds a Hub directory from beside the shards: the model's config (and
+    generation config), the tokenizer and, for LoRA, the adapter config. `model` is the unwrapped model."""
+    model.config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    if getattr(model, "peft_config", None):
+        model.peft_config[model.active_adapter].save_pretrained(path)
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:

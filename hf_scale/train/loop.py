@@ -342,14 +342,7 @@ class _CheckpointSaver:
                 epoch=epoch,
                 samples_consumed_in_epoch=batches_in_epoch * samples_per_batch_row,
             )
-            # What `hf-scale export` needs to rebuild a Hub-ready directory from the shards.
-            unwrapped = accelerator.unwrap_model(self.model)
-            unwrapped.config.save_pretrained(tmp)
-            if getattr(unwrapped, "generation_config", None) is not None:
-                unwrapped.generation_config.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            if getattr(unwrapped, "peft_config", None):  # LoRA: what `hf-scale export` rebuilds the adapter from
-                unwrapped.peft_config[unwrapped.active_adapter].save_pretrained(tmp)
+            checkpoint.write_model_files(tmp, accelerator.unwrap_model(self.model), self.tokenizer)
         accelerator.wait_for_everyone()
         checkpoint.seal(tmp, step, accelerator)
         final = checkpoint_layout.checkpoint_dir(args.output_dir, step)

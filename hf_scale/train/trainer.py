@@ -125,6 +125,10 @@ class HfScaleTrainer(Trainer):
         if is_main:
             checkpoint.write_state(written, step=step, loop="trainer", world_size=accelerator.num_processes,
                                    expected=self.expected, args=self.args)
+            if not (written / checkpoint_layout.MODEL_CONFIG).is_file():
+                # The Trainer saves no config or tokenizer with FSDP's SHARDED_STATE_DICT (its save_model
+                # writes only a full state dict); `hf-scale export` needs them beside the shards.
+                checkpoint.write_model_files(written, accelerator.unwrap_model(model), self.processing_class)
             if self.state.best_model_checkpoint == str(written):  # the Trainer recorded the temporary name
                 self.state.best_model_checkpoint = str(final)
                 self.state.save_to_json(str(written / checkpoint_layout.TRAINER_STATE))
