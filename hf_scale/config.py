@@ -31,6 +31,7 @@ from pydantic import (
 
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_yaml, read_text
+from hf_scale.rules import global_batch_size
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
 
@@ -415,19 +416,18 @@ def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
     glob, micro, accum = batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps
     if glob is None:
         micro, accum = micro or 1, accum or 1
-        if micro * accum * world > MAX_BATCH:
+        glob = global_batch_size(micro, accum, world)
+        if glob > MAX_BATCH:
             raise ValueError(
                 f"batch.micro_batch_size({micro}) x batch.gradient_accumulation_steps({accum}) x world_size({world}) "
-                f"= {micro * accum * world} samples per optimizer step; allowed at most {MAX_BATCH}"
+                f"= {glob} samples per optimizer step; allowed at most {MAX_BATCH}"
             )
-        return BatchConfig(
-            global_batch_size=micro * accum * world, micro_batch_size=micro, gradient_accumulation_steps=accum
-        )
+        return BatchConfig(global_batch_size=glob, micro_batch_size=micro, gradient_accumulation_steps=accum)
     if micro is None and accum is None:
         micro = 1
     shown_micro = "?" if micro is None else str(micro)
     shown_accum = "?" if accum is None else str(accum)
-    known = (micro or 1) * (accum or 1) * world
+    known = global_batch_size(micro or 1, accum or 1, world)
     arithmetic = (
         f"batch.global_batch_size={glob} is not micro_batch_size({shown_micro}) x "
         f"gradient_accumulation_steps({shown_accum}) x world_size({world})"

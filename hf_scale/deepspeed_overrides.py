@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hf_scale.rules import flag_given
+
 # block -> the training flags it replaces (transformers' deepspeed_optim_sched; create_optimizer/create_scheduler
 # read these flags only when the block is absent).
 REPLACED_FLAGS = {
@@ -48,12 +50,6 @@ class Override:
     @property
     def path(self) -> str:
         return f"{self.block}.type"
-
-
-def flag_given(argv: Sequence[str], name: str) -> bool:
-    """`--name`, `--name=value` or the dashed spelling appear in `argv`."""
-    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
-    return any(arg.split("=", 1)[0] in spellings for arg in argv)
 
 
 def _adamw_like(section: Mapping[str, Any], params: Mapping[str, Any]) -> bool:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-EXIT_BAD_INPUT = 2
+from hf_scale.exit_codes import EXIT_BAD_INPUT
 
 
 class UserError(Exception):

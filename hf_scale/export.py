@@ -1,17 +1,18 @@
 """`hf-scale export CHECKPOINT_DIR OUT_DIR`: a training checkpoint -> a Hugging Face model directory.
 
 Reads any complete `checkpoint-STEP` train.py writes — DeepSpeed ZeRO-1/2/3 partitions (both loops),
-FSDP2 shards (torch.distributed.checkpoint), the plain DDP / one-process `model.safetensors` — and writes
-config, sharded safetensors with their index (`save_pretrained(max_shard_size=...)`), tokenizer and
+FSDP2 shards (torch.distributed.checkpoint), the FSDP1/FSDP2 files of accelerate's plugin on GPUs
+(`pytorch_model_fsdp_0/` shards, `pytorch_model_fsdp.bin`), the plain DDP / one-process `model.safetensors`
+— and writes config, sharded safetensors with their index (`save_pretrained(max_shard_size=...)`), tokenizer and
 generation config, loadable by `from_pretrained` without DeepSpeed. LoRA checkpoints export the adapter
 or the merged model.
 
 Memory: the model is built on the meta device and every tensor is put in place one at a time, read
 lazily from the shards (DeepSpeed's `zero_to_fp32` lazy mode, DCP reads of a few tensors at a time,
-safetensors' `safe_open`), so one full copy of the weights is held, in the output dtype. (ZeRO-1/2 is
-the exception DeepSpeed imposes: its consolidation concatenates the fp32 partitions first, so a 16-bit
-export of a ZeRO-1/2 checkpoint holds that fp32 copy too.) The result is written to a temporary
-directory beside OUT_DIR and renamed into place: OUT_DIR appears complete or not at all.
+safetensors' `safe_open`, a memory-mapped `torch.load`), so one full copy of the weights is held, in the
+output dtype. (ZeRO-1/2 is the exception DeepSpeed imposes: its consolidation concatenates the fp32
+partitions first, so a 16-bit export of a ZeRO-1/2 checkpoint holds that fp32 copy too.) The result is
+written to a temporary directory beside OUT_DIR and renamed into place: OUT_DIR appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +39,8 @@ LORA_MODES = ("adapter", "merged")
 
 EPILOG = """\
 CHECKPOINT_DIR is a complete OUTPUT_DIR/checkpoint-STEP written by train.py (either loop; DeepSpeed
-ZeRO-1/2/3, FSDP2 or DDP), or OUTPUT_DIR itself: its newest complete checkpoint is exported (named on
-stderr). An incomplete checkpoint (no valid hf_scale_complete.json) is refused.
+ZeRO-1/2/3, FSDP2, accelerate's FSDP plugin on GPUs or DDP), or OUTPUT_DIR itself: its newest complete
+checkpoint is exported (named on stderr). An incomplete checkpoint (no valid hf_scale_complete.json) is refused.
 
 examples:
   hf-scale export outputs/run/checkpoint-500 exported/                      # the dtype it was trained in
@@ -152,6 +154,8 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
             tmp.mkdir(parents=True)
         with _reading(checkpoint_dir):
             model = _build_model(checkpoint_dir, torch_dtype, is_lora)
+            if is_lora:
+                source = _with_adapter_names(source, model)
             wanted = [n for n in source.names if "lora_" in n] if lora_mode == "adapter" else source.names
             _fill(model, source, wanted, torch_dtype, only_adapter=lora_mode == "adapter")
             tokenizer = _load_tokenizer(checkpoint_dir)
@@ -248,7 +252,9 @@ def _find_source(found: Layout) -> Source:
 
     path = found.path
     if found.weights == layout.FSDP_DCP:
-        return _dcp_source(path / layout.DCP_DIR)
+        return _dcp_source(path / layout.DCP_DIR, "FSDP2 shards")
+    if found.weights == layout.ACCELERATE_FSDP and (source := _accelerate_fsdp_source(path)):
+        return source
     if found.weights == layout.DEEPSPEED:
         return _deepspeed_source(path, found.deepspeed_tag)
     if found.weights == layout.FULL:
@@ -285,35 +291,104 @@ def _deepspeed_source(path: Path, tag: str | None) -> Source:
     return Source(f"DeepSpeed ZeRO-{stage} partitions in {tag}/", list(lazy), read)
 
 
-def _dcp_source(path: Path) -> Source:
-    """FSDP2 shards: torch.distributed.checkpoint reads the requested tensors (any world size) without
+def _dcp_source(path: Path, what: str) -> Source:
+    """FSDP shards saved as {"model": state_dict} (hf_scale's `fsdp.save_sharded`, accelerate's
+    `save_fsdp_model`): torch.distributed.checkpoint reads the requested tensors (any world size) without
     a process group."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    prefix = "model."
-    names = [k.removeprefix(prefix) for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")]
+    prefix = "model."  # DCP flattens the nested {"model": {name: tensor}} to "model.NAME"
+    saved = {_module_name(k.removeprefix(prefix)): k for k, v in metadata.items()
+             if k.startswith(prefix) and hasattr(v, "size")}
 
     def read(wanted):
-        state = {
-            prefix + n: torch.empty(tuple(metadata[prefix + n].size), dtype=metadata[prefix + n].properties.dtype)
-            for n in wanted
-        }
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-        return {n: state[prefix + n] for n in wanted}
+        state = {saved[n]: torch.empty(tuple(metadata[saved[n]].size), dtype=metadata[saved[n]].properties.dtype)
+                 for n in wanted}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        return {n: state[saved[n]] for n in wanted}
 
-    return Source(f"FSDP2 shards in {path.name}/", names, read)
+    return Source(f"{what} in {path.name}/", list(saved), read)
+
+
+def _accelerate_fsdp_source(path: Path) -> Source | None:
+    """The model files accelerate's FSDP plugin writes (`accelerate.utils.fsdp_utils.save_fsdp_model`, FSDP1
+    and FSDP2, the manual loop's `save_state` and the Trainer's checkpoints): SHARDED_STATE_DICT is a DCP
+    folder, FULL_STATE_DICT one state dict torch.save'd by rank 0. Only the first model (index 0) is read;
+None when neither is there."""
+    from hf_scale.train import checkpoint_layout as layout
+
+    if (path / layout.ACCELERATE_FSDP_SHARDED / ".metadata").is_file():
+        return _dcp_source(path / layout.ACCELERATE_FSDP_SHARDED, "FSDP shards of accelerate's plugin")
+    if (path / layout.ACCELERATE_FSDP_FULL).is_file():
+        return _torch_file_source(path / layout.ACCELERATE_FSDP_FULL)
+    per_rank = sorted(p.name for p in path.glob(f"{layout.ACCELERATE_FSDP_PREFIX}*_rank*.bin"))
+    if per_rank:
+        # LOCAL_STATE_DICT (FSDP1's flat parameters) or SHARDED_STATE_DICT saved without DCP: each rank's
+        # slices, which only the same FSDP wrapping on the same world size reads back.
+        raise UserError(
+            f"CHECKPOINT_DIR {path}: holds accelerate's per-rank FSDP files ({per_rank[0]}, {len(per_rank)} in "
+            f"all), which only the same FSDP setup reads back; export needs {layout.ACCELERATE_FSDP_SHARDED}/ "
+            f"(fsdp state_dict_type sharded, saved with DCP) or {layout.ACCELERATE_FSDP_FULL} (state_dict_type full)"
+        )
+    return None
+
+
+def _torch_file_source(file: Path) -> Source:
+    """A torch.save'd state dict, memory-mapped (tensors are read from disk when used), never unpickling code."""
+    import torch
+
+    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"CHECKPOINT_DIR {file.parent}: {file.name} is not a state dict (name -> tensor)")
+    saved = {_module_name(name): name for name in state}
+    return Source(f"full FSDP state dict in {file.name}", list(saved), lambda ns: {n: state[saved[n]] for n in ns})
 
 
 def _safetensors_source(file: Path) -> Source:
     from safetensors import safe_open
 
     handle = safe_open(str(file), framework="pt")
-    # A --torch_compile run saves the compiled wrapper's names (`_orig_mod.` prefix); export the module's own.
-    saved = {name.removeprefix("_orig_mod."): name for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    saved = {_module_name(name): name for name in handle.keys()}  # noqa: SIM118 (not a dict)
     return Source(f"full weights in {file.name}", list(saved), lambda ns: {n: handle.get_tensor(saved[n]) for n in ns})
+
+
+# Module names wrappers insert into saved tensor names: torch.compile's (a --torch_compile run saves
+# `_orig_mod.model...`), FSDP1's and activation checkpointing's (the ones torch's own
+# torch.distributed.fsdp._common_utils.clean_tensor_name removes; FSDP state dicts normally have them removed).
+_WRAPPER_MODULES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _module_name(saved: str) -> str:
+    """The model's own name of a saved tensor: without the wrappers' parts."""
+    return ".".join(part for part in saved.split(".") if part not in _WRAPPER_MODULES)
+
+
+def _with_adapter_names(source: Source, model) -> Source:
+    """`source` with peft's adapter name put back into the adapter's tensor names the model does not know.
+
+    peft's adapter-only state dict (`get_peft_model_state_dict`: the Trainer's FSDP checkpoints, whose
+    `save_fsdp_model(adapter_only=True)` uses it with a sharded state dict) drops the adapter name
+    (`lora_A.weight` for the model's `lora_A.default.weight`); peft's own loader puts it back with this helper.
+    """
+    from peft.utils.save_and_load import _insert_adapter_name_into_state_dict
+
+    known = dict(model.named_parameters(remove_duplicate=False))
+    unknown = {n: n for n in source.names if n not in known}
+    if not unknown:
+        return source
+    renamed = _insert_adapter_name_into_state_dict(unknown, model.active_adapter, model.base_model.prefix)
+    saved = {n: n for n in source.names if n in known} | renamed  # the model's name -> the saved one
+
+    def read(names):
+        found = source.read([saved[n] for n in names])
+        return {n: found[saved[n]] for n in names}
+
+    return Source(source.description, list(saved), read)
 
 
 def _build_model(checkpoint_dir: Path, torch_dtype, is_lora: bool):

@@ -24,7 +24,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-PRECISIONS = ("no", "bf16", "fp16")
+from hf_scale import rules
+
+PRECISIONS = rules.PRECISIONS
 # (JSON key, flag) pairs the Trainer fill_match-es one to one, in transformers' order.
 FLAG_KEYS = (
     ("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
@@ -62,7 +64,22 @@ class TrainingValues:
 
     @property
     def precision(self) -> str:
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        return rules.precision_from_flags(self.bf16, self.fp16)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One mismatch as data (for `hf-scale check`): a value of the DeepSpeed config and the flag(s) it is compared
+    with."""
+
+    key: str
+    """The DeepSpeed config's key, e.g. ``optimizer.params.lr``."""
+    config_value: Any
+    flags: tuple[str, ...]
+    """The TrainingArguments flag names it is compared with (two for the betas)."""
+    flag_value: Any
+    """What the flags give (a list for the betas; the warmup in steps for ``warmup_num_steps``; the run's optimizer
+    steps for ``total_num_steps``)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,8 @@ class Reconciled:
     """flag -> where its new value came from, e.g. {"bf16": "ds.json bf16.enabled=True"}."""
     mismatches: list[str]
     """One sentence each; empty when the config and the flags agree."""
+    differences: list[Difference] = dataclasses.field(default_factory=list)
+    """The mismatches between one DeepSpeed value and its flag(s), as data."""
 
 
 def _get(config: dict, path: str) -> Any:
@@ -113,7 +132,7 @@ def reconcile(
         _fill_match(state, key, _get(ds, key), flag)
     _train_batch_size(state, ds)
     _scheduler_steps(state, ds, num_training_steps)
-    return Reconciled(state.values, state.followed, state.mismatches)
+    return Reconciled(state.values, state.followed, state.mismatches, state.differences)
 
 
 @dataclass
@@ -123,6 +142,11 @@ class _State:
     source: str
     followed: dict[str, str] = dataclasses.field(default_factory=dict)
     mismatches: list[str] = dataclasses.field(default_factory=list)
+    differences: list[Difference] = dataclasses.field(default_factory=list)
+
+    def differ(self, key: str, config_value: Any, flag: str | tuple[str, ...], flag_value: Any) -> None:
+        flags = flag if isinstance(flag, tuple) else (flag,)
+        self.differences.append(Difference(key, config_value, flags, flag_value))
 
     def current(self, flag: str | tuple[str, ...]) -> Any:
         if isinstance(flag, tuple):
@@ -188,6 +212,7 @@ def _fill_match(state: _State, key: str, ds_value: Any, flag: str | tuple[str, .
     names = flag if isinstance(flag, tuple) else (flag,)
     if any(name in state.given or name in state.followed for name in names):
         state.mismatches.append(f"{state.source} {key}={ds_value} but {_flag(flag)}={_show(current)}")
+        state.differ(key, ds_value, flag, current)
     elif _valid(ds_value, flag):
         state.follow(flag, ds_value, f"{state.source} {key}")
     else:
@@ -219,8 +244,8 @@ def _train_batch_size(state: _State, ds: dict) -> None:
     if not _concrete(ds_value):
         return
     v = state.values
-    per_step = v.world_size * v.per_device_train_batch_size
-    implied = per_step * v.gradient_accumulation_steps
+    per_step = rules.global_batch_size(v.per_device_train_batch_size, 1, v.world_size)
+    implied = rules.global_batch_size(v.per_device_train_batch_size, v.gradient_accumulation_steps, v.world_size)
     if ds_value == implied:
         return
     # DeepSpeed derives a missing accumulation from train_batch_size; so does train.py when no flag says it.
@@ -230,6 +255,7 @@ def _train_batch_size(state: _State, ds: dict) -> None:
     if accumulation_free and isinstance(ds_value, int) and ds_value > 0 and ds_value % per_step == 0:
         state.follow("gradient_accumulation_steps", ds_value // per_step, f"{state.source} train_batch_size")
         return
+    state.differ("train_batch_size", ds_value, ("per_device_train_batch_size", "gradient_accumulation_steps"), implied)
     state.mismatches.append(
         f"{state.source} train_batch_size={ds_value} but micro batch {v.per_device_train_batch_size} x accumulation "
         f"{v.gradient_accumulation_steps} x world size {v.world_size} = {implied}"
@@ -259,6 +285,8 @@ def _scheduler_steps(state: _State, ds: dict, num_training_steps: int | None) ->
                 state.follow("max_steps", total, f"{state.source} scheduler.params.total_num_steps")
             num_training_steps = int(total)
         elif num_training_steps is not None and total != num_training_steps:
+            state.differ("scheduler.params.total_num_steps", total, ("max_steps", "num_train_epochs"),
+                         num_training_steps)
             state.mismatches.append(
                 f"{state.source} scheduler.params.total_num_steps={total} but the run takes {num_training_steps} "
                 "optimizer steps (--max_steps / --num_train_epochs)"
@@ -271,6 +299,7 @@ def _scheduler_steps(state: _State, ds: dict, num_training_steps: int | None) ->
     if warmup == ours:
         return
     if "warmup_steps" in state.given or not _valid(warmup, "max_steps"):
+        state.differ("scheduler.params.warmup_num_steps", warmup, ("warmup_steps", "warmup_ratio"), ours)
         state.mismatches.append(
             f"{state.source} scheduler.params.warmup_num_steps={warmup} but --warmup_steps gives {ours}"
         )

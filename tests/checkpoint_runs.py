@@ -19,7 +19,7 @@ COMMON = ["--max_steps", str(STEPS), "--save_steps", "2", "--learning_rate", "1e
 CPU_2PROC = ["topology.processes_per_machine=2", "deepspeed.torch_adam=true", "precision=no",
              "batch.micro_batch_size=2", "batch.gradient_accumulation_steps=2"]
 FSDP_YAML = ("strategy: fsdp\nprecision: 'no'\ntopology: {{processes_per_machine: {procs}}}\n"
-             "batch: {{micro_batch_size: 2, gradient_accumulation_steps: {acc}}}\n")
+             "batch: {{micro_batch_size: 2, gradient_accumulation_steps: {acc}}}\noptimizer: {{lr: 0.001}}\n")
 
 _done: dict[str, Path] = {}
 

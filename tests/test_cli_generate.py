@@ -279,6 +279,7 @@ def test_generate_writes_and_reports_every_file(tmp_path, capsys):
     expected = [
         "ds_configs/zero3_offload.json",
         "accelerate_configs/zero3_offload.yaml",
+        "hf_scale_configs/zero3_offload.yaml",
         "launch/zero3_offload.accelerate.sh",
         "launch/zero3_offload.torchrun.sh",
         "launch/zero3_offload.deepspeed.sh",

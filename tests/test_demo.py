@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from train_helpers import assert_quiet, child_env, run, run_ok
+from train_helpers import assert_live_values, assert_quiet, child_env, run, run_ok
 
 
 @pytest.mark.multiprocess
@@ -23,6 +23,9 @@ def test_demo_generates_checks_trains_two_processes_and_saves_a_loadable_model(t
     # The demo checks its own files clean, and says nothing a user learns to ignore.
     assert "ok: 0 error(s), 0 warning(s)" in result.stdout
     assert_quiet(result, steps=3)
+    # Launched by its generated script with no value flags: the config's values are what ran.
+    assert assert_live_values(tmp_path / "model", tmp_path / "hf_scale_configs" / "zero3_demo.yaml")["optimizer"][
+        "lr"] == 1e-3
     AutoModelForCausalLM.from_pretrained(tmp_path / "model")
 
 

@@ -593,6 +593,10 @@ def test_launch_scripts_are_valid_bash_and_pass_arguments_through(cfg, tmp_path)
         first_command = next(line for line in lines[1:] if line and not line.startswith("#"))
         assert first_command == "set -euo pipefail"
         assert '"$@"' in text
+        # The header says where it runs from (anywhere) and what reaches the training.
+        says = "# Submit from any directory:" if file_name.endswith(".sbatch") else "# Runs from any directory."
+        assert says in text
+        assert "--hf_scale_config hf_scale_configs/run.yaml" in text
         script = tmp_path / file_name
         script.write_text(text)
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -601,7 +605,8 @@ def test_launch_scripts_are_valid_bash_and_pass_arguments_through(cfg, tmp_path)
         torchrun = files["run.torchrun.sh"]
         assert f"--nnodes {cfg.topology.num_machines}" in torchrun
         assert f"--nproc_per_node {cfg.topology.processes_per_machine}" in torchrun
-        assert ("--deepspeed ds_configs/run.json" in torchrun) == (cfg.strategy == "deepspeed")
+        assert '--hf_scale_config "$generated_dir"/hf_scale_configs/run.yaml' in torchrun
+        assert ('--deepspeed "$generated_dir"/ds_configs/run.json' in torchrun) == (cfg.strategy == "deepspeed")
 
 
 def test_sbatch_uses_one_task_per_node_and_requeues_on_exit_75():
@@ -634,10 +639,12 @@ def test_hostfile_is_parsed_by_deepspeed():
 
 PROBE = """\
 import os, pathlib, signal, sys, time
-out = pathlib.Path(sys.argv[1])
+out = pathlib.Path(os.environ["PROBE_OUT"])
 rank = os.environ.get("RANK", "0")
 mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "")
-(out / f"env-{rank}").write_text(mixed_precision + " " + " ".join(sys.argv[2:]))
+(out / f"env-{rank}").write_text(mixed_precision + " " + " ".join(sys.argv[1:]))
+(out / f"cwd-{rank}").write_text(os.getcwd())
+(out / f"deepspeed-{rank}").write_text(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", ""))
 if "--wait-for-usr1" in sys.argv:
     def stop(signum, frame):
         (out / f"checkpoint-{rank}").write_text("saved")
@@ -664,24 +671,38 @@ def script_env(tmp_path: Path) -> dict:
     bin_dir = str(Path(sys.executable).parent)  # the `accelerate` of this interpreter
     return {
         **os.environ,
-        "TRAIN_SCRIPT": "probe.py",
+        "TRAIN_SCRIPT": str(tmp_path / "probe.py"),
+        "PROBE_OUT": str(tmp_path),
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "MAIN_PROCESS_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
     }
 
 
-def test_accelerate_script_runs_the_training_script_with_its_arguments(tmp_path):
-    script = generate_into(tmp_path, get_preset("single_gpu"), "single")
+@pytest.mark.parametrize("preset", ["single_gpu", "zero2"])
+def test_accelerate_script_runs_the_training_script_with_its_arguments(preset, tmp_path):
+    """From another directory: the script finds its files relative to itself (the YAML's relative
+    deepspeed_config_file is replaced by the JSON's absolute path) and leaves the cwd alone."""
+    raw = get_preset(preset).model_dump()
+    raw["topology"]["processes_per_machine"], raw["batch"]["global_batch_size"] = 1, None
+    script = generate_into(tmp_path, validate_config(raw), "single")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     result = subprocess.run(
-        ["bash", str(script), str(tmp_path), "--foo", "a b"],
+        ["bash", str(script), "--foo", "a b"],
+        cwd=elsewhere,
         env=script_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert (tmp_path / "env-0").read_text() == "bf16 --foo a b"
+    config = tmp_path / "hf_scale_configs" / "single.yaml"
+    precision = "no" if preset == "zero2" else "bf16"  # DeepSpeed's precision is the JSON's, not accelerate's
+    assert (tmp_path / "env-0").read_text() == f"{precision} --hf_scale_config {config} --foo a b"
+    assert (tmp_path / "cwd-0").read_text() == str(elsewhere)
+    json_file = tmp_path / "ds_configs" / "single.json"
+    assert (tmp_path / "deepspeed-0").read_text() == (str(json_file) if preset == "zero2" else "")
 
 
 def test_usr1_reaches_the_training_processes_and_the_script_exits_75(tmp_path):
@@ -692,7 +713,7 @@ def test_usr1_reaches_the_training_processes_and_the_script_exits_75(tmp_path):
     cfg = validate_config({"strategy": "ddp", "precision": "no", "topology": {"processes_per_machine": 2}})
     script = generate_into(tmp_path, cfg, "ddp2")
     process = subprocess.Popen(
-        ["bash", str(script), str(tmp_path), "--wait-for-usr1"],
+        ["bash", str(script), "--wait-for-usr1"],
         env=script_env(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -755,13 +776,14 @@ def test_generate_marks_scripts_executable(tmp_path):
 SLURM_STANDINS = {
     # Stand-ins for the two SLURM commands the script calls (SLURM itself is not installed here).
     "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
-    "scontrol": '#!/usr/bin/env bash\nif [ "$1" = show ]; then for i in $(seq 1 20000); do echo node-$i; done;'
+    "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show job" ]; then echo "   Command=${SBATCH_COMMAND:-}";'
+    ' elif [ "$1" = show ]; then for i in $(seq 1 20000); do echo node-$i; done;'
     ' else echo "$*" >> "$SCONTROL_LOG"; fi\n',
 }
 EXIT_75_PROBE = """\
-import pathlib, signal, sys, psutil
+import os, pathlib, signal, sys, psutil
 from hf_scale.train.preemption import mark_preempted
-pathlib.Path(sys.argv[1], "argv").write_text(" ".join(sys.argv[2:]))
+pathlib.Path(os.environ["PROBE_OUT"], "argv").write_text(" ".join(sys.argv[1:]))
 # What SLURM's --signal=USR1 does to the job step (the srun task's processes): the step's shell hears it,
 # train.py saves a checkpoint, marks it and exits 75.
 signal.signal(signal.SIGUSR1, lambda *_: None)
@@ -773,24 +795,61 @@ sys.exit(75)
 """
 
 
-@pytest.mark.parametrize("given", [[], ["--resume_from_checkpoint", "runs/x/checkpoint-7"]])
-def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path):
-    cfg = validate_config({"strategy": "single", "precision": "no"})
-    generate_into(tmp_path, cfg, "one")
-    (tmp_path / "probe.py").write_text(EXIT_75_PROBE)
+def slurm_env(tmp_path: Path, env: dict, submit_dir: Path) -> dict:
+    """What a one-node SLURM job step sees, with the stand-in srun/scontrol first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in SLURM_STANDINS.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = script_env(tmp_path)
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NUM_NODES="1",
-               SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_ID="4242", SLURM_NODEID="0",
-               SCONTROL_LOG=str(tmp_path / "scontrol.log"))
-    result = subprocess.run(["bash", str(tmp_path / "launch" / "one.sbatch"), str(tmp_path), *given],
+    return {**env, "PATH": f"{bin_dir}:{env['PATH']}", "SLURM_SUBMIT_DIR": str(submit_dir),
+            "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242",
+            "SLURM_NODEID": "0", "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
+
+
+@pytest.mark.parametrize("given", [[], ["--resume_from_checkpoint", "runs/x/checkpoint-7"]])
+def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path):
+    cfg = validate_config({"strategy": "single", "precision": "no"})
+    generate_into(tmp_path, cfg, "one")
+    (tmp_path / "probe.py").write_text(EXIT_75_PROBE)
+    env = slurm_env(tmp_path, script_env(tmp_path), tmp_path)
+    result = subprocess.run(["bash", str(tmp_path / "launch" / "one.sbatch"), *given],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 75, result.stderr[-2000:]
     argv = (tmp_path / "argv").read_text()
     expected = "runs/x/checkpoint-7" if given else "auto"
     assert argv.endswith(f"--resume_from_checkpoint {expected}") and argv.count("--resume_from_checkpoint") == 1
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+
+
+@pytest.mark.multiprocess
+def test_sbatch_job_trains_with_every_configured_value_from_its_spool_copy(tmp_path):
+    """As SLURM runs it: a copy of the sbatch file in a spool folder, started in the submit directory, which
+    holds no generated file. The script finds launch/ through `scontrol show job` (Command=), each node's
+    accelerate script passes --hf_scale_config, and the Trainer runs the config's non-default values
+    (read back from the live run: hf_scale_live.json). One process (accelerate's plain launcher)."""
+    from train_helpers import assert_live_values, child_env
+
+    from hf_scale.cli import main
+
+    root = tmp_path / "generated"
+    # precision stays the preset's bf16 (CPU bf16 here): the flags' default is fp32, so bf16 must come from the config.
+    values = ["batch.micro_batch_size=1", "batch.gradient_accumulation_steps=3",
+              "gradient_clipping=0.7", "optimizer.lr=3e-4", "optimizer.betas=[0.85,0.97]", "optimizer.eps=1e-7",
+              "optimizer.weight_decay=0.05", "activation_checkpointing=true"]
+    sets = [arg for value in values for arg in ("--set", value)]
+    assert main(["generate", "--preset", "single_gpu", *sets, "--name", "one", "--output-dir", str(root)]) == 0
+    spool, submit = tmp_path / "spool", tmp_path / "submit"
+    spool.mkdir()
+    submit.mkdir()
+    (spool / "slurm_script").write_text((root / "launch" / "one.sbatch").read_text())
+    env = child_env()
+    env.pop("TRAIN_SCRIPT", None)
+    env = slurm_env(tmp_path, {**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}, submit)
+    env["SBATCH_COMMAND"] = f"{root / 'launch' / 'one.sbatch'} --max_steps 1"  # Command= path and arguments
+    result = subprocess.run(["bash", str(spool / "slurm_script"), "--max_steps", "1", "--output_dir", "out"],
+                            cwd=submit, env=env, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stderr[-3000:]
+    live = assert_live_values(submit / "out", root / "hf_scale_configs" / "one.yaml")
+    assert live["loop"] == "trainer" and live["world_size"] == 1 and live["precision"] == "bf16"
+

@@ -19,10 +19,6 @@ PACKAGE = Path(hf_scale.__file__).parent
 
 # Known exceptions, each owned by work in progress; remove an entry when its edge is gone (a test says so).
 ALLOWED = {
-    # issue15a: generators/launch.py takes train.py's exit code (EXIT_PREEMPTED) and its preemption marker
-    # variable from the training runtime; they move to a neutral module below both.
-    ("hf_scale.generators.launch", "hf_scale.train.checkpoint"),
-    ("hf_scale.generators.launch", "hf_scale.train.preemption"),
     # issue14c (train/data.py): data.py imports packing (PackedCollator, lazily) and packing imports data
     # (IGNORE_INDEX): a cycle until the shared constant lives below both.
     ("hf_scale.train.packing", "hf_scale.train.data"),
@@ -106,7 +102,8 @@ def _without_allowed(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def layer(module: str) -> int:
-    """errors 0, base modules (config, presets, inputs, ...) 1, generators/planner 2, train 3, commands 4, cli 5."""
+    """errors and exit_codes 0, base modules (config, presets, inputs, ...) 1, generators/planner 2, train 3,
+    commands 4, cli 5."""
     commands = {name for name, _ in COMMANDS.values()}
     if module == "hf_scale.cli":
         return 5
@@ -116,7 +113,7 @@ def layer(module: str) -> int:
         return 3
     if module.startswith(("hf_scale.generators", "hf_scale.planner")):
         return 2
-    return 0 if module == "hf_scale.errors" else 1
+    return 0 if module in ("hf_scale.errors", "hf_scale.exit_codes") else 1
 
 
 def test_the_graph_sees_lazy_imports_and_the_commands_the_cli_loads_by_name():

@@ -3,7 +3,11 @@
 complete checkpoint, and the script exits 75 so that the SLURM script requeues the job.
 
 One real 2-process training run per script kind (accelerate launch, torchrun, the deepspeed launcher),
-SIGTERM and SIGUSR1 both covered, configs written by `hf-scale generate`.
+SIGTERM and SIGUSR1 both covered, configs written by `hf-scale generate`. The same runs prove that the
+config reaches the run through the script alone: started from another directory, with no batch, clipping,
+optimizer, precision or checkpointing flag, each run's hf_scale_live.json (read from the live objects) holds
+the config's non-default values; torchrun's DeepSpeed JSON is "resolved" (its optimizer block carries the
+same lr/betas/eps/weight decay as the flags --hf_scale_config fills, so transformers finds no mismatch).
 """
 
 from __future__ import annotations
@@ -16,23 +20,25 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import TRAIN_PY, child_env, free_port
+from train_helpers import assert_live_values, child_env, free_port
 
 from hf_scale.cli import main
 from hf_scale.train import checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
+# Every value differs from the presets' and train.py's defaults (a value that never arrives cannot hide).
 CPU_2PROC = ["topology.processes_per_machine=2", "deepspeed.torch_adam=true", "precision=no",
-             "batch.micro_batch_size=2", "batch.gradient_accumulation_steps=2"]
-TRAIN_ARGS = ["--max_steps", "500", "--save_steps", "1000", "--learning_rate", "1e-3", "--seed", "3",
-              "--warmup_ratio", "0", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+             "batch.micro_batch_size=1", "batch.gradient_accumulation_steps=3", "gradient_clipping=0.7",
+             "optimizer.lr=3e-4", "optimizer.betas=[0.85,0.97]", "optimizer.eps=1e-7", "optimizer.weight_decay=0.05",
+             "activation_checkpointing=true"]
+TRAIN_ARGS = ["--max_steps", "500", "--save_steps", "1000", "--seed", "3", "--warmup_ratio", "0"]
 
 CASES = [
-    # (id, preset, script kind, signal, loop)
-    ("accelerate-ddp-SIGTERM", "ddp", "accelerate", signal.SIGTERM, "accelerate"),
-    ("torchrun-zero2-SIGUSR1", "zero2", "torchrun", signal.SIGUSR1, "trainer"),
-    ("deepspeed-zero3-SIGTERM", "zero3", "deepspeed", signal.SIGTERM, "accelerate"),
+    # (id, preset, script kind, signal, loop, DeepSpeed JSON mode)
+    ("accelerate-ddp-SIGTERM", "ddp", "accelerate", signal.SIGTERM, "accelerate", "auto"),
+    ("torchrun-zero2-SIGUSR1", "zero2", "torchrun", signal.SIGUSR1, "trainer", "resolved"),
+    ("deepspeed-zero3-SIGTERM", "zero3", "deepspeed", signal.SIGTERM, "accelerate", "auto"),
 ]
 
 
@@ -45,16 +51,18 @@ def _wait_for_first_step(out: Path, proc: subprocess.Popen, timeout: float = 300
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize(("preset", "kind", "sig", "loop"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_signal_to_the_script_checkpoints_and_exits_75(preset, kind, sig, loop, tmp_path):
+@pytest.mark.parametrize(("preset", "kind", "sig", "loop", "mode"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_signal_to_the_script_checkpoints_and_exits_75(preset, kind, sig, loop, mode, tmp_path):
     root = tmp_path / "generated"
     sets = [arg for item in CPU_2PROC for arg in ("--set", item)]
-    assert main(["generate", "--preset", preset, *sets, "--name", "run", "--output-dir", str(root)]) == 0
-    out = tmp_path / "out"
+    assert main(["generate", "--preset", preset, *sets, "--name", "run", "--deepspeed-mode", mode,
+                 "--output-dir", str(root)]) == 0
+    elsewhere = tmp_path / "elsewhere"  # not where the generated files are: the script finds them itself
+    elsewhere.mkdir()
     port = str(free_port())
     env = child_env()
+    env.pop("TRAIN_SCRIPT", None)  # the script's default: python -m hf_scale.train
     env.update(
-        TRAIN_SCRIPT=TRAIN_PY,
         PATH=f"{Path(sys.executable).parent}:{env['PATH']}",  # this interpreter's accelerate/torchrun/deepspeed
         MAIN_PROCESS_PORT=port,
         MASTER_PORT=port,
@@ -62,9 +70,10 @@ def test_a_signal_to_the_script_checkpoints_and_exits_75(preset, kind, sig, loop
     )
     script = root / "launch" / f"run.{kind}.sh"
     proc = subprocess.Popen(
-        ["bash", str(script), *TRAIN_ARGS, "--loop", loop, "--output_dir", str(out)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        ["bash", str(script), *TRAIN_ARGS, "--loop", loop, "--output_dir", "out"],
+        cwd=elsewhere, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+    out = elsewhere / "out"  # a relative argument means what it means where the script was started
     try:
         _wait_for_first_step(out, proc)
         proc.send_signal(sig)  # the script's PID only: the script must pass it on
@@ -79,3 +88,5 @@ def test_a_signal_to_the_script_checkpoints_and_exits_75(preset, kind, sig, loop
     assert 1 <= checkpoint.step_of(saved[0]) < 500
     assert not (out / "model.safetensors").exists()  # stopped, not finished
     assert not list(tmp_path.glob("hf-scale.*"))  # the script's private status directory is gone
+    live = assert_live_values(out, root / "hf_scale_configs" / "run.yaml")
+    assert live["loop"] == loop and live["batch"]["gradient_accumulation_steps"] == 3

@@ -39,7 +39,7 @@ def test_generated_files_follow_the_umask(mask, plain, script, tmp_path, capsys)
         assert main(["generate", "--preset", "zero3", "--output-dir", str(tmp_path)]) == 0
         assert main(["plan", str(ASSETS), "--write-config", str(tmp_path / "plan.yaml")]) == 0
     found = modes(tmp_path)
-    assert len(found) == 7
+    assert len(found) == 8  # the 7 files of generate (hf_scale_configs/ among them) and the plan
     for rel, mode in found.items():
         assert mode == (script if rel.endswith((".sh", ".sbatch")) else plain), (rel, oct(mode))
     assert stat.S_IMODE((tmp_path / "launch").stat().st_mode) == 0o777 & ~mask

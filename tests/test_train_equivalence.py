@@ -314,7 +314,7 @@ def test_fsdp2_from_hf_scale_config_matches_one_process(reference, reference_dir
     config = tmp_path / "fsdp2.yaml"
     config.write_text(
         "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 2}\n"
-        "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\n"
+        "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
     )
     out = tmp_path / "out"
     got = _train("torchrun", out, ["--hf_scale_config", str(config), "--loop", "accelerate"])
@@ -391,7 +391,7 @@ def test_fsdp2_packed_matches_one_packed_process(packed_reference_dir, tmp_path)
     config = tmp_path / "fsdp2.yaml"
     config.write_text(
         "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 2}\n"
-        "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\n"
+        "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
     )
     out = tmp_path / "out"
     _train("torchrun", out, PACKED + ["--hf_scale_config", str(config), "--loop", "accelerate"])

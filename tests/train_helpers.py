@@ -281,3 +281,34 @@ def tree(path: Path) -> dict[str, bytes] | None:
     if not path.exists():
         return None
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def assert_live_values(output_dir: Path, config_path: Path) -> dict:
+    """OUTPUT_DIR/hf_scale_live.json (read from the running Trainer/Accelerator/DeepSpeed engine at the first
+    optimizer step) holds every value of the DistributedConfig the run was launched with."""
+    from hf_scale.config import load_config
+
+    cfg = load_config(config_path)
+    live = json.loads((Path(output_dir) / "hf_scale_live.json").read_text())
+    batch, opt = cfg.batch, cfg.optimizer
+    expected = {
+        "world_size": cfg.world_size,
+        "precision": cfg.precision,
+        "gradient_clipping": cfg.gradient_clipping,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "batch": {"micro_batch_size": batch.micro_batch_size,
+                  "gradient_accumulation_steps": batch.gradient_accumulation_steps,
+                  "global_batch_size": batch.global_batch_size},
+        "optimizer": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay},
+    }
+    assert {key: live[key] for key in expected} == expected
+    if cfg.strategy == "deepspeed":
+        assert live["deepspeed"] == {
+            "zero_stage": cfg.deepspeed.zero_stage, "micro_batch_size": batch.micro_batch_size,
+            "gradient_accumulation_steps": batch.gradient_accumulation_steps,
+            "train_batch_size": batch.global_batch_size, "gradient_clipping": cfg.gradient_clipping,
+            "precision": cfg.precision,
+        }
+    else:
+        assert live["deepspeed"] is None
+    return live

@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 from hf_scale.config import DistributedConfig
+from hf_scale.generators import layout
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
 from hf_scale.generators.deepspeed_json import Mode, deepspeed_json
 from hf_scale.generators.launch import launch_files
 from hf_scale.generators.recipe import starter_recipe
+from hf_scale.generators.resolved_config import resolved_config_yaml
 
 RECIPE_HEADER = (
     "Written by hf-scale generate --recipe; edit it (regenerating will not overwrite your edits without --force)."
 )
+
+
+def accelerate_yaml_usage(name: str) -> str:
+    """How to launch with the accelerate YAML, written at its top: the YAML alone does not carry the run's
+    batch, clipping, optimizer values and activation checkpointing; --hf_scale_config does."""
+    return (
+        f"Launch with launch/{name}.accelerate.sh (from any directory). By hand, from the directory holding\n"
+        "accelerate_configs/, give train.py the config too: this file cannot carry the batch, clipping,\n"
+        "optimizer values and activation checkpointing, which --hf_scale_config applies:\n"
+        f"  accelerate launch --config_file {layout.accelerate_config(name)} -m {layout.TRAINING_MODULE} \\\n"
+        f"    --hf_scale_config {layout.hf_scale_config(name)} [train.py flags]"
+    )
 
 
 def render_files(
@@ -18,19 +32,25 @@ def render_files(
 ) -> dict[str, str]:
     """Relative path (under the output directory) -> file text, for everything ``hf-scale generate`` writes.
 
-    ``header`` (plain text, one or more lines) is written as a comment at the top of the YAML and the scripts.
+    ``header`` (plain text, one or more lines) is written as a comment at the top of the YAMLs and the scripts.
     ``recipe``: also a starter train.py recipe, ``recipes/NAME.yaml``.
     """
     files: dict[str, str] = {}
     ds_file = None
     if cfg.strategy == "deepspeed":
-        ds_file = f"ds_configs/{name}.json"
+        ds_file = layout.deepspeed_config(name)
         files[ds_file] = deepspeed_json(cfg, deepspeed_mode)
-    files[f"accelerate_configs/{name}.yaml"] = accelerate_yaml(
-        cfg, deepspeed_config_file=ds_file, header=header
+    files[layout.accelerate_config(name)] = accelerate_yaml(
+        cfg, deepspeed_config_file=ds_file, header=f"{header}\n{accelerate_yaml_usage(name)}"
+    )
+    files[layout.hf_scale_config(name)] = resolved_config_yaml(
+        cfg,
+        header=f"{header}\nThe resolved DistributedConfig: every launch script passes it to train.py as "
+        "--hf_scale_config,\nwhich applies its batch, precision, clipping, optimizer values and activation "
+        "checkpointing.",
     )
     for file_name, text in launch_files(cfg, name, header=header).items():
-        files[f"launch/{file_name}"] = text
+        files[layout.launch_file(file_name)] = text
     if recipe:
-        files[f"recipes/{name}.yaml"] = starter_recipe(cfg, name, header=RECIPE_HEADER)
+        files[layout.recipe(name)] = starter_recipe(cfg, name, header=RECIPE_HEADER)
     return files

@@ -1,9 +1,12 @@
 """Launch scripts for a generated config: pure functions from config to file text.
 
-All scripts run from the directory that holds ``accelerate_configs/`` (they ``cd`` to the parent of
-``launch/``), pass their own arguments through to the training script (``"$@"``) and take the training
-script from ``$TRAIN_SCRIPT`` (default ``train.py``). Per-machine values come from environment variables
-so one file serves every node; nothing secret is ever written.
+Every script runs from any directory: it finds the generated files relative to itself (the parent of
+``launch/``), runs ``python -m hf_scale.train`` (train.py of the installed hf_scale; ``$TRAIN_SCRIPT``
+names another script) and leaves the working directory alone, so relative paths among its arguments mean
+what they mean where it is started. It passes ``--hf_scale_config hf_scale_configs/NAME.yaml`` (the resolved
+DistributedConfig: batch, precision, clipping, optimizer values, activation checkpointing reach the run
+through it), then its own arguments (``"$@"``). Per-machine values come from environment variables so one
+file serves every node; nothing secret is ever written.
 
 * ``NAME.accelerate.sh`` - ``accelerate launch --config_file accelerate_configs/NAME.yaml`` on one machine
   (every strategy; the sbatch script runs it on each node).
@@ -18,8 +21,8 @@ from __future__ import annotations
 import shlex
 
 from hf_scale.config import DistributedConfig, host_problem, name_problem
-from hf_scale.train.checkpoint import EXIT_PREEMPTED  # train.py's "checkpoint saved, run me again"
-from hf_scale.train.preemption import PREEMPTED_MARKER_ENV
+from hf_scale.exit_codes import EXIT_PREEMPTED, PREEMPTED_MARKER_ENV
+from hf_scale.generators import layout
 
 # Seconds before the SLURM time limit at which the training processes are asked to checkpoint and stop.
 PREEMPT_SIGNAL_LEAD_S = 120
@@ -42,14 +45,25 @@ def _comment(header: str) -> str:
     return "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
 
 
-def _preamble(header: str) -> str:
+def _preamble(header: str, name: str) -> str:
     return (
         "#!/usr/bin/env bash\n"
         + _comment(header)
         + "set -euo pipefail\n"
-        + "# Paths are relative to the directory holding accelerate_configs/ (the parent of launch/).\n"
-        + 'cd "$(dirname "$0")/.."\n'
+        + f"""# Runs from any directory. The generated files are found relative to this script (the parent of launch/);
+# the training is `python -m {layout.TRAINING_MODULE}` (train.py of the installed hf_scale) unless TRAIN_SCRIPT
+# names another script; relative paths among your arguments are relative to the directory you start it in.
+# The training gets --hf_scale_config {layout.hf_scale_config(name)} first, then your arguments: the
+# config's batch, precision, clipping, optimizer values and activation checkpointing reach the run through it
+# (a flag that contradicts the config is an error; change the config and regenerate instead).
+generated_dir=$(CDPATH='' cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")/.." && pwd)
+"""
     )
+
+
+def _generated(rel_path: str) -> str:
+    """A generated file as a shell word: the script's own generated directory + the (quoted) relative path."""
+    return f'"$generated_dir"/{q(rel_path)}'
 
 
 def _env_default(variable: str, environment: str, value: object) -> str:
@@ -61,7 +75,12 @@ def _env_default(variable: str, environment: str, value: object) -> str:
 def _supervised(launch: str, train_args: str) -> str:
     """Run ``launch`` (a bash array holding the launcher command) on the training script, pass stop
     requests on to the training processes, and exit EXIT_PREEMPTED when train.py saved a checkpoint."""
-    return f"""train_script=${{TRAIN_SCRIPT:-train.py}}
+    return f"""# accelerate launch, torchrun and deepspeed all take --module NAME in place of a script path.
+if [ -n "${{TRAIN_SCRIPT:-}}" ]; then
+  train=("$TRAIN_SCRIPT")
+else
+  train=(--module {layout.TRAINING_MODULE})
+fi
 
 # Stop requests: SIGTERM (preemption, `kill`) or SIGUSR1 (SLURM's --signal, `kill -USR1`) to this script
 # mean "save a checkpoint and stop". Both are passed on as SIGUSR1 (train.py treats the two alike) to
@@ -114,7 +133,7 @@ trap 'if [ -n "$launcher" ]; then kill -INT "$launcher" 2>/dev/null || true; fi'
 if ! command -v pgrep >/dev/null; then
   echo "hf-scale: warning: pgrep (procps) not found: stop requests cannot reach the training processes" >&2
 fi
-(trap '' USR1; exec "${{{launch}[@]}}" "$train_script" {train_args}"$@") &
+(trap '' USR1; exec "${{{launch}[@]}}" "${{train[@]}}" {train_args}"$@") &
 launcher=$!
 if [ "$stop_requested" -eq 1 ]; then request_stop; fi
 status=0
@@ -132,9 +151,11 @@ exit "$status"
 
 
 def _train_args(cfg: DistributedConfig, name: str, *, with_deepspeed_flag: bool) -> str:
+    """What every launch script passes to the training before the user's arguments."""
+    args = f"--hf_scale_config {_generated(layout.hf_scale_config(name))} "
     if with_deepspeed_flag and cfg.strategy == "deepspeed":
-        return f"--deepspeed {q(f'ds_configs/{name}.json')} "
-    return ""
+        args += f"--deepspeed {_generated(layout.deepspeed_config(name))} "
+    return args
 
 
 def accelerate_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
@@ -142,7 +163,10 @@ def accelerate_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     the training to checkpoint and stop; the script then exits 75 so a scheduler can requeue."""
     _check_name(name)
     topo = cfg.topology
-    body = f"launch=(accelerate launch --config_file {q(f'accelerate_configs/{name}.yaml')})\n"
+    body = f"launch=(accelerate launch --config_file {_generated(layout.accelerate_config(name))})\n"
+    if cfg.strategy == "deepspeed":
+        # The YAML names the JSON relative to the directory accelerate runs in; this script runs anywhere.
+        body += f"launch+=(--deepspeed_config_file {_generated(layout.deepspeed_config(name))})\n"
     if topo.num_machines > 1:
         body += (
             "# This machine's rank and the rank-0 address: set them per node (the sbatch script does).\n"
@@ -153,7 +177,8 @@ def accelerate_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     if cfg.strategy != "single":
         body += _env_default("main_process_port", "MAIN_PROCESS_PORT", topo.main_process_port)
         body += 'launch+=(--main_process_port "$main_process_port")\n'
-    return _preamble(header) + "\n" + body + _supervised("launch", "")
+    train_args = _train_args(cfg, name, with_deepspeed_flag=False)  # the YAML names the JSON
+    return _preamble(header, name) + "\n" + body + _supervised("launch", train_args)
 
 
 def _host(value: str | None) -> str:
@@ -184,7 +209,7 @@ def torchrun_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
         body += "node_rank=${NODE_RANK:-${SLURM_NODEID:-0}}\n"
         body += 'launch+=(--node_rank "$node_rank" --master_addr "$master_addr" --master_port "$master_port")\n'
     train_args = _train_args(cfg, name, with_deepspeed_flag=True)
-    return _preamble(header) + "\n" + body + _supervised("launch", train_args)
+    return _preamble(header, name) + "\n" + body + _supervised("launch", train_args)
 
 
 def deepspeed_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
@@ -196,11 +221,12 @@ def deepspeed_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     topo = cfg.topology
     body = "launch=(deepspeed)\n"
     if topo.num_machines > 1:
-        body += f"launch+=(--hostfile {q(f'launch/{name}.hostfile')} --num_nodes {topo.num_machines})\n"
+        hosts = _generated(layout.launch_file(f"{name}.hostfile"))
+        body += f"launch+=(--hostfile {hosts} --num_nodes {topo.num_machines})\n"
     body += _env_default("master_port", "MASTER_PORT", topo.main_process_port)
     body += f'launch+=(--num_gpus {topo.processes_per_machine} --master_port "$master_port")\n'
     train_args = _train_args(cfg, name, with_deepspeed_flag=True)
-    return _preamble(header) + "\n" + body + _supervised("launch", train_args)
+    return _preamble(header, name) + "\n" + body + _supervised("launch", train_args)
 
 
 def hostfile(cfg: DistributedConfig, name: str) -> str:
@@ -239,8 +265,10 @@ def sbatch_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
         "#!/usr/bin/env bash\n"
         + "".join(f"#SBATCH {directive}\n" for directive in directives)
         + _comment(header)
-        + f"""# Submit from the directory holding accelerate_configs/:
-#   sbatch launch/{name}.sbatch [TRAINING ARGS...]
+        + f"""# Submit from any directory:
+#   sbatch [SBATCH OPTIONS] path/to/launch/{name}.sbatch [TRAINING ARGS...]
+# The job runs in the directory it was submitted from (relative paths among the training arguments mean
+# what they mean there); each node runs launch/{name}.accelerate.sh, found next to this file.
 #
 # --signal=USR1@{PREEMPT_SIGNAL_LEAD_S} (not B:USR1): without "B:" SLURM sends the signal to every
 # process of the job steps, i.e. to the training processes that srun started, {PREEMPT_SIGNAL_LEAD_S} s
@@ -255,6 +283,27 @@ if [ "${{SLURM_JOB_NUM_NODES:-{topo.num_machines}}}" -ne {topo.num_machines} ]; 
     "the allocation has $SLURM_JOB_NUM_NODES" >&2
   exit 2
 fi
+# The folder of this file. sbatch runs a copy of it from a spool directory, so the submitted file's place
+# comes from SLURM (`scontrol show job`: Command=, the script's path followed by its arguments, if any);
+# run with bash, it is this file's own folder; last, launch/ under the submit directory.
+accelerate_script={q(f"{name}.accelerate.sh")}
+submitted=""
+if [ -n "${{SLURM_JOB_ID:-}}" ]; then
+  submitted=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null \\
+    | awk '{{ if (sub(/^[[:space:]]*Command=/, "")) {{ sub(/\\.sbatch[[:space:]].*$/, ".sbatch"); print }} }}' || true)
+fi
+launch_dir=""
+for candidate in "$(dirname -- "${{BASH_SOURCE[0]}}")" "$(dirname -- "${{submitted:-.}}")" launch; do
+  if [ -f "$candidate/$accelerate_script" ]; then
+    launch_dir=$candidate
+    break
+  fi
+done
+if [ -z "$launch_dir" ]; then
+  echo "hf-scale: error: cannot find $accelerate_script next to this script; submit it by its path in" \\
+    "the generated launch/ folder: sbatch path/to/launch/{name}.sbatch" >&2
+  exit 2
+fi
 # Rank-0 address: the first host of the allocation; each node's rank is its $SLURM_NODEID.
 # (awk reads every line: `head -n 1` would close the pipe early, scontrol would die of SIGPIPE on a long
 # host list, and with pipefail the script would stop here.)
@@ -264,7 +313,8 @@ export MAIN_PROCESS_IP
 unset MACHINE_RANK  # a value exported at submission would give every node the same rank
 
 # Each node runs: accelerate launch --config_file accelerate_configs/{name}.yaml \\
-#   --machine_rank $SLURM_NODEID --main_process_ip $MAIN_PROCESS_IP ... train.py "$@"
+#   --machine_rank $SLURM_NODEID --main_process_ip $MAIN_PROCESS_IP ... \\
+#   -m {layout.TRAINING_MODULE} --hf_scale_config {layout.hf_scale_config(name)} "$@"
 # A requeued job continues from the newest complete checkpoint (a fresh start when there is none),
 # unless the arguments already say where to resume from.
 args=("$@")
@@ -274,7 +324,7 @@ case " $* " in
 esac
 # No --kill-on-bad-exit: every node must finish writing its checkpoint shard before the step ends.
 status=0
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash {q(f"launch/{name}.accelerate.sh")} "${{args[@]}}" || status=$?
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_script" "${{args[@]}}" || status=$?
 if [ "$status" -eq {EXIT_PREEMPTED} ]; then
   echo "hf-scale: checkpoint saved before the time limit; requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"

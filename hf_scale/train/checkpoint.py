@@ -31,6 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from hf_scale.errors import UserError
+from hf_scale.exit_codes import EXIT_PREEMPTED  # noqa: F401 (checkpoint.EXIT_PREEMPTED: train.py's exit code)
 from hf_scale.train import integrity
 from hf_scale.train.checkpoint_layout import (
     MANIFEST,
@@ -46,10 +47,6 @@ from hf_scale.train.checkpoint_layout import (
     staging_dir,
     step_of,  # noqa: F401 - still imported from here by tests/test_launch_signals.py
 )
-
-EXIT_PREEMPTED = 75
-"""train.py's exit code after saving a checkpoint on SIGTERM/SIGUSR1 (EX_TEMPFAIL: run again to resume);
-the generated SLURM script requeues the job on it."""
 
 _ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
 # Small state files every resume loads; a garbage one must stop the resume, not be skipped (accelerate
@@ -199,6 +196,18 @@ def write_state(path: Path, *, step: int, loop: str, world_size: int, expected, 
         "loop": loop,
     }
     (path / STATE).write_text(json.dumps(state, indent=2) + "\n")
+
+
+def write_model_files(path: Path, model, tokenizer) -> None:
+    """What `hf-scale export` rebuilds a Hub directory from beside the shards: the model's config (and
+    generation config), the tokenizer and, for LoRA, the adapter config. `model` is the unwrapped model."""
+    model.config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    if getattr(model, "peft_config", None):
+        model.peft_config[model.active_adapter].save_pretrained(path)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -14,6 +14,8 @@ writes, seals and publishes).
         pytorch_model/ + latest              DeepSpeed ZeRO partitions under accelerate's tag, or
         global_stepN/ + latest               the Trainer's DeepSpeed tag, or
         fsdp_sharded/.metadata               FSDP2 shards (torch.distributed.checkpoint) on CPU
+        pytorch_model_fsdp_0/.metadata       FSDP shards through accelerate's plugin (GPUs), or
+        pytorch_model_fsdp.bin               its FULL_STATE_DICT
         trainer_state.json                   the Trainer's checkpoints only
       .tmp-checkpoint-STEP/                  a save in progress (removed at the next start if interrupted)
       config.json, model.safetensors         the final model, from_pretrained-ready (the exported model's files)
@@ -45,6 +47,11 @@ by hf_scale itself when it shards on CPU (`fsdp.shard_on_cpu`)."""
 ACCELERATE_FSDP_PREFIX = "pytorch_model_fsdp"
 """accelerate's own FSDP model files (`pytorch_model_fsdp_0/` shards, `pytorch_model_fsdp.bin`): FSDP through
 accelerate's plugin (GPUs)."""
+ACCELERATE_FSDP_SHARDED = f"{ACCELERATE_FSDP_PREFIX}_0"
+"""accelerate's SHARDED_STATE_DICT of the first model: a torch.distributed.checkpoint folder of {"model": state}
+(accelerate.utils.fsdp_utils.save_fsdp_model, FSDP1 and FSDP2)."""
+ACCELERATE_FSDP_FULL = f"{ACCELERATE_FSDP_PREFIX}.bin"
+"""accelerate's FULL_STATE_DICT of the first model: the whole state dict, torch.save'd by rank 0."""
 TRAINER_STATE = "trainer_state.json"
 MODEL_CONFIG = "config.json"
 MODEL_WEIGHTS = "model.safetensors"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from hf_scale import rules
 from hf_scale.errors import UserError
 
 
@@ -46,16 +47,33 @@ class Observed:
     micro_batch_size: int | None
     mixed_precision: str
     deepspeed: dict | None = None
-    """engine facts: zero_stage, micro_batch_size, gradient_accumulation_steps, train_batch_size, precision."""
+    """engine facts (deepspeed_engine_facts): zero_stage, micro_batch_size, gradient_accumulation_steps,
+    train_batch_size, gradient_clipping, precision."""
     zero3_partitioned: bool | None = None
     single_process_cpu_launch: bool = False
     """accelerate's simple launcher started 1 process although num_processes > 1 was asked (use_cpu)."""
 
 
+def deepspeed_engine_facts(engine) -> dict:
+    """What a DeepSpeedEngine runs with, from the engine itself."""
+    return {
+        "zero_stage": engine.zero_optimization_stage(),
+        "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "train_batch_size": engine.train_batch_size(),
+        "gradient_clipping": engine.gradient_clipping(),
+        "precision": rules.precision_from_flags(engine.bfloat16_enabled(), engine.fp16_enabled()),
+    }
+
+
+def is_deepspeed_engine(model) -> bool:
+    return type(model).__name__ == "DeepSpeedEngine"
+
+
 def _wrapper_kind(model) -> str:
     from torch.nn.parallel import DistributedDataParallel
 
-    if type(model).__name__ == "DeepSpeedEngine":
+    if is_deepspeed_engine(model):
         return "deepspeed"
     if isinstance(model, DistributedDataParallel):
         return "ddp"
@@ -87,14 +105,7 @@ def observe(
     wrapper = _wrapper_kind(model)
     deepspeed = None
     if wrapper == "deepspeed":
-        precision = "bf16" if model.bfloat16_enabled() else "fp16" if model.fp16_enabled() else "no"
-        deepspeed = {
-            "zero_stage": model.zero_optimization_stage(),
-            "micro_batch_size": model.train_micro_batch_size_per_gpu(),
-            "gradient_accumulation_steps": model.gradient_accumulation_steps(),
-            "train_batch_size": model.train_batch_size(),
-            "precision": precision,
-        }
+        deepspeed = deepspeed_engine_facts(model)
     single_cpu_launch = (
         os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"
         and "MASTER_ADDR" in os.environ
@@ -166,7 +177,8 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"DeepSpeed gradient_accumulation_steps={ds['gradient_accumulation_steps']} but "
                 f"--gradient_accumulation_steps={expected.gradient_accumulation_steps}"
             )
-        implied = expected.micro_batch_size * expected.gradient_accumulation_steps * expected.world_size
+        implied = rules.global_batch_size(expected.micro_batch_size, expected.gradient_accumulation_steps,
+                                          expected.world_size)
         if ds["train_batch_size"] != implied:
             problems.append(
                 f"DeepSpeed train_batch_size={ds['train_batch_size']} but micro {expected.micro_batch_size} x "
@@ -201,7 +213,7 @@ def verify_runtime(expected: Expected, observed: Observed) -> None:
 
 
 def expected_precision(bf16: bool, fp16: bool) -> str:
-    return "bf16" if bf16 else "fp16" if fp16 else "no"
+    return rules.precision_from_flags(bf16, fp16)
 
 
 def zero3_weights_partitioned(model) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_scale.errors import UserError
+from hf_scale.rules import flag_given, precision_from_flags
 
 PRECISIONS = ("no", "fp16", "bf16")
 _ENV_PREFIX = "ACCELERATE_"
@@ -108,10 +109,6 @@ def deepspeed_config(inline: InlineDeepSpeed, precision: str) -> dict:
     return inline.plugin.deepspeed_config
 
 
-def _given(flag: str, argv: list[str]) -> bool:
-    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
-
-
 def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> tuple[dict, list[str]]:
     """Fill the flags the YAML decides and refuse conflicting ones; returns (the DeepSpeed config for
     `--deepspeed`, the flags filled from the YAML as `--flag=value` words)."""
@@ -124,7 +121,7 @@ def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> tuple[dict, 
 
     def fill_or_match(flag: str, yaml_key: str, value) -> None:
         current = getattr(ns, flag)
-        if _given(f"--{flag}", argv) and current != value:
+        if flag_given(argv, flag) and current != value:
             raise UserError(
                 f"the accelerate config has {yaml_key}={value} but --{flag}={current}; make them equal "
                 "(or drop the flag: train.py takes the YAML's value)"
@@ -141,8 +138,8 @@ def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> tuple[dict, 
     if inline.gradient_clipping is not None:
         fill_or_match("max_grad_norm", "deepspeed_config.gradient_clipping", inline.gradient_clipping)
 
-    flags_given = _given("--bf16", argv) or _given("--fp16", argv)
-    flags_precision = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "no"
+    flags_given = flag_given(argv, "bf16") or flag_given(argv, "fp16")
+    flags_precision = precision_from_flags(ns.bf16, ns.fp16)
     if flags_given and flags_precision != inline.mixed_precision:
         raise UserError(
             f"the accelerate config has mixed_precision={inline.mixed_precision} but the flags ask for "

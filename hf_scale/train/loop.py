@@ -24,7 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, fsdp, guard, reshard
+from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, fsdp, guard, live, reshard
 from hf_scale.train.data import count_target_tokens, make_train_dataloader, micro_batch_per_rank
 from hf_scale.train.distributed import has_gpu
 from hf_scale.train.liger import apply_liger
@@ -248,8 +248,11 @@ class _Loop:
     epoch_now: float = 0.0
     """The fractional epoch of the last step (for the eval records)."""
     schedule: evaluation.EvalSchedule | None = field(init=False, default=None)
+    first_step: int = field(init=False, default=0)
+    """The step the run started (or resumed) from."""
 
     def __post_init__(self):
+        self.first_step = self.step
         if self.eval_dataset is not None:
             self.schedule = evaluation.EvalSchedule.from_args(self.args, self.length.total_steps)
 
@@ -296,6 +299,11 @@ class _Loop:
                 data_wait_s=data_wait_s,
             )
             self.epoch_now = record["epoch"]
+            if self.step == self.first_step + 1:  # the values the run really uses, once it has made a step
+                live.write(self.args.output_dir, live.read(self.accelerator, self.model, self.optimizer,
+                                                           live.window_of(window),
+                                                           max_grad_norm=self.args.max_grad_norm, loop="accelerate",
+                                                           step=self.step), self.accelerator)
             self._log(record)
             divergence.check_step(self.step, loss, record["grad_norm"], loss_scaling=self.spec.loss_scaling,
                                   output_dir=self.args.output_dir)
@@ -409,14 +417,7 @@ class _CheckpointSaver:
                 epoch=epoch,
                 samples_consumed_in_epoch=batches_in_epoch * samples_per_batch_row,
             )
-            # What `hf-scale export` needs to rebuild a Hub-ready directory from the shards.
-            unwrapped = accelerator.unwrap_model(self.model)
-            unwrapped.config.save_pretrained(tmp)
-            if getattr(unwrapped, "generation_config", None) is not None:
-                unwrapped.generation_config.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            if getattr(unwrapped, "peft_config", None):  # LoRA: what `hf-scale export` rebuilds the adapter from
-                unwrapped.peft_config[unwrapped.active_adapter].save_pretrained(tmp)
+            checkpoint.write_model_files(tmp, accelerator.unwrap_model(self.model), self.tokenizer)
         accelerator.wait_for_everyone()
         checkpoint.seal(tmp, step, accelerator)
         final = checkpoint_layout.checkpoint_dir(args.output_dir, step)

@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from hf_scale import deepspeed_ops, hub, launch_values
+from hf_scale import deepspeed_ops, hub, launch_values, rules
 from hf_scale.errors import UserError, exit_with_user_error
 from hf_scale.train import (
     attention,
@@ -128,7 +128,7 @@ def _validate_flags(ns) -> None:
     _validate_numbers(ns)
     check_lora_flags(ns)
     if ns.bf16 and ns.fp16:
-        raise UserError("--bf16 and --fp16 are both set; choose one precision")
+        raise UserError(rules.BOTH_PRECISIONS)
     if ns.gradient_accumulation_steps < 1:
         raise UserError(f"--gradient_accumulation_steps={ns.gradient_accumulation_steps}: must be >= 1")
     if ns.per_device_train_batch_size < 1:

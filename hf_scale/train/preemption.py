@@ -13,7 +13,7 @@ import contextlib
 import os
 from pathlib import Path
 
-PREEMPTED_MARKER_ENV = "HF_SCALE_PREEMPTED_MARKER"
+from hf_scale.exit_codes import PREEMPTED_MARKER_ENV
 
 
 def mark_preempted() -> None:

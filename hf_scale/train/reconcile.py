@@ -6,8 +6,12 @@ anything it disagrees with is an error — never a silent override.
   under plain `torchrun`/`python` a `deepspeed` config supplies the DeepSpeed JSON itself ("auto" mode,
   resolved by the Trainer's resolver from the flags below);
 - ZeRO stage of a launcher-supplied JSON must be the config's;
-- micro batch, gradient accumulation, precision and gradient clipping fill the flags left unset and must
-  match the flags that were given.
+- micro batch, gradient accumulation, precision, gradient clipping, activation checkpointing and the AdamW
+  values (lr, betas, eps, weight decay) fill the flags left unset and must match the flags that were given
+  (a recipe's values count as given); the global batch is micro x accumulation x WORLD_SIZE, each checked;
+- what train.py cannot deliver is refused: --auto_find_batch_size (it would change the micro batch at run
+  time), an --optim that ignores the betas/eps, FSDP's own activation checkpointing where train.py shards
+  with torch's fully_shard (no GPU).
 
 :func:`follow_launcher_config` does the same for the launcher's own config (accelerate YAML precision,
 every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scale.launch_values.
@@ -22,15 +26,12 @@ import sys
 
 from hf_scale import launch_values
 from hf_scale.errors import UserError
-from hf_scale.train.distributed import LaunchRequest
+from hf_scale.rules import flag_given, precision_from_flags
+from hf_scale.train.distributed import LaunchRequest, has_gpu
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
 _FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",
-                             "fp16")
-
-
-def _given(flag: str, argv: list[str]) -> bool:
-    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+                             "fp16", "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
 
 
 def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None):
@@ -86,20 +87,34 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
             f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
         )
 
-    _fill_or_match(
-        ns, argv, where, "per_device_train_batch_size", "batch.micro_batch_size", cfg.batch.micro_batch_size
-    )
-    _fill_or_match(
-        ns,
-        argv,
-        where,
-        "gradient_accumulation_steps",
-        "batch.gradient_accumulation_steps",
-        cfg.batch.gradient_accumulation_steps,
-    )
-    _fill_or_match(ns, argv, where, "max_grad_norm", "gradient_clipping", cfg.gradient_clipping or 0.0)
-    flags_precision = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "no"
-    if (_given("--bf16", argv) or _given("--fp16", argv)) and flags_precision != cfg.precision:
+    _fill_training_values(cfg, request, ns, argv, where)
+    return request, deepspeed_value
+
+
+def _fill_training_values(cfg, request: LaunchRequest, ns, argv: list[str], where: str) -> None:
+    """The config's batch, clipping, activation checkpointing, optimizer values and precision into the flags."""
+    batch, opt = cfg.batch, cfg.optimizer
+    for flag, field, value in (
+        ("per_device_train_batch_size", "batch.micro_batch_size", batch.micro_batch_size),
+        ("gradient_accumulation_steps", "batch.gradient_accumulation_steps", batch.gradient_accumulation_steps),
+        ("max_grad_norm", "gradient_clipping", cfg.gradient_clipping or 0.0),
+        ("learning_rate", "optimizer.lr", opt.lr),
+        ("adam_beta1", "optimizer.betas[0]", opt.betas[0]),
+        ("adam_beta2", "optimizer.betas[1]", opt.betas[1]),
+        ("adam_epsilon", "optimizer.eps", opt.eps),
+        ("weight_decay", "optimizer.weight_decay", opt.weight_decay),
+    ):
+        _fill_or_match(ns, argv, where, flag, field, value)
+    if ns.auto_find_batch_size:
+        raise UserError(f"{where}: --auto_find_batch_size would change batch.micro_batch_size={batch.micro_batch_size} "
+                        f"(global batch {batch.global_batch_size}) at run time; drop it")
+    optim = str(getattr(ns.optim, "value", ns.optim))
+    if flag_given(argv, "optim") and "adam" not in optim:
+        raise UserError(f"{where}: optimizer.betas and optimizer.eps are AdamW's, but --optim={optim} does not use "
+                        "them; use an AdamW --optim (adamw_torch, adamw_torch_fused, adamw_8bit, ...) or leave it out")
+    _activation_checkpointing(cfg, request, ns, argv, where)
+    flags_precision = precision_from_flags(ns.bf16, ns.fp16)
+    if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != cfg.precision:
         raise UserError(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
     ns.bf16, ns.fp16 = cfg.precision == "bf16", cfg.precision == "fp16"
     if request.mixed_precision not in (None, cfg.precision) and request.strategy != "deepspeed":
@@ -107,21 +122,46 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
             f"{where}: precision={cfg.precision} but the accelerate config has mixed_precision="
             f"{request.mixed_precision}"
         )
-    return request, deepspeed_value
+
+
+def _activation_checkpointing(cfg, request: LaunchRequest, ns, argv: list[str], where: str) -> None:
+    """activation_checkpointing -> --gradient_checkpointing (the model's own, in both loops); FSDP's
+    fsdp.activation_checkpointing is applied by accelerate's FSDP plugin, which must then say the same."""
+    fsdp_checkpointing = cfg.strategy == "fsdp" and cfg.fsdp.activation_checkpointing
+    if fsdp_checkpointing and flag_given(argv, "gradient_checkpointing") and ns.gradient_checkpointing:
+        raise UserError(f"{where}: fsdp.activation_checkpointing=true checkpoints the decoder layers already; drop "
+                        "--gradient_checkpointing (the layers would be checkpointed twice)")
+    _fill_or_match(ns, argv, where, "gradient_checkpointing", "activation_checkpointing", cfg.activation_checkpointing)
+    if cfg.strategy != "fsdp":
+        return
+    if request.launcher == "accelerate" and request.fsdp_settings is None:
+        yaml_value = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+        if yaml_value != cfg.fsdp.activation_checkpointing:
+            raise UserError(f"{where}: fsdp.activation_checkpointing={_show(cfg.fsdp.activation_checkpointing)} but "
+                            f"the accelerate config has fsdp_activation_checkpointing={_show(yaml_value)}")
+    elif fsdp_checkpointing and not has_gpu():
+        raise UserError(f"{where}: fsdp.activation_checkpointing=true: without a GPU train.py shards with torch's "
+                        "fully_shard, which does not apply it; use activation_checkpointing: true instead (the same "
+                        "decoder layers are recomputed)")
 
 
 def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value) -> None:
-    if _given(f"--{flag}", argv) and getattr(ns, flag) != value:
-        raise UserError(f"{where}: {field}={value} but --{flag}={getattr(ns, flag)}")
+    if flag_given(argv, flag) and getattr(ns, flag) != value:
+        raise UserError(f"{where}: {field}={_show(value)} but --{flag}={_show(getattr(ns, flag))}")
     setattr(ns, flag, value)
+
+
+def _show(value) -> str:
+    """As the config and the flags write it (true/false, not True/False)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def typed_flags(ns, argv: list[str] | None) -> set[str]:
     """The launch_values flag names the user typed (or --hf_scale_config fixed)."""
     argv = sys.argv[1:] if argv is None else argv
     names = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} | {"num_train_epochs"}
-    given = {name for name in names if _given(f"--{name}", argv)}
-    if _given("--warmup_ratio", argv):
+    given = {name for name in names if flag_given(argv, name)}
+    if flag_given(argv, "warmup_ratio"):
         given.add("warmup_steps")
     if ns.hf_scale_config:
         given.update(_FIXED_BY_HF_SCALE_CONFIG)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_scale import rules
 from hf_scale.train import guard
 
 
@@ -44,8 +45,9 @@ class RunSpec:
     def __post_init__(self):
         # Built from validated flags: a violation here is a bug in hf_scale, not bad input.
         assert self.world_size >= 1 and self.micro_batch_size >= 1 and self.gradient_accumulation_steps >= 1, self
-        assert self.global_batch_size == self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
-        assert self.precision in ("no", "bf16", "fp16"), self.precision
+        assert self.global_batch_size == rules.global_batch_size(self.micro_batch_size,
+                                                                 self.gradient_accumulation_steps, self.world_size)
+        assert self.precision in rules.PRECISIONS, self.precision
 
     @property
     def expected(self) -> guard.Expected:
@@ -79,7 +81,7 @@ def build(request, args, *, loop: str, packing: bool) -> RunSpec:
     """The run spec from the launch request and the final `TrainingArguments`: the batch arithmetic in this one
     block."""
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    global_batch = micro * accumulation * request.world_size
+    global_batch = rules.global_batch_size(micro, accumulation, request.world_size)
     plugin = getattr(args, "deepspeed_plugin", None)
     return RunSpec(
         launcher=request.launcher,
@@ -89,7 +91,7 @@ def build(request, args, *, loop: str, packing: bool) -> RunSpec:
         micro_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         global_batch_size=global_batch,
-        precision=guard.expected_precision(args.bf16, args.fp16),
+        precision=rules.precision_from_flags(args.bf16, args.fp16),
         seed=args.seed,
         data_seed=args.data_seed if args.data_seed is not None else args.seed,
         packing=packing,

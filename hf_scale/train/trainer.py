@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard
+from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard, live
 from hf_scale.train.data import micro_batch_per_rank
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
@@ -32,6 +32,7 @@ class HfScaleTrainer(Trainer):
         self.window_loss = 0.0
         self.window_tokens = 0
         self.window_data_wait_s = 0.0
+        self.live_window = live.Window()  # what this rank's training steps saw in the current optimizer step
         self.last_grad_norm = None
         self.last_eval: evaluation.EvalResult | None = None
         self._saving_step: int | None = None
@@ -63,6 +64,7 @@ class HfScaleTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.window_tokens += count_real_tokens(inputs)
+        self.live_window.add(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         # With token-normalised accumulation the returned loss is sum(token losses) * world / global targets.
         self.window_loss += float(loss) / self.accelerator.num_processes
@@ -125,6 +127,10 @@ class HfScaleTrainer(Trainer):
         if is_main:
             checkpoint.write_state(written, step=step, loop="trainer", world_size=accelerator.num_processes,
                                    expected=self.expected, args=self.args)
+            if not (written / checkpoint_layout.MODEL_CONFIG).is_file():
+                # The Trainer saves no config or tokenizer with FSDP's SHARDED_STATE_DICT (its save_model
+                # writes only a full state dict); `hf-scale export` needs them beside the shards.
+                checkpoint.write_model_files(written, accelerator.unwrap_model(model), self.processing_class)
             if self.state.best_model_checkpoint == str(written):  # the Trainer recorded the temporary name
                 self.state.best_model_checkpoint = str(final)
                 self.state.save_to_json(str(written / checkpoint_layout.TRAINER_STATE))
@@ -164,6 +170,7 @@ class GuardAndMetricsCallback(TrainerCallback):
         self.flops_per_token = flops_per_token
         self.metrics: StepMetrics | None = None
         self.lr = 0.0
+        self.live_recorded = False
 
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         trainer = self.trainer
@@ -209,6 +216,12 @@ class GuardAndMetricsCallback(TrainerCallback):
             _finish_progress_bar(trainer)
         trainer.window_loss = 0.0
         trainer.window_tokens = 0
+        if not self.live_recorded:  # the values the run really uses, once it has made a step
+            self.live_recorded = True
+            live.write(args.output_dir, live.read(trainer.accelerator, trainer.model_wrapped, trainer.optimizer,
+                                                  trainer.live_window, max_grad_norm=args.max_grad_norm,
+                                                  loop="trainer", step=state.global_step), trainer.accelerator)
+        trainer.live_window = live.Window()
         # Before the Trainer's _maybe_log_save_evaluate: a diverged step is never saved.
         divergence.check_step(state.global_step, loss, record["grad_norm"],
                               loss_scaling=self.spec.loss_scaling, output_dir=args.output_dir)

@@ -1,0 +1,58 @@
+"""Every check of `hf-scale check`, in the order they run and are listed in `hf-scale check --help`.
+
+A check is a function ``CheckInputs -> Iterator[Finding]`` whose docstring starts with the codes it emits
+("`code`, `code` (warning): what it finds"); each lives in the module of its family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from hf_scale.check import (
+    accelerate_yaml,
+    batch,
+    deepspeed_file,
+    deepspeed_json,
+    precision,
+    topology,
+    trainer_values,
+    zero,
+)
+from hf_scale.check.findings import Finding
+from hf_scale.check.inputs import CheckInputs
+
+Check = Callable[[CheckInputs], Iterator[Finding]]
+
+CHECKS: list[Check] = [
+    accelerate_yaml.check_accelerate_top_level,
+    accelerate_yaml.check_accelerate_launch,
+    accelerate_yaml.check_accelerate_nested_keys,
+    deepspeed_file.check_deepspeed_file_reference,
+    deepspeed_file.check_deepspeed_unused,
+    deepspeed_file.check_duplicated_deepspeed_keys,
+    batch.check_gradient_accumulation,
+    batch.check_micro_batch,
+    batch.check_train_batch_size,
+    precision.check_precision,
+    precision.check_fp16_and_bf16,
+    deepspeed_json.check_auto_values,
+    trainer_values.check_deepspeed_overrides_flags,
+    trainer_values.check_trainer_compared_values,
+    deepspeed_json.check_deepspeed_schema,
+    topology.check_use_cpu_processes,
+    topology.check_use_cpu_ignores_plugin,
+    topology.check_fsdp_without_gpu,
+    topology.check_processes_per_gpu,
+    zero.check_offload_optimizer,
+    zero.check_nvme_path,
+    zero.check_zero3_save,
+    topology.check_multinode,
+    topology.check_main_process_ip,
+    accelerate_yaml.check_accelerate_values,
+    deepspeed_json.check_deepspeed_values,
+]
+
+
+def run_checks(inp: CheckInputs) -> list[Finding]:
+    """Every check, in order."""
+    return [finding for check in CHECKS for finding in check(inp)]

@@ -1,0 +1,206 @@
+"""What `hf-scale check` knows about accelerate, DeepSpeed and transformers: read from the libraries' own code
+where they expose it (accelerate's launch parser, DeepSpeed's pydantic config), hand-kept tables where they fill
+values inline (which "auto" values each runner resolves), each proved against the libraries by the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import logging
+import re
+import sys
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+from hf_scale import rules
+from hf_scale.check.findings import get_path
+
+
+def auto_paths(node: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from auto_paths(value, f"{prefix}{key}.")
+    elif node == "auto":
+        yield prefix[:-1]
+
+
+YAML_TO_DS_PATH = rules.ACCELERATE_YAML_TO_DEEPSPEED
+
+
+# accelerate's DeepSpeedPlugin._deepspeed_config_checks (accelerate/utils/dataclasses.py) raises at launch
+# when the YAML sets one of these next to `deepspeed_config_file` (it derives them from a hard-coded list
+# of ACCELERATE_* variable names inside the method, so there is nothing to import);
+# tests/test_check_knowledge.py proves the list against the real DeepSpeedPlugin.
+DS_FILE_CONFLICTING_YAML_KEYS = (*YAML_TO_DS_PATH, "mixed_precision")
+
+
+@functools.cache
+def _launch_option_groups() -> dict[str, frozenset[str]]:
+    """`accelerate launch` options by argument group. accelerate copies every key of a YAML section onto the
+    launch arguments (``_validate_launch_command``), so the options of the matching group are the keys
+    that have an effect; anything else is copied silently and ignored."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    return {group.title: frozenset(a.dest for a in group._group_actions) for group in parser._action_groups}
+
+
+@functools.cache
+def known_section_keys(section: str) -> frozenset[str]:
+    """Keys accelerate acts on under the YAML's ``deepspeed_config`` / ``fsdp_config``."""
+    if section == "deepspeed_config":
+        return _launch_option_groups()["DeepSpeed Arguments"]
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    # prepare_multi_gpu_env also reads some fsdp_* attributes that have no launch option
+    # (e.g. fsdp_ignored_modules): collect every fsdp_* name it mentions.
+    read = set(re.findall(r"\b(fsdp_[a-z0-9_]+)", inspect.getsource(prepare_multi_gpu_env)))
+    return _launch_option_groups()["FSDP Arguments"] | read
+
+
+def accelerate_config_fields(raw: dict[str, Any]) -> frozenset[str]:
+    from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
+
+    cls = SageMakerConfig if raw.get("compute_environment") == "AMAZON_SAGEMAKER" else ClusterConfig
+    # `fp16` and `dynamo_backend` are legacy keys that BaseConfig.process_config converts.
+    return frozenset(cls.__dataclass_fields__) | {"fp16", "dynamo_backend"}
+
+
+# Which "auto" values each runner fills in: hf_scale.rules, the one table (also behind the generated JSON's "auto").
+PLUGIN_RESOLVED = rules.PLUGIN_FILLED
+TRAINER_RESOLVED = rules.TRAINER_FILLED
+TRAINER_RESOLVED_ZERO3_ONLY = rules.TRAINER_FILLED_ZERO3_ONLY
+ACCELERATE_RESOLVED = rules.ACCELERATOR_LOOP_FILLED
+
+
+def resolvable(runner: str, path: str, ds: dict[str, Any]) -> bool:
+    if runner == "trainer":
+        return rules.trainer_fills(path, get_path(ds, "zero_optimization.stage"))
+    if runner == "accelerate":
+        return path in ACCELERATE_RESOLVED
+    return False  # raw deepspeed.initialize resolves nothing
+
+
+@contextlib.contextmanager
+def deepspeed_off_stdout() -> Iterator[None]:
+    """DeepSpeed's logger writes to the ``sys.stdout`` of the moment it is first imported: import it with
+    stdout pointing at stderr so that ``--json`` output stays parseable, and keep its warnings quiet
+    while it parses the config."""
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed.runtime.config  # noqa: F401  (the first import creates the logger)
+
+        ds_logger = logging.getLogger("DeepSpeed")
+        level = ds_logger.level
+        ds_logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            ds_logger.setLevel(level)
+
+
+class ReadTracker(dict):
+    """A dict that records which keys DeepSpeedConfig reads: a top-level key it never reads has no
+    effect. ``__copy__`` returns itself because DeepSpeedConfig copies the dict before reading it."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def __copy__(self) -> ReadTracker:
+        return self
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def with_sample_values(ds: dict[str, Any]) -> dict[str, Any]:
+    """A copy DeepSpeed's parser accepts: "auto" -> a sample value; batch sizes -> 1 (DeepSpeedConfig checks
+    them against a world size of 1 outside a job; the real arithmetic is the `train-batch-mismatch` check);
+    bf16 off when fp16 is on too (already the `fp16-and-bf16` finding)."""
+
+    def substitute(node: Any, key: str = "") -> Any:
+        if isinstance(node, dict):
+            return {k: substitute(v, k) for k, v in node.items()}
+        if node == "auto":
+            return {"betas": [0.9, 0.999], "enabled": False}.get(key, 1)
+        return node
+
+    sample = substitute(copy.deepcopy(ds))
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if key in sample:
+            sample[key] = 1
+    if get_path(sample, "fp16.enabled") is True and get_path(sample, "bf16.enabled") is True:
+        sample["bf16"]["enabled"] = False
+    return sample
+
+
+def pydantic_names(model: Any, loc: tuple[Any, ...]) -> set[str]:
+    """Field names and aliases of the (nested) pydantic model at ``loc``, for suggestions."""
+    from pydantic import BaseModel
+
+    for part in loc:
+        field_info = model.model_fields.get(part) or next(
+            (f for f in model.model_fields.values() if f.alias == part), None
+        )
+        if field_info is None:
+            return set()
+        candidates = [field_info.annotation, *typing.get_args(field_info.annotation)]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return set()
+    return set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+PARSE_ERRORS = (AssertionError, ValueError, TypeError, KeyError, AttributeError)
+
+
+@functools.cache
+def _deepspeed_models() -> dict[str, Any]:
+    """DeepSpeed's pydantic config classes by name (a ValidationError names its model in ``title``)."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    found, todo = {}, [DeepSpeedConfigModel]
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def section_errors(sample: dict[str, Any], key: str) -> tuple[list[dict[str, Any]], Any, str | None]:
+    """Parse one top-level section on its own with DeepSpeedConfig, so that an invalid key elsewhere cannot
+    hide it: (pydantic error items, the model that raised, or another parse error's message)."""
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    alone = {k: sample[k] for k in BATCH_KEYS if k in sample} or {"train_batch_size": 1}
+    alone[key] = sample[key]
+    try:
+        DeepSpeedConfig(alone)
+    except pydantic.ValidationError as error:
+        return error.errors(), _deepspeed_models().get(error.title), None
+    except (DeepSpeedConfigError, *PARSE_ERRORS) as error:
+        return [], None, " ".join(str(error).split())
+    return [], None, None
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+ZERO_STAGES = (0, 1, 2, 3)

@@ -1,0 +1,184 @@
+"""The `hf-scale check` command: its parser (``register``), the handler (``run``) and the output (a table or
+``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import textwrap
+from dataclasses import asdict
+from typing import Any
+
+from hf_scale.check.checks import CHECKS, Check, run_checks
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, Finding
+from hf_scale.check.inputs import RUNNERS, CheckInputs, load_inputs
+from hf_scale.errors import UserError
+
+
+def summarize(inp: CheckInputs, findings: list[Finding]) -> dict[str, Any]:
+    errors = sum(f.severity == ERROR for f in findings)
+    files = [inp.accelerate_file] + ([inp.deepspeed_file] if inp.deepspeed_file else [])
+    if inp.training is not None:
+        files.append(TRAINING_ARGS)
+    return {
+        "errors": errors,
+        "warnings": len(findings) - errors,
+        "checked": files,
+        "runner": inp.runner,
+        "exit_code": 1 if errors else 0,
+    }
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    counts = f"{summary['errors']} error(s), {summary['warnings']} warning(s)"
+    verdict = "problems found" if summary["errors"] else ("ok with warnings" if summary["warnings"] else "ok")
+    return f"{verdict}: {counts} in {', '.join(summary['checked'])} (runner: {summary['runner']})"
+
+
+def _wrap_at_separators(text: str, width: int) -> list[str]:
+    """Wrap a file:dotted.key after ``/``, ``:`` or ``.`` instead of in the middle of a name."""
+    lines = [""]
+    for token in re.split(r"(?<=[:./])", text):
+        if lines[-1] and len(lines[-1]) + len(token) > width:
+            lines.append("")
+        lines[-1] += token
+    return [piece[i : i + width] for piece in lines for i in range(0, len(piece), width)]
+
+
+def format_table(findings: list[Finding], width: int) -> str:
+    """Columns severity | code | where | problem | fix; long cells wrap inside their column."""
+    headers = ("SEVERITY", "CODE", "WHERE (FILE:KEY)", "PROBLEM", "FIX")
+    rows = [(f.severity, f.code, f.where, f.problem, f.fix) for f in findings]
+    fixed = [max([len(headers[i])] + [len(r[i]) for r in rows]) for i in (0, 1)]
+    where = min(36, max([len(headers[2])] + [len(r[2]) for r in rows]))
+    rest = max(40, width - sum(fixed) - where - 8)
+    widths = [*fixed, where, rest // 2, rest - rest // 2]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [
+            _wrap_at_separators(text, w) if column == 2 else textwrap.wrap(text, w, break_on_hyphens=False)
+            for column, (text, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        for n in range(max(map(len, cells))):
+            parts = [
+                (cell[n] if n < len(cell) else "").ljust(w) for cell, w in zip(cells, widths, strict=True)
+            ]
+            lines.append("  ".join(parts).rstrip())
+        if row is headers:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def check_doc(fn: Check) -> tuple[str, str]:
+    """(heading, description) of a check: its docstring reads "`code`, `code` (warning): what it finds"."""
+    heading, text = " ".join((fn.__doc__ or "").split()).split(": ", 1)
+    return heading.replace("`", ""), text
+
+
+def check_codes(fn: Check) -> list[str]:
+    """The finding codes a check emits (named in its docstring's heading)."""
+    return re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)+", check_doc(fn)[0])
+
+
+def _epilog() -> str:
+    lines = []
+    for fn in CHECKS:
+        heading, text = check_doc(fn)
+        lines.append("  " + heading)
+        lines += textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      ")
+    checks = "\n".join(lines)
+    return f"""\
+runners (which "auto" values in the DeepSpeed JSON get filled in):
+  trainer      HF Trainer (default; also hf_scale's train.py with --loop accelerate)
+  accelerate   a hand-written Accelerator loop: fills batch sizes, gradient_clipping,
+               bucket sizes, DummyOptim lr/weight_decay, DummyScheduler values, fp16/bf16
+  deepspeed    raw deepspeed.initialize: fills nothing
+
+finding codes:
+{checks}
+
+exit codes: 0 no errors (warnings are printed but do not fail), 1 errors found,
+            2 unreadable/invalid input
+
+The DeepSpeed JSON is --deepspeed-config, else the YAML's deepspeed_config.deepspeed_config_file
+(relative to the YAML's directory, then the current one), else --deepspeed in the training args.
+A YAML with its DeepSpeed settings inline (no deepspeed_config_file) is checked as the config
+accelerate's DeepSpeedPlugin builds from it, which is also what train.py trains with.
+Training args after `--` are parsed by train.py's own parser: what train.py refuses (an abbreviation, an
+unknown flag, a bad value) is bad input here too.
+GPU findings need --gpus-per-machine N (GPUs per machine on the target); this machine's GPUs are never used.
+
+example:
+  hf-scale check --accelerate-config accelerate_configs/zero3.yaml \\
+      -- --per_device_train_batch_size 4 --gradient_accumulation_steps 8 --bf16
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "check",
+        description="Read an existing accelerate YAML (and its DeepSpeed JSON and the training args) and "
+        "report every inconsistency before a job starts: a table (or --json) of findings, each with a "
+        "severity, a code, the file:key, the disagreeing values and the fix.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--accelerate-config", metavar="A.yaml", help="accelerate config file (required)")
+    parser.add_argument(
+        "--deepspeed-config",
+        metavar="D.json",
+        help="DeepSpeed JSON (default: the one the YAML or --deepspeed in the training args names)",
+    )
+    parser.add_argument(
+        "--runner",
+        default="trainer",
+        metavar="|".join(RUNNERS),
+        help='what resolves "auto" in the DeepSpeed JSON (default: trainer)',
+    )
+    parser.add_argument(
+        "--gpus-per-machine",
+        "--gpus",
+        dest="gpus_per_machine",
+        type=int,
+        metavar="N",
+        help="GPUs per machine on the target cluster; enables the GPU findings (default: no assumption "
+        "about GPUs; the machine running the check is never looked at)",
+    )
+    parser.add_argument("--json", action="store_true", help="print {findings: [...], summary: {...}} as JSON")
+    parser.add_argument(
+        "training_args",
+        nargs="*",
+        metavar="-- TRAINING-ARGS",
+        help="train.py's arguments (TrainingArguments and train.py flags, or a recipe file), after `--`",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.accelerate_config:
+        raise UserError("check: --accelerate-config A.yaml is required")
+    if args.gpus_per_machine is not None and args.gpus_per_machine < 0:
+        raise UserError(
+            f"--gpus-per-machine {args.gpus_per_machine}: must be >= 0 (GPUs per machine on the target)"
+        )
+    inputs = load_inputs(
+        args.accelerate_config,
+        args.deepspeed_config,
+        args.training_args,
+        args.runner,
+        gpus_per_machine=args.gpus_per_machine,
+    )
+    findings = run_checks(inputs)
+    summary = summarize(inputs, findings)
+    if args.json:
+        payload = {"findings": [{**asdict(f), "where": f.where} for f in findings], "summary": summary}
+        print(json.dumps(payload, indent=2, default=str))
+    else:
+        if findings:
+            print(format_table(findings, shutil.get_terminal_size((150, 24)).columns))
+            print()
+        print(summary_line(summary))
+    return summary["exit_code"]

@@ -1,0 +1,126 @@
+"""Checks of what the HF Trainer compares at launch between the DeepSpeed JSON and the training flags
+(optimizer/scheduler values, clipping), and of the JSON blocks that replace training flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from hf_scale import launch_values
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, in_file
+from hf_scale.check.inputs import CheckInputs, world_size_of
+from hf_scale.rules import flag_given
+
+
+def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
+    """`ds-overrides-flags` (warning; an error when a replaced flag is given explicitly): the JSON's
+    `optimizer` block replaces `--optim`/`--optim_args`, its `scheduler` block `--lr_scheduler_type`/
+    `--lr_scheduler_kwargs` (e.g. WarmupLR: constant after a logarithmic warmup, where the Trainer's default
+    decays linearly). train.py warns the same way, and refuses to start on an explicit flag."""
+    if inp.deepspeed is None or inp.runner != "trainer":
+        return
+    from hf_scale import deepspeed_overrides
+
+    file = inp.deepspeed_file or ""
+    for override in deepspeed_overrides.find_overrides(inp.deepspeed, inp.training_argv):
+        flags = " / ".join(f"--{flag}" for flag in (override.given or override.flags[:1]))
+        key = override.path if override.ds_type is not None else override.block
+        yield Finding(
+            ERROR if override.given else WARNING,
+            "ds-overrides-flags",
+            file,
+            key,
+            deepspeed_overrides.describe(override, inp.training or {}) + ".",
+            (
+                f"{in_file(file)}remove the `{override.block}` block (`{key}`) to get {flags}, or drop {flags} "
+                "from the training args."
+                if override.given
+                else f"{in_file(file)}keep `{key}` to run DeepSpeed's {override.block}, or remove the "
+                f"`{override.block}` block to let {flags} decide."
+            ),
+            {f"{file}:{key}": override.ds_type, **{f"{TRAINING_ARGS}:--{f}": (inp.training or {}).get(f)
+                                                 for f in override.given}},
+        )
+
+
+# Trainer comparisons already reported by their own checks (batch sizes, accumulation, precision).
+_COMPARED_ELSEWHERE = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "fp16.enabled",
+    "bf16.enabled",
+)
+
+
+def check_trainer_compared_values(inp: CheckInputs) -> Iterator[Finding]:
+    """`ds-trainer-mismatch`: a concrete value of the JSON that the HF Trainer compares with a training flag at
+    launch differs from it (`gradient_clipping` vs `--max_grad_norm`, the optimizer's lr/betas/eps/weight_decay,
+    the scheduler's `warmup_max_lr` vs `--learning_rate`, `warmup_num_steps` vs `--warmup_steps`/`--warmup_ratio`,
+    `total_num_steps` vs `--max_steps`), defaults included: a plain HF Trainer script stops at start on it, train.py
+    too when the flag is typed (it takes the JSON's value for a flag left at its default). The comparisons are
+    hf_scale.launch_values.reconcile, the rule train.py applies (tested against transformers' own)."""
+    if inp.deepspeed is None or inp.runner != "trainer" or inp.training is None:
+        return
+    if inp.training["bf16"] and inp.training["fp16"]:
+        return  # `fp16-and-bf16`: no precision to compare with
+    file = inp.deepspeed_file or ""
+    max_steps = inp.training["max_steps"]
+    # Every flag counts as typed: the HF Trainer compares a default like any other value (it follows nothing).
+    result = launch_values.reconcile(
+        _training_values(inp),
+        _ALL_FLAGS,
+        deepspeed_config=inp.deepspeed,
+        deepspeed_source=file,
+        num_training_steps=max_steps if max_steps > 0 else None,
+    )
+    for difference in result.differences:
+        if difference.key not in _COMPARED_ELSEWHERE and _is_number_or_numbers(difference.config_value):
+            yield _mismatch_finding(inp, file, difference)
+
+
+# Every flag the rule compares (TrainingValues' fields; the run's length also by epochs).
+_ALL_FLAGS = frozenset({f.name for f in dataclasses.fields(launch_values.TrainingValues)} | {"num_train_epochs"})
+
+
+def _training_values(inp: CheckInputs) -> launch_values.TrainingValues:
+    training = inp.training or {}
+    names = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} - {"world_size"}
+    values = {name: training[name] for name in names}
+    if training.get("warmup_ratio") is not None:  # train.py: --warmup_ratio is the warmup as a fraction
+        values["warmup_steps"] = training["warmup_ratio"]
+    return launch_values.TrainingValues(world_size=world_size_of(inp) or 1, **values)
+
+
+def _is_number_or_numbers(value: Any) -> bool:
+    """A value of the wrong kind is `deepspeed-value-invalid`'s, not a mismatch."""
+    values = value if isinstance(value, list) else [value]
+    return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+
+
+def _mismatch_finding(inp: CheckInputs, file: str, difference: launch_values.Difference) -> Finding:
+    key, shown = difference.key, "/".join(f"--{name}" for name in difference.flags)
+    typed = any(flag_given(inp.training_argv, name) for name in difference.flags)
+    flag_value = difference.flag_value
+    if key == "scheduler.params.warmup_num_steps":
+        flag_value = f"{flag_value} steps"
+    elif key == "scheduler.params.total_num_steps":
+        flag_value = f"{flag_value} optimizer steps"
+    elif isinstance(flag_value, list):
+        flag_value = "/".join(map(str, flag_value))
+    consequence = (
+        "the HF Trainer and train.py stop at start on this mismatch" if typed
+        else "a plain HF Trainer script stops at start on this mismatch (train.py takes the JSON's value)"
+    )
+    return Finding(
+        ERROR,
+        "ds-trainer-mismatch",
+        file,
+        key,
+        f"{key}={difference.config_value} but {shown}={flag_value}{'' if typed else ' (default)'}: {consequence}.",
+        f'{in_file(file)}set `{key}` to "auto" (it then follows {shown}), or pass the value of `{key}` as {shown} in '
+        "the training args.",
+        {f"{file}:{key}": difference.config_value, f"{TRAINING_ARGS}:{shown}": difference.flag_value},
+    )

@@ -1,0 +1,121 @@
+"""Checks of ZeRO's memory options: CPU/NVMe offload and what a ZeRO-3 run saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from hf_scale.check.findings import ERROR, WARNING, Finding, get_path, in_file
+from hf_scale.check.inputs import CheckInputs, deepspeed_view
+from hf_scale.check.knowledge import PARSE_ERRORS, deepspeed_off_stdout
+
+
+def check_offload_optimizer(inp: CheckInputs) -> Iterator[Finding]:
+    """`offload-optimizer-swap`: optimizer offload without a DeepSpeed `optimizer` block while
+    `zero_force_ds_cpu_optimizer` is not false (accelerate/HF swap in DeepSpeedCPUAdam, keeping only lr and
+    weight_decay; raw DeepSpeed raises)."""
+    view = deepspeed_view(inp)
+    if view is None:
+        return
+    path = "zero_optimization.offload_optimizer.device"
+    device = get_path(view.config, path, "none")
+    if device not in ("cpu", "nvme") or "optimizer" in view.config:
+        return
+    if view.config.get("zero_force_ds_cpu_optimizer", True) is False:
+        return
+    file, key = view.where(path)
+    raw = inp.runner == "deepspeed"
+    yield Finding(
+        ERROR if raw else WARNING,
+        "offload-optimizer-swap",
+        file,
+        key,
+        f"The optimizer is offloaded to {device} without an `optimizer` block: "
+        + (
+            "deepspeed.initialize raises for a client optimizer."
+            if raw
+            else "your optimizer is replaced by DeepSpeedCPUAdam (only lr and weight_decay are kept)."
+        ),
+        (
+            f"{in_file(file)}set `{key}: none`, or move the DeepSpeed settings into a JSON file "
+            '(`deepspeed_config_file`) with an `optimizer` block or `"zero_force_ds_cpu_optimizer": false` '
+            "(an inline deepspeed_config cannot set them)."
+            if view.from_yaml
+            else f'{in_file(file)}add an `optimizer` block, or set `"zero_force_ds_cpu_optimizer": false` '
+            f"(`{key}` stays)."
+        ),
+        {f"{file}:{key}": device},
+    )
+
+
+def check_nvme_path(inp: CheckInputs) -> Iterator[Finding]:
+    """`nvme-without-path`: offload to nvme without `nvme_path`."""
+    view = deepspeed_view(inp)
+    if view is None:
+        return
+    for what in ("offload_optimizer", "offload_param"):
+        device_path = f"zero_optimization.{what}.device"
+        nvme = get_path(view.config, f"zero_optimization.{what}.nvme_path", None)
+        if get_path(view.config, device_path, None) == "nvme" and nvme in (None, "", "none"):
+            file, key = view.where(device_path)
+            yield Finding(
+                ERROR,
+                "nvme-without-path",
+                file,
+                key,
+                f"{what} goes to nvme but no nvme_path is set.",
+                f"{in_file(file)}set `"
+                + (f"deepspeed_config.{what}_nvme_path" if view.from_yaml else f"zero_optimization.{what}.nvme_path")
+                + f"` to a local NVMe mount (or `{key}` to cpu).",
+                {f"{file}:{key}": "nvme"},
+            )
+
+
+def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
+    """`zero3-no-16bit-save` (warning): ZeRO-3 without 16-bit weights gathered on save, in any spelling
+    DeepSpeed reads (`stage3_gather_16bit_weights_on_model_save`, `gather_16bit_weights_on_model_save`, the
+    deprecated fp16 name; asked from DeepSpeed's own ZeRO model): the saved model is only the sharded
+    checkpoint (needs zero_to_fp32.py)."""
+    view = deepspeed_view(inp)
+    zero = get_path(view.config, "zero_optimization", None) if view is not None else None
+    if not isinstance(zero, dict) or zero.get("stage") != 3 or _gathers_16bit_on_save(zero):
+        return
+    # Name the spelling the file uses (DeepSpeed reads all of them), else the canonical one.
+    spelling = next((name for name in GATHER_SPELLINGS if name in zero), GATHER_SPELLINGS[0])
+    value = zero.get(spelling)
+    file, key = view.where("zero_optimization." + spelling)
+    # "auto" is filled from the YAML's zero3_save_16bit_model, which defaults to false.
+    yield Finding(
+        WARNING,
+        "zero3-no-16bit-save",
+        file,
+        key,
+        f'ZeRO-3 with this at {value!r} (missing and "auto" mean false): save_model() writes no usable '
+        "weights, only the sharded checkpoint (convert it with zero_to_fp32.py).",
+        f"{in_file(file)}set `{key}` to true.",
+        {f"{file}:{key}": value},
+    )
+
+
+# DeepSpeedZeroConfig's field, its alias and the deprecated fp16 name (deepspeed/runtime/zero/config.py).
+GATHER_SPELLINGS = (
+    "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+)
+
+
+def _gathers_16bit_on_save(zero: dict[str, Any]) -> bool:
+    """What DeepSpeed's own ZeRO model resolves `gather_16bit_weights_on_model_save` to, from any of its
+    spellings ("auto" is dropped by DeepSpeed: false); when the section does not parse (reported by the
+    schema check), any spelling set to true counts."""
+    import pydantic
+
+    with deepspeed_off_stdout():
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        try:
+            return bool(DeepSpeedZeroConfig(**zero).gather_16bit_weights_on_model_save)
+        except (pydantic.ValidationError, *PARSE_ERRORS):
+            return any(zero.get(name) is True for name in GATHER_SPELLINGS)

@@ -1,0 +1,17 @@
+"""How hf_scale's processes tell whoever started them how they ended: exit codes and the preemption marker.
+
+A low-level module (no imports): the training runtime (hf_scale.train) sets these, the generated launch
+scripts (hf_scale.generators.launch) test them, and neither depends on the other for it.
+"""
+
+EXIT_BAD_INPUT = 2
+"""Bad input (a config value, a CLI flag, a dataset, a model path): one line on stderr, no traceback."""
+
+EXIT_PREEMPTED = 75
+"""train.py's exit code after saving a checkpoint on SIGTERM/SIGUSR1 (EX_TEMPFAIL: run again to resume);
+the generated SLURM script requeues the job on it."""
+
+PREEMPTED_MARKER_ENV = "HF_SCALE_PREEMPTED_MARKER"
+"""Every launcher reports a training process's exit code 75 as its own failure (torchrun and accelerate: 1),
+so the generated launch scripts point this variable at a file that train.py creates after saving the
+checkpoint on a stop request (hf_scale.train.preemption); the script then exits EXIT_PREEMPTED."""

@@ -1,0 +1,143 @@
+"""The rules of a run, each computed in ONE place and imported wherever it is needed (config, generators,
+`hf-scale check`, train.py's reconcile and guard).
+
+Pure functions and constant tables only: no I/O, and nothing heavier than the standard library is imported,
+so that every layer (the CLI's --help included) can use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def flag_given(argv: Sequence[str], name: str) -> bool:
+    """Whether the flag of the field ``name`` was typed in ``argv`` (``--name`` or ``--name=value``), in any
+    spelling train.py's HfArgumentParser accepts for it: ``--name``, the dashed ``--na-me``, and for booleans
+    that default to true ``--no_name`` / ``--no-na-me``. train.py's parser takes no abbreviation
+    (``allow_abbrev=False``), so neither does this: an abbreviation is refused there, never "given".
+    tests/test_rules.py proves the spellings against every option of train.py's parser."""
+    dashed = name.replace("_", "-")
+    spellings = {f"--{name}", f"--{dashed}", f"--no_{name}", f"--no-{dashed}"}
+    return any(arg.split("=", 1)[0] in spellings for arg in argv)
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch and precision
+# --------------------------------------------------------------------------------------------------
+
+PRECISIONS = ("no", "bf16", "fp16")
+BOTH_PRECISIONS = "--bf16 and --fp16 are both set; choose one precision"
+
+
+def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, world_size: int) -> int:
+    """Samples per optimizer step: micro batch per process x accumulation x processes (DeepSpeed's
+    `train_batch_size`, the Trainer's `train_batch_size` computed in HfTrainerDeepSpeedConfig)."""
+    return micro_batch_size * gradient_accumulation_steps * world_size
+
+
+def precision_from_flags(bf16: bool, fp16: bool) -> str:
+    """The precision `--bf16` / `--fp16` ask for: bf16 | fp16 | no. Both set is refused (TrainingArguments and
+    DeepSpeed refuse it too): ValueError with :data:`BOTH_PRECISIONS`."""
+    if bf16 and fp16:
+        raise ValueError(BOTH_PRECISIONS)
+    return "bf16" if bf16 else "fp16" if fp16 else "no"
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSpeed keys: which the libraries fill, and the accelerate YAML <-> DeepSpeed JSON map
+# --------------------------------------------------------------------------------------------------
+
+# accelerate's DeepSpeedPlugin.__post_init__ (`plugin_to_config_mapping`, accelerate/utils/dataclasses.py):
+# the YAML's `deepspeed_config` keys and the DeepSpeed JSON paths they set. One table for both directions:
+# :func:`deepspeed_config_from_yaml` writes with it, :func:`yaml_key_of` reads it back.
+# tests/test_check_knowledge.py proves every pair against accelerate's source.
+ACCELERATE_YAML_TO_DEEPSPEED = {
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+    "offload_param_device": "zero_optimization.offload_param.device",
+    "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
+    "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
+    "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+}
+_DEEPSPEED_TO_ACCELERATE_YAML = {path: key for key, path in ACCELERATE_YAML_TO_DEEPSPEED.items()}
+ACCELERATE_DEFAULT_ZERO_STAGE = 2
+"""DeepSpeedPlugin's `zero_stage` when the YAML gives none."""
+
+
+def deepspeed_config_from_yaml(section: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed settings a YAML's inline `deepspeed_config` section sets, by accelerate's map (without
+    accelerate: for a YAML its own code refuses, so that the values can still be judged)."""
+    config: dict[str, Any] = {"zero_optimization": {"stage": ACCELERATE_DEFAULT_ZERO_STAGE}}
+    for yaml_key, path in ACCELERATE_YAML_TO_DEEPSPEED.items():
+        if yaml_key in section:
+            node = config
+            *parents, leaf = path.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = section[yaml_key]
+    return config
+
+
+def yaml_key_of(deepspeed_path: str) -> str | None:
+    """The YAML `deepspeed_config` key that sets a DeepSpeed JSON path (None when no key does)."""
+    return _DEEPSPEED_TO_ACCELERATE_YAML.get(deepspeed_path)
+
+
+# Which "auto" values each runner fills in. Hand-listed because the libraries fill them inline (no importable
+# list); tests/test_check_knowledge.py checks every entry against the libraries' source, tests/test_rules.py
+# that the generated JSON writes "auto" only there.
+# Filled by accelerate's DeepSpeedPlugin.__post_init__, for both the Trainer and an Accelerator loop:
+PLUGIN_FILLED = frozenset(ACCELERATE_YAML_TO_DEEPSPEED.values())
+# transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process / _finalize:
+TRAINER_FILLED = PLUGIN_FILLED | {
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "gradient_clipping",
+    "optimizer.params.lr",
+    "optimizer.params.betas",
+    "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+    "scheduler.params.warmup_min_lr",
+    "scheduler.params.warmup_max_lr",
+    "scheduler.params.total_num_steps",
+    "scheduler.params.warmup_num_steps",
+    "fp16.enabled",
+    "bf16.enabled",
+    "zero_optimization.reduce_bucket_size",
+}
+TRAINER_FILLED_ZERO3_ONLY = frozenset(
+    {"zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold"}
+)
+# accelerate/accelerator.py Accelerator._prepare_deepspeed (batch sizes from the prepared DataLoader, the
+# bucket sizes from model.config.hidden_size, optimizer lr/weight_decay from DummyOptim, scheduler values
+# from DummyScheduler) and DeepSpeedPlugin.set_mixed_precision (fp16/bf16). Betas, eps and anything else
+# left "auto" make _prepare_deepspeed raise "`...` not found in kwargs".
+ACCELERATOR_LOOP_FILLED = (
+    PLUGIN_FILLED
+    | TRAINER_FILLED_ZERO3_ONLY
+    | {
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "train_batch_size",
+        "gradient_clipping",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.reduce_bucket_size",
+        "optimizer.params.lr",
+        "optimizer.params.weight_decay",
+        "scheduler.params.warmup_min_lr",
+        "scheduler.params.warmup_max_lr",
+        "scheduler.params.warmup_num_steps",
+        "scheduler.params.total_num_steps",
+        "fp16.enabled",
+        "bf16.enabled",
+    }
+)
+
+
+def trainer_fills(path: str, zero_stage: int | None) -> bool:
+    """Whether the HF Trainer (and train.py) fills an "auto" at this DeepSpeed path."""
+    return path in TRAINER_FILLED or (path in TRAINER_FILLED_ZERO3_ONLY and zero_stage == 3)

@@ -1,0 +1,192 @@
+"""`hf-scale check`, what the HF Trainer compares at launch (hf_scale.check.trainer_values)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+from check_cases import (
+    DS_JSON,
+    DS_YAML,
+    assert_every_fix_names_where_the_value_is,
+    assert_reports_its_problem,
+    check_json,
+    codes,
+    merged,
+)
+
+# id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
+TRIGGERS = {
+    "scheduler-block-replaces-explicit-flag": (
+        DS_YAML,
+        merged(DS_JSON, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}),
+        ["--lr_scheduler_type", "cosine"],
+        None,
+        [],
+        "ds-overrides-flags",
+        "error",
+    ),
+    "scheduler-block-replaces-default": (
+        DS_YAML,
+        merged(DS_JSON, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}),
+        [],
+        None,
+        [],
+        "ds-overrides-flags",
+        "warning",
+    ),
+    "concrete-betas-vs-default-flags": (
+        DS_YAML,
+        merged(DS_JSON, {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}}}),
+        ["--bf16"],
+        None,
+        [],
+        "ds-trainer-mismatch",
+        "error",
+    ),
+}
+
+@pytest.mark.parametrize("case", sorted(TRIGGERS))
+def test_each_check_reports_its_problem(case, tmp_path, monkeypatch, capsys):
+    assert_reports_its_problem(TRIGGERS[case], tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("case", sorted(TRIGGERS))
+def test_every_fix_names_the_file_and_key_that_hold_the_value(case, tmp_path, monkeypatch, capsys):
+    assert_every_fix_names_where_the_value_is(TRIGGERS[case], tmp_path, monkeypatch, capsys)
+
+
+
+@pytest.mark.parametrize(
+    ("block", "train", "expected"),
+    [
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, [], []),
+        ({"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}, [], [("ds-overrides-flags", "warning")]),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, ["--optim", "adafactor"],
+         [("ds-overrides-flags", "error")]),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}, [],
+         [("ds-overrides-flags", "warning")]),
+    ],
+)
+def test_optimizer_and_scheduler_blocks_name_the_flags_they_replace(block, train, expected, tmp_path, monkeypatch,
+                                                                   capsys):
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, block), [*train, "--bf16"])
+    found = [(f["code"], f["severity"]) for f in payload["findings"]]
+    assert found == expected
+    for finding in payload["findings"]:
+        assert "--optim" in finding["problem"] or "--lr_scheduler_type" in finding["problem"]
+
+
+def test_warmup_scheduler_says_its_warmup_is_logarithmic(tmp_path, monkeypatch, capsys):
+    block = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, block), ["--bf16"])
+    assert "logarithmic" in payload["findings"][0]["problem"]
+    block["scheduler"]["params"]["warmup_type"] = "linear"
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, block), ["--bf16"])
+    assert "logarithmic" not in payload["findings"][0]["problem"]
+
+
+# ---- every value transformers compares at launch (HfTrainerDeepSpeedConfig.fill_match), issue 15 --------------
+
+ADAMW = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+WARMUP_DECAY = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                    "warmup_num_steps": "auto", "total_num_steps": "auto",
+                                                    "warmup_type": "linear"}}
+
+
+def _optimizer(**params) -> dict:
+    return {"optimizer": merged(ADAMW, {"params": params})}
+
+
+def _scheduler(**params) -> dict:
+    return {"scheduler": merged(WARMUP_DECAY, {"params": params})}
+
+
+# DeepSpeed key -> (JSON change, flags that disagree, flags that agree, the code that reports it)
+COMPARED = {
+    "train_micro_batch_size_per_gpu": ({"train_micro_batch_size_per_gpu": 4}, ["--per_device_train_batch_size", "2"],
+                                       ["--per_device_train_batch_size", "4"], "micro-batch-mismatch"),
+    "gradient_accumulation_steps": ({"gradient_accumulation_steps": 4}, ["--gradient_accumulation_steps", "2"],
+                                    ["--gradient_accumulation_steps", "4"], "grad-accum-mismatch"),
+    "train_batch_size": ({"train_batch_size": 64}, ["--per_device_train_batch_size", "4"],
+                         ["--per_device_train_batch_size", "32"], "train-batch-mismatch"),
+    "gradient_clipping": ({"gradient_clipping": 0.5}, ["--max_grad_norm", "1.0"], ["--max_grad_norm", "0.5"],
+                          "ds-trainer-mismatch"),
+    "optimizer.params.lr": (_optimizer(lr=2e-5), ["--learning_rate", "5e-5"], ["--learning_rate", "2e-5"],
+                            "ds-trainer-mismatch"),
+    "optimizer.params.betas": (_optimizer(betas=[0.9, 0.95]), ["--adam_beta2", "0.999"], ["--adam_beta2", "0.95"],
+                               "ds-trainer-mismatch"),
+    "optimizer.params.eps": (_optimizer(eps=1e-6), ["--adam_epsilon", "1e-8"], ["--adam_epsilon", "1e-6"],
+                             "ds-trainer-mismatch"),
+    "optimizer.params.weight_decay": (_optimizer(weight_decay=0.1), ["--weight_decay", "0.0"],
+                                      ["--weight_decay", "0.1"], "ds-trainer-mismatch"),
+    "scheduler.params.warmup_max_lr": (_scheduler(warmup_max_lr=1e-4), ["--learning_rate", "5e-5"],
+                                       ["--learning_rate", "1e-4"], "ds-trainer-mismatch"),
+    "scheduler.params.total_num_steps": (_scheduler(total_num_steps=100), ["--max_steps", "10"],
+                                         ["--max_steps", "100"], "ds-trainer-mismatch"),
+    "scheduler.params.warmup_num_steps": (_scheduler(warmup_num_steps=5), ["--warmup_steps", "3"],
+                                          ["--warmup_steps", "5"], "ds-trainer-mismatch"),
+    "fp16.enabled": ({"fp16": {"enabled": True}, "bf16": None}, ["--bf16"], ["--fp16"], "precision-mismatch"),
+    "bf16.enabled": ({"bf16": {"enabled": True}}, ["--fp16"], ["--bf16"], "precision-mismatch"),
+}
+
+
+def test_check_compares_every_value_transformers_compares_at_launch():
+    """The cases below cover every `fill_match` of transformers' HfTrainerDeepSpeedConfig (the comparison that
+    raises "mismatch TrainingArguments" at launch); a comparison added in a later transformers fails here."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    source = inspect.getsource(HfTrainerDeepSpeedConfig)
+    compared = set(re.findall(r'fill_match\(\s*"([\w.]+)"', source))
+    assert compared == set(COMPARED)
+
+
+@pytest.mark.parametrize("key", sorted(COMPARED))
+def test_a_value_the_trainer_compares_is_a_finding_when_it_differs(key, tmp_path, monkeypatch, capsys):
+    change, disagree, agree, code = COMPARED[key]
+    ds = merged(DS_JSON, change)
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds, disagree)
+    found = [f for f in payload["findings"] if f["code"] == code]
+    assert found and {f["severity"] for f in found} == {"error"}, payload["findings"]
+    finding = found[0]
+    assert "ds.json" in finding["fix"] or "training args" in finding["fix"] or "--" in finding["fix"]
+    if code == "ds-trainer-mismatch":
+        (finding,) = found
+        flag = disagree[0]
+        assert finding["where"] == f"ds.json:{key}"
+        assert f"ds.json:{key}" in finding["values"] and any(flag in where for where in finding["values"])
+        assert "(default)" not in finding["problem"] and "train.py stop at start" in finding["problem"]
+        assert f"In ds.json, set `{key}`" in finding["fix"] and flag in finding["fix"]
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds, agree)
+    assert code not in codes(payload), payload["findings"]
+
+
+def test_a_resolved_learning_rate_against_the_flag_is_one_line_naming_both_values(tmp_path, monkeypatch, capsys):
+    """Issue 15: `check` said ok where the launch died with transformers' 105-line traceback
+    `ds optimizer.params.lr=2e-05 vs hf learning_rate=5e-05`."""
+    resolved = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+                "gradient_clipping": 1.0, "bf16": {"enabled": True}}
+    ds = merged(DS_JSON, {**resolved, **_optimizer(lr=2e-5, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0)})
+    code, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds, ["--learning_rate", "5e-5", "--bf16"])
+    assert code == 1
+    (finding,) = payload["findings"]
+    assert finding["values"] == {"ds.json:optimizer.params.lr": 2e-5, "training args:--learning_rate": 5e-5}
+    assert finding["problem"].startswith("optimizer.params.lr=2e-05 but --learning_rate=5e-05:")
+
+
+def test_a_default_flag_is_named_as_such_and_train_py_follows_the_json(tmp_path, monkeypatch, capsys):
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, _optimizer(lr=2e-5)), ["--bf16"])
+    (finding,) = [f for f in payload["findings"] if f["code"] == "ds-trainer-mismatch"]
+    assert "--learning_rate=5e-05 (default)" in finding["problem"] and "train.py takes the JSON's value" in finding[
+        "problem"]
+
+
+def test_warmup_ratio_is_compared_in_steps(tmp_path, monkeypatch, capsys):
+    ds = merged(DS_JSON, _scheduler(warmup_num_steps=5, total_num_steps=100))
+    flags = ["--warmup_ratio", "0.1", "--max_steps", "100"]
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds, flags)
+    (finding,) = [f for f in payload["findings"] if f["code"] == "ds-trainer-mismatch"]
+    assert finding["key"] == "scheduler.params.warmup_num_steps" and "=10 steps" in finding["problem"]
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds, ["--warmup_ratio", "0.05", *flags[2:]])
+    assert "ds-trainer-mismatch" not in codes(payload)

@@ -1,0 +1,147 @@
+"""hf_scale.rules: each rule of a run in one place, proven against the libraries and train.py's parser.
+In-process and fast."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_scale import rules
+
+
+@pytest.fixture(scope="module")
+def train_py_parser():
+    from hf_scale.train.main import build_parser
+
+    return build_parser()
+
+
+def test_flag_given_knows_every_spelling_of_train_py_parser_and_nothing_else(train_py_parser):
+    """Every option string of train.py's parser counts as its field given; an abbreviation or a prefix never does
+    (train.py's parser has allow_abbrev=False)."""
+    assert train_py_parser.allow_abbrev is False
+    for option, action in train_py_parser._option_string_actions.items():
+        if not option.startswith("--") or action.dest == "help":
+            continue
+        assert rules.flag_given([option], action.dest), (option, action.dest)
+        assert rules.flag_given([f"{option}=1"], action.dest), option
+        assert not rules.flag_given([option[:-1]], action.dest), option
+
+
+@pytest.mark.parametrize(
+    ("argv", "name", "given"),
+    [
+        (["--per_device_train_batch_size", "4"], "per_device_train_batch_size", True),
+        (["--per-device-train-batch-size=4"], "per_device_train_batch_size", True),
+        (["--per_device_train_batch_siz", "4"], "per_device_train_batch_size", False),
+        (["--bf16"], "fp16", False),
+        (["--no_dataloader_pin_memory"], "dataloader_pin_memory", True),
+        (["--run_name", "bf16"], "bf16", False),
+    ],
+)
+def test_flag_given(argv, name, given):
+    assert rules.flag_given(argv, name) is given
+
+
+# ---- batch and precision -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
+def test_the_config_fills_its_batch_with_the_rule(strategy):
+    from hf_scale.config import DistributedConfig
+
+    cfg = DistributedConfig.model_validate({"strategy": strategy, "topology": {"num_machines": 1,
+                                                                               "processes_per_machine": 8},
+                                            "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 3}})
+    assert cfg.batch.global_batch_size == rules.global_batch_size(2, 3, 8) == 48
+
+
+def test_the_global_batch_is_what_deepspeed_computes():
+    """DeepSpeed's own arithmetic (DeepSpeedConfig._configure_train_batch_size) derives the same number."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = object.__new__(DeepSpeedConfig)
+    config.train_batch_size, config.train_micro_batch_size_per_gpu = None, 3
+    config.gradient_accumulation_steps, config.world_size = 5, 7
+    config._configure_train_batch_size()
+    assert config.train_batch_size == rules.global_batch_size(3, 5, 7)
+
+
+@pytest.mark.parametrize(("bf16", "fp16", "precision"), [(True, False, "bf16"), (False, True, "fp16"),
+                                                         (False, False, "no")])
+def test_precision_from_flags(bf16, fp16, precision):
+    assert rules.precision_from_flags(bf16, fp16) == precision
+    assert precision in rules.PRECISIONS
+
+
+def test_both_precisions_are_refused_in_one_place(tmp_path):
+    from transformers import TrainingArguments
+
+    with pytest.raises(ValueError, match=rules.BOTH_PRECISIONS):
+        rules.precision_from_flags(True, True)
+    # TrainingArguments refuses the pair too (whichever check it reaches first on this machine).
+    with pytest.raises(ValueError):
+        TrainingArguments(output_dir=str(tmp_path), bf16=True, fp16=True, use_cpu=True, report_to=[])
+
+
+# ---- DeepSpeed keys ------------------------------------------------------------------------------------------
+
+
+def _auto_paths(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _auto_paths(value, f"{prefix}{key}.")
+    elif node == "auto":
+        yield prefix[:-1]
+
+
+def test_the_generated_json_writes_auto_only_where_the_trainer_fills_it():
+    """generators/deepspeed_json.py's "auto" mode and check's `auto-unresolvable` use the one table."""
+    from hf_scale.generators.deepspeed_json import deepspeed_config
+    from hf_scale.presets import PRESETS, get_preset
+
+    seen = set()
+    for name in PRESETS:
+        cfg = get_preset(name)
+        if cfg.strategy != "deepspeed":
+            continue
+        for stage, offload in ((cfg.deepspeed.zero_stage, cfg.deepspeed.offload_optimizer), (3, "cpu"), (2, "none")):
+            variant = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(
+                update={"zero_stage": stage, "offload_optimizer": offload})})
+            paths = set(_auto_paths(deepspeed_config(variant, "auto")))
+            assert all(rules.trainer_fills(path, stage) for path in paths), paths
+            assert not set(_auto_paths(deepspeed_config(variant, "resolved")))
+            seen |= paths
+    assert {"train_batch_size", "optimizer.params.lr"} <= seen
+
+
+def test_the_yaml_to_json_map_reads_back_what_it_writes():
+    section = {yaml_key: f"value of {yaml_key}" for yaml_key in rules.ACCELERATE_YAML_TO_DEEPSPEED}
+    config = rules.deepspeed_config_from_yaml(section)
+    for yaml_key, path in rules.ACCELERATE_YAML_TO_DEEPSPEED.items():
+        node = config
+        for part in path.split("."):
+            node = node[part]
+        assert node == section[yaml_key]
+        assert rules.yaml_key_of(path) == yaml_key
+    assert rules.deepspeed_config_from_yaml({}) == {"zero_optimization": {"stage": rules.ACCELERATE_DEFAULT_ZERO_STAGE}}
+    assert rules.yaml_key_of("optimizer.params.lr") is None
+
+
+def test_accelerate_builds_the_same_config_from_the_yaml_keys(monkeypatch):
+    """accelerate's DeepSpeedPlugin (no config file) sets each mapped JSON path from its YAML key, and defaults to
+    the stage the rule assumes."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    assert DeepSpeedPlugin().zero_stage == rules.ACCELERATE_DEFAULT_ZERO_STAGE
+    plugin = DeepSpeedPlugin(gradient_accumulation_steps=3, gradient_clipping=0.5, zero_stage=3,
+                             offload_optimizer_device="cpu", offload_param_device="cpu", zero3_save_16bit_model=True)
+    built = rules.deepspeed_config_from_yaml({"gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
+                                              "zero_stage": 3, "offload_optimizer_device": "cpu",
+                                              "offload_param_device": "cpu", "zero3_save_16bit_model": True})
+    for path in ("gradient_accumulation_steps", "gradient_clipping", "zero_optimization.stage",
+                 "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device",
+                 "zero_optimization.stage3_gather_16bit_weights_on_model_save"):
+        ours, theirs = built, plugin.deepspeed_config
+        for part in path.split("."):
+            ours, theirs = ours[part], theirs[part]
+        assert ours == theirs, path
