@@ -8,6 +8,7 @@ naming the dotted field, the value and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import ipaddress
 import math
@@ -482,7 +483,9 @@ def load_config(path: str | Path | None = None, *, overrides: Sequence[str] = ()
 
 
 def config_from_data(data: Any, overrides: Sequence[str] = ()) -> DistributedConfig:
-    """A raw config mapping (a YAML file's, a preset's) with dotted ``key=value`` overrides applied, validated."""
+    """A raw config mapping (a YAML file's, a preset's, the planner's) with dotted ``key=value`` overrides applied,
+    validated. `data` itself is left as it is."""
+    data = copy.deepcopy(data)
     for override in overrides:
         _apply_override(data, override)
     _check_keys(data)

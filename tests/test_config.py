@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hf_scale.config import DistributedConfig, config_warnings, load_config, validate_config
+from hf_scale.config import DistributedConfig, config_from_data, config_warnings, load_config, validate_config
 from hf_scale.errors import UserError
 from hf_scale.presets import load_preset
 
@@ -219,6 +219,19 @@ def test_load_config_reads_yaml_and_applies_dotted_overrides(tmp_path):
     assert cfg.optimizer.betas == (0.9, 0.95)
     assert cfg.optimizer.lr == 3e-4
     assert cfg.batch.gradient_accumulation_steps == 8
+
+
+def test_config_from_data_applies_overrides_on_top_and_leaves_the_data_as_it_is():
+    """What `generate --strategy auto` builds from the planner's data (no round trip through --set strings)."""
+    data = {"strategy": "deepspeed", "topology": {"processes_per_machine": 2}, "batch": {"micro_batch_size": 2},
+            "deepspeed": {"zero_stage": 2, "offload_optimizer": "none"}}
+    before = json.dumps(data, sort_keys=True)
+    cfg = config_from_data(data, ["deepspeed.offload_optimizer=cpu", "batch.gradient_accumulation_steps=4"])
+    assert (cfg.deepspeed.offload_optimizer, cfg.batch.global_batch_size) == ("cpu", 16)
+    assert json.dumps(data, sort_keys=True) == before
+    assert config_from_data(data) == load_config(overrides=[f"{k}={json.dumps(v)}" for k, v in [
+        ("strategy", "deepspeed"), ("topology", {"processes_per_machine": 2}), ("batch", {"micro_batch_size": 2}),
+        ("deepspeed", {"zero_stage": 2, "offload_optimizer": "none"})]])
 
 
 def test_overrides_re_derive_the_batch_of_a_preset():

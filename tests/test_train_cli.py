@@ -93,11 +93,15 @@ def test_hf_scale_config_supplies_deepspeed_under_torchrun(tmp_path):
         )
     )
     out = tmp_path / "out"
-    run_ok(
+    result = run_ok(
         launcher_command("torchrun")
         + ["--hf_scale_config", str(config), "--max_steps", "2", "--output_dir", str(out)],
         env=child_env(),
     )
+    # The run spec, built once after the config filled the flags, said once (main process).
+    said = [line for line in result.stderr.splitlines() if line.startswith("hf_scale: run: ")]
+    assert said == ["hf_scale: run: deepspeed ZeRO-2 on 2 process(es) (torchrun), trainer loop: global batch size 8, "
+                    "gradient accumulation steps 2, local batch size 2; precision no"]
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["strategy"] == "deepspeed" and summary["world_size"] == 2
     assert summary["saved_model_verified"] is True

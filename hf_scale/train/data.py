@@ -643,3 +643,13 @@ def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:
     """
     return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
 
+
+
+def micro_batch_per_rank(dataloader, num_processes: int) -> int | None:
+    """Rows one rank's micro-batches hold, as accelerate's prepared loader reports them (what the runtime guard
+    compares with --per_device_train_batch_size): its total over the ranks, split; None when unknown (a loader
+    accelerate did not prepare) or split_batches (the total is one rank's batch cut in pieces)."""
+    total = getattr(dataloader, "total_batch_size", None)
+    if total is None or getattr(dataloader, "split_batches", False):
+        return None
+    return total // num_processes

@@ -14,8 +14,9 @@ import contextlib
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -24,11 +25,12 @@ from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
 from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, fsdp, guard, live, reshard
-from hf_scale.train.data import count_target_tokens, make_train_dataloader
+from hf_scale.train.data import count_target_tokens, make_train_dataloader, micro_batch_per_rank
 from hf_scale.train.distributed import has_gpu
 from hf_scale.train.liger import apply_liger
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.packing import model_inputs
+from hf_scale.train.run_spec import RunSpec
 
 
 @dataclass
@@ -97,42 +99,82 @@ def _optimizer_and_scheduler(model, args: TrainingArguments, ds_config: dict | N
 def run(
     *,
     args: TrainingArguments,
+    spec: RunSpec,
     model,
     tokenizer,
     train_dataset,
     collator,
-    expected: guard.Expected,
     loaded_partitioned: bool | None,
     flops_per_token: float | None,
     report_config: dict,
     resume_dir: Path | None = None,
     stop: checkpoint.StopRequest | None = None,
-    fsdp_settings: dict | None = None,
     eval_dataset=None,
 ) -> LoopResult:
-    """Train with `args`; save `checkpoint-STEP` every --save_steps and at the end; resume from `resume_dir`.
+    """Train `spec` with `args`; save `checkpoint-STEP` every --save_steps and at the end; resume from `resume_dir`.
 
-    `fsdp_settings`: the `fsdp` section of a `--hf_scale_config` (FSDP not configured by accelerate launch).
     `eval_dataset`: evaluated by --eval_strategy/--eval_steps/--eval_on_start and at the end (--do_eval).
     """
     ds_plugin = getattr(args, "deepspeed_plugin", None)
+    # FSDP2 on CPU (from --hf_scale_config): torch's fully_shard, since accelerate cannot (see fsdp.py).
+    shard_ourselves = spec.fsdp_settings is not None and not has_gpu()
+    accelerator = _accelerator(args, spec, model, ds_plugin, shard_ourselves)
+    dataloader = make_train_dataloader(
+        train_dataset,
+        collator,
+        spec.micro_batch_size,
+        spec.seed,
+        num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory and has_gpu(),
+        prefetch_factor=args.dataloader_prefetch_factor,
+        persistent_workers=args.dataloader_persistent_workers,
+    )
+    length = _Length.of(len(dataloader), accelerator.num_processes, spec.gradient_accumulation_steps, args)
+    model, optimizer, dataloader, scheduler = _prepare(accelerator, args, spec, model, dataloader, length.total_steps,
+                                                       ds_plugin=ds_plugin, shard_ourselves=shard_ourselves)
+    guard.verify_runtime(
+        spec.expected,
+        guard.observe(accelerator, model, micro_batch_per_rank(dataloader, accelerator.num_processes),
+                      loaded_partitioned=loaded_partitioned),
+    )
+    if accelerator.log_with:
+        accelerator.init_trackers("hf_scale", config=report_config)
+
+    saver = _CheckpointSaver(args, accelerator, model, optimizer, tokenizer, spec.expected, shard_ourselves)
+    step, epoch, skip_batches = saver.load(resume_dir) if resume_dir is not None else (0, 0, 0)
+    metrics = StepMetrics(
+        args.output_dir,
+        is_main=accelerator.is_main_process,
+        total_steps=length.total_steps,
+        world_size=accelerator.num_processes,
+        flops_per_token=flops_per_token,
+        first_step=step,
+        track_compilations=args.torch_compile,
+    )
+    loop = _Loop(
+        args=args, spec=spec, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
+        dataloader=dataloader, collator=collator, saver=saver, metrics=metrics, length=length, stop=stop,
+        eval_dataset=eval_dataset, is_deepspeed=ds_plugin is not None, shard_ourselves=shard_ourselves,
+        step=step, epoch=epoch, skip_batches=skip_batches,
+    )
+    preempted = loop.train()
+    if accelerator.log_with:
+        accelerator.end_training()
+    return LoopResult(accelerator=accelerator, model=model, metrics=metrics, preempted=preempted)
+
+
+def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard_ourselves: bool) -> Accelerator:
     fsdp_plugin = None
-    shard_ourselves = False  # FSDP2 on CPU: torch's fully_shard, since accelerate cannot (see fsdp.py)
-    if fsdp_settings is not None:
-        if has_gpu():
-            fsdp_plugin = fsdp.accelerate_plugin(model, fsdp_settings)
-        else:
-            shard_ourselves = True
-    accelerator = Accelerator(
+    if spec.fsdp_settings is not None and not shard_ourselves:
+        fsdp_plugin = fsdp.accelerate_plugin(model, spec.fsdp_settings)
+    return Accelerator(
         deepspeed_plugin=ds_plugin,
         fsdp_plugin=fsdp_plugin,
-        mixed_precision=expected.precision,
+        mixed_precision=spec.precision,
         # This loop does the accumulation (like the Trainer), so accelerate must not divide the loss again.
-        gradient_accumulation_steps=args.gradient_accumulation_steps if ds_plugin else 1,
+        gradient_accumulation_steps=spec.gradient_accumulation_steps if ds_plugin else 1,
         # Every rank shuffles with the same seed (the Trainer's choice too: --data_seed, else --seed).
-        dataloader_config=DataLoaderConfiguration(
-            use_seedable_sampler=True, data_seed=args.data_seed if args.data_seed is not None else args.seed
-        ),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=spec.data_seed),
         # The schedule counts optimizer steps of the whole job (as in the Trainer); by default accelerate
         # would advance it once per process on every step.
         step_scheduler_with_optimizer=False,
@@ -140,20 +182,27 @@ def run(
         project_dir=args.output_dir,
         dynamo_plugin=_dynamo_plugin(args),
     )
-    dataloader = make_train_dataloader(
-        train_dataset,
-        collator,
-        args.per_device_train_batch_size,
-        args.seed,
-        num_workers=args.dataloader_num_workers,
-        pin_memory=args.dataloader_pin_memory and has_gpu(),
-        prefetch_factor=args.dataloader_prefetch_factor,
-        persistent_workers=args.dataloader_persistent_workers,
-    )
-    batches_per_epoch = math.ceil(len(dataloader) / accelerator.num_processes)
-    steps_per_epoch = max(1, math.ceil(batches_per_epoch / args.gradient_accumulation_steps))
-    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * math.ceil(args.num_train_epochs)
 
+
+@dataclass(frozen=True)
+class _Length:
+    """How long the run is, in the loader's micro-batches and in optimizer steps."""
+
+    batches_per_epoch: int
+    """Micro-batches per rank in one epoch."""
+    total_steps: int
+
+    @classmethod
+    def of(cls, loader_batches: int, num_processes: int, accumulation: int, args: TrainingArguments) -> _Length:
+        batches_per_epoch = math.ceil(loader_batches / num_processes)
+        steps_per_epoch = max(1, math.ceil(batches_per_epoch / accumulation))
+        total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * math.ceil(args.num_train_epochs)
+        return cls(batches_per_epoch=batches_per_epoch, total_steps=total_steps)
+
+
+def _prepare(accelerator, args, spec: RunSpec, model, dataloader, total_steps: int, *, ds_plugin,
+             shard_ourselves: bool):
+    """Optimizer and scheduler (the Trainer's choices), and everything handed to accelerate's prepare."""
     ds_config = None
     if ds_plugin is not None:
         hf_ds_config = ds_plugin.hf_ds_config
@@ -161,7 +210,7 @@ def run(
         ds_config = hf_ds_config.config
     apply_liger(model, args)  # as the Trainer does in train(): before the model is wrapped
     if shard_ourselves:
-        model = fsdp.shard_on_cpu(model, fsdp_settings)
+        model = fsdp.shard_on_cpu(model, spec.fsdp_settings)
     optimizer, scheduler = _optimizer_and_scheduler(model, args, ds_config, total_steps)
     if shard_ourselves:
         # accelerate would wrap the sharded model in DDP (MULTI_CPU) and save the sharded optimizer state
@@ -169,130 +218,156 @@ def run(
         dataloader, scheduler = accelerator.prepare(dataloader, scheduler)
     else:
         model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+    return model, optimizer, dataloader, scheduler
 
-    guard.verify_runtime(
-        expected,
-        guard.observe(
-            accelerator,
-            model,
-            dataloader.total_batch_size // accelerator.num_processes
-            if not getattr(dataloader, "split_batches", False)
-            else None,
-            loaded_partitioned=loaded_partitioned,
-        ),
-    )
-    if accelerator.log_with:
-        accelerator.init_trackers("hf_scale", config=report_config)
 
-    saver = _CheckpointSaver(args, accelerator, model, optimizer, tokenizer, expected, shard_ourselves)
-    step, epoch, skip_batches = 0, 0, 0
-    if resume_dir is not None:
-        step, epoch, skip_batches = saver.load(resume_dir)
-    first_step = step
-    is_deepspeed = ds_plugin is not None
-    metrics = StepMetrics(
-        args.output_dir,
-        is_main=accelerator.is_main_process,
-        total_steps=total_steps,
-        world_size=accelerator.num_processes,
-        flops_per_token=flops_per_token,
-        first_step=step,
-        track_compilations=args.torch_compile,
-    )
-    schedule = evaluation.EvalSchedule.from_args(args, total_steps) if eval_dataset is not None else None
+@dataclass
+class _Loop:
+    """The prepared pieces of one run and its place in the data: epochs of optimizer steps until the run's
+    length, evaluations and checkpoints between them."""
 
-    def evaluate_now(epoch_now: float) -> None:
-        result = evaluation.evaluate(
-            model, eval_dataset, collator, accelerator,
-            batch_size=args.per_device_eval_batch_size, num_workers=args.dataloader_num_workers,
-        )
-        record = metrics.log_eval(step=step, epoch=epoch_now, result=result)
-        if accelerator.log_with:
-            accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
+    args: TrainingArguments
+    spec: RunSpec
+    accelerator: Accelerator
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    dataloader: Any
+    collator: Any
+    saver: _CheckpointSaver
+    metrics: StepMetrics
+    length: _Length
+    stop: checkpoint.StopRequest | None
+    eval_dataset: Any
+    is_deepspeed: bool
+    shard_ourselves: bool
+    step: int = 0
+    epoch: int = 0
+    skip_batches: int = 0
+    """Micro-batches per rank already consumed in the resumed epoch."""
+    epoch_now: float = 0.0
+    """The fractional epoch of the last step (for the eval records)."""
+    schedule: evaluation.EvalSchedule | None = field(init=False, default=None)
+    first_step: int = field(init=False, default=0)
+    """The step the run started (or resumed) from."""
 
-    if schedule is not None and schedule.on_start:
-        evaluate_now(float(epoch))
-    model.train()
-    preempted = False
-    epoch_now = float(epoch)
-    while step < total_steps and not preempted:
-        dataloader.set_epoch(epoch)
-        batches = iter(accelerator.skip_first_batches(dataloader, skip_batches) if skip_batches else dataloader)
-        batches_in_epoch = skip_batches
-        skip_batches = 0
-        while step < total_steps:
+    def __post_init__(self):
+        self.first_step = self.step
+        if self.eval_dataset is not None:
+            self.schedule = evaluation.EvalSchedule.from_args(self.args, self.length.total_steps)
+
+    def train(self) -> bool:
+        """Epochs until the run's length; True when a signal stopped it (after its checkpoint)."""
+        if self.schedule is not None and self.schedule.on_start:
+            self.evaluate(float(self.epoch))
+        self.model.train()
+        preempted = False
+        self.epoch_now = float(self.epoch)
+        while self.step < self.length.total_steps and not preempted:
+            preempted = self._epoch()
+            if not preempted:
+                self.epoch += 1
+        if (self.schedule is not None and self.schedule.at_end and not preempted
+                and self.metrics.last_eval_step != self.step):
+            self.evaluate(self.epoch_now)
+        return preempted
+
+    def _epoch(self) -> bool:
+        """The rest of the current epoch (or of the run); True when a signal stopped it."""
+        self.dataloader.set_epoch(self.epoch)
+        skip, self.skip_batches = self.skip_batches, 0
+        batches = iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
+        batches_in_epoch = skip
+        while self.step < self.length.total_steps:
             waited = time.perf_counter()
-            window = _take(batches, args.gradient_accumulation_steps)
+            window = _take(batches, self.spec.gradient_accumulation_steps)
             data_wait_s = time.perf_counter() - waited  # the accelerator idles while the loader catches up
             if not window:
-                if schedule is not None and schedule.strategy == "epoch":
-                    evaluate_now(epoch_now)
-                break
-            local_targets = torch.tensor(sum(count_target_tokens(b) for b in window), device=accelerator.device)
-            global_targets = accelerator.reduce(local_targets, reduction="sum")
-            local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
-            lr = optimizer.param_groups[0]["lr"]  # the rate of this update (read before the scheduler moves)
-            loss_sum = torch.zeros((), device=accelerator.device)
-            for i, batch in enumerate(window):
-                last = i == len(window) - 1
-                # Same mechanism as transformers' Trainer: tell accelerate (and through it DeepSpeed's
-                # accumulation boundary) whether this micro-batch ends the window.
-                accelerator.gradient_state._set_sync_gradients(last)
-                if shard_ourselves:
-                    fsdp.set_gradient_sync(model, last)
-                no_sync_needed = not (last or is_deepspeed or shard_ourselves)
-                sync_context = accelerator.no_sync(model) if no_sync_needed else contextlib.nullcontext()
-                with sync_context:
-                    outputs = model(**model_inputs(batch), num_items_in_batch=global_targets)
-                    # The model's loss is sum(token losses) / global_targets; gradients are averaged over ranks.
-                    loss = outputs.loss * accelerator.num_processes
-                    backward_kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
-                    accelerator.backward(loss, **backward_kwargs)
-                loss_sum += loss.detach() / accelerator.num_processes
-            # DeepSpeed clips inside its step and reports the norm; otherwise clip here (inf = only measure).
-            grad_norm = accelerator.clip_grad_norm_(
-                model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf
-            )
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            step += 1
+                if self.schedule is not None and self.schedule.strategy == "epoch":
+                    self.evaluate(self.epoch_now)
+                return False
+            loss, tokens, lr, grad_norm = self._optimizer_step(window)
+            self.step += 1
             batches_in_epoch += len(window)
-            step_loss = accelerator.reduce(loss_sum, reduction="sum").item()
-            tokens = int(accelerator.reduce(local_tokens, reduction="sum").item())
-            record = metrics.log_step(
-                step=step,
-                loss=step_loss,
+            record = self.metrics.log_step(
+                step=self.step,
+                loss=loss,
                 lr=lr,
                 grad_norm=_as_float(grad_norm),
                 tokens=tokens,
-                epoch=epoch + batches_in_epoch / batches_per_epoch,
+                epoch=self.epoch + batches_in_epoch / self.length.batches_per_epoch,
                 data_wait_s=data_wait_s,
             )
-            epoch_now = record["epoch"]
-            if step == first_step + 1:  # the values the run really uses, once it has made a step
-                live.write(args.output_dir, live.read(accelerator, model, optimizer, live.window_of(window),
-                                                      max_grad_norm=args.max_grad_norm, loop="accelerate",
-                                                      step=step), accelerator)
-            if accelerator.log_with:
-                accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
-            divergence.check_step(step, step_loss, record["grad_norm"], loss_scaling=expected.precision == "fp16",
-                                  output_dir=args.output_dir)
+            self.epoch_now = record["epoch"]
+            if self.step == self.first_step + 1:  # the values the run really uses, once it has made a step
+                live.write(self.args.output_dir, live.read(self.accelerator, self.model, self.optimizer,
+                                                           live.window_of(window),
+                                                           max_grad_norm=self.args.max_grad_norm, loop="accelerate",
+                                                           step=self.step), self.accelerator)
+            self._log(record)
+            divergence.check_step(self.step, loss, record["grad_norm"], loss_scaling=self.spec.loss_scaling,
+                                  output_dir=self.args.output_dir)
             # Checkpoints only at optimizer-step boundaries: never with accumulation half done.
-            preempted = stop is not None and stop.agreed(accelerator)
-            if not preempted and schedule is not None and schedule.after_step(step):
-                evaluate_now(epoch_now)
-            if preempted or saver.due(step, total_steps):
-                saver.save(step, epoch, batches_in_epoch)
+            preempted = self.stop is not None and self.stop.agreed(self.accelerator)
+            if not preempted and self.schedule is not None and self.schedule.after_step(self.step):
+                self.evaluate(self.epoch_now)
+            if preempted or self.saver.due(self.step, self.length.total_steps):
+                self.saver.save(self.step, self.epoch, batches_in_epoch)
             if preempted:
-                break
-        if not preempted:
-            epoch += 1
-    if schedule is not None and schedule.at_end and not preempted and metrics.last_eval_step != step:
-        evaluate_now(epoch_now)
-    if accelerator.log_with:
-        accelerator.end_training()
-    return LoopResult(accelerator=accelerator, model=model, metrics=metrics, preempted=preempted)
+                return True
+        return False
+
+    def _optimizer_step(self, window: list) -> tuple[float, int, float, Any]:
+        """One optimizer step over an accumulation window: (its loss, its real tokens on all ranks, the learning
+        rate it used, the gradient norm)."""
+        accelerator = self.accelerator
+        local_targets = torch.tensor(sum(count_target_tokens(b) for b in window), device=accelerator.device)
+        global_targets = accelerator.reduce(local_targets, reduction="sum")
+        local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate of this update (read before the scheduler moves)
+        loss_sum = torch.zeros((), device=accelerator.device)
+        for i, batch in enumerate(window):
+            loss_sum += self._forward_backward(batch, global_targets, last=i == len(window) - 1)
+        # DeepSpeed clips inside its step and reports the norm; otherwise clip here (inf = only measure).
+        grad_norm = accelerator.clip_grad_norm_(
+            self.model.parameters(), self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        step_loss = accelerator.reduce(loss_sum, reduction="sum").item()
+        tokens = int(accelerator.reduce(local_tokens, reduction="sum").item())
+        return step_loss, tokens, lr, grad_norm
+
+    def _forward_backward(self, batch, global_targets, *, last: bool):
+        """One micro-batch; returns its share of the step's loss (detached)."""
+        accelerator, model = self.accelerator, self.model
+        # Same mechanism as transformers' Trainer: tell accelerate (and through it DeepSpeed's
+        # accumulation boundary) whether this micro-batch ends the window.
+        accelerator.gradient_state._set_sync_gradients(last)
+        if self.shard_ourselves:
+            fsdp.set_gradient_sync(model, last)
+        no_sync_needed = not (last or self.is_deepspeed or self.shard_ourselves)
+        sync_context = accelerator.no_sync(model) if no_sync_needed else contextlib.nullcontext()
+        with sync_context:
+            outputs = model(**model_inputs(batch), num_items_in_batch=global_targets)
+            # The model's loss is sum(token losses) / global_targets; gradients are averaged over ranks.
+            loss = outputs.loss * accelerator.num_processes
+            backward_kwargs = {"scale_wrt_gas": False} if self.is_deepspeed else {}
+            accelerator.backward(loss, **backward_kwargs)
+        return loss.detach() / accelerator.num_processes
+
+    def evaluate(self, epoch_now: float) -> None:
+        result = evaluation.evaluate(
+            self.model, self.eval_dataset, self.collator, self.accelerator,
+            batch_size=self.args.per_device_eval_batch_size, num_workers=self.args.dataloader_num_workers,
+        )
+        self._log(self.metrics.log_eval(step=self.step, epoch=epoch_now, result=result))
+
+    def _log(self, record: dict) -> None:
+        """To the trackers of --report_to (metrics.jsonl is StepMetrics')."""
+        if self.accelerator.log_with:
+            self.accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=self.step)
 
 
 class _CheckpointSaver:

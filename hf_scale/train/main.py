@@ -1,5 +1,11 @@
-"""train.py, top to bottom: parse → find out what the launcher wants → set up the process group →
-data → model → train (Trainer or manual loop) → save → prove the save → shut down."""
+"""train.py as four stages, read top to bottom in :func:`train`:
+
+- prepare: flags (recipe, command line) checked and reconciled with the launcher, TrainingArguments and the
+  run spec (hf_scale.train.run_spec) built once, the process group, the output directory locked;
+- build: tokenizer, data, collator, model;
+- fit: the HF Trainer or the manual Accelerator loop (hf_scale.train.loop);
+- finish: save, prove the save, summary, shut down, push.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,14 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from hf_scale import deepspeed_ops, hub, launch_values
+from hf_scale import deepspeed_ops, hub, launch_values, rules
 from hf_scale.errors import UserError, exit_with_user_error
 from hf_scale.train import (
     attention,
@@ -26,6 +35,7 @@ from hf_scale.train import (
     preemption,
     reconcile,
     reshard,
+    run_spec,
     sources,
 )
 from hf_scale.train.args import ModelArguments, ScaleArguments
@@ -49,6 +59,7 @@ from hf_scale.train.model import (
 )
 from hf_scale.train.packing import maybe_pack
 from hf_scale.train.recipe import add_config_flag, expand_recipe
+from hf_scale.train.run_spec import RunSpec
 from hf_scale.train.save import failure_message, save_with_accelerator, verify_saved_model
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
@@ -117,7 +128,7 @@ def _validate_flags(ns) -> None:
     _validate_numbers(ns)
     check_lora_flags(ns)
     if ns.bf16 and ns.fp16:
-        raise UserError("--bf16 and --fp16 are both set; choose one precision")
+        raise UserError(rules.BOTH_PRECISIONS)
     if ns.gradient_accumulation_steps < 1:
         raise UserError(f"--gradient_accumulation_steps={ns.gradient_accumulation_steps}: must be >= 1")
     if ns.per_device_train_batch_size < 1:
@@ -131,7 +142,6 @@ def _validate_flags(ns) -> None:
             raise UserError(
                 f"--warmup_ratio={ns.warmup_ratio} and --warmup_steps={ns.warmup_steps}: set only one"
             )
-        ns.warmup_steps = ns.warmup_ratio
     evaluation.check_flags(ns)
 
 
@@ -143,7 +153,6 @@ def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
     hub_target = hub.training_target(ns, ns.output_dir)
     if hub_target is not None:
         hub.check_target(hub_target, "--push_to_hub")
-        ns.push_to_hub = False  # hf_scale pushes once, after the save check, in both loops (not the Trainer)
     return chat_template, hub_target
 
 
@@ -161,31 +170,114 @@ def _deepspeed_overrides(deepspeed, ns, argv: list[str]) -> str | None:
     return deepspeed_overrides.startup_message(found, vars(ns), where) if found else None
 
 
-def _dataclass_from(namespace, cls):
+def _dataclass_from(namespace, cls, **own):
+    """`cls` from the flags it takes, with `own` values in place of the flags' (the namespace stays as it is)."""
     names = {f.name for f in dataclasses.fields(cls) if f.init}
-    return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+    return cls(**{**{k: v for k, v in vars(namespace).items() if k in names}, **own})
 
 
-def _datasets(args, data_args, source_args, tokenizer, state):
-    """Training set (one source or a mixture), validation set when evaluation is asked for, and the mixture's
-    manifest; built on the main process first (cached), then by the others from the cache."""
-    with state.main_process_first():
-        data = sources.prepare_datasets(
-            data_args, source_args, tokenizer,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-            eval_requested_by=evaluation.requested_by(args),
-        )
-    if state.is_main_process:
-        sources.announce(data.manifest)
-        if data.unused_validation:
-            print("hf_scale: note: validation data is loaded but never evaluated; add --eval_strategy steps|epoch "
-                  "or --do_eval", file=sys.stderr)
-    return data.train, data.validation, data.manifest
+# --- the stages of train(): prepare -> build -> fit -> finish ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher asks for, once the flags are reconciled with it (hf_scale.train.reconcile)."""
+
+    request: distributed.LaunchRequest
+    deepspeed_config: dict | None
+    """The DeepSpeed config that will run (None without DeepSpeed)."""
+    given: set[str]
+    """The launch_values flags the user typed (or --hf_scale_config fixed)."""
+    flags: argparse.Namespace
+    """The flags as reconciled; read only from here on (a late comparison with the DeepSpeed scheduler)."""
+    overrides_warning: str | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """What prepare() decided, before anything is loaded: every later stage reads it and changes none of it."""
+
+    spec: RunSpec
+    args: TrainingArguments
+    model_args: ModelArguments
+    data_args: DataArguments
+    source_args: sources.SourceArguments
+    launch: Launch
+    state: Any
+    """accelerate's PartialState: the live process group."""
+    stop: checkpoint.StopRequest
+    resume_dir: Path | None
+    chat_template: str | None
+    hub_target: hub.HubTarget | None
+    recipe_path: str | None
+
+
+@dataclass(frozen=True)
+class Built:
+    """What build() loaded: tokenizer, data and model, and what the guard and the metrics need about them."""
+
+    tokenizer: Any
+    train_dataset: Any
+    eval_dataset: Any
+    data_manifest: Any
+    collator: Any
+    model: Any
+    loaded_partitioned: bool | None
+    """ZeRO-3: whether from_pretrained built the model already partitioned (the guard checks it)."""
+    flops_per_token: float | None
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """What fit() leaves: the wrapped model, its metrics, and how to write the final model."""
+
+    accelerator: Any
+    model: Any
+    """The prepared (wrapped) model."""
+    metrics: Any
+    preempted: bool
+    save_model: Callable[[str], None]
 
 
 def train(argv: list[str] | None = None) -> int:
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecated, once per step and rank: noise, not news.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    run = prepare(argv)
+    built = build(run)
+    fitted = fit(run, built)
+    return finish(run, built, fitted)
+
+
+def prepare(argv: list[str] | None) -> Run:
+    """Flags (recipe, command line) checked and reconciled with the launcher, the run spec built once, a process
+    group that really delivers it, the output directory locked and the checkpoint to resume from found."""
+    ns, argv, recipe_path = _parse(argv)
+    _validate_flags(ns)
+    if ns.warmup_ratio is not None:  # transformers 4's flag; transformers 5 takes the fraction in --warmup_steps
+        ns.warmup_steps = ns.warmup_ratio
+    chat_template, hub_target = _checked_extras(ns)
+    launch = _reconcile_with_launcher(ns, argv)
+    state = distributed.init_process_state(launch.request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
+    if launch.overrides_warning and state.is_main_process:
+        print(f"hf_scale: warning: {launch.overrides_warning}", file=sys.stderr, flush=True)
+    # From here on SIGTERM/SIGUSR1 mean "checkpoint after the current optimizer step and exit 75".
+    stop = checkpoint.StopRequest()
+    stop.install()
+    args = _training_arguments(ns)
+    data_args = _dataclass_from(ns, DataArguments)
+    spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing)
+    if state.is_main_process:
+        print(f"hf_scale: run: {spec.describe()}", file=sys.stderr, flush=True)
+    resume_dir = _claim_output_dir(args, spec, state, hub_target)
+    return Run(
+        spec=spec, args=args, model_args=_dataclass_from(ns, ModelArguments), data_args=data_args,
+        source_args=_dataclass_from(ns, sources.SourceArguments), launch=launch, state=state, stop=stop,
+        resume_dir=resume_dir, chat_template=chat_template, hub_target=hub_target, recipe_path=recipe_path,
+    )
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], str | None]:
+    """The flags, the argv that says which were given (the recipe's values count) and the recipe's path."""
     parser = build_parser()
     # A recipe's values become flags before the command line's (which override them), so "given" covers both.
     argv, recipe_path = expand_recipe(parser, sys.argv[1:] if argv is None else list(argv))
@@ -196,12 +288,13 @@ def train(argv: list[str] | None = None) -> int:
         from hf_scale import quiet
 
         quiet.undo()
-    _validate_flags(ns)
-    chat_template, hub_target = _checked_extras(ns)
+    return ns, argv, recipe_path
 
-    # 1. What the launcher asks for, and a process group that really delivers it.
+
+def _reconcile_with_launcher(ns, argv: list[str]) -> Launch:
+    """What the launcher asks for; the flags it leaves open filled from its config (and --hf_scale_config), a
+    conflict one line now (transformers would raise its traceback after the model loads)."""
     request = distributed.detect_launch(ns.deepspeed)
-    argv = sys.argv[1:] if argv is None else argv
     if request.deepspeed_inline is not None:
         # accelerate launch with the DeepSpeed settings inline in the YAML: accelerate's plugin builds the
         # config a JSON would hold; the YAML's accumulation/clipping/precision fill (or must match) the flags.
@@ -216,34 +309,34 @@ def train(argv: list[str] | None = None) -> int:
         ns.deepspeed = request.deepspeed_config_file
     overrides_warning = _deepspeed_overrides(ns.deepspeed, ns, argv)
     # Precision, batch, clipping and optimizer values the launcher's config fixes: followed when no flag says
-    # otherwise, a conflict is one line now (transformers would raise its traceback after the model loads).
+    # otherwise.
     ds_config = distributed.deepspeed_config_dict(ns.deepspeed)
     given = reconcile.typed_flags(ns, argv)
     reconcile.follow_launcher_config(ns, given, request, ds_config,
                                      num_training_steps=ns.max_steps if ns.max_steps > 0 else None)
-    if ns.bf16 and not distributed.has_gpu():
-        ns.use_cpu = True  # TrainingArguments allows bf16 without a GPU only so (CPU bf16 autocast; DeepSpeed's bf16)
     if ds_config is not None:  # before DeepSpeed loads any compiled op (on CPU the process group does)
         problems = deepspeed_ops.check_config_ops(ds_config, request.deepspeed_config_file or "--hf_scale_config",
                                                   gpu=distributed.has_gpu())
         if problems:
             raise UserError("; ".join(problems))
-    state = distributed.init_process_state(request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
-    if overrides_warning and state.is_main_process:
-        print(f"hf_scale: warning: {overrides_warning}", file=sys.stderr, flush=True)
-    # From here on SIGTERM/SIGUSR1 mean "checkpoint after the current optimizer step and exit 75".
-    stop = checkpoint.StopRequest()
-    stop.install()
+    return Launch(request=request, deepspeed_config=ds_config, given=given, flags=ns,
+                  overrides_warning=overrides_warning)
 
-    model_args = _dataclass_from(ns, ModelArguments)
-    data_args = _dataclass_from(ns, DataArguments)
-    source_args = _dataclass_from(ns, sources.SourceArguments)
-    scale_args = _dataclass_from(ns, ScaleArguments)
-    ns.accelerator_config = {"use_configured_state": True}
+
+def _training_arguments(ns) -> TrainingArguments:
+    """TrainingArguments, built once from the reconciled flags and train.py's own choices below (it validates)."""
+    own = {
+        # The Trainer reuses the process group of distributed.init_process_state.
+        "accelerator_config": {"use_configured_state": True},
+        "push_to_hub": False,  # hf_scale pushes once, after the save check, in both loops (not the Trainer)
+    }
+    if ns.bf16 and not distributed.has_gpu():
+        # TrainingArguments allows bf16 without a GPU only so (CPU bf16 autocast; DeepSpeed's bf16).
+        own["use_cpu"] = True
     if ns.dataloader_num_workers is None:
         import torch
 
-        ns.dataloader_num_workers = default_dataloader_workers(
+        own["dataloader_num_workers"] = default_dataloader_workers(
             torch.cuda.is_available(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), os.cpu_count()
         )
     # Non-reentrant checkpointing (works with LoRA's frozen inputs and ZeRO-3 hooks); the flag was
@@ -254,16 +347,18 @@ def train(argv: list[str] | None = None) -> int:
         else "gradient_checkpointing_kwargs"
     )
     if getattr(ns, ckpt_kwargs) is None:
-        setattr(ns, ckpt_kwargs, {"use_reentrant": False})
+        own[ckpt_kwargs] = {"use_reentrant": False}
     try:
         # Creating TrainingArguments with --deepspeed registers the DeepSpeed config globally, so that
-        # from_pretrained below builds a ZeRO-3 model already partitioned.
-        args = _dataclass_from(ns, TrainingArguments)
+        # from_pretrained builds a ZeRO-3 model already partitioned.
+        return _dataclass_from(ns, TrainingArguments, **own)
     except (ValueError, TypeError) as error:
         raise UserError(f"training arguments: {' '.join(str(error).split())}") from None
 
-    # One run per output_dir, locked before anything in it is touched. hf_scale's own interrupted saves are
-    # removed (nothing else ever is); `auto` takes the newest checkpoint that verifies.
+
+def _claim_output_dir(args, spec: RunSpec, state, hub_target) -> Path | None:
+    """One run per output_dir, locked before anything in it is touched; the checkpoint to resume from. hf_scale's
+    own interrupted saves are removed (nothing else ever is); `auto` takes the newest checkpoint that verifies."""
     output_lock.acquire(args.output_dir, state)
     if state.is_main_process:
         for path in checkpoint.remove_interrupted(args.output_dir):
@@ -273,157 +368,203 @@ def train(argv: list[str] | None = None) -> int:
     state.wait_for_everyone()
     resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir, state)
     if resume_dir is not None:  # refuse what cannot resume (another loop, strategy, or world size for the Trainer)
-        reshard.check_resumable(resume_dir, loop=scale_args.loop, world_size=request.world_size,
-                                strategy=request.strategy, zero_stage=request.zero_stage)
-    if resume_dir is not None and state.is_main_process:
-        print(f"hf_scale: resuming from {resume_dir}", file=sys.stderr)
+        reshard.check_resumable(resume_dir, loop=spec.loop, world_size=spec.world_size,
+                                strategy=spec.strategy, zero_stage=spec.zero_stage)
+        if state.is_main_process:
+            print(f"hf_scale: resuming from {resume_dir}", file=sys.stderr)
+    return resume_dir
 
-    set_seed(args.seed)
-    model_path = resolve_model_path(model_args)
-    model_config = load_model_config(model_path, model_args.trust_remote_code)
-    seq_len_given = data_args.max_seq_length is not None
-    data_args.max_seq_length = check_max_seq_length(data_args.max_seq_length, model_config)
-    if not seq_len_given and state.is_main_process:
-        print(f"hf_scale: --max_seq_length {data_args.max_seq_length} (default: the smaller of "
-              f"{DEFAULT_MAX_SEQ_LENGTH} and the model's max_position_embeddings "
-              f"{getattr(model_config, 'max_position_embeddings', None)})", file=sys.stderr)
-    check_liger(args, zero_stage=request.zero_stage)
-    model_args.attn_implementation = attention.resolve(
-        model_args.attn_implementation,
-        packing=data_args.packing,
-        half_precision=args.bf16 or args.fp16 or model_args.torch_dtype in ("bfloat16", "float16"),
-        announce=state.is_main_process,
-    )
+
+def build(run: Run) -> Built:
+    """Tokenizer, data (tokenised, mixed, packed once on the main process and cached, then read by the others),
+    collator and model."""
+    set_seed(run.args.seed)
+    model_config, model_args, data_args = _model_and_data_choices(run)
     tokenizer = load_tokenizer(model_args)
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template  # before tokenization; saved with the tokenizer
-
-    # 2. Data: tokenised (mixed, packed) once on the main process (cached), then read by the others.
-    train_examples, eval_dataset, data_manifest = _datasets(args, data_args, source_args, tokenizer, state)
-    with state.main_process_first():
-        data_seed = args.data_seed if args.data_seed is not None else args.seed
-        train_dataset = maybe_pack(train_examples, data_args, seed=data_seed, announce=state.is_main_process)
-    if ds_config is not None and "scheduler" in ds_config and args.max_steps <= 0:
-        # A DeepSpeed scheduler's step counts are compared with the run's length, known now.
-        steps = launch_values.planned_optimizer_steps(
-            len(train_dataset), reconcile.training_values(ns, request.world_size), args.num_train_epochs)
-        reconcile.follow_launcher_config(ns, given, request, ds_config, num_training_steps=steps, late=True)
+    if run.chat_template is not None:
+        tokenizer.chat_template = run.chat_template  # before tokenization; saved with the tokenizer
+    train_examples, eval_dataset, data_manifest = _datasets(run, data_args, tokenizer)
+    with run.state.main_process_first():
+        train_dataset = maybe_pack(train_examples, data_args, seed=run.spec.data_seed,
+                                   announce=run.state.is_main_process)
+    _check_scheduler_length(run, len(train_dataset))
     collator = make_collator(
         tokenizer,
         packing=data_args.packing,
         # torch.compile, and flex_attention (a compiled kernel itself): one row shape, hence one compilation.
-        pad_to=data_args.max_seq_length if attention.compiles(model_args.attn_implementation, args) else None,
+        pad_to=data_args.max_seq_length if attention.compiles(model_args.attn_implementation, run.args) else None,
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
-
-    # 3. Model.
-    model = load_model(model_args, gradient_checkpointing=args.gradient_checkpointing)
-    loaded_partitioned = guard.zero3_weights_partitioned(model) if request.zero_stage == 3 else None
-    expected = guard.Expected(
-        strategy=request.strategy,
-        world_size=request.world_size,
-        micro_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        precision=guard.expected_precision(args.bf16, args.fp16),
-        zero_stage=request.zero_stage,
-        zero3_init=request.zero_stage == 3
-        and bool(getattr(args, "deepspeed_plugin", None))
-        and bool(args.deepspeed_plugin.zero3_init_flag),
+    model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing)
+    return Built(
+        tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset, data_manifest=data_manifest,
+        collator=collator, model=model,
+        loaded_partitioned=guard.zero3_weights_partitioned(model) if run.spec.zero_stage == 3 else None,
+        flops_per_token=flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_examples)),
     )
-    fpt = flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_examples))
 
-    # 4. Train.
-    if scale_args.loop == "accelerate":
-        from hf_scale.train import loop
 
-        with reconcile.deepspeed_mismatch_as_user_error():
-            result = loop.run(
-                args=args,
-                model=model,
-                tokenizer=tokenizer,
-                train_dataset=train_dataset,
-                collator=collator,
-                expected=expected,
-                loaded_partitioned=loaded_partitioned,
-                flops_per_token=fpt,
-                report_config={"argv": sys.argv[1:]},
-                resume_dir=resume_dir,
-                stop=stop,
-                fsdp_settings=request.fsdp_settings,
-                eval_dataset=eval_dataset,
-            )
-        accelerator, wrapped, metrics, preempted = result.accelerator, result.model, result.metrics, result.preempted
-        if not preempted:
-            with checkpoint.write_errors_reported("the final model", args.output_dir):
-                save_with_accelerator(accelerator, wrapped, tokenizer, args.output_dir)
-    else:
-        from hf_scale.train.trainer import CheckpointCallback, GuardAndMetricsCallback, HfScaleTrainer
+def _model_and_data_choices(run: Run):
+    """The model's config, and what it decides: the sequence length, the attention kernel (said in one line)."""
+    model_args, data_args = run.model_args, run.data_args
+    model_config = load_model_config(resolve_model_path(model_args), model_args.trust_remote_code)
+    data_args = dataclasses.replace(data_args,
+                                    max_seq_length=check_max_seq_length(data_args.max_seq_length, model_config))
+    if run.data_args.max_seq_length is None and run.state.is_main_process:
+        print(f"hf_scale: --max_seq_length {data_args.max_seq_length} (default: the smaller of "
+              f"{DEFAULT_MAX_SEQ_LENGTH} and the model's max_position_embeddings "
+              f"{getattr(model_config, 'max_position_embeddings', None)})", file=sys.stderr)
+    check_liger(run.args, zero_stage=run.spec.zero_stage)
+    model_args = dataclasses.replace(model_args, attn_implementation=attention.resolve(
+        model_args.attn_implementation,
+        packing=data_args.packing,
+        half_precision=run.spec.precision != "no" or model_args.torch_dtype in ("bfloat16", "float16"),
+        announce=run.state.is_main_process,
+    ))
+    return model_config, model_args, data_args
 
-        trainer = HfScaleTrainer(
-            model=model,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            data_collator=collator,
-            processing_class=tokenizer,
-            expected=expected,
+
+def _datasets(run: Run, data_args, tokenizer):
+    """Training set (one source or a mixture), validation set when evaluation is asked for, and the mixture's
+    manifest; built on the main process first (cached), then by the others from the cache."""
+    with run.state.main_process_first():
+        data = sources.prepare_datasets(
+            data_args, run.source_args, tokenizer,
+            seed=run.spec.data_seed,
+            eval_requested_by=evaluation.requested_by(run.args),
         )
-        callback = GuardAndMetricsCallback(trainer, expected, loaded_partitioned, fpt)
-        trainer.add_callback(callback)
-        checkpoints = CheckpointCallback(trainer, stop)
-        trainer.add_callback(checkpoints)
-        with reconcile.deepspeed_mismatch_as_user_error():
-            trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
-        preempted = checkpoints.preempted
-        if not preempted and args.do_eval and callback.metrics.last_eval_step != trainer.state.global_step:
-            trainer.evaluate()  # at the end (--do_eval, any --eval_strategy), as the manual loop does
-        if not preempted:
-            with checkpoint.write_errors_reported("the final model", args.output_dir):
-                trainer.save_model(args.output_dir)
-        accelerator, wrapped, metrics = trainer.accelerator, trainer.model_wrapped, callback.metrics
+    if run.state.is_main_process:
+        sources.announce(data.manifest)
+        if data.unused_validation:
+            print("hf_scale: note: validation data is loaded but never evaluated; add --eval_strategy steps|epoch "
+                  "or --do_eval", file=sys.stderr)
+    return data.train, data.validation, data.manifest
 
-    if preempted:
-        metrics.close()
-        preemption.mark_preempted()  # the launch script exits 75 on it (launchers turn 75 into 1)
-        if accelerator.is_main_process:
-            print(f"hf_scale: stopped by {stop.signal_name or 'a signal on another rank'}; checkpoint saved in "
-                  f"{args.output_dir}; run again with --resume_from_checkpoint auto", file=sys.stderr, flush=True)
-        distributed.shutdown()
-        return checkpoint.EXIT_PREEMPTED
 
-    # 5. Prove the save: tensor by tensor, exactly, against the trained (gathered) weights.
-    summary = metrics.summary()  # before the check, which resets the host peak-memory counter to measure itself
-    metrics.close()
-    trained = accelerator.unwrap_model(wrapped, keep_torch_compile=False)
+def _check_scheduler_length(run: Run, train_rows: int) -> None:
+    """A DeepSpeed scheduler's step counts are compared with the run's length, known now (epoch-based runs)."""
+    launch = run.launch
+    if launch.deepspeed_config is None or "scheduler" not in launch.deepspeed_config or run.args.max_steps > 0:
+        return
+    steps = launch_values.planned_optimizer_steps(
+        train_rows, reconcile.training_values(launch.flags, launch.request.world_size), run.args.num_train_epochs)
+    reconcile.follow_launcher_config(launch.flags, launch.given, launch.request, launch.deepspeed_config,
+                                     num_training_steps=steps, late=True)
+
+
+def fit(run: Run, built: Built) -> Fitted:
+    """Train with the HF Trainer or hf_scale's manual Accelerator loop (--loop)."""
+    if run.spec.loop == "accelerate":
+        return _fit_manual_loop(run, built)
+    return _fit_trainer(run, built)
+
+
+def _fit_manual_loop(run: Run, built: Built) -> Fitted:
+    from hf_scale.train import loop
+
+    with reconcile.deepspeed_mismatch_as_user_error():
+        result = loop.run(
+            args=run.args,
+            spec=run.spec,
+            model=built.model,
+            tokenizer=built.tokenizer,
+            train_dataset=built.train_dataset,
+            collator=built.collator,
+            loaded_partitioned=built.loaded_partitioned,
+            flops_per_token=built.flops_per_token,
+            report_config={"argv": sys.argv[1:]},
+            resume_dir=run.resume_dir,
+            stop=run.stop,
+            eval_dataset=built.eval_dataset,
+        )
+
+    def save_model(output_dir: str) -> None:
+        save_with_accelerator(result.accelerator, result.model, built.tokenizer, output_dir)
+
+    return Fitted(accelerator=result.accelerator, model=result.model, metrics=result.metrics,
+                  preempted=result.preempted, save_model=save_model)
+
+
+def _fit_trainer(run: Run, built: Built) -> Fitted:
+    from hf_scale.train.trainer import CheckpointCallback, GuardAndMetricsCallback, HfScaleTrainer
+
+    trainer = HfScaleTrainer(
+        model=built.model,
+        args=run.args,
+        train_dataset=built.train_dataset,
+        eval_dataset=built.eval_dataset,
+        data_collator=built.collator,
+        processing_class=built.tokenizer,
+        expected=run.spec.expected,
+    )
+    callback = GuardAndMetricsCallback(trainer, run.spec, built.loaded_partitioned, built.flops_per_token)
+    trainer.add_callback(callback)
+    checkpoints = CheckpointCallback(trainer, run.stop)
+    trainer.add_callback(checkpoints)
+    with reconcile.deepspeed_mismatch_as_user_error():
+        trainer.train(resume_from_checkpoint=str(run.resume_dir) if run.resume_dir else None)
+    if not checkpoints.preempted and run.args.do_eval and callback.metrics.last_eval_step != trainer.state.global_step:
+        trainer.evaluate()  # at the end (--do_eval, any --eval_strategy), as the manual loop does
+    return Fitted(accelerator=trainer.accelerator, model=trainer.model_wrapped, metrics=callback.metrics,
+                  preempted=checkpoints.preempted, save_model=trainer.save_model)
+
+
+def finish(run: Run, built: Built, fitted: Fitted) -> int:
+    """Save the final model, prove the save (tensor by tensor, exactly, against the trained weights), write the
+    summary, shut down, then push. A preempted run stops with its checkpoint instead."""
+    args, accelerator = run.args, fitted.accelerator
+    if fitted.preempted:
+        return _stop_preempted(run, fitted)
+    with checkpoint.write_errors_reported("the final model", args.output_dir):
+        fitted.save_model(args.output_dir)
+    summary = fitted.metrics.summary()  # before the check, which resets the host peak-memory counter to measure itself
+    fitted.metrics.close()
+    trained = accelerator.unwrap_model(fitted.model, keep_torch_compile=False)
     report = verify_saved_model(args.output_dir, trained, is_main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        summary["model_dir"] = os.path.abspath(args.output_dir)
-        summary["strategy"] = request.strategy
-        summary["world_size"] = request.world_size
-        summary["saved_model_verified"] = report["ok"]
-        summary["data"] = data_manifest
-        if recipe_path is not None:
-            summary["recipe"] = os.path.abspath(recipe_path)
-        with open(os.path.join(args.output_dir, "train_summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        print(
-            f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-            f"{summary['tokens_per_sec']:.0f} tokens/s, peak memory {summary['peak_memory_bytes'] / 2**20:.0f} MiB"
-            + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
-            + f"; model saved to {summary['model_dir']}"
-            + (f", verified ({report['tensors_checked']} tensors, {report['seconds']:.1f} s)" if report["ok"]
-               else ", but the check FAILED"),
-            flush=True,
-        )
-        if not report["ok"]:
-            print(f"hf_scale: ERROR: {failure_message(report, args.output_dir)}", file=sys.stderr, flush=True)
+        _write_summary(run, built, summary, report)
     distributed.shutdown()
     # After the group is gone: an upload of a large model outlasts any collective timeout.
-    if hub_target is not None and report is not None and report["ok"]:
-        hub.push_folder(Path(args.output_dir), hub_target, "--push_to_hub",
+    if run.hub_target is not None and report is not None and report["ok"]:
+        hub.push_folder(Path(args.output_dir), run.hub_target, "--push_to_hub",
                         message=f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}")
     return 0 if report is None or report["ok"] else 1
+
+
+def _stop_preempted(run: Run, fitted: Fitted) -> int:
+    fitted.metrics.close()
+    preemption.mark_preempted()  # the launch script exits 75 on it (launchers turn 75 into 1)
+    if fitted.accelerator.is_main_process:
+        print(f"hf_scale: stopped by {run.stop.signal_name or 'a signal on another rank'}; checkpoint saved in "
+              f"{run.args.output_dir}; run again with --resume_from_checkpoint auto", file=sys.stderr, flush=True)
+    distributed.shutdown()
+    return checkpoint.EXIT_PREEMPTED
+
+
+def _write_summary(run: Run, built: Built, summary: dict, report: dict) -> None:
+    """train_summary.json and the run's last line (main process)."""
+    output_dir = run.args.output_dir
+    summary["model_dir"] = os.path.abspath(output_dir)
+    summary["strategy"] = run.spec.strategy
+    summary["world_size"] = run.spec.world_size
+    summary["saved_model_verified"] = report["ok"]
+    summary["data"] = built.data_manifest
+    if run.recipe_path is not None:
+        summary["recipe"] = os.path.abspath(run.recipe_path)
+    with open(os.path.join(output_dir, "train_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(
+        f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"{summary['tokens_per_sec']:.0f} tokens/s, peak memory {summary['peak_memory_bytes'] / 2**20:.0f} MiB"
+        + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
+        + f"; model saved to {summary['model_dir']}"
+        + (f", verified ({report['tensors_checked']} tensors, {report['seconds']:.1f} s)" if report["ok"]
+           else ", but the check FAILED"),
+        flush=True,
+    )
+    if not report["ok"]:
+        print(f"hf_scale: ERROR: {failure_message(report, output_dir)}", file=sys.stderr, flush=True)
 
 
 def _close_progress_bars() -> None:

@@ -16,8 +16,10 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard, live
+from hf_scale.train.data import micro_batch_per_rank
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
+from hf_scale.train.run_spec import RunSpec
 
 
 class HfScaleTrainer(Trainer):
@@ -158,12 +160,12 @@ class GuardAndMetricsCallback(TrainerCallback):
     def __init__(
         self,
         trainer: HfScaleTrainer,
-        expected: guard.Expected,
+        spec: RunSpec,
         loaded_partitioned: bool | None,
         flops_per_token: float | None,
     ):
         self.trainer = trainer
-        self.expected = expected
+        self.spec = spec
         self.loaded_partitioned = loaded_partitioned
         self.flops_per_token = flops_per_token
         self.metrics: StepMetrics | None = None
@@ -172,11 +174,9 @@ class GuardAndMetricsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         trainer = self.trainer
-        micro = getattr(train_dataloader, "total_batch_size", None)
-        if micro is not None and not getattr(train_dataloader, "split_batches", False):
-            micro //= trainer.accelerator.num_processes
+        micro = micro_batch_per_rank(train_dataloader, trainer.accelerator.num_processes)
         guard.verify_runtime(
-            self.expected,
+            self.spec.expected,
             guard.observe(
                 trainer.accelerator, trainer.model_wrapped, micro, loaded_partitioned=self.loaded_partitioned
             ),
@@ -224,7 +224,7 @@ class GuardAndMetricsCallback(TrainerCallback):
         trainer.live_window = live.Window()
         # Before the Trainer's _maybe_log_save_evaluate: a diverged step is never saved.
         divergence.check_step(state.global_step, loss, record["grad_norm"],
-                              loss_scaling=self.expected.precision == "fp16", output_dir=args.output_dir)
+                              loss_scaling=self.spec.loss_scaling, output_dir=args.output_dir)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.metrics.log_eval(step=state.global_step, epoch=state.epoch or 0.0, result=self.trainer.last_eval)
