@@ -89,10 +89,10 @@ def register(subparsers) -> None:
         "HF_TOKEN or the one saved by `hf auth login`, the endpoint HF_ENDPOINT",
     )
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
-    parser.set_defaults(func=_handle)
+    parser.set_defaults(func=run_export)
 
 
-def _handle(args) -> int:
+def run_export(args) -> int:
     from hf_scale import hub
 
     target = None

@@ -19,7 +19,7 @@ from hf_scale.errors import UserError
 from hf_scale.files import check_output_file, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
 from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, make_plan, planned_config_data
-from hf_scale.planner.report import format_table, plan_dict, write_plot
+from hf_scale.planner.report import format_plan_table, plan_dict, write_plot
 
 _UNITS = {
     "B": 1,
@@ -199,7 +199,10 @@ def run_plan(args: argparse.Namespace) -> int:
         write_plot(plan, Path(args.plot))
     if config_text is not None:
         write_text_atomically(Path(args.write_config), config_text)
-    print(json.dumps(plan_dict(plan), indent=2) if args.json else format_table(plan), end="" if not args.json else "\n")
+    if args.json:
+        print(json.dumps(plan_dict(plan), indent=2))
+    else:
+        print(format_plan_table(plan), end="")
     written = sys.stderr if args.json else sys.stdout  # --json keeps stdout one JSON document
     if args.plot:
         print(f"wrote {args.plot} (memory per GPU of every candidate)", file=written)

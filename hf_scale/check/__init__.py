@@ -27,7 +27,15 @@ from hf_scale.check.knowledge import (
     ZERO_STAGES,
     known_section_keys,
 )
-from hf_scale.check.report import check_codes, check_doc, format_table, register, run, summarize, summary_line
+from hf_scale.check.report import (
+    check_codes,
+    check_doc,
+    format_findings_table,
+    register,
+    run_check,
+    summarize,
+    summary_line,
+)
 from hf_scale.check.topology import address_problem
 
 __all__ = [
@@ -49,12 +57,12 @@ __all__ = [
     "address_problem",
     "check_codes",
     "check_doc",
-    "format_table",
+    "format_findings_table",
     "is_comment_key",
     "known_section_keys",
     "load_inputs",
     "register",
-    "run",
+    "run_check",
     "run_checks",
     "summarize",
     "summary_line",

@@ -1,4 +1,4 @@
-"""The `hf-scale check` command: its parser (``register``), the handler (``run``) and the output (a table or
+"""The `hf-scale check` command: its parser (``register``), the handler (``run_check``) and the output (a table or
 ``--json``).
 """
 
@@ -48,7 +48,7 @@ def _wrap_at_separators(text: str, width: int) -> list[str]:
     return [piece[i : i + width] for piece in lines for i in range(0, len(piece), width)]
 
 
-def format_table(findings: list[Finding], width: int) -> str:
+def format_findings_table(findings: list[Finding], width: int) -> str:
     """Columns severity | code | where | problem | fix; long cells wrap inside their column."""
     headers = ("SEVERITY", "CODE", "WHERE (FILE:KEY)", "PROBLEM", "FIX")
     rows = [(f.severity, f.code, f.where, f.problem, f.fix) for f in findings]
@@ -154,10 +154,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="-- TRAINING-ARGS",
         help="train.py's arguments (TrainingArguments and train.py flags, or a recipe file), after `--`",
     )
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run_check)
 
 
-def run(args: argparse.Namespace) -> int:
+def run_check(args: argparse.Namespace) -> int:
     if not args.accelerate_config:
         raise UserError("check: --accelerate-config A.yaml is required")
     if args.gpus_per_machine is not None and args.gpus_per_machine < 0:
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2, default=str))
     else:
         if findings:
-            print(format_table(findings, shutil.get_terminal_size((150, 24)).columns))
+            print(format_findings_table(findings, shutil.get_terminal_size((150, 24)).columns))
             print()
         print(summary_line(summary))
     return summary["exit_code"]

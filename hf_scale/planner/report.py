@@ -30,7 +30,7 @@ def _workload_line(plan: Plan) -> str:
     )
 
 
-def format_table(plan: Plan) -> str:
+def format_plan_table(plan: Plan) -> str:
     """The human-readable plan: one row per candidate (fastest first), then the verdict."""
     header = ("candidate", "AC", *CATEGORIES, "GPU total", "CPU/machine", "speed", "fits")
     rows = [header]

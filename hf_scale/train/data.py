@@ -152,7 +152,7 @@ class ResolvedFormat:
     columns: tuple[str, ...]
 
 
-def _describe(column_names: list[str]) -> str:
+def _column_list(column_names: list[str]) -> str:
     return ", ".join(column_names) if column_names else "(none)"
 
 
@@ -202,7 +202,7 @@ def _load_named(args: DataArguments, name: str) -> datasets.DatasetDict:
     if args.train_split not in loaded:
         raise UserError(
             f"--train_split {args.train_split}: no such split in {name}; "
-            f"available: {_describe(list(loaded))}"
+            f"available: {_column_list(list(loaded))}"
         )
     splits = {"train": loaded[args.train_split]}
     if "validation" in loaded and args.train_split != "validation":
@@ -244,7 +244,7 @@ def load_raw_datasets(args: DataArguments) -> datasets.DatasetDict:
 
 def _require_column(flag: str, name: str, column_names: list[str]) -> None:
     if name not in column_names:
-        raise UserError(f"--{flag} {name}: no such column; available: {_describe(column_names)}")
+        raise UserError(f"--{flag} {name}: no such column; available: {_column_list(column_names)}")
 
 
 def _first_present(candidates: tuple[str, ...], column_names: list[str]) -> str | None:
@@ -284,7 +284,7 @@ def resolve_format(column_names: list[str], args: DataArguments) -> ResolvedForm
         response = args.response_column or _first_present(RESPONSE_COLUMNS, column_names)
         missing = "prompt_column" if prompt is None else "response_column" if response is None else None
         if missing:
-            raise UserError(f"--{missing} is needed too; available columns: {_describe(column_names)}")
+            raise UserError(f"--{missing} is needed too; available columns: {_column_list(column_names)}")
         return ResolvedFormat("prompt_response", (prompt, response))
 
     if MESSAGES_COLUMN in column_names:
@@ -296,7 +296,7 @@ def resolve_format(column_names: list[str], args: DataArguments) -> ResolvedForm
     if TEXT_COLUMN in column_names:
         return ResolvedFormat("text", (TEXT_COLUMN,))
     raise UserError(
-        f"cannot tell the dataset format from its columns ({_describe(column_names)}); pass --text_column, "
+        f"cannot tell the dataset format from its columns ({_column_list(column_names)}); pass --text_column, "
         "--prompt_column/--response_column or --messages_column"
     )
 

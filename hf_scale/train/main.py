@@ -53,7 +53,7 @@ from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_exam
 from hf_scale.train.model import (
     check_lora_flags,
     load_model,
-    load_model_config,
+    load_pretrained_config,
     load_tokenizer,
     resolve_model_path,
 )
@@ -407,7 +407,7 @@ def build(run: Run) -> Built:
 def _model_and_data_choices(run: Run):
     """The model's config, and what it decides: the sequence length, the attention kernel (said in one line)."""
     model_args, data_args = run.model_args, run.data_args
-    model_config = load_model_config(resolve_model_path(model_args), model_args.trust_remote_code)
+    model_config = load_pretrained_config(resolve_model_path(model_args), model_args.trust_remote_code)
     data_args = dataclasses.replace(data_args,
                                     max_seq_length=check_max_seq_length(data_args.max_seq_length, model_config))
     if run.data_args.max_seq_length is None and run.state.is_main_process:

@@ -27,7 +27,7 @@ def resolve_model_path(model_args: ModelArguments) -> str:
     return model_args.model_name_or_path or str(EMBEDDED_MODEL_DIR)
 
 
-def load_model_config(model_path: str, trust_remote_code: bool):
+def load_pretrained_config(model_path: str, trust_remote_code: bool):
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
@@ -88,7 +88,7 @@ def _weights_error(error: BaseException) -> str | None:
 
 
 def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
-    """The caller has already validated the path with load_model_config (one-line error, no traceback)
+    """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
     and resolved `--attn_implementation auto` (hf_scale.train.attention.resolve)."""
     path = resolve_model_path(model_args)
     try:

@@ -44,7 +44,7 @@ class OutputDirLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _describe(os.pread(fd, 4096, 0))
+                holder = _lock_holder(os.pread(fd, 4096, 0))
                 os.close(fd)
                 self.release()
                 raise UserError(f"--output_dir={self.output_dir}: another run is using it ({holder}); wait for it "
@@ -108,7 +108,7 @@ def _same_file(fd: int, path: Path) -> bool:
     return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
 
 
-def _describe(raw: bytes) -> str:
+def _lock_holder(raw: bytes) -> str:
     try:
         holder = json.loads(raw.decode())
         return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
