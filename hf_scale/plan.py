@@ -82,7 +82,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-memory", metavar="SIZE", help="CPU RAM per machine, checked for offload (default: not checked)"
     )
     group.add_argument("--seq-len", type=int, default=4096, metavar="TOKENS", help="sequence length (default 4096)")
-    group.add_argument("--micro-batch", type=int, default=1, metavar="N", help="sequences per GPU per step (default 1)")
+    group.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int, default=1, metavar="N",
+                       help="sequences per GPU per forward pass: the config's batch.micro_batch_size, train.py's "
+                       "--per_device_train_batch_size (default 1)")
     group.add_argument("--precision", choices=("no", "fp16", "bf16"), default="bf16", help="default bf16")
     group.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw", help="default adamw")
     group.add_argument("--lora-r", type=int, metavar="R", help="LoRA rank (frozen base); default: full fine-tune")
@@ -119,7 +121,7 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
         ("--gpus-per-machine", args.gpus_per_machine, MAX_PROCESSES_PER_MACHINE),
         ("--machines", args.machines, MAX_MACHINES),
         ("--seq-len", args.seq_len, MAX_SEQ_LEN),
-        ("--micro-batch", args.micro_batch, MAX_BATCH),
+        ("--micro-batch-size", args.micro_batch, MAX_BATCH),
     ):
         if not 0 < value <= bound:
             raise UserError(f"{flag} {value} is invalid: allowed an integer from 1 to {bound}")
