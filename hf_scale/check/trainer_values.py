@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from hf_scale import launch_values
@@ -45,6 +47,28 @@ def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
         )
 
 
+def check_hf_scale_config_flags(inp: CheckInputs) -> Iterator[Finding]:
+    """`hf-scale-config-mismatch`: a training flag contradicts the DistributedConfig of `--hf_scale_config`
+    (e.g. its batch.micro_batch_size=2 and `--per_device_train_batch_size 4`); train.py stops on it with this
+    message. The config's values fill the flags left unset (hf_scale.train.reconcile.fill_flags_from_config)."""
+    file = inp.hf_scale_config_file or ""
+    where = f"--hf_scale_config={file}: "
+    for contradiction in inp.hf_scale_config_contradictions:
+        text = contradiction.removeprefix(where)
+        key = text.split(" ", 1)[0].split("=", 1)[0]
+        flags = " ".join(dict.fromkeys(re.findall(r"--\w+", text.split(" but ", 1)[-1]))) or "--bf16/--fp16"
+        yield Finding(
+            ERROR,
+            "hf-scale-config-mismatch",
+            file,
+            key,
+            f"{text}: train.py stops at start on this.",
+            f"Drop {flags} from the training args (train.py takes `{key}` from {Path(file).name}), "
+            f"or change `{key}` in {Path(file).name}.",
+            {f"{file}:{key}": text},
+        )
+
+
 # Trainer comparisons already reported by their own checks (batch sizes, accumulation, precision).
 _COMPARED_ELSEWHERE = (
     "train_micro_batch_size_per_gpu",
@@ -59,9 +83,9 @@ def check_trainer_compared_values(inp: CheckInputs) -> Iterator[Finding]:
     """`ds-trainer-mismatch`: a concrete value of the JSON that the HF Trainer compares with a training flag at
     launch differs from it (`gradient_clipping` vs `--max_grad_norm`, the optimizer's lr/betas/eps/weight_decay,
     the scheduler's `warmup_max_lr` vs `--learning_rate`, `warmup_num_steps` vs `--warmup_steps`/`--warmup_ratio`,
-    `total_num_steps` vs `--max_steps`), defaults included: a plain HF Trainer script stops at start on it, train.py
-    too when the flag is typed (it takes the JSON's value for a flag left at its default). The comparisons are
-    hf_scale.launch_values.reconcile, the rule train.py applies (tested against transformers' own)."""
+    `total_num_steps` vs `--max_steps`): an error when the flag is typed (the HF Trainer and train.py stop), a warning
+    when it is left at its default (train.py takes the JSON's value, a plain HF Trainer script stops). The
+    comparisons are hf_scale.launch_values.reconcile, the rule train.py applies (tested against transformers' own)."""
     if inp.deepspeed is None or inp.runner != "trainer" or inp.training is None:
         return
     if inp.training["bf16"] and inp.training["fp16"]:
@@ -115,7 +139,7 @@ def _mismatch_finding(inp: CheckInputs, file: str, difference: launch_values.Dif
         else "a plain HF Trainer script stops at start on this mismatch (train.py takes the JSON's value)"
     )
     return Finding(
-        ERROR,
+        ERROR if typed else WARNING,
         "ds-trainer-mismatch",
         file,
         key,
