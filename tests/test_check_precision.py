@@ -102,4 +102,5 @@ def test_the_warning_names_the_file_key_both_values_and_the_fix(tmp_path, monkey
     assert finding["severity"] == "warning" and finding["where"] == "ds.json:fp16.enabled"
     assert finding["values"] == {"ds.json:fp16.enabled": True, "training args:--bf16/--fp16 (not given)": "no"}
     assert "train.py follows the file (fp16)" in finding["problem"]
-    assert finding["fix"].startswith('Pass --fp16 in the training args or set `fp16.enabled` to "auto" in ds.json')
+    assert finding["fix"] == ('Pass --fp16 in the training args (then both agree for any script), or set '
+                              '`fp16.enabled` to "auto" in ds.json.')

@@ -97,7 +97,9 @@ def _followed_precision(
     fixing = explicit.get(chosen) or next((s for s in files if s.key == "mixed_precision"), None)
     if fixing is None:  # an inline YAML without a precision of its own: accelerate's plugin default
         fixing = Source(view.file, view.where(f"{chosen}.enabled")[1], True)
-    auto = f' or set `{fixing.key}` to "auto" in {Path(fixing.file).name}' if fixing.key.endswith(".enabled") else ""
+    name = Path(fixing.file).name
+    other = f'set `{fixing.key}` to "auto" in {name}' if fixing.key.endswith(".enabled") else (
+        f"change `{fixing.key}` in {name}")
     yield Finding(
         WARNING,
         "precision-mismatch",
@@ -105,7 +107,7 @@ def _followed_precision(
         fixing.key,
         f"{fixing.label}={fixing.value!r} but {training.label}={training.value!r}: train.py follows the file "
         f"({chosen}); a plain HF Trainer script stops at start on this mismatch.",
-        f"Pass --{chosen} in the training args{auto} (then both agree for any script).",
+        f"Pass --{chosen} in the training args (then both agree for any script), or {other}.",
         {fixing.where: fixing.value, training.where: training.value},
     )
 
