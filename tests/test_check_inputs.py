@@ -201,3 +201,36 @@ def test_a_missing_or_invalid_hf_scale_config_is_one_line_exit_2(written, tmp_pa
     code, out, err = run_cli(["check", "--accelerate-config", "acc.yaml", "--", "--hf_scale_config", written], capsys)
     assert (code, out) == (2, "")
     assert err.count("\n") == 1 and f"training args: --hf_scale_config {written}: " in err
+
+
+# (accelerate YAML preset, --hf_scale_config preset) -> what train.py's apply_hf_scale_config sees under
+# `accelerate launch` of that YAML (LaunchRequest: strategy, world size, ZeRO stage, JSON).
+LAUNCH_CONTRADICTIONS = {
+    ("zero2", "zero3"): ("deepspeed", 8, 2, "ds_configs/zero2.json", "deepspeed.zero_stage"),
+    ("zero3", "ddp"): ("deepspeed", 8, 3, "ds_configs/zero3.json", "strategy"),
+    ("ddp", "ddp_multinode"): ("ddp", 8, None, None, "world_size"),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(LAUNCH_CONTRADICTIONS), ids="-with-".join)
+def test_a_launch_the_hf_scale_config_refuses_is_an_error_with_train_py_message(pair, monkeypatch, capsys):
+    """World size, engine and ZeRO stage of the accelerate YAML against --hf_scale_config: train.py stops, so does
+    check, with the sentence train.py says."""
+    from hf_scale.errors import UserError
+    from hf_scale.train.distributed import LaunchRequest
+    from hf_scale.train.main import build_parser
+    from hf_scale.train.reconcile import apply_hf_scale_config
+
+    yaml_name, config_name = pair
+    strategy, world, stage, json_file, key = LAUNCH_CONTRADICTIONS[pair]
+    flags = ["--hf_scale_config", f"hf_scale_configs/{config_name}.yaml"]
+    code, payload = _check_repo(monkeypatch, capsys, yaml_name, flags)
+    assert code == 1
+    (finding,) = [f for f in payload["findings"] if f["severity"] == "error"]
+    assert (finding["code"], finding["where"]) == ("hf-scale-config-mismatch", f"{flags[1]}:{key}")
+    request = LaunchRequest("accelerate", world, strategy, json_file, stage, None)
+    with pytest.raises(UserError) as said:
+        apply_hf_scale_config(flags[1], request, build_parser().parse_args(flags), flags)
+    assert finding["problem"] == f"{str(said.value).removeprefix(f'--hf_scale_config={flags[1]}: ')}: train.py " \
+                                 "stops at start on this."
+    assert f"{config_name}.yaml" in finding["fix"] and f"`{key}`" in finding["fix"]

@@ -81,7 +81,7 @@ CLEAN_CASES = {
     "ddp-bf16": (DDP_YAML, None, ["--bf16", "--per_device_train_batch_size", "8"], None),
     "ddp-multinode": (MULTINODE_YAML, None, [], None),
     "train-py-flags-tolerated": (
-        DS_YAML,
+        merged(DS_YAML, {"num_processes": 8}),  # the world size of hf_scale_configs/zero2.yaml
         DS_JSON,
         ["--loop", "accelerate", "--hf_scale_config", str(REPO / "hf_scale_configs" / "zero2.yaml"),
          "--model_name_or_path", "m", "--bf16"],

@@ -52,6 +52,8 @@ class CheckInputs:
     ``--hf_scale_config`` filled (as ``--flag=value``: they count as typed, as in train.py)."""
     hf_scale_config_file: str | None = None
     """``--hf_scale_config FILE`` of the training args, as written."""
+    hf_scale_config: Any = None
+    """That file's DistributedConfig, when given."""
     hf_scale_config_contradictions: tuple[str, ...] = ()
     """Where the flags contradict that DistributedConfig: train.py's own one-line messages (it stops on them)."""
     gpus_per_machine: int | None = None
@@ -149,6 +151,7 @@ class _TrainingArgs:
     argv: tuple[str, ...]
     hf_scale_config: str | None = None
     contradictions: tuple[str, ...] = ()
+    config: Any = None
 
 
 def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
@@ -189,7 +192,7 @@ def _apply_hf_scale_config(namespace: Any, argv: list[str], cwd: Path) -> _Train
         raise UserError(f"training args: --hf_scale_config {written}: {error}") from None
     contradictions = fill_flags_from_config(config, namespace, argv, f"--hf_scale_config={written}")
     filled = [f"--{name}={getattr(namespace, name)}" for name in FIXED_BY_HF_SCALE_CONFIG if not flag_given(argv, name)]
-    return _TrainingArgs(vars(namespace), (*argv, *filled), written, tuple(contradictions))
+    return _TrainingArgs(vars(namespace), (*argv, *filled), written, tuple(contradictions), config)
 
 
 @contextlib.contextmanager
@@ -360,6 +363,7 @@ def load_inputs(
         training_argv=parsed.argv if parsed else (),
         hf_scale_config_file=parsed.hf_scale_config if parsed else None,
         hf_scale_config_contradictions=parsed.contradictions if parsed else (),
+        hf_scale_config=parsed.config if parsed else None,
         gpus_per_machine=gpus_per_machine,
         launch_env=launch_env,
         launch_error=launch_error,

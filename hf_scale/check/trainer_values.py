@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from hf_scale import launch_values
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, in_file
-from hf_scale.check.inputs import CheckInputs, world_size_of
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, get_path, in_file, is_int
+from hf_scale.check.inputs import CheckInputs, deepspeed_view, world_size_of
 from hf_scale.rules import flag_given
 
 
@@ -49,24 +49,55 @@ def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
 
 def check_hf_scale_config_flags(inp: CheckInputs) -> Iterator[Finding]:
     """`hf-scale-config-mismatch`: a training flag contradicts the DistributedConfig of `--hf_scale_config`
-    (e.g. its batch.micro_batch_size=2 and `--per_device_train_batch_size 4`); train.py stops on it with this
-    message. The config's values fill the flags left unset (hf_scale.train.reconcile.fill_flags_from_config)."""
+    (e.g. its batch.micro_batch_size=2 and `--per_device_train_batch_size 4`), or the accelerate YAML launches
+    another world size, engine or ZeRO stage; train.py stops on it with this message. The config's values fill the
+    flags left unset (hf_scale.train.reconcile.fill_flags_from_config)."""
     file = inp.hf_scale_config_file or ""
     where = f"--hf_scale_config={file}: "
-    for contradiction in inp.hf_scale_config_contradictions:
+    name = Path(file).name
+    for contradiction in (*_launch_contradictions(inp, where), *inp.hf_scale_config_contradictions):
         text = contradiction.removeprefix(where)
         key = text.split(" ", 1)[0].split("=", 1)[0]
         flags = " ".join(dict.fromkeys(re.findall(r"--\w+", text.split(" but ", 1)[-1]))) or "--bf16/--fp16"
+        fix = (
+            f"Drop {flags} from the training args (train.py takes `{key}` from {name}), or change `{key}` in {name}."
+            if key not in _LAUNCH_KEYS
+            else f"Launch with the accelerate YAML generated from {name} (`hf-scale generate {file}`), or change "
+            f"`{key}` in {name} to what {Path(inp.accelerate_file).name} launches."
+        )
         yield Finding(
             ERROR,
             "hf-scale-config-mismatch",
             file,
             key,
             f"{text}: train.py stops at start on this.",
-            f"Drop {flags} from the training args (train.py takes `{key}` from {Path(file).name}), "
-            f"or change `{key}` in {Path(file).name}.",
+            fix,
             {f"{file}:{key}": text},
         )
+
+
+_LAUNCH_KEYS = ("world_size", "strategy", "deepspeed.zero_stage")
+
+
+def _launch_contradictions(inp: CheckInputs, where: str) -> Iterator[str]:
+    """What train.py's apply_hf_scale_config refuses about the accelerate launch of this YAML, in its words: the
+    world size, an engine the YAML chooses, the ZeRO stage of the DeepSpeed settings."""
+    cfg = inp.hf_scale_config
+    if cfg is None:
+        return
+    world = world_size_of(inp)
+    if world is not None and cfg.world_size != world:
+        yield (f"{where}world_size={cfg.world_size} ({cfg.topology.num_machines} machines x "
+               f"{cfg.topology.processes_per_machine} processes_per_machine) but the accelerate launcher started "
+               f"WORLD_SIZE={world}")
+    engine = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(inp.accelerate.get("distributed_type"))
+    if engine is not None and engine != cfg.strategy:
+        yield f"{where}strategy={cfg.strategy} but the accelerate launch configures {engine}"
+    view = deepspeed_view(inp) if engine == "deepspeed" == cfg.strategy else None
+    stage = get_path(view.config, "zero_optimization.stage", None) if view is not None else None
+    if is_int(stage) and stage != cfg.deepspeed.zero_stage:
+        source = view.file if not view.from_yaml else "the accelerate config's deepspeed_config"
+        yield f"{where}deepspeed.zero_stage={cfg.deepspeed.zero_stage} but {source} has zero_optimization.stage={stage}"
 
 
 # Trainer comparisons already reported by their own checks (batch sizes, accumulation, precision).
