@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import yaml
-from check_cases import DDP_YAML, DS_JSON, DS_YAML, check_json, merged, run_cli
+from check_cases import DDP_YAML, DS_JSON, DS_YAML, REPO, check_json, merged, run_cli
 
 BAD_INPUTS = {
     "missing-yaml": (["--accelerate-config", "nope.yaml"], "--accelerate-config nope.yaml: not found"),
@@ -111,6 +113,7 @@ def test_check_accepts_exactly_the_training_args_train_py_accepts(argv, tmp_path
         train_py_accepts = False
     monkeypatch.chdir(tmp_path)
     (tmp_path / "acc.yaml").write_text(yaml.safe_dump(DDP_YAML))
+    shutil.copy(REPO / "hf_scale_configs" / "ddp.yaml", tmp_path / "x.yaml")  # for --hf_scale_config x.yaml
     code, _, err = run_cli(["check", "--accelerate-config", "acc.yaml", "--", *argv], capsys)
     assert (code != 2) == train_py_accepts, err
     assert code != 2 or (err.count("\n") == 1 and "training args: " in err)
@@ -130,3 +133,104 @@ def test_a_flag_is_given_in_every_spelling_train_py_takes_and_from_a_recipe(spel
     assert finding["values"] == {"ds.json:gradient_accumulation_steps": 2,
                                  "training args:--gradient_accumulation_steps": 4}
     assert "HF_SCALE_CHECK_TEST_ENV" not in os.environ
+
+
+# ---- --hf_scale_config fills the flags as train.py does (issue 15) ----------------------------------------------
+
+PRESETS = sorted(path.stem for path in (REPO / "hf_scale_configs").glob("*.yaml"))
+# A multinode preset ships a placeholder address: its launch scripts take MAIN_PROCESS_IP (a warning by design).
+_PLACEHOLDER_IP = {"ddp_multinode", "fsdp2_hybrid_multinode"}
+
+
+def _check_repo(monkeypatch, capsys, name: str, train: list[str]) -> tuple[int, dict]:
+    """`hf-scale check` on the checked-in files of preset `name`, from the repo root, as its launch scripts run."""
+    monkeypatch.chdir(REPO)
+    argv = ["check", "--accelerate-config", f"accelerate_configs/{name}.yaml", "--json"]
+    code, out, err = run_cli([*argv, "--", *train] if train else argv, capsys)
+    assert code in (0, 1), err
+    return code, json.loads(out)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_is_clean_as_its_launch_scripts_launch_it(name, monkeypatch, capsys):
+    """The generated scripts pass exactly `--hf_scale_config hf_scale_configs/NAME.yaml`: check applies it as
+    train.py does (batch, precision, clipping, optimizer values filled before anything compares them)."""
+    assert len(PRESETS) >= 10
+    code, payload = _check_repo(monkeypatch, capsys, name, ["--hf_scale_config", f"hf_scale_configs/{name}.yaml"])
+    expected = ["main-ip-placeholder"] if name in _PLACEHOLDER_IP else []
+    assert (code, [f["code"] for f in payload["findings"]]) == (0, expected), payload["findings"]
+
+
+def test_a_precision_flag_left_out_follows_the_deepspeed_json_as_in_train_py(monkeypatch, capsys):
+    """zero3's JSON says bf16.enabled=true: train.py follows it when --bf16 is left out (not an error); a plain
+    HF Trainer script would stop, which the warning says, with the fix."""
+    code, payload = _check_repo(monkeypatch, capsys, "zero3", [])
+    assert (code, payload["findings"]) == (0, [])
+    code, payload = _check_repo(monkeypatch, capsys, "zero3", ["--max_steps", "3"])
+    assert code == 0 and payload["summary"]["errors"] == 0
+    (finding,) = payload["findings"]
+    assert (finding["severity"], finding["code"], finding["where"]) == (
+        "warning", "precision-mismatch", "ds_configs/zero3.json:bf16.enabled")
+    assert "train.py follows the file (bf16)" in finding["problem"] and "plain HF Trainer" in finding["problem"]
+    assert "--bf16" in finding["fix"] and '"auto"' in finding["fix"] and "zero3.json" in finding["fix"]
+
+
+def test_a_flag_contradicting_the_hf_scale_config_is_an_error_with_train_py_message(monkeypatch, capsys):
+    from hf_scale.config import load_config
+    from hf_scale.train.main import build_parser
+    from hf_scale.train.reconcile import fill_flags_from_config
+
+    flags = ["--hf_scale_config", "hf_scale_configs/zero3.yaml", "--per_device_train_batch_size", "4"]
+    code, payload = _check_repo(monkeypatch, capsys, "zero3", flags)
+    assert code == 1
+    (finding,) = payload["findings"]
+    assert (finding["severity"], finding["code"]) == ("error", "hf-scale-config-mismatch")
+    assert finding["where"] == "hf_scale_configs/zero3.yaml:batch.micro_batch_size"
+    # train.py's own sentence (the same function fills its flags and stops on it).
+    (said,) = fill_flags_from_config(load_config(REPO / "hf_scale_configs/zero3.yaml"),
+                                     build_parser().parse_args(flags), flags, "--hf_scale_config=x")
+    assert said.endswith("batch.micro_batch_size=1 but --per_device_train_batch_size=4")
+    assert finding["problem"].startswith(said.removeprefix("--hf_scale_config=x: "))
+    assert "--per_device_train_batch_size" in finding["fix"] and "zero3.yaml" in finding["fix"]
+
+
+@pytest.mark.parametrize("written", ["missing.yaml", "acc.yaml"])
+def test_a_missing_or_invalid_hf_scale_config_is_one_line_exit_2(written, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump(DDP_YAML))  # an accelerate YAML is no DistributedConfig
+    code, out, err = run_cli(["check", "--accelerate-config", "acc.yaml", "--", "--hf_scale_config", written], capsys)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and f"training args: --hf_scale_config {written}: " in err
+
+
+# (accelerate YAML preset, --hf_scale_config preset) -> what train.py's apply_hf_scale_config sees under
+# `accelerate launch` of that YAML (LaunchRequest: strategy, world size, ZeRO stage, JSON).
+LAUNCH_CONTRADICTIONS = {
+    ("zero2", "zero3"): ("deepspeed", 8, 2, "ds_configs/zero2.json", "deepspeed.zero_stage"),
+    ("zero3", "ddp"): ("deepspeed", 8, 3, "ds_configs/zero3.json", "strategy"),
+    ("ddp", "ddp_multinode"): ("ddp", 8, None, None, "world_size"),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(LAUNCH_CONTRADICTIONS), ids="-with-".join)
+def test_a_launch_the_hf_scale_config_refuses_is_an_error_with_train_py_message(pair, monkeypatch, capsys):
+    """World size, engine and ZeRO stage of the accelerate YAML against --hf_scale_config: train.py stops, so does
+    check, with the sentence train.py says."""
+    from hf_scale.errors import UserError
+    from hf_scale.train.distributed import LaunchRequest
+    from hf_scale.train.main import build_parser
+    from hf_scale.train.reconcile import apply_hf_scale_config
+
+    yaml_name, config_name = pair
+    strategy, world, stage, json_file, key = LAUNCH_CONTRADICTIONS[pair]
+    flags = ["--hf_scale_config", f"hf_scale_configs/{config_name}.yaml"]
+    code, payload = _check_repo(monkeypatch, capsys, yaml_name, flags)
+    assert code == 1
+    (finding,) = [f for f in payload["findings"] if f["severity"] == "error"]
+    assert (finding["code"], finding["where"]) == ("hf-scale-config-mismatch", f"{flags[1]}:{key}")
+    request = LaunchRequest("accelerate", world, strategy, json_file, stage, None)
+    with pytest.raises(UserError) as said:
+        apply_hf_scale_config(flags[1], request, build_parser().parse_args(flags), flags)
+    assert finding["problem"] == f"{str(said.value).removeprefix(f'--hf_scale_config={flags[1]}: ')}: train.py " \
+                                 "stops at start on this."
+    assert f"{config_name}.yaml" in finding["fix"] and f"`{key}`" in finding["fix"]

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 
 import pytest
 from check_cases import (
     DS_JSON,
     DS_YAML,
+    REPO,
     assert_every_fix_names_where_the_value_is,
     assert_reports_its_problem,
     check_json,
     codes,
     merged,
+    run_cli,
 )
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
@@ -43,6 +46,24 @@ TRIGGERS = {
         None,
         [],
         "ds-trainer-mismatch",
+        "warning",  # train.py takes the JSON's betas; a plain HF Trainer script stops
+    ),
+    "concrete-betas-vs-typed-flag": (
+        DS_YAML,
+        merged(DS_JSON, {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}}}),
+        ["--bf16", "--adam_beta2", "0.999"],
+        None,
+        [],
+        "ds-trainer-mismatch",
+        "error",
+    ),
+    "hf-scale-config-vs-typed-flag": (
+        DS_YAML,
+        DS_JSON,
+        ["--hf_scale_config", str(REPO / "hf_scale_configs" / "zero2.yaml"), "--learning_rate", "1e-3"],
+        None,
+        [],
+        "hf-scale-config-mismatch",
         "error",
     ),
 }
@@ -178,6 +199,7 @@ def test_a_resolved_learning_rate_against_the_flag_is_one_line_naming_both_value
 def test_a_default_flag_is_named_as_such_and_train_py_follows_the_json(tmp_path, monkeypatch, capsys):
     _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, _optimizer(lr=2e-5)), ["--bf16"])
     (finding,) = [f for f in payload["findings"] if f["code"] == "ds-trainer-mismatch"]
+    assert finding["severity"] == "warning" and payload["summary"]["errors"] == 0
     assert "--learning_rate=5e-05 (default)" in finding["problem"] and "train.py takes the JSON's value" in finding[
         "problem"]
 
@@ -190,3 +212,39 @@ def test_warmup_ratio_is_compared_in_steps(tmp_path, monkeypatch, capsys):
     assert finding["key"] == "scheduler.params.warmup_num_steps" and "=10 steps" in finding["problem"]
     _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds, ["--warmup_ratio", "0.05", *flags[2:]])
     assert "ds-trainer-mismatch" not in codes(payload)
+
+
+def _generate_resolved(tmp_path, monkeypatch, capsys, preset: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(["generate", "--preset", preset, "--deepspeed-mode", "resolved", "--set",
+                            "optimizer.lr=3e-4", "--output-dir", str(tmp_path)], capsys)
+    assert code == 0, err
+
+
+def _check_generated(capsys, preset: str, train: list[str]) -> tuple[int, dict]:
+    code, out, err = run_cli(["check", "--accelerate-config", f"accelerate_configs/{preset}.yaml", "--json", "--",
+                              *train], capsys)
+    assert code in (0, 1), err
+    return code, json.loads(out)
+
+
+@pytest.mark.parametrize("preset", ["zero2", "zero2_offload"])
+def test_a_resolved_json_is_clean_with_the_hf_scale_config_its_scripts_pass(preset, tmp_path, monkeypatch, capsys):
+    """Issue 15: resolved values (lr 3e-4, micro batch, bf16) against flags left at their defaults are no error:
+    --hf_scale_config fills the flags first, as train.py does."""
+    _generate_resolved(tmp_path, monkeypatch, capsys, preset)
+    code, payload = _check_generated(capsys, preset, ["--hf_scale_config", f"hf_scale_configs/{preset}.yaml"])
+    assert (code, payload["findings"]) == (0, [])
+
+
+def test_a_resolved_lr_against_a_typed_learning_rate_is_an_error_naming_both(tmp_path, monkeypatch, capsys):
+    """zero2_offload's resolved JSON has an optimizer block (DeepSpeed builds its CPU Adam; plain zero2 has none)."""
+    _generate_resolved(tmp_path, monkeypatch, capsys, "zero2_offload")
+    code, payload = _check_generated(capsys, "zero2_offload", ["--learning_rate", "5e-5"])
+    assert code == 1
+    (error,) = [f for f in payload["findings"] if f["severity"] == "error"]
+    assert (error["code"], error["key"]) == ("ds-trainer-mismatch", "optimizer.params.lr")
+    assert error["problem"].startswith("optimizer.params.lr=0.0003 but --learning_rate=5e-05:")
+    # The values train.py follows (bf16, micro batch 1) are warnings for a plain HF Trainer script.
+    assert {f["code"] for f in payload["findings"] if f["severity"] == "warning"} == {"precision-mismatch",
+                                                                                      "micro-batch-mismatch"}

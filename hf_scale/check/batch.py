@@ -21,8 +21,8 @@ from hf_scale.check.knowledge import deepspeed_off_stdout
 
 def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:
     """`grad-accum-mismatch`: gradient accumulation differs between the YAML, the JSON and the training
-    args (a warning when only a flag left at its default differs from an inline `deepspeed_config`: train.py
-    takes the YAML's value, a plain HF Trainer stops)."""
+    args (a warning when only a flag left at its default differs from the DeepSpeed settings: train.py takes
+    their value, a plain HF Trainer stops)."""
     sources = [
         Source(inp.accelerate_file, key, get_path(inp.accelerate, key))
         for key in ("deepspeed_config.gradient_accumulation_steps", "gradient_accumulation_steps")
@@ -52,17 +52,22 @@ def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:
 
 def check_micro_batch(inp: CheckInputs) -> Iterator[Finding]:
     """`micro-batch-mismatch`: the JSON's `train_micro_batch_size_per_gpu` differs from
-    `--per_device_train_batch_size` (the Trainer raises)."""
+    `--per_device_train_batch_size` (the Trainer raises; a warning when the flag is left at its default: train.py
+    takes the JSON's value)."""
     micro = get_path(inp.deepspeed, "train_micro_batch_size_per_gpu")
     training = training_source(inp, "per_device_train_batch_size")
     if inp.runner != "trainer" or not is_int(micro) or training is None:
         return
+    sources = [Source(inp.deepspeed_file or "", "train_micro_batch_size_per_gpu", micro), training]
+    soft = only_a_default_flag_differs(inp, sources, ("per_device_train_batch_size",))
     yield from disagreement(
         "micro-batch-mismatch",
         "the micro batch size per device",
-        [Source(inp.deepspeed_file or "", "train_micro_batch_size_per_gpu", micro), training],
+        sources,
         f'{in_file(inp.deepspeed_file or "")}set `train_micro_batch_size_per_gpu` to "auto" (the Trainer fills '
-        "it) or to --per_device_train_batch_size.",
+        "it) or pass it as --per_device_train_batch_size.",
+        WARNING if soft else ERROR,
+        DEFAULT_FLAG_NOTE if soft else "",
     )
 
 

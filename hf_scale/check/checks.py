@@ -36,6 +36,7 @@ CHECKS: list[Check] = [
     precision.check_precision,
     precision.check_fp16_and_bf16,
     deepspeed_json.check_auto_values,
+    trainer_values.check_hf_scale_config_flags,
     trainer_values.check_deepspeed_overrides_flags,
     trainer_values.check_trainer_compared_values,
     deepspeed_json.check_deepspeed_schema,

@@ -48,7 +48,14 @@ class CheckInputs:
     training: dict[str, Any] | None = None
     """Parsed ``TrainingArguments`` fields (defaults included) when training args were given."""
     training_argv: tuple[str, ...] = ()
-    """The training args as train.py reads them: a recipe's flags first, then the command line's."""
+    """The training args as train.py reads them: a recipe's flags first, then the command line's, then the flags
+    ``--hf_scale_config`` filled (as ``--flag=value``: they count as typed, as in train.py)."""
+    hf_scale_config_file: str | None = None
+    """``--hf_scale_config FILE`` of the training args, as written."""
+    hf_scale_config: Any = None
+    """That file's DistributedConfig, when given."""
+    hf_scale_config_contradictions: tuple[str, ...] = ()
+    """Where the flags contradict that DistributedConfig: train.py's own one-line messages (it stops on them)."""
     gpus_per_machine: int | None = None
     """``--gpus-per-machine N``: GPUs per machine on the target cluster; None = not assumed (no GPU findings)."""
     launch_env: dict[str, str] | None = None
@@ -111,13 +118,13 @@ def training_source(inp: CheckInputs, name: str) -> Source | None:
 
 
 def only_a_default_flag_differs(inp: CheckInputs, sources: list[Source], flags: tuple[str, ...]) -> bool:
-    """The values written in an inline DeepSpeed YAML agree, and only a training flag left at its default
-    differs: train.py then takes the YAML's value (hf_scale.train.inline_deepspeed), the HF Trainer stops."""
+    """The values written in the DeepSpeed settings (a JSON, or an inline DeepSpeed YAML) agree, and only a
+    training flag left at its default differs: train.py then takes the file's value (hf_scale.launch_values,
+    hf_scale.train.inline_deepspeed), a plain HF Trainer script stops."""
     written = [s for s in sources if s.file != TRAINING_ARGS]
     defaults = [s for s in sources if s.file == TRAINING_ARGS]
     return (
-        is_deepspeed_yaml(inp)
-        and inp.deepspeed is None
+        (is_deepspeed_yaml(inp) or inp.deepspeed is not None)
         and bool(written and defaults)
         and len({repr(s.value) for s in written}) == 1
         and not any(flag_given(inp.training_argv, flag) for flag in flags)
@@ -125,7 +132,7 @@ def only_a_default_flag_differs(inp: CheckInputs, sources: list[Source], flags: 
 
 
 DEFAULT_FLAG_NOTE = (
-    " train.py takes the YAML's value; a plain HF Trainer script stops at start on this mismatch."
+    " train.py takes the file's value; a plain HF Trainer script stops at start on this mismatch."
 )
 
 
@@ -138,7 +145,16 @@ def _read_mapping(path: Path, what: str, parse: Callable[[str, str], Any]) -> di
     return data
 
 
-def _parse_training_args(argv: list[str]) -> tuple[dict[str, Any], tuple[str, ...]]:
+@dataclass(frozen=True)
+class _TrainingArgs:
+    values: dict[str, Any]
+    argv: tuple[str, ...]
+    hf_scale_config: str | None = None
+    contradictions: tuple[str, ...] = ()
+    config: Any = None
+
+
+def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
     """Parse exactly as train.py does, with train.py's own parser (hf_scale.train.main.build_parser: every
     TrainingArguments flag plus train.py's model/data/hf_scale flags, no abbreviations, an unknown flag refused,
     a recipe file expanded before the flags), without constructing TrainingArguments (its __post_init__ touches
@@ -157,7 +173,26 @@ def _parse_training_args(argv: list[str]) -> tuple[dict[str, Any], tuple[str, ..
     if unknown:
         raise UserError(f"training args: unrecognized arguments: {' '.join(unknown)} (train.py refuses them; see "
                         "python train.py --help)")
-    return vars(namespace), tuple(argv)
+    if not namespace.hf_scale_config:
+        return _TrainingArgs(vars(namespace), tuple(argv))
+    return _apply_hf_scale_config(namespace, argv, cwd)
+
+
+def _apply_hf_scale_config(namespace: Any, argv: list[str], cwd: Path) -> _TrainingArgs:
+    """``--hf_scale_config FILE`` fills the flags as train.py fills them (the same function,
+    hf_scale.train.reconcile.fill_flags_from_config); the filled flags then count as typed, as in train.py."""
+    from hf_scale.config import load_config
+    from hf_scale.train.reconcile import FIXED_BY_HF_SCALE_CONFIG, fill_flags_from_config
+
+    written = namespace.hf_scale_config
+    path = Path(written).expanduser()
+    try:
+        config = load_config(path if path.is_absolute() else cwd / path)
+    except UserError as error:
+        raise UserError(f"training args: --hf_scale_config {written}: {error}") from None
+    contradictions = fill_flags_from_config(config, namespace, argv, f"--hf_scale_config={written}")
+    filled = [f"--{name}={getattr(namespace, name)}" for name in FIXED_BY_HF_SCALE_CONFIG if not flag_given(argv, name)]
+    return _TrainingArgs(vars(namespace), (*argv, *filled), written, tuple(contradictions), config)
 
 
 @contextlib.contextmanager
@@ -291,7 +326,8 @@ def load_inputs(
     if loader_error is None:
         launch_env, launch_error = _accelerate_launch_env(yaml_path, accelerate)
 
-    training, training_argv = _parse_training_args(list(training_args)) if training_args else (None, ())
+    parsed = _parse_training_args(list(training_args), cwd) if training_args else None
+    training = parsed.values if parsed else None
 
     refs: list[tuple[str, str, str]] = []  # (file:key, as written, resolved)
     chosen: Path | None = None
@@ -324,7 +360,10 @@ def load_inputs(
         deepspeed_refs=tuple(refs),
         deepspeed_path_note=path_note,
         training=training,
-        training_argv=training_argv,
+        training_argv=parsed.argv if parsed else (),
+        hf_scale_config_file=parsed.hf_scale_config if parsed else None,
+        hf_scale_config_contradictions=parsed.contradictions if parsed else (),
+        hf_scale_config=parsed.config if parsed else None,
         gpus_per_machine=gpus_per_machine,
         launch_env=launch_env,
         launch_error=launch_error,

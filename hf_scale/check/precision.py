@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
-from hf_scale import rules
+from hf_scale import launch_values, rules
 from hf_scale.check.findings import (
     ERROR,
     TRAINING_ARGS,
@@ -17,7 +18,8 @@ from hf_scale.check.findings import (
     get_path,
     in_file,
 )
-from hf_scale.check.inputs import DEFAULT_FLAG_NOTE, CheckInputs, only_a_default_flag_differs
+from hf_scale.check.inputs import CheckInputs, deepspeed_view
+from hf_scale.rules import flag_given
 
 
 def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source]]:
@@ -28,7 +30,8 @@ def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source
         wanted.append(Source(inp.accelerate_file, "mixed_precision", mixed))
     if inp.training is not None:
         flags = [name for name in ("bf16", "fp16") if inp.training[name]]
-        given = "--" + "/--".join(flags) if flags else "--bf16/--fp16 (not given)"
+        typed = any(flag_given(inp.training_argv, name) for name in ("bf16", "fp16"))
+        given = "--" + "/--".join(flags) if flags else "--bf16/--fp16 " + ("false" if typed else "(not given)")
         wanted.append(Source(TRAINING_ARGS, given, flags[0] if len(flags) == 1 else "no"))
     explicit = {}
     for dtype, block in (("fp16", "fp16"), ("bf16", "bf16"), ("bf16", "bfloat16")):
@@ -39,20 +42,21 @@ def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source
 
 
 def check_precision(inp: CheckInputs) -> Iterator[Finding]:
-    """`precision-mismatch`: accelerate `mixed_precision`, DeepSpeed's fp16/bf16 blocks and `--bf16/--fp16`
-    ask for different precisions (a warning when only unset flags differ from an inline `deepspeed_config`
-    YAML, as for grad-accum-mismatch)."""
+    """`precision-mismatch`: accelerate `mixed_precision`, DeepSpeed's fp16/bf16 blocks and typed `--bf16/--fp16`
+    ask for different precisions (a warning when --bf16/--fp16 are left out and the DeepSpeed settings enable one:
+    train.py follows them, a plain HF Trainer script stops)."""
     wanted, explicit = _precision_sources(inp)
-    soft = only_a_default_flag_differs(inp, wanted, ("bf16", "fp16"))
+    training = next((s for s in wanted if s.file == TRAINING_ARGS), None)
+    untyped = training is not None and not any(flag_given(inp.training_argv, f) for f in ("bf16", "fp16"))
+    # Flags left out are not compared: train.py follows the launcher's config (hf_scale.launch_values).
+    compared = [s for s in wanted if s is not training] if untyped else wanted
     yield from disagreement(
         "precision-mismatch",
         "mixed precision",
-        wanted,
-        agree_fix(wanted, " (one precision: no, fp16 or bf16)") if len(wanted) > 1 else "",
-        WARNING if soft else ERROR,
-        DEFAULT_FLAG_NOTE if soft else "",
+        compared,
+        agree_fix(compared, " (one precision: no, fp16 or bf16)") if len(compared) > 1 else "",
     )
-    for source in wanted:
+    for source in compared:
         # accelerate runs fp8 on top of DeepSpeed's bf16 (DeepSpeedPlugin.set_mixed_precision).
         asked = "bf16" if source.value == "fp8" else source.value
         for dtype, ds in explicit.items():
@@ -67,6 +71,45 @@ def check_precision(inp: CheckInputs) -> Iterator[Finding]:
                     "agree.",
                     {ds.where: ds.value, source.where: source.value},
                 )
+    if untyped and training is not None:
+        yield from _followed_precision(inp, training, compared, explicit)
+
+
+def _followed_precision(
+    inp: CheckInputs, training: Source, files: list[Source], explicit: dict[str, Source]
+) -> Iterator[Finding]:
+    """--bf16/--fp16 left out while the DeepSpeed settings fix a precision: train.py follows it (the rule of
+    hf_scale.launch_values); the HF Trainer compares `bf16.enabled`/`fp16.enabled` with the flags and stops.
+    (accelerate's `mixed_precision` alone is followed by the Trainer too: no finding.)"""
+    view = deepspeed_view(inp)
+    if view is None or inp.training is None:
+        return
+    mixed = inp.accelerate.get("mixed_precision")
+    result = launch_values.reconcile(
+        launch_values.TrainingValues(world_size=1, bf16=inp.training["bf16"], fp16=inp.training["fp16"]),
+        (),
+        deepspeed_config=view.config,
+        accelerate_mixed_precision=mixed if isinstance(mixed, str) else None,
+    )
+    chosen = next((p for p in ("bf16", "fp16") if p in result.followed), None)
+    if chosen is None or any("precision" in m or "mixed_precision" in m for m in result.mismatches):
+        return  # nothing followed, or the files disagree (an error above)
+    fixing = explicit.get(chosen) or next((s for s in files if s.key == "mixed_precision"), None)
+    if fixing is None:  # an inline YAML without a precision of its own: accelerate's plugin default
+        fixing = Source(view.file, view.where(f"{chosen}.enabled")[1], True)
+    name = Path(fixing.file).name
+    other = f'set `{fixing.key}` to "auto" in {name}' if fixing.key.endswith(".enabled") else (
+        f"change `{fixing.key}` in {name}")
+    yield Finding(
+        WARNING,
+        "precision-mismatch",
+        fixing.file,
+        fixing.key,
+        f"{fixing.label}={fixing.value!r} but {training.label}={training.value!r}: train.py follows the file "
+        f"({chosen}); a plain HF Trainer script stops at start on this mismatch.",
+        f"Pass --{chosen} in the training args (then both agree for any script), or {other}.",
+        {fixing.where: fixing.value, training.where: training.value},
+    )
 
 
 def check_fp16_and_bf16(inp: CheckInputs) -> Iterator[Finding]:

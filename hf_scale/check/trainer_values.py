@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from hf_scale import launch_values
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, in_file
-from hf_scale.check.inputs import CheckInputs, world_size_of
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, get_path, in_file, is_int
+from hf_scale.check.inputs import CheckInputs, deepspeed_view, world_size_of
 from hf_scale.rules import flag_given
 
 
@@ -45,6 +47,59 @@ def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
         )
 
 
+def check_hf_scale_config_flags(inp: CheckInputs) -> Iterator[Finding]:
+    """`hf-scale-config-mismatch`: a training flag contradicts the DistributedConfig of `--hf_scale_config`
+    (e.g. its batch.micro_batch_size=2 and `--per_device_train_batch_size 4`), or the accelerate YAML launches
+    another world size, engine or ZeRO stage; train.py stops on it with this message. The config's values fill the
+    flags left unset (hf_scale.train.reconcile.fill_flags_from_config)."""
+    file = inp.hf_scale_config_file or ""
+    where = f"--hf_scale_config={file}: "
+    name = Path(file).name
+    for contradiction in (*_launch_contradictions(inp, where), *inp.hf_scale_config_contradictions):
+        text = contradiction.removeprefix(where)
+        key = text.split(" ", 1)[0].split("=", 1)[0]
+        flags = " ".join(dict.fromkeys(re.findall(r"--\w+", text.split(" but ", 1)[-1]))) or "--bf16/--fp16"
+        fix = (
+            f"Drop {flags} from the training args (train.py takes `{key}` from {name}), or change `{key}` in {name}."
+            if key not in _LAUNCH_KEYS
+            else f"Launch with the accelerate YAML generated from {name} (`hf-scale generate {file}`), or change "
+            f"`{key}` in {name} to what {Path(inp.accelerate_file).name} launches."
+        )
+        yield Finding(
+            ERROR,
+            "hf-scale-config-mismatch",
+            file,
+            key,
+            f"{text}: train.py stops at start on this.",
+            fix,
+            {f"{file}:{key}": text},
+        )
+
+
+_LAUNCH_KEYS = ("world_size", "strategy", "deepspeed.zero_stage")
+
+
+def _launch_contradictions(inp: CheckInputs, where: str) -> Iterator[str]:
+    """What train.py's apply_hf_scale_config refuses about the accelerate launch of this YAML, in its words: the
+    world size, an engine the YAML chooses, the ZeRO stage of the DeepSpeed settings."""
+    cfg = inp.hf_scale_config
+    if cfg is None:
+        return
+    world = world_size_of(inp)
+    if world is not None and cfg.world_size != world:
+        yield (f"{where}world_size={cfg.world_size} ({cfg.topology.num_machines} machines x "
+               f"{cfg.topology.processes_per_machine} processes_per_machine) but the accelerate launcher started "
+               f"WORLD_SIZE={world}")
+    engine = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(inp.accelerate.get("distributed_type"))
+    if engine is not None and engine != cfg.strategy:
+        yield f"{where}strategy={cfg.strategy} but the accelerate launch configures {engine}"
+    view = deepspeed_view(inp) if engine == "deepspeed" == cfg.strategy else None
+    stage = get_path(view.config, "zero_optimization.stage", None) if view is not None else None
+    if is_int(stage) and stage != cfg.deepspeed.zero_stage:
+        source = view.file if not view.from_yaml else "the accelerate config's deepspeed_config"
+        yield f"{where}deepspeed.zero_stage={cfg.deepspeed.zero_stage} but {source} has zero_optimization.stage={stage}"
+
+
 # Trainer comparisons already reported by their own checks (batch sizes, accumulation, precision).
 _COMPARED_ELSEWHERE = (
     "train_micro_batch_size_per_gpu",
@@ -59,9 +114,9 @@ def check_trainer_compared_values(inp: CheckInputs) -> Iterator[Finding]:
     """`ds-trainer-mismatch`: a concrete value of the JSON that the HF Trainer compares with a training flag at
     launch differs from it (`gradient_clipping` vs `--max_grad_norm`, the optimizer's lr/betas/eps/weight_decay,
     the scheduler's `warmup_max_lr` vs `--learning_rate`, `warmup_num_steps` vs `--warmup_steps`/`--warmup_ratio`,
-    `total_num_steps` vs `--max_steps`), defaults included: a plain HF Trainer script stops at start on it, train.py
-    too when the flag is typed (it takes the JSON's value for a flag left at its default). The comparisons are
-    hf_scale.launch_values.reconcile, the rule train.py applies (tested against transformers' own)."""
+    `total_num_steps` vs `--max_steps`): an error when the flag is typed (the HF Trainer and train.py stop), a warning
+    when it is left at its default (train.py takes the JSON's value, a plain HF Trainer script stops). The
+    comparisons are hf_scale.launch_values.reconcile, the rule train.py applies (tested against transformers' own)."""
     if inp.deepspeed is None or inp.runner != "trainer" or inp.training is None:
         return
     if inp.training["bf16"] and inp.training["fp16"]:
@@ -115,7 +170,7 @@ def _mismatch_finding(inp: CheckInputs, file: str, difference: launch_values.Dif
         else "a plain HF Trainer script stops at start on this mismatch (train.py takes the JSON's value)"
     )
     return Finding(
-        ERROR,
+        ERROR if typed else WARNING,
         "ds-trainer-mismatch",
         file,
         key,

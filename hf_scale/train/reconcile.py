@@ -30,8 +30,9 @@ from hf_scale.rules import flag_given, precision_from_flags
 from hf_scale.train.distributed import LaunchRequest, has_gpu
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
-_FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",
-                             "fp16", "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
+FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",
+                            "fp16", "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay",
+                            "gradient_checkpointing")
 
 
 def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None):
@@ -92,8 +93,20 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
 
 
 def _fill_training_values(cfg, request: LaunchRequest, ns, argv: list[str], where: str) -> None:
-    """The config's batch, clipping, activation checkpointing, optimizer values and precision into the flags."""
+    """The config's values into the flags (or stop), then what the launch itself must agree with."""
+    contradictions = fill_flags_from_config(cfg, ns, argv, where)
+    if contradictions:
+        raise UserError("; ".join(contradictions))
+    _launch_agrees(cfg, request, where)
+
+
+def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> list[str]:
+    """The config's batch, clipping, activation checkpointing, optimizer values and precision into the flags
+    (``ns``, train.py's parsed flags; ``argv``: the flags typed). Pure: no launcher, no environment, so that
+    `hf-scale check` applies the same rule. Returns the contradictions with typed flags, one sentence each
+    (a contradicting flag keeps its typed value; every other value is filled)."""
     batch, opt = cfg.batch, cfg.optimizer
+    contradictions: list[str] = []
     for flag, field, value in (
         ("per_device_train_batch_size", "batch.micro_batch_size", batch.micro_batch_size),
         ("gradient_accumulation_steps", "batch.gradient_accumulation_steps", batch.gradient_accumulation_steps),
@@ -104,19 +117,44 @@ def _fill_training_values(cfg, request: LaunchRequest, ns, argv: list[str], wher
         ("adam_epsilon", "optimizer.eps", opt.eps),
         ("weight_decay", "optimizer.weight_decay", opt.weight_decay),
     ):
-        _fill_or_match(ns, argv, where, flag, field, value)
+        contradictions += _fill_or_match(ns, argv, where, flag, field, value)
     if ns.auto_find_batch_size:
-        raise UserError(f"{where}: --auto_find_batch_size would change batch.micro_batch_size={batch.micro_batch_size} "
-                        f"(global batch {batch.global_batch_size}) at run time; drop it")
+        contradictions.append(f"{where}: --auto_find_batch_size would change batch.micro_batch_size="
+                              f"{batch.micro_batch_size} (global batch {batch.global_batch_size}) at run time; drop it")
     optim = str(getattr(ns.optim, "value", ns.optim))
     if flag_given(argv, "optim") and "adam" not in optim:
-        raise UserError(f"{where}: optimizer.betas and optimizer.eps are AdamW's, but --optim={optim} does not use "
-                        "them; use an AdamW --optim (adamw_torch, adamw_torch_fused, adamw_8bit, ...) or leave it out")
-    _activation_checkpointing(cfg, request, ns, argv, where)
+        contradictions.append(f"{where}: optimizer.betas and optimizer.eps are AdamW's, but --optim={optim} does not "
+                              "use them; use an AdamW --optim (adamw_torch, adamw_torch_fused, adamw_8bit, ...) or "
+                              "leave it out")
+    # activation_checkpointing -> --gradient_checkpointing (the model's own, in both loops).
+    if cfg.strategy == "fsdp" and cfg.fsdp.activation_checkpointing and flag_given(argv, "gradient_checkpointing") \
+            and ns.gradient_checkpointing:
+        contradictions.append(f"{where}: fsdp.activation_checkpointing=true checkpoints the decoder layers already; "
+                              "drop --gradient_checkpointing (the layers would be checkpointed twice)")
+    else:
+        contradictions += _fill_or_match(ns, argv, where, "gradient_checkpointing", "activation_checkpointing",
+                                         cfg.activation_checkpointing)
     flags_precision = precision_from_flags(ns.bf16, ns.fp16)
     if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != cfg.precision:
-        raise UserError(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
-    ns.bf16, ns.fp16 = cfg.precision == "bf16", cfg.precision == "fp16"
+        contradictions.append(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
+    else:
+        ns.bf16, ns.fp16 = cfg.precision == "bf16", cfg.precision == "fp16"
+    return contradictions
+
+
+def _launch_agrees(cfg, request: LaunchRequest, where: str) -> None:
+    """FSDP's fsdp.activation_checkpointing is applied by accelerate's FSDP plugin, which must then say the same;
+    the accelerate config's mixed_precision must be the config's precision."""
+    if cfg.strategy == "fsdp":
+        if request.launcher == "accelerate" and request.fsdp_settings is None:
+            yaml_value = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+            if yaml_value != cfg.fsdp.activation_checkpointing:
+                raise UserError(f"{where}: fsdp.activation_checkpointing={_show(cfg.fsdp.activation_checkpointing)} "
+                                f"but the accelerate config has fsdp_activation_checkpointing={_show(yaml_value)}")
+        elif cfg.fsdp.activation_checkpointing and not has_gpu():
+            raise UserError(f"{where}: fsdp.activation_checkpointing=true: without a GPU train.py shards with torch's "
+                            "fully_shard, which does not apply it; use activation_checkpointing: true instead (the "
+                            "same decoder layers are recomputed)")
     if request.mixed_precision not in (None, cfg.precision) and request.strategy != "deepspeed":
         raise UserError(
             f"{where}: precision={cfg.precision} but the accelerate config has mixed_precision="
@@ -124,31 +162,11 @@ def _fill_training_values(cfg, request: LaunchRequest, ns, argv: list[str], wher
         )
 
 
-def _activation_checkpointing(cfg, request: LaunchRequest, ns, argv: list[str], where: str) -> None:
-    """activation_checkpointing -> --gradient_checkpointing (the model's own, in both loops); FSDP's
-    fsdp.activation_checkpointing is applied by accelerate's FSDP plugin, which must then say the same."""
-    fsdp_checkpointing = cfg.strategy == "fsdp" and cfg.fsdp.activation_checkpointing
-    if fsdp_checkpointing and flag_given(argv, "gradient_checkpointing") and ns.gradient_checkpointing:
-        raise UserError(f"{where}: fsdp.activation_checkpointing=true checkpoints the decoder layers already; drop "
-                        "--gradient_checkpointing (the layers would be checkpointed twice)")
-    _fill_or_match(ns, argv, where, "gradient_checkpointing", "activation_checkpointing", cfg.activation_checkpointing)
-    if cfg.strategy != "fsdp":
-        return
-    if request.launcher == "accelerate" and request.fsdp_settings is None:
-        yaml_value = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
-        if yaml_value != cfg.fsdp.activation_checkpointing:
-            raise UserError(f"{where}: fsdp.activation_checkpointing={_show(cfg.fsdp.activation_checkpointing)} but "
-                            f"the accelerate config has fsdp_activation_checkpointing={_show(yaml_value)}")
-    elif fsdp_checkpointing and not has_gpu():
-        raise UserError(f"{where}: fsdp.activation_checkpointing=true: without a GPU train.py shards with torch's "
-                        "fully_shard, which does not apply it; use activation_checkpointing: true instead (the same "
-                        "decoder layers are recomputed)")
-
-
-def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value) -> None:
+def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value) -> list[str]:
     if flag_given(argv, flag) and getattr(ns, flag) != value:
-        raise UserError(f"{where}: {field}={_show(value)} but --{flag}={_show(getattr(ns, flag))}")
+        return [f"{where}: {field}={_show(value)} but --{flag}={_show(getattr(ns, flag))}"]
     setattr(ns, flag, value)
+    return []
 
 
 def _show(value) -> str:
@@ -164,7 +182,7 @@ def typed_flags(ns, argv: list[str] | None) -> set[str]:
     if flag_given(argv, "warmup_ratio"):
         given.add("warmup_steps")
     if ns.hf_scale_config:
-        given.update(_FIXED_BY_HF_SCALE_CONFIG)
+        given.update(FIXED_BY_HF_SCALE_CONFIG)
     return given
 
 
