@@ -56,8 +56,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if code:
         return code
     yaml_path = out / "accelerate_configs" / f"{DEMO_NAME}.yaml"
-    check = ["check", "--accelerate-config", str(yaml_path), "--", "--per_device_train_batch_size", "2",
-             "--gradient_accumulation_steps", "2"]
+    # The training args exactly as the launch script below passes them.
+    hf_scale_config = out / "hf_scale_configs" / f"{DEMO_NAME}.yaml"
+    check = ["check", "--accelerate-config", str(yaml_path), "--", "--hf_scale_config", str(hf_scale_config),
+             "--max_steps", str(args.max_steps), "--loop", args.loop]
     code = _hf_scale(check, args.verbose, cwd=out)  # where the launch below starts
     if code:
         return code

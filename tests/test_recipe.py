@@ -19,6 +19,7 @@ from hf_scale.presets import load_preset
 from hf_scale.train.main import build_parser
 from hf_scale.train.main import main as train_main
 from hf_scale.train.recipe import expand_recipe
+from hf_scale.train.reconcile import checkpointing_flag
 
 
 def _write(path, data) -> str:
@@ -61,7 +62,8 @@ def test_the_recipe_is_read_however_the_launcher_passes_it(shape, tmp_path):
     }[shape]
     ns, _, path = _parse(argv)
     assert path == recipe
-    assert ns.learning_rate == 2e-5 and ns.per_device_train_batch_size == 2 and ns.gradient_checkpointing is True
+    assert ns.learning_rate == 2e-5 and ns.per_device_train_batch_size == 2
+    assert getattr(ns, checkpointing_flag(ns)) is True
     assert ns.loop == "accelerate" and ns.train_file == ["a.jsonl", "b.jsonl"] and ns.mixture_weights == [0.7, 0.3]
     assert json.loads(ns.lr_scheduler_kwargs) == {"num_cycles": 2} and ns.max_steps == -1
     assert ns.output_dir == "runs/x"
@@ -73,7 +75,7 @@ def test_command_line_flags_override_the_recipe(tmp_path):
     recipe = _write(tmp_path / "r.json", json.dumps(RECIPE))  # JSON recipes too
     argv = ["--learning_rate", "1e-3", recipe, "--train_file", "c.jsonl", "--gradient_checkpointing", "false"]
     ns, _, _ = _parse(argv)
-    assert ns.learning_rate == 1e-3 and ns.train_file == ["c.jsonl"] and ns.gradient_checkpointing is False
+    assert ns.learning_rate == 1e-3 and ns.train_file == ["c.jsonl"] and getattr(ns, checkpointing_flag(ns)) is False
     assert ns.per_device_train_batch_size == 2  # not overridden: the recipe's
 
 
@@ -188,7 +190,7 @@ def test_generated_recipe_is_read_by_train_py_with_the_configs_values(tmp_path):
     assert ns.per_device_train_batch_size == cfg.batch.micro_batch_size == 2
     assert ns.gradient_accumulation_steps == cfg.batch.gradient_accumulation_steps == 4
     assert (ns.fp16, ns.bf16) == (True, False)
-    assert ns.gradient_checkpointing is True
+    assert getattr(ns, checkpointing_flag(ns)) is True
     assert ns.max_grad_norm == 0.5
     assert (ns.learning_rate, ns.adam_beta1, ns.adam_beta2, ns.adam_epsilon, ns.weight_decay) == (
         3e-4, 0.9, 0.95, cfg.optimizer.eps, 0.1)

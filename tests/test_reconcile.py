@@ -13,7 +13,7 @@ import yaml
 from hf_scale.errors import UserError
 from hf_scale.train.distributed import LaunchRequest
 from hf_scale.train.main import build_parser
-from hf_scale.train.reconcile import apply_hf_scale_config, typed_flags
+from hf_scale.train.reconcile import apply_hf_scale_config, checkpointing_flag, typed_flags
 
 # Non-default values everywhere (the defaults would hide a field that is never applied).
 CONFIG = {
@@ -39,6 +39,12 @@ FIELDS = [
 ]
 
 
+def _value(ns, flag: str):
+    """The parsed value of ``flag``; activation checkpointing under the name train.py keeps it (transformers 5's
+    --activation_checkpointing, of which --gradient_checkpointing is the older spelling)."""
+    return getattr(ns, checkpointing_flag(ns) if flag == "gradient_checkpointing" else flag)
+
+
 def _request(world_size: int = 2, **changes) -> LaunchRequest:
     fields = dict(launcher="torchrun", world_size=world_size, strategy="ddp" if world_size > 1 else "single",
                   deepspeed_config_file=None, zero_stage=None, mixed_precision=None)
@@ -59,7 +65,7 @@ def test_every_field_fills_the_flag_left_unset(tmp_path):
     defaults, _ = build_parser().parse_known_args([])
     ns, _, deepspeed = _apply(tmp_path, [])
     for field, flag, value, _, _ in FIELDS:
-        assert getattr(ns, flag) == value != getattr(defaults, flag), field
+        assert _value(ns, flag) == value != _value(defaults, flag), field
     assert (ns.bf16, ns.fp16) == (False, False)
     assert deepspeed is None
     # What the launcher's config (a DeepSpeed JSON, accelerate's YAML) is then compared with as given.
@@ -69,7 +75,7 @@ def test_every_field_fills_the_flag_left_unset(tmp_path):
 @pytest.mark.parametrize(("field", "flag", "value", "same", "other"), FIELDS, ids=[f[0] for f in FIELDS])
 def test_a_flag_that_says_the_same_is_accepted(field, flag, value, same, other, tmp_path):
     ns, _, _ = _apply(tmp_path, [f"--{flag}", same])
-    assert getattr(ns, flag) == value
+    assert _value(ns, flag) == value
 
 
 @pytest.mark.parametrize(("field", "flag", "value", "same", "other"), FIELDS, ids=[f[0] for f in FIELDS])
@@ -240,4 +246,4 @@ def test_fsdp_activation_checkpointing_must_be_what_the_fsdp_plugin_applies(laun
             _apply(tmp_path, [*flags, "--loop", "accelerate"], FSDP_AC, request=request)
         return
     ns, _, _ = _apply(tmp_path, ["--loop", "accelerate"], FSDP_AC, request=request)
-    assert ns.gradient_checkpointing is False  # the plugin checkpoints the layers, the model's own stays off
+    assert _value(ns, "gradient_checkpointing") is False  # the plugin checkpoints the layers, the model's own stays off

@@ -182,7 +182,7 @@ def _apply_hf_scale_config(namespace: Any, argv: list[str], cwd: Path) -> _Train
     """``--hf_scale_config FILE`` fills the flags as train.py fills them (the same function,
     hf_scale.train.reconcile.fill_flags_from_config); the filled flags then count as typed, as in train.py."""
     from hf_scale.config import load_config
-    from hf_scale.train.reconcile import FIXED_BY_HF_SCALE_CONFIG, fill_flags_from_config
+    from hf_scale.train.reconcile import FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag, fill_flags_from_config
 
     written = namespace.hf_scale_config
     path = Path(written).expanduser()
@@ -191,7 +191,8 @@ def _apply_hf_scale_config(namespace: Any, argv: list[str], cwd: Path) -> _Train
     except UserError as error:
         raise UserError(f"training args: --hf_scale_config {written}: {error}") from None
     contradictions = fill_flags_from_config(config, namespace, argv, f"--hf_scale_config={written}")
-    filled = [f"--{name}={getattr(namespace, name)}" for name in FIXED_BY_HF_SCALE_CONFIG if not flag_given(argv, name)]
+    fixed = (*FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag(namespace))
+    filled = [f"--{name}={getattr(namespace, name)}" for name in fixed if not flag_given(argv, name)]
     return _TrainingArgs(vars(namespace), (*argv, *filled), written, tuple(contradictions), config)
 
 

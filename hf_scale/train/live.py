@@ -9,7 +9,7 @@ DistributedConfig reached the run, shaped like the config so that the two compar
 - gradient_clipping: the DeepSpeed engine's own value, else the max_grad_norm the loop clips with (null: off);
 - optimizer: the live optimizer's first parameter group (the decayed one) — the base lr before warmup and
   decay (`initial_lr`, set by the scheduler), betas, eps, weight decay;
-- activation_checkpointing: the unwrapped model's `is_gradient_checkpointing`; fsdp.activation_checkpointing:
+- activation_checkpointing: the unwrapped model's `is_activation_checkpointing`; fsdp.activation_checkpointing:
   FSDP's checkpoint wrappers around its layers;
 - precision: the DeepSpeed engine's, else accelerate's mixed precision;
 - deepspeed: the engine's own batch, clipping, precision and ZeRO stage (guard.deepspeed_engine_facts).
@@ -54,6 +54,13 @@ def _clipping(value) -> float | None:
     return float(value) if value else None  # 0 / None: no clipping, as the config's null
 
 
+def _activation_checkpointing(model) -> bool:
+    # transformers 5 renamed is_gradient_checkpointing (which now warns) to is_activation_checkpointing.
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
+
+
 def read(accelerator, model, optimizer, window: Window, *, max_grad_norm: float, loop: str, step: int) -> dict:
     """The live values (collective: every rank calls it at the same step)."""
     engine = model if guard.is_deepspeed_engine(model) else None
@@ -67,7 +74,7 @@ def read(accelerator, model, optimizer, window: Window, *, max_grad_norm: float,
         "world_size": accelerator.num_processes,
         "precision": engine_facts["precision"] if engine_facts else str(accelerator.mixed_precision),
         "gradient_clipping": _clipping(engine_facts["gradient_clipping"] if engine_facts else max_grad_norm),
-        "activation_checkpointing": bool(getattr(unwrapped, "is_gradient_checkpointing", False)),
+        "activation_checkpointing": _activation_checkpointing(unwrapped),
         "batch": {
             "micro_batch_size": window.micro_batch_size,
             "gradient_accumulation_steps": window.passes,

@@ -288,6 +288,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], str |
         from hf_scale import quiet
 
         quiet.undo()
+    reconcile.checkpointing_flag(ns)  # one spelling of activation checkpointing from here on
     return ns, argv, recipe_path
 
 

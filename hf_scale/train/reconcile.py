@@ -31,8 +31,8 @@ from hf_scale.train.distributed import LaunchRequest, has_gpu
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
 FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",
-                            "fp16", "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay",
-                            "gradient_checkpointing")
+                            "fp16", "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
+"""And activation checkpointing, under the name checkpointing_flag() gives."""
 
 
 def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None):
@@ -100,6 +100,22 @@ def _fill_training_values(cfg, request: LaunchRequest, ns, argv: list[str], wher
     _launch_agrees(cfg, request, where)
 
 
+def checkpointing_flag(ns) -> str:
+    """The flag that turns activation checkpointing on. transformers 5 renamed --gradient_checkpointing to
+    --activation_checkpointing and keeps the old name as an alias that warns (FutureWarning) whenever it is set;
+    the value moves to the new name here, so that the one TrainingArguments train.py builds warns about
+    nothing. Older transformers have only the old name. Idempotent."""
+    if not hasattr(ns, "activation_checkpointing"):
+        return "gradient_checkpointing"
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if getattr(ns, new, None) is None and getattr(ns, old, None) is not None:
+            setattr(ns, new, getattr(ns, old))
+        if hasattr(ns, old):
+            setattr(ns, old, None)
+    return "activation_checkpointing"
+
+
 def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> list[str]:
     """The config's batch, clipping, activation checkpointing, optimizer values and precision into the flags
     (``ns``, train.py's parsed flags; ``argv``: the flags typed). Pure: no launcher, no environment, so that
@@ -126,14 +142,20 @@ def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> list[str]:
         contradictions.append(f"{where}: optimizer.betas and optimizer.eps are AdamW's, but --optim={optim} does not "
                               "use them; use an AdamW --optim (adamw_torch, adamw_torch_fused, adamw_8bit, ...) or "
                               "leave it out")
-    # activation_checkpointing -> --gradient_checkpointing (the model's own, in both loops).
-    if cfg.strategy == "fsdp" and cfg.fsdp.activation_checkpointing and flag_given(argv, "gradient_checkpointing") \
-            and ns.gradient_checkpointing:
+    # activation_checkpointing -> the Trainer's flag (the model's own checkpointing, in both loops); either
+    # spelling counts as typed.
+    flag = checkpointing_flag(ns)
+    typed = flag_given(argv, "gradient_checkpointing") or flag_given(argv, "activation_checkpointing")
+    if cfg.strategy == "fsdp" and cfg.fsdp.activation_checkpointing and typed and getattr(ns, flag):
         contradictions.append(f"{where}: fsdp.activation_checkpointing=true checkpoints the decoder layers already; "
-                              "drop --gradient_checkpointing (the layers would be checkpointed twice)")
+                              "drop --gradient_checkpointing / --activation_checkpointing (the layers would be "
+                              "checkpointed twice)")
+    elif typed and bool(getattr(ns, flag)) != cfg.activation_checkpointing:
+        spelling = "gradient_checkpointing" if flag_given(argv, "gradient_checkpointing") else flag
+        contradictions.append(f"{where}: activation_checkpointing={_show(cfg.activation_checkpointing)} but "
+                              f"--{spelling}={_show(bool(getattr(ns, flag)))}")
     else:
-        contradictions += _fill_or_match(ns, argv, where, "gradient_checkpointing", "activation_checkpointing",
-                                         cfg.activation_checkpointing)
+        setattr(ns, flag, cfg.activation_checkpointing)
     flags_precision = precision_from_flags(ns.bf16, ns.fp16)
     if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != cfg.precision:
         contradictions.append(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
