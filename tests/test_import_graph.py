@@ -18,11 +18,7 @@ from hf_scale.cli import COMMANDS
 PACKAGE = Path(hf_scale.__file__).parent
 
 # Known exceptions, each owned by work in progress; remove an entry when its edge is gone (a test says so).
-ALLOWED = {
-    # issue14c (train/data.py): data.py imports packing (PackedCollator, lazily) and packing imports data
-    # (IGNORE_INDEX): a cycle until the shared constant lives below both.
-    ("hf_scale.train.packing", "hf_scale.train.data"),
-}
+ALLOWED: set[tuple[str, str]] = set()  # no exception left
 
 
 def _modules() -> dict[str, Path]:

@@ -32,11 +32,10 @@ from transformers import DataCollatorForSeq2Seq, PretrainedConfig
 
 from hf_scale.errors import UserError
 from hf_scale.train.embedded import EMBEDDED_DATA_FILE
+from hf_scale.train.labels import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
-"""Label of a token that is not a target; transformers' causal-LM loss skips it."""
 DEFAULT_MAX_SEQ_LENGTH = 2048
 """--max_seq_length when not given, capped at the model's max_position_embeddings."""
 
