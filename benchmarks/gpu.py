@@ -76,6 +76,7 @@ GPU_LLAMA = dict(
 # --cpu-smoke: the same pipeline on a model that trains in seconds on a CPU.
 SMOKE_LLAMA = dict(common.SMALL_LLAMA, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 GPU_ONLY_FLAGS = ("--bf16", "--use_liger_kernel", "--torch_compile")
+LEARNING_RATE = 1e-5
 BEST_FLAGS = ["--loop", "accelerate", "--packing", "--per_device_train_batch_size", "1", "--use_liger_kernel",
               "--torch_compile", "--optim", "adamw_torch_fused"]
 
@@ -302,8 +303,11 @@ def run_process(command: list[str], *, env: dict, timeout: float, log_dir: Path)
     return code, stderr_path.read_text(errors="replace")
 
 
-def _zero3_launcher(workdir: Path, smoke: bool) -> Path:
-    sets = ["topology.processes_per_machine=1"]
+def _zero3_launcher(workdir: Path, args) -> Path:
+    # The script passes the config (--hf_scale_config): it holds the values _train_flags gives the other variants.
+    sets = ["topology.processes_per_machine=1", f"optimizer.lr={LEARNING_RATE}",
+            f"batch.micro_batch_size={args.micro_batch}", "batch.gradient_accumulation_steps=1"]
+    smoke = args.cpu_smoke
     if smoke:  # CPU: fp32 and torch's AdamW (DeepSpeed's fused Adam needs CUDA)
         sets += ["precision='no'", "deepspeed.torch_adam=true"]
     command = [sys.executable, "-m", "hf_scale.cli", "generate", "--preset", "zero3", "--name", "zero3_1gpu",
@@ -318,7 +322,7 @@ def _train_flags(variant: Variant, args, model_dir: Path, data_file: Path, out_d
     flags = [
         "--model_name_or_path", str(model_dir), "--train_file", str(data_file),
         "--max_seq_length", str(args.budget if variant.budget_rows else args.seq_len),
-        "--max_steps", str(args.steps), "--learning_rate", "1e-5", "--seed", "0", "--save_strategy", "no",
+        "--max_steps", str(args.steps), "--learning_rate", str(LEARNING_RATE), "--seed", "0", "--save_strategy", "no",
         "--output_dir", str(out_dir), "--bf16", *variant.flags,
     ]  # fmt: skip
     if "--per_device_train_batch_size" not in variant.flags:
@@ -384,7 +388,7 @@ def run_variant(name: str, args, model_dir: Path, data_file: Path, profile_dir: 
         env.update(HF_SCALE_PROFILE=str(profile_dir), HF_SCALE_PROFILE_WAIT=str(args.warmup))
     if name == "hf_scale_zero3":
         env.update(TRAIN_SCRIPT=str(common.TRAIN_PY), MASTER_PORT=str(common.free_port()))
-        command = ["bash", str(_zero3_launcher(args.workdir, args.cpu_smoke)), *flags]
+        command = ["bash", str(_zero3_launcher(args.workdir, args)), *flags]
     else:
         command = common.train_command(flags)
     code, stderr = run_process(command, env=env, timeout=args.variant_timeout, log_dir=run_dir)

@@ -53,6 +53,7 @@ def generate(config_dir: Path, name: str, micro_batch: int) -> Path:
         "deepspeed.torch_adam=true",
         f"batch.micro_batch_size={micro_batch}",
         "batch.gradient_accumulation_steps=1",
+        "optimizer.lr=1e-4",  # the launch script passes the config (--hf_scale_config): its values are the run's
     ]
     command = [
         sys.executable,
