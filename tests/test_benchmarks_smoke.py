@@ -98,8 +98,8 @@ def test_gpu_script_pipeline_runs_on_a_tiny_model_without_gpu(tmp_path):
     GPU-only flags), ZeRO-3 through the generated launch script, and the profile of the fastest variant."""
     data = _ok(
         "gpu.py", tmp_path, "--cpu-smoke", "--variants", "baseline", "torch_packed", "torch_packed_bf16",
-        "hf_scale_best", "hf_scale_zero3", "--steps", "3", "--warmup", "1", "--seq-len", "256", "--budget", "512", "--rows", "64",
-        "--threads", "1", "--profile",
+        "hf_scale_best", "hf_scale_zero3", "--steps", "3", "--warmup", "1", "--seq-len", "256", "--budget", "512",
+        "--rows", "64", "--threads", "1", "--profile",
     )  # fmt: skip
     assert data["status"] == "cpu smoke (not a measurement)"
     rows = data["results"]
