@@ -668,9 +668,11 @@ def generate_into(tmp_path: Path, cfg: DistributedConfig, name: str) -> Path:
 
 
 def script_env(tmp_path: Path) -> dict:
+    from train_helpers import child_env
+
     bin_dir = str(Path(sys.executable).parent)  # the `accelerate` of this interpreter
     return {
-        **os.environ,
+        **child_env(),  # without a rendezvous an in-process test may have left in os.environ
         "TRAIN_SCRIPT": str(tmp_path / "probe.py"),
         "PROBE_OUT": str(tmp_path),
         "PATH": f"{bin_dir}:{os.environ['PATH']}",

@@ -24,8 +24,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# What an in-process test may leave in os.environ: train.py run in process (the bad-input corpus) sets a
+# single-process rendezvous for DeepSpeed and keeps its TCPStore listening on MASTER_PORT; a child launched with
+# that environment would try to listen on the same port (EADDRINUSE). Launchers set these for their children.
+_RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                   "GROUP_RANK", "ROLE_RANK", "ACCELERATE_USE_DEEPSPEED")
+
+
 def child_env(tmp_cache: Path | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {key: value for key, value in os.environ.items() if key not in _RENDEZVOUS_ENV}
     env.update(
         OMP_NUM_THREADS="1",  # 2 cores, 2 ranks
         TOKENIZERS_PARALLELISM="false",
