@@ -419,7 +419,7 @@ def _model_and_data_choices(run: Run):
     model_args = dataclasses.replace(model_args, attn_implementation=attention.resolve(
         model_args.attn_implementation,
         packing=data_args.packing,
-        half_precision=run.spec.precision != "no" or model_args.torch_dtype in ("bfloat16", "float16"),
+        half_precision=run.spec.precision != "no" or rules.is_half_dtype(model_args.torch_dtype),
         announce=run.state.is_main_process,
     ))
     return model_config, model_args, data_args
