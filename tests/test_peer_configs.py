@@ -24,6 +24,7 @@ from hf_scale.cli import main
 from hf_scale.errors import UserError
 from hf_scale.train import distributed, inline_deepspeed
 from hf_scale.train.main import build_parser
+from hf_scale.train.reconcile import filled
 
 CORPUS = Path(__file__).parent / "data" / "peer_configs"
 CASES = yaml.safe_load((CORPUS / "index.yaml").read_text())["cases"]
@@ -101,7 +102,8 @@ def test_train_py_accepts_the_inline_deepspeed_yaml_and_agrees_with_check(case, 
     assert (request.strategy, request.launcher) == ("deepspeed", "accelerate")
     assert request.zero_stage == section["zero_stage"] == inputs.inline_deepspeed["zero_optimization"]["stage"]
     ns, _ = build_parser().parse_known_args(training_args)
-    config, _ = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, training_args)
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, training_args)
+    config, ns = from_yaml.deepspeed, filled(ns, from_yaml.fills)
 
     # What check reads from the file is what train.py trains with: stage, offload, precision, accumulation.
     assert config == inputs.inline_deepspeed
@@ -130,9 +132,10 @@ def test_yaml_values_fill_the_flags_left_unset(monkeypatch):
     _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
     request = distributed.detect_launch(None)
     ns, _ = build_parser().parse_known_args([])
-    config, filled = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    config, ns = from_yaml.deepspeed, filled(ns, from_yaml.fills)
     assert ns.fp16 and not ns.bf16 and config["fp16"]["enabled"] is True
-    assert filled == ["--gradient_accumulation_steps=1", "--fp16"]
+    assert from_yaml.words == ("--gradient_accumulation_steps=1", "--fp16")
 
 
 @pytest.mark.parametrize(
@@ -182,13 +185,14 @@ def test_hf_scale_config_next_to_an_inline_yaml_must_agree_with_it(config, error
     _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
     request = distributed.detect_launch(None)
     ns, _ = build_parser().parse_known_args([])
-    ns.deepspeed, filled = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    ns = filled(ns, from_yaml.fills)
     if error is None:
-        _, deepspeed = apply_hf_scale_config(str(path), request, ns, filled)
+        deepspeed = apply_hf_scale_config(str(path), request, ns, list(from_yaml.words)).deepspeed
         assert deepspeed is ns.deepspeed and deepspeed["zero_optimization"]["stage"] == 3
     else:
         with pytest.raises(UserError, match=error):
-            apply_hf_scale_config(str(path), request, ns, filled)
+            apply_hf_scale_config(str(path), request, ns, list(from_yaml.words))
 
 
 def test_deepspeed_flag_next_to_an_inline_yaml_is_refused_by_train_py_and_check(monkeypatch, tmp_path):
