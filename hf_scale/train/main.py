@@ -505,7 +505,7 @@ def _fit_trainer(run: Run, built: Built) -> Fitted:
         eval_dataset=built.eval_dataset,
         data_collator=built.collator,
         processing_class=built.tokenizer,
-        expected=run.spec.expected,
+        spec=run.spec,
     )
     callback = GuardAndMetricsCallback(trainer, run.spec, built.loaded_partitioned, built.flops_per_token)
     trainer.add_callback(callback)
