@@ -111,7 +111,10 @@ def run_export(args) -> int:
         max_shard_size=args.max_shard_size,
     )
     if target is not None:
-        hub.push_folder(out_dir, target, "--push-to-hub", message=f"hf-scale export of {args.checkpoint_dir}")
+        from hf_scale.train.checkpoint_layout import TRAINING_STATE_GLOBS
+
+        hub.push_folder(out_dir, target, "--push-to-hub", message=f"hf-scale export of {args.checkpoint_dir}",
+                        ignore=TRAINING_STATE_GLOBS)
     return 0
 
 

@@ -28,6 +28,7 @@ from hf_scale.errors import UserError, exit_with_user_error
 from hf_scale.train import (
     attention,
     checkpoint,
+    checkpoint_layout,
     distributed,
     evaluation,
     guard,
@@ -538,7 +539,8 @@ def finish(run: Run, built: Built, fitted: Fitted) -> int:
     # After the group is gone: an upload of a large model outlasts any collective timeout.
     if run.hub_target is not None and report is not None and report["ok"]:
         hub.push_folder(Path(args.output_dir), run.hub_target, "--push_to_hub",
-                        message=f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}")
+                        message=f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}",
+                        ignore=checkpoint_layout.TRAINING_STATE_GLOBS)
     return 0 if report is None or report["ok"] else 1
 
 
