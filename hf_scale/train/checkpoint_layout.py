@@ -8,7 +8,7 @@ writes, seals and publishes).
     OUTPUT_DIR/                              a run directory
       checkpoint-STEP/                       one complete checkpoint (renamed into place when sealed)
         hf_scale_complete.json               the manifest: every file's size and checksum, written last
-        hf_scale_state.json                  step, world size, strategy, loop, position in the data
+        hf_scale_state.json                  step, position in the data, the run spec (world, batch, precision)
         config.json, tokenizer files         what `hf-scale export` rebuilds a Hub directory from
         model.safetensors, optimizer.*       full states (DDP / one process), or
         pytorch_model/ + latest              DeepSpeed ZeRO partitions under accelerate's tag, or
