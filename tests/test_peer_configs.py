@@ -138,6 +138,23 @@ def test_yaml_values_fill_the_flags_left_unset(monkeypatch):
     assert from_yaml.words == ("--gradient_accumulation_steps=1", "--fp16")
 
 
+def test_train_py_prepare_fills_the_yaml_values_into_a_new_namespace(monkeypatch):
+    """train.py's prepare stage under an inline-DeepSpeed YAML: the parsed flags stay as parsed; the run's flags
+    (Launch.flags, a new namespace) hold the YAML's DeepSpeed config, accumulation and precision."""
+    import copy
+
+    from hf_scale.train.main import _parse, _reconcile_with_launcher
+
+    _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
+    parsed, argv, _ = _parse([])
+    before = copy.deepcopy(vars(parsed))
+    launch = _reconcile_with_launcher(parsed, argv)
+    assert vars(parsed) == before and parsed.deepspeed is None and not parsed.fp16
+    flags = launch.flags
+    assert flags.fp16 and not flags.bf16 and flags.gradient_accumulation_steps == 1
+    assert flags.deepspeed is launch.deepspeed_config and flags.deepspeed["zero_optimization"]["stage"] == 3
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
