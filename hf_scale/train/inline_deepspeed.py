@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_scale.errors import UserError
-from hf_scale.rules import flag_given, precision_from_flags
+from hf_scale.rules import PRECISIONS, flag_given, precision_from_flags
 
-PRECISIONS = ("no", "fp16", "bf16")
 _ENV_PREFIX = "ACCELERATE_"
 
 
