@@ -1,5 +1,5 @@
 """The rules of a run, each computed in ONE place and imported wherever it is needed (config, generators,
-`hf-scale check`, train.py's reconcile and guard).
+`hf-scale check`, `plan`, `export`, `doctor`, train.py's reconcile, model loading and guard).
 
 Pure functions and constant tables only: no I/O, and nothing heavier than the standard library is imported,
 so that every layer (the CLI's --help included) can use them.
