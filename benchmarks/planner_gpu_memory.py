@@ -62,7 +62,7 @@ def _plan(gpus: int, seq_len: int, micro_batch: int, smoke: bool = False):
     from hf_scale.planner import Workload, make_plan, model_shapes
 
     shapes = model_shapes(LlamaConfig(**_model_config(smoke)), name="bench-llama-0.85b")
-    workload = Workload(shapes, gpus_per_machine=gpus, machines=1, seq_len=seq_len, micro_batch=micro_batch)
+    workload = Workload(shapes, gpus_per_machine=gpus, num_machines=1, seq_len=seq_len, micro_batch_size=micro_batch)
     return make_plan(workload, gpu_memory=10**15)  # everything "fits": we only want the estimates
 
 

@@ -82,7 +82,7 @@ def planned_model_states(micro_batch: int) -> dict[str, int]:
 
     shapes = model_shapes(LlamaConfig(**common.MEDIUM_LLAMA), name="bench-llama-11.9m")
     workload = Workload(
-        shapes, gpus_per_machine=WORLD, machines=1, seq_len=SEQ_LEN, micro_batch=micro_batch, precision="no"
+        shapes, gpus_per_machine=WORLD, num_machines=1, seq_len=SEQ_LEN, micro_batch_size=micro_batch, precision="no"
     )
     plan = make_plan(workload, gpu_memory=10**15)
     by_key = {a.candidate.key: a.estimate for a in plan.assessments if not a.candidate.activation_checkpointing}

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from hf_scale.errors import UserError
+from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
 
 EPILOG = """\
 examples:
@@ -259,8 +260,8 @@ def _json_object(text: str, where: str) -> dict:
 
 
 def _deepspeed_precision(ds: dict, fallback: str | None) -> str | None:
-    for dtype in ("bf16", "fp16"):
-        if str((ds.get(dtype) or {}).get("enabled")).lower() == "true":
+    for dtype, blocks in DEEPSPEED_PRECISION_BLOCKS.items():
+        if any(str((ds.get(block) or {}).get("enabled")).lower() == "true" for block in blocks):
             return dtype
     return fallback
 

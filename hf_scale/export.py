@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from hf_scale import rules
 from hf_scale.errors import UserError
 
 if TYPE_CHECKING:
     from hf_scale.train.checkpoint_layout import Layout
 
-DTYPES = ("auto", "bf16", "fp16", "fp32")
+DTYPES = rules.DTYPE_CHOICES
 LORA_MODES = ("adapter", "merged")
 
 EPILOG = """\
@@ -68,7 +69,8 @@ def register(subparsers) -> None:
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="weights' dtype; auto (default) = the dtype in the checkpoint's config.json (what training loaded)",
+        help="weights' dtype: bf16|bfloat16, fp16|float16, fp32|float32 (either spelling); auto (default) = the "
+        "dtype in the checkpoint's config.json (what training loaded)",
     )
     parser.add_argument(
         "--lora",
@@ -109,7 +111,10 @@ def run_export(args) -> int:
         max_shard_size=args.max_shard_size,
     )
     if target is not None:
-        hub.push_folder(out_dir, target, "--push-to-hub", message=f"hf-scale export of {args.checkpoint_dir}")
+        from hf_scale.train.checkpoint_layout import TRAINING_STATE_GLOBS
+
+        hub.push_folder(out_dir, target, "--push-to-hub", message=f"hf-scale export of {args.checkpoint_dir}",
+                        ignore=TRAINING_STATE_GLOBS)
     return 0
 
 
@@ -238,12 +243,16 @@ def _validate_shard_size(size: str) -> None:
 def _resolve_dtype(dtype: str, checkpoint_dir: Path):
     import torch
 
-    named = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if dtype != "auto":
-        return named[dtype]
-    config = json.loads((checkpoint_dir / "config.json").read_text())
-    saved = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return getattr(torch, saved) if isinstance(getattr(torch, str(saved), None), torch.dtype) else torch.float32
+    try:
+        name = rules.torch_dtype_name(dtype, "--dtype")
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    if name == rules.AUTO_DTYPE:
+        config = json.loads((checkpoint_dir / "config.json").read_text())
+        saved = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+        name = rules.TORCH_DTYPE_OF.get(saved, saved)  # a saved "bf16" too; any other torch dtype as saved
+    found = getattr(torch, name, None)
+    return found if isinstance(found, torch.dtype) else torch.float32
 
 
 def _find_source(found: Layout) -> Source:

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from hf_scale.errors import UserError
-
-# Never pushed from a training output directory: full training states, unfinished writes, the save
-# check's probe tensors (its JSON report is kept).
-IGNORE_PATTERNS = ["checkpoint-*", ".tmp-*", "*.lock", "hf_scale_verify.pt"]
 
 
 @dataclass(frozen=True)
@@ -68,8 +65,9 @@ def create_repo(target: HubTarget, flag: str) -> str:
     return url.repo_id
 
 
-def push_folder(folder: Path, target: HubTarget, flag: str, *, message: str) -> str:
-    """Upload `folder` (minus IGNORE_PATTERNS) in one commit; returns the commit URL."""
+def push_folder(folder: Path, target: HubTarget, flag: str, *, message: str, ignore: Sequence[str] = ()) -> str:
+    """Upload `folder` in one commit, without the files matching the globs `ignore` (what of a training output
+    directory is not the model: hf_scale.train.checkpoint_layout.TRAINING_STATE_GLOBS); returns the commit URL."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -82,7 +80,7 @@ def push_folder(folder: Path, target: HubTarget, flag: str, *, message: str) -> 
             commit_message=message,
             token=target.token,
             revision=target.revision,
-            ignore_patterns=IGNORE_PATTERNS,
+            ignore_patterns=list(ignore),
         )
     except (HfHubHTTPError, OSError, ValueError) as error:
         raise _hub_error(flag, repo_id, error) from None

@@ -164,12 +164,12 @@ class _State:
 def _precision(state: _State, ds: dict, accelerate: str | None) -> None:
     allowed = set(PRECISIONS)
     fixed_by: list[str] = []
-    for dtype in ("bf16", "fp16"):
-        enabled = _get(ds, f"{dtype}.enabled")
+    for dtype, block in ((d, b) for d, blocks in rules.DEEPSPEED_PRECISION_BLOCKS.items() for b in blocks):
+        enabled = _get(ds, f"{block}.enabled")
         if _concrete(enabled):
             on = str(enabled).lower() == "true"
             allowed &= {p for p in PRECISIONS if (p == dtype) == on}
-            fixed_by.append(f"{state.source} {dtype}.enabled={str(on).lower()}")
+            fixed_by.append(f"{state.source} {block}.enabled={str(on).lower()}")
     if accelerate and accelerate != "no":
         if accelerate not in PRECISIONS:
             state.mismatches.append(

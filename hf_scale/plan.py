@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from hf_scale import rules
 from hf_scale.config import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
 from hf_scale.errors import UserError
 from hf_scale.files import check_output_file, write_text_atomically
@@ -45,7 +46,7 @@ Memory sizes take units B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB
 examples:
   hf-scale plan meta-llama/Llama-3.1-8B --gpus-per-machine 8 --gpu-memory 80GiB --seq-len 4096
   hf-scale plan ./config.json --gpu-memory 24GiB --gpus-per-machine 4 --lora-r 16 --json
-  hf-scale plan ./my-model --machines 2 --cpu-memory 1TiB --plot plan.png --write-config plan.yaml
+  hf-scale plan ./my-model --num-machines 2 --cpu-memory 1TiB --plot plan.png --write-config plan.yaml
   hf-scale generate plan.yaml        # or both at once: hf-scale generate --strategy auto --model MODEL
 
 exit codes: 0 a candidate fits (the recommendation), 1 no candidate fits (the table says why; no config is
@@ -75,17 +76,28 @@ def parse_size(flag: str, text: str) -> int:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Hardware and training flags shared by `plan` and `generate --strategy auto`."""
     group = parser.add_argument_group("planning")
-    group.add_argument("--gpus-per-machine", type=int, default=8, metavar="N", help="GPUs per machine (default 8)")
-    group.add_argument("--machines", type=int, default=1, metavar="N", help="number of machines (default 1)")
+    group.add_argument(
+        "--gpus-per-machine", type=int, default=8, metavar="N",
+        help="GPUs per machine (default 8); the plan runs one process per GPU: the config's "
+        "topology.processes_per_machine",
+    )
+    group.add_argument(
+        "--num-machines", "--machines", dest="num_machines", type=int, default=1, metavar="N",
+        help="number of machines: the config's topology.num_machines (default 1)",
+    )
     group.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="memory of one GPU (default 80GiB)")
     group.add_argument(
         "--cpu-memory", metavar="SIZE", help="CPU RAM per machine, checked for offload (default: not checked)"
     )
     group.add_argument("--seq-len", type=int, default=4096, metavar="TOKENS", help="sequence length (default 4096)")
-    group.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int, default=1, metavar="N",
+    group.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch_size", type=int, default=1, metavar="N",
                        help="sequences per GPU per forward pass: the config's batch.micro_batch_size, train.py's "
                        "--per_device_train_batch_size (default 1)")
-    group.add_argument("--precision", choices=("no", "fp16", "bf16"), default="bf16", help="default bf16")
+    group.add_argument(
+        "--precision", choices=rules.PRECISION_CHOICES, default="bf16", metavar="PRECISION",
+        help="the config's precision: no | bf16 | fp16, or a dtype in either spelling (bfloat16 = bf16, float16 = "
+        "fp16, fp32 = float32 = no); default bf16",
+    )
     group.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw", help="default adamw")
     group.add_argument("--lora-r", type=int, metavar="R", help="LoRA rank (frozen base); default: full fine-tune")
     group.add_argument(
@@ -119,9 +131,9 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
     """Validate the flags (one-line UserError each) and plan."""
     for flag, value, bound in (
         ("--gpus-per-machine", args.gpus_per_machine, MAX_PROCESSES_PER_MACHINE),
-        ("--machines", args.machines, MAX_MACHINES),
+        ("--num-machines", args.num_machines, MAX_MACHINES),
         ("--seq-len", args.seq_len, MAX_SEQ_LEN),
-        ("--micro-batch-size", args.micro_batch, MAX_BATCH),
+        ("--micro-batch-size", args.micro_batch_size, MAX_BATCH),
     ):
         if not 0 < value <= bound:
             raise UserError(f"{flag} {value} is invalid: allowed an integer from 1 to {bound}")
@@ -139,10 +151,10 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
     workload = Workload(
         shapes=model_shapes(model),
         gpus_per_machine=args.gpus_per_machine,
-        machines=args.machines,
+        num_machines=args.num_machines,
         seq_len=args.seq_len,
-        micro_batch=args.micro_batch,
-        precision=args.precision,
+        micro_batch_size=args.micro_batch_size,
+        precision=rules.precision_of(args.precision, "--precision"),
         optimizer=args.optimizer,
         lora_r=args.lora_r,
     )

@@ -1,5 +1,5 @@
 """The rules of a run, each computed in ONE place and imported wherever it is needed (config, generators,
-`hf-scale check`, train.py's reconcile and guard).
+`hf-scale check`, `plan`, `export`, `doctor`, train.py's reconcile, model loading and guard).
 
 Pure functions and constant tables only: no I/O, and nothing heavier than the standard library is imported,
 so that every layer (the CLI's --help included) can use them.
@@ -42,6 +42,56 @@ def precision_from_flags(bf16: bool, fp16: bool) -> str:
     if bf16 and fp16:
         raise ValueError(BOTH_PRECISIONS)
     return "bf16" if bf16 else "fp16" if fp16 else "no"
+
+
+# --------------------------------------------------------------------------------------------------
+# Dtype spellings
+# --------------------------------------------------------------------------------------------------
+
+# One floating-point format has two spellings: the short one of the config's `precision`, accelerate's
+# `mixed_precision` and DeepSpeed's JSON blocks (bf16, fp16, fp32), and torch's name, which transformers'
+# `dtype` and train.py's `--torch_dtype` use (bfloat16, float16, float32). Every command that names a dtype
+# accepts both and maps them with this one table (rules stay torch-free: `getattr(torch, name)` at the edge).
+TORCH_DTYPE_OF = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
+"""Every accepted dtype spelling -> torch's name of the dtype."""
+AUTO_DTYPE = "auto"
+DTYPE_CHOICES = (AUTO_DTYPE, *TORCH_DTYPE_OF)
+"""What `hf-scale export --dtype` and train.py's `--torch_dtype` take: auto (the checkpoint's own dtype) or
+either spelling."""
+PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}
+"""torch's name -> the `precision` (mixed precision) that computes in it; fp32 is precision "no"."""
+PRECISION_CHOICES = (*PRECISIONS, *(s for s in TORCH_DTYPE_OF if s not in PRECISIONS))
+"""What `hf-scale plan --precision` takes: the config's no | bf16 | fp16, or a dtype in either spelling."""
+DEEPSPEED_PRECISION_BLOCKS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16",)}
+"""The DeepSpeed JSON blocks that switch on each precision (deepspeed/runtime/constants.py: BFLOAT16 = "bf16"
+and the older BFLOAT16_OLD = "bfloat16", which DeepSpeed still reads)."""
+
+
+def torch_dtype_name(spelling: str, what: str, allowed: Sequence[str] = DTYPE_CHOICES) -> str:
+    """torch's name of the dtype spelled ``spelling`` ("auto" stays "auto"). Anything else is a ValueError, one
+    line naming ``what`` (the flag), the value and every allowed spelling."""
+    if spelling not in allowed:
+        raise ValueError(f"{what} {spelling!r} is invalid: allowed {', '.join(allowed)}")
+    return spelling if spelling == AUTO_DTYPE else TORCH_DTYPE_OF[spelling]
+
+
+def precision_of(spelling: str, what: str) -> str:
+    """The `precision` (no | bf16 | fp16) a precision or dtype spelling asks for, e.g. bfloat16 -> bf16."""
+    if spelling in PRECISIONS:
+        return spelling
+    return PRECISION_OF_DTYPE[torch_dtype_name(spelling, what, PRECISION_CHOICES)]
+
+
+def is_half_dtype(spelling: str) -> bool:
+    """Whether a dtype spelling names a 16-bit float (bf16/bfloat16, fp16/float16)."""
+    return TORCH_DTYPE_OF.get(spelling) in ("bfloat16", "float16")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -188,7 +188,7 @@ def test_a_flag_contradicting_the_hf_scale_config_is_an_error_with_train_py_mess
     assert finding["where"] == "hf_scale_configs/zero3.yaml:batch.micro_batch_size"
     # train.py's own sentence (the same function fills its flags and stops on it).
     (said,) = fill_flags_from_config(load_config(REPO / "hf_scale_configs/zero3.yaml"),
-                                     build_parser().parse_args(flags), flags, "--hf_scale_config=x")
+                                     build_parser().parse_args(flags), flags, "--hf_scale_config=x").contradictions
     assert said.endswith("batch.micro_batch_size=1 but --per_device_train_batch_size=4")
     assert finding["problem"].startswith(said.removeprefix("--hf_scale_config=x: "))
     assert "--per_device_train_batch_size" in finding["fix"] and "zero3.yaml" in finding["fix"]

@@ -200,3 +200,20 @@ def test_export_refuses_each_kind_that_is_not_a_complete_checkpoint_in_one_line(
     _checkpoint(run, 3, {"latest": "global_step9", "config.json": "{}"})
     assert _export_error(run / "checkpoint-3", tmp_path) == (
         f"CHECKPOINT_DIR {run / 'checkpoint-3'}: 'latest' names global_step9, which is not a directory in it")
+
+
+def test_a_push_of_the_run_directory_leaves_out_exactly_the_training_state():
+    """hf_scale.hub uploads OUTPUT_DIR without TRAINING_STATE_GLOBS, matched the way huggingface_hub's
+    upload_folder matches them (filter_repo_objects on the files' relative paths)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from hf_scale.train import output_lock
+    from hf_scale.train.save import REPORT_FILE
+
+    state = [f"{layout.checkpoint_name(2)}/{layout.MODEL_WEIGHTS}", f"{layout.checkpoint_name(2)}/{layout.MANIFEST}",
+             f"{layout.checkpoint_name(1)}.kept-1/{layout.MODEL_WEIGHTS}", f"{layout.TMP_PREFIX}3/{layout.STATE}",
+             f"{layout.TMP_PREFIX}universal-2/x", output_lock.LOCK_FILE]
+    model = [layout.MODEL_CONFIG, layout.MODEL_WEIGHTS, "tokenizer.json", REPORT_FILE, "train_summary.json",
+             "metrics.jsonl"]
+    kept = list(filter_repo_objects([*state, *model], ignore_patterns=list(layout.TRAINING_STATE_GLOBS)))
+    assert kept == model

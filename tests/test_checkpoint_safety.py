@@ -316,3 +316,9 @@ def test_checksums_are_in_every_manifest_of_both_loops(two_step_runs):
         manifest = json.loads((two_step_runs[loop] / "checkpoint-2" / checkpoint_layout.MANIFEST).read_text())
         assert manifest["files"] and all(integrity.HASH_NAME in entry for entry in manifest["files"].values())
         assert checkpoint.verify(two_step_runs[loop] / "checkpoint-2", ONE_PROCESS) is None
+        # Both savers write hf_scale_state.json from the run spec (one process, train.py's default batch flags).
+        state = checkpoint.read_state(two_step_runs[loop] / "checkpoint-2")
+        assert {k: state[k] for k in ("step", "loop", "world_size", "micro_batch_size", "gradient_accumulation_steps",
+                                      "global_batch_size", "precision", "seed", "data_seed")} == {
+            "step": 2, "loop": loop, "world_size": 1, "micro_batch_size": 8, "gradient_accumulation_steps": 1,
+            "global_batch_size": 8, "precision": "no", "seed": 42, "data_seed": 42}

@@ -14,8 +14,6 @@ with FSDP_MODEL_NAME = "pytorch_model_fsdp" (accelerate/utils/constants.py).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_scale import cli
 from hf_scale.train import checkpoint, checkpoint_layout
 from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.run_spec import RunSpec
 
 STEP = 4
 
@@ -83,10 +82,11 @@ def _checkpoint(root, model, write_weights, accelerator, loop: str):
     path.mkdir(parents=True)
     write_weights(model, path, accelerator)
     checkpoint.write_model_files(path, model, AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR))
-    expected = SimpleNamespace(strategy="fsdp", zero_stage=None)
-    args = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1)
+    spec = RunSpec(launcher="accelerate", strategy="fsdp", world_size=2, loop=loop, micro_batch_size=1,
+                   gradient_accumulation_steps=1, global_batch_size=2, precision="no", seed=42, data_seed=42,
+                   packing=False)
     position = {"epoch": 0, "samples_consumed_in_epoch": 8} if loop == "accelerate" else {}
-    checkpoint.write_state(path, step=STEP, loop=loop, world_size=2, expected=expected, args=args, **position)
+    checkpoint.write_state(path, step=STEP, spec=spec, **position)
     checkpoint.write_manifest(path, STEP)
     return path
 

@@ -35,6 +35,18 @@ def test_a_bf16_preset_without_flags_runs_in_bf16():
     assert result.followed == {"bf16": "ds.json bf16.enabled=true and ds.json fp16.enabled=false"}
 
 
+def test_deepspeeds_older_bfloat16_block_counts_as_bf16():
+    """DeepSpeed still reads `"bfloat16": {"enabled": true}` (its BFLOAT16_OLD): followed as bf16, by doctor too
+    (hf_scale.rules.DEEPSPEED_PRECISION_BLOCKS)."""
+    from hf_scale.doctor import _deepspeed_precision
+
+    ds = {"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    result = run(ds)
+    assert result.mismatches == [] and result.values.bf16 and not result.values.fp16
+    assert result.followed == {"bf16": "ds.json bfloat16.enabled=true"}
+    assert _deepspeed_precision(ds, None) == "bf16"
+
+
 def test_an_explicit_conflicting_precision_flag_is_one_mismatch():
     result = run(preset_json("zero2"), given={"fp16"}, fp16=True)
     assert result.mismatches == [

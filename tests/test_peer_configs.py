@@ -24,6 +24,7 @@ from hf_scale.cli import main
 from hf_scale.errors import UserError
 from hf_scale.train import distributed, inline_deepspeed
 from hf_scale.train.main import build_parser
+from hf_scale.train.reconcile import filled
 
 CORPUS = Path(__file__).parent / "data" / "peer_configs"
 CASES = yaml.safe_load((CORPUS / "index.yaml").read_text())["cases"]
@@ -101,7 +102,8 @@ def test_train_py_accepts_the_inline_deepspeed_yaml_and_agrees_with_check(case, 
     assert (request.strategy, request.launcher) == ("deepspeed", "accelerate")
     assert request.zero_stage == section["zero_stage"] == inputs.inline_deepspeed["zero_optimization"]["stage"]
     ns, _ = build_parser().parse_known_args(training_args)
-    config, _ = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, training_args)
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, training_args)
+    config, ns = from_yaml.deepspeed, filled(ns, from_yaml.fills)
 
     # What check reads from the file is what train.py trains with: stage, offload, precision, accumulation.
     assert config == inputs.inline_deepspeed
@@ -130,9 +132,27 @@ def test_yaml_values_fill_the_flags_left_unset(monkeypatch):
     _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
     request = distributed.detect_launch(None)
     ns, _ = build_parser().parse_known_args([])
-    config, filled = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    config, ns = from_yaml.deepspeed, filled(ns, from_yaml.fills)
     assert ns.fp16 and not ns.bf16 and config["fp16"]["enabled"] is True
-    assert filled == ["--gradient_accumulation_steps=1", "--fp16"]
+    assert from_yaml.words == ("--gradient_accumulation_steps=1", "--fp16")
+
+
+def test_train_py_prepare_fills_the_yaml_values_into_a_new_namespace(monkeypatch):
+    """train.py's prepare stage under an inline-DeepSpeed YAML: the parsed flags stay as parsed; the run's flags
+    (Launch.flags, a new namespace) hold the YAML's DeepSpeed config, accumulation and precision."""
+    import copy
+
+    from hf_scale.train.main import _parse, _reconcile_with_launcher
+
+    _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
+    parsed, argv, _ = _parse([])
+    before = copy.deepcopy(vars(parsed))
+    launch = _reconcile_with_launcher(parsed, argv)
+    assert vars(parsed) == before and parsed.deepspeed is None and not parsed.fp16
+    flags = launch.flags
+    assert flags.fp16 and not flags.bf16 and flags.gradient_accumulation_steps == 1
+    assert flags.deepspeed is launch.deepspeed_config and flags.deepspeed["zero_optimization"]["stage"] == 3
 
 
 @pytest.mark.parametrize(
@@ -182,13 +202,14 @@ def test_hf_scale_config_next_to_an_inline_yaml_must_agree_with_it(config, error
     _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
     request = distributed.detect_launch(None)
     ns, _ = build_parser().parse_known_args([])
-    ns.deepspeed, filled = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    ns = filled(ns, from_yaml.fills)
     if error is None:
-        _, deepspeed = apply_hf_scale_config(str(path), request, ns, filled)
+        deepspeed = apply_hf_scale_config(str(path), request, ns, list(from_yaml.words)).deepspeed
         assert deepspeed is ns.deepspeed and deepspeed["zero_optimization"]["stage"] == 3
     else:
         with pytest.raises(UserError, match=error):
-            apply_hf_scale_config(str(path), request, ns, filled)
+            apply_hf_scale_config(str(path), request, ns, list(from_yaml.words))
 
 
 def test_deepspeed_flag_next_to_an_inline_yaml_is_refused_by_train_py_and_check(monkeypatch, tmp_path):

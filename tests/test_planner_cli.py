@@ -54,11 +54,29 @@ def test_plan_json_has_byte_breakdowns_that_add_up(llama8b, capsys):
         parts = {k: v for k, v in c["bytes_per_gpu"].items() if k != "total"}
         assert sum(parts.values()) == c["bytes_per_gpu"]["total"]
     assert data["recommended"] == "zero2"
+    # The workload's keys are the config's field names, with the same values in the recommended config.
+    workload, config = data["workload"], data["recommended_config"]
+    assert workload["num_machines"] == config["topology"]["num_machines"] == 1
+    assert workload["micro_batch_size"] == config["batch"]["micro_batch_size"] == 1
+    assert workload["gpus_per_machine"] == config["topology"]["processes_per_machine"] == 8
+
+
+def test_older_flag_spellings_and_torch_dtype_names_plan_the_same(llama8b, capsys):
+    """--machines is an alias of --num-machines, --micro-batch of --micro-batch-size, and --precision takes a
+    dtype in either spelling (hf_scale.rules): each pair gives the same JSON."""
+    def plan_json(*flags):
+        assert main(["plan", llama8b, "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    new = plan_json("--num-machines", "2", "--micro-batch-size", "2", "--precision", "bf16")
+    assert new == plan_json("--machines", "2", "--micro-batch", "2", "--precision", "bfloat16")
+    assert new["workload"]["num_machines"] == 2 and new["workload"]["micro_batch_size"] == 2
+    assert plan_json("--precision", "float32") == plan_json("--precision", "no")
 
 
 def test_write_config_and_plot_write_a_loadable_config_and_a_png(llama8b, tmp_path, capsys):
     config, png = tmp_path / "out" / "plan.yaml", tmp_path / "plan.png"
-    main(["plan", llama8b, "--machines", "2", "--write-config", str(config), "--plot", str(png)])
+    main(["plan", llama8b, "--num-machines", "2", "--write-config", str(config), "--plot", str(png)])
     cfg = load_config(config)
     assert cfg.world_size == 16 and cfg.topology.num_machines == 2
     # 16 GPUs shard the optimizer states thinly enough for ZeRO-1 (ZeRO-2 on one machine, see above).
@@ -86,7 +104,8 @@ def test_generate_strategy_auto_writes_a_deepspeed_config_when_sharding_is_neede
 
 BAD = [
     (["plan", TINY, "--gpus-per-machine", "0"], "--gpus-per-machine 0 is invalid: allowed an integer from 1 to 1024"),
-    (["plan", TINY, "--machines", "-1"], "--machines -1 is invalid"),
+    (["plan", TINY, "--num-machines", "-1"], "--num-machines -1 is invalid"),
+    (["plan", TINY, "--machines", "-1"], "--num-machines -1 is invalid"),  # the older spelling, an alias
     (["plan", TINY, "--gpu-memory", "80XB"], "--gpu-memory '80XB' is invalid: expected a positive number"),
     (["plan", TINY, "--cpu-memory", "lots"], "--cpu-memory 'lots' is invalid"),
     (["plan", TINY, "--seq-len", "0"], "--seq-len 0 is invalid"),

@@ -29,7 +29,7 @@ def test_model_states_equal_what_the_deepspeed_engine_holds_on_each_rank(stage, 
     )
     assert done.returncode == 0, done.stderr[-3000:]
 
-    workload = Workload(shapes, gpus_per_machine=2, machines=1, seq_len=16, micro_batch=1, precision="no")
+    workload = Workload(shapes, gpus_per_machine=2, num_machines=1, seq_len=16, micro_batch_size=1, precision="no")
     predicted = estimate(workload, Candidate(f"zero{stage}", "", "deepspeed", zero_stage=stage))
     for rank in (0, 1):
         held = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -36,7 +36,7 @@ def llama8b():
 
 
 def workload(shapes, **overrides):
-    values = dict(gpus_per_machine=8, machines=1, seq_len=4096, micro_batch=1)
+    values = dict(gpus_per_machine=8, num_machines=1, seq_len=4096, micro_batch_size=1)
     return Workload(shapes, **{**values, **overrides})
 
 
@@ -138,7 +138,7 @@ def test_activation_checkpointing_keeps_only_layer_inputs(llama8b):
     # Llama-3.1-8B, bf16: 2(4+2)h + 2(2h + 2kv) + 8i = 184,320 bytes per token per layer.
     assert full == (32 * 184_320 + 6 * 4096) * 4096
     assert checkpointed == (32 * 2 * 4096 + 184_320) * 4096
-    doubled = workload(llama8b, micro_batch=2)
+    doubled = workload(llama8b, micro_batch_size=2)
     assert activation_bytes(doubled, checkpointing=False) == 2 * full
 
 

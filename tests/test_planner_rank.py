@@ -27,7 +27,7 @@ def shapes():
 
 
 def plan(shapes, name, *, machines=1, cpu=None, **workload):
-    w = Workload(shapes[name], gpus_per_machine=8, machines=machines, seq_len=4096, micro_batch=1, **workload)
+    w = Workload(shapes[name], gpus_per_machine=8, num_machines=machines, seq_len=4096, micro_batch_size=1, **workload)
     return make_plan(w, gpu_memory=80 * GIB, cpu_memory=cpu)
 
 

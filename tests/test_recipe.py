@@ -28,11 +28,10 @@ def _write(path, data) -> str:
 
 
 def _parse(argv: list[str]):
-    parser = build_parser()
-    expanded, path = expand_recipe(parser, argv)
-    ns, unknown = parser.parse_known_args(expanded)
-    assert not unknown
-    return ns, expanded, path
+    """train.py's own parsing: the recipe expanded, one spelling of activation checkpointing."""
+    from hf_scale.train.main import _parse as parse_train_flags
+
+    return parse_train_flags(argv)
 
 
 RECIPE = {

@@ -13,7 +13,7 @@ import yaml
 from hf_scale.errors import UserError
 from hf_scale.train.distributed import LaunchRequest
 from hf_scale.train.main import build_parser
-from hf_scale.train.reconcile import apply_hf_scale_config, checkpointing_flag, typed_flags
+from hf_scale.train.reconcile import apply_hf_scale_config, checkpointing_flag, filled, typed_flags
 
 # Non-default values everywhere (the defaults would hide a field that is never applied).
 CONFIG = {
@@ -57,8 +57,8 @@ def _apply(tmp_path, argv: list[str], config: dict = CONFIG, request: LaunchRequ
     argv = ["--hf_scale_config", str(path), *argv]
     ns, unknown = build_parser().parse_known_args(argv)
     assert not unknown
-    request, deepspeed = apply_hf_scale_config(str(path), request or _request(), ns, argv)
-    return ns, request, deepspeed
+    result = apply_hf_scale_config(str(path), request or _request(), ns, argv)
+    return filled(ns, result.fills), result.request, result.deepspeed
 
 
 def test_every_field_fills_the_flag_left_unset(tmp_path):
@@ -200,7 +200,7 @@ def test_a_resolved_deepspeed_json_agrees_with_the_flags_or_is_refused_in_one_li
             follow_launcher_config(ns, typed_flags(ns, []), request, ds_config)
         assert "\n" not in str(refused.value)
         return
-    follow_launcher_config(ns, typed_flags(ns, []), request, ds_config)
+    ns = filled(ns, follow_launcher_config(ns, typed_flags(ns, []), request, ds_config))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, fp16=False,
@@ -247,3 +247,47 @@ def test_fsdp_activation_checkpointing_must_be_what_the_fsdp_plugin_applies(laun
         return
     ns, _, _ = _apply(tmp_path, ["--loop", "accelerate"], FSDP_AC, request=request)
     assert _value(ns, "gradient_checkpointing") is False  # the plugin checkpoints the layers, the model's own stays off
+
+
+def test_reconciling_returns_fills_and_never_changes_the_parsed_namespace(tmp_path):
+    """Each step reads train.py's parsed flags and returns the values to fill; the namespace it was given stays as
+    it is (hf_scale.train.reconcile is pure), the filled flags are a new namespace."""
+    import copy
+
+    from hf_scale.train.reconcile import checkpointing_spelling, follow_launcher_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "strategy": "deepspeed", "deepspeed": {"zero_stage": 2}}))
+    argv = ["--hf_scale_config", str(path), "--gradient_checkpointing", "--warmup_steps", "2"]
+    ns, _ = build_parser().parse_known_args(argv)
+    before = copy.deepcopy(vars(ns))
+    spelling = checkpointing_spelling(ns)
+    assert spelling == {"activation_checkpointing": True, "gradient_checkpointing": None,
+                        "gradient_checkpointing_kwargs": None}
+    result = apply_hf_scale_config(str(path), _request(strategy="ddp"), ns, argv)
+    assert vars(ns) == before
+    assert {k: result.fills[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16")} == {
+        "per_device_train_batch_size": 1, "gradient_accumulation_steps": 3, "bf16": False}
+    assert result.deepspeed["zero_optimization"]["stage"] == 2 and result.request.strategy == "deepspeed"
+    flags = filled(ns, result.fills)
+    assert flags is not ns and vars(ns) == before and flags.adam_beta1 == 0.85
+    followed = follow_launcher_config(flags, typed_flags(flags, argv), result.request, result.deepspeed)
+    assert followed == {} and vars(ns) == before and vars(flags) == {**before, **result.fills}
+
+
+def test_train_py_prepare_builds_the_run_flags_as_a_new_namespace(tmp_path, monkeypatch):
+    """train.py's prepare stage: the parsed flags stay as parsed, Launch.flags holds them with every fill."""
+    import copy
+
+    from hf_scale.train.main import _parse, _reconcile_with_launcher
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "strategy": "single", "topology": {"processes_per_machine": 1}}))
+    parsed, argv, _ = _parse(["--hf_scale_config", str(path), "--warmup_ratio", "0.1"])
+    before = copy.deepcopy(vars(parsed))
+    launch = _reconcile_with_launcher(parsed, argv)
+    assert vars(parsed) == before
+    assert launch.flags is not parsed and launch.flags.warmup_steps == 0.1 and launch.flags.learning_rate == 3e-4
+    assert (launch.flags.per_device_train_batch_size, launch.flags.gradient_accumulation_steps) == (1, 3)

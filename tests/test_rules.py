@@ -83,6 +83,73 @@ def test_both_precisions_are_refused_in_one_place(tmp_path):
         TrainingArguments(output_dir=str(tmp_path), bf16=True, fp16=True, use_cpu=True, report_to=[])
 
 
+# ---- Dtype spellings -----------------------------------------------------------------------------------------
+
+
+def test_every_dtype_spelling_names_a_torch_dtype_and_both_spellings_agree():
+    import torch
+
+    for spelling, name in rules.TORCH_DTYPE_OF.items():
+        assert isinstance(getattr(torch, name), torch.dtype), spelling
+        assert rules.TORCH_DTYPE_OF[name] == name  # torch's own spelling maps to itself
+    assert {rules.torch_dtype_name(s, "--x") for s in ("bf16", "bfloat16")} == {"bfloat16"}
+    assert {rules.torch_dtype_name(s, "--x") for s in ("fp16", "float16")} == {"float16"}
+    assert {rules.torch_dtype_name(s, "--x") for s in ("fp32", "float32")} == {"float32"}
+    assert rules.torch_dtype_name("auto", "--x") == "auto"
+    # The short spellings are the precisions of the config / accelerate (fp32 is precision "no").
+    assert [rules.precision_of(s, "--precision") for s in ("bfloat16", "bf16", "float16", "fp32", "float32", "no")] == [
+        "bf16", "bf16", "fp16", "no", "no", "no"]
+    assert [s for s in rules.TORCH_DTYPE_OF if rules.is_half_dtype(s)] == ["bf16", "bfloat16", "fp16", "float16"]
+
+
+def test_an_unknown_dtype_is_one_line_naming_every_allowed_spelling():
+    with pytest.raises(ValueError) as error:
+        rules.torch_dtype_name("float8", "--dtype")
+    assert str(error.value) == "--dtype 'float8' is invalid: allowed auto, bf16, bfloat16, fp16, float16, fp32, float32"
+    with pytest.raises(ValueError, match="--precision 'auto' is invalid: allowed no, bf16, fp16, bfloat16"):
+        rules.precision_of("auto", "--precision")
+
+
+def test_every_command_takes_the_dtype_spellings_of_the_one_table(train_py_parser):
+    """train.py's --torch_dtype, export's --dtype and plan's --precision offer exactly the table's spellings, and
+    what they load is the table's torch dtype."""
+    import argparse
+
+    import torch
+
+    from hf_scale.export import register as register_export
+    from hf_scale.plan import add_plan_arguments
+    from hf_scale.train.model import load_dtype
+
+    assert tuple(train_py_parser._option_string_actions["--torch_dtype"].choices) == rules.DTYPE_CHOICES
+    export_parser = argparse.ArgumentParser()
+    register_export(export_parser.add_subparsers())
+    export_sub = export_parser._subparsers._group_actions[0].choices["export"]
+    assert tuple(export_sub._option_string_actions["--dtype"].choices) == rules.DTYPE_CHOICES
+    plan_parser = argparse.ArgumentParser()
+    add_plan_arguments(plan_parser)
+    assert tuple(plan_parser._option_string_actions["--precision"].choices) == rules.PRECISION_CHOICES
+    assert [load_dtype(s) for s in ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "auto")] == [
+        torch.bfloat16, torch.bfloat16, torch.float16, torch.float16, torch.float32, torch.float32, "auto"]
+
+
+def test_export_resolves_either_spelling_and_a_saved_dtype_through_the_table(tmp_path):
+    import json
+
+    import torch
+
+    from hf_scale.errors import UserError
+    from hf_scale.export import _resolve_dtype
+
+    assert _resolve_dtype("bfloat16", tmp_path) is _resolve_dtype("bf16", tmp_path) is torch.bfloat16
+    for saved, dtype in (("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float64", torch.float64),
+                         ("nonsense", torch.float32)):
+        (tmp_path / "config.json").write_text(json.dumps({"dtype": saved}))
+        assert _resolve_dtype("auto", tmp_path) is dtype, saved
+    with pytest.raises(UserError, match="^--dtype 'fp8' is invalid: allowed auto, bf16, bfloat16, "):
+        _resolve_dtype("fp8", tmp_path)
+
+
 # ---- DeepSpeed keys ------------------------------------------------------------------------------------------
 
 

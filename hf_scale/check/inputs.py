@@ -182,7 +182,7 @@ def _apply_hf_scale_config(namespace: Any, argv: list[str], cwd: Path) -> _Train
     """``--hf_scale_config FILE`` fills the flags as train.py fills them (the same function,
     hf_scale.train.reconcile.fill_flags_from_config); the filled flags then count as typed, as in train.py."""
     from hf_scale.config import load_config
-    from hf_scale.train.reconcile import FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag, fill_flags_from_config
+    from hf_scale.train.reconcile import FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag, fill_flags_from_config, filled
 
     written = namespace.hf_scale_config
     path = Path(written).expanduser()
@@ -190,10 +190,11 @@ def _apply_hf_scale_config(namespace: Any, argv: list[str], cwd: Path) -> _Train
         config = load_config(path if path.is_absolute() else cwd / path)
     except UserError as error:
         raise UserError(f"training args: --hf_scale_config {written}: {error}") from None
-    contradictions = fill_flags_from_config(config, namespace, argv, f"--hf_scale_config={written}")
+    from_config = fill_flags_from_config(config, namespace, argv, f"--hf_scale_config={written}")
+    namespace = filled(namespace, from_config.fills)
     fixed = (*FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag(namespace))
-    filled = [f"--{name}={getattr(namespace, name)}" for name in fixed if not flag_given(argv, name)]
-    return _TrainingArgs(vars(namespace), (*argv, *filled), written, tuple(contradictions), config)
+    words = [f"--{name}={getattr(namespace, name)}" for name in fixed if not flag_given(argv, name)]
+    return _TrainingArgs(vars(namespace), (*argv, *words), written, from_config.contradictions, config)
 
 
 @contextlib.contextmanager

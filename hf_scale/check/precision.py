@@ -19,7 +19,7 @@ from hf_scale.check.findings import (
     in_file,
 )
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
-from hf_scale.rules import flag_given
+from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS, flag_given
 
 
 def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source]]:
@@ -34,7 +34,7 @@ def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source
         given = "--" + "/--".join(flags) if flags else "--bf16/--fp16 " + ("false" if typed else "(not given)")
         wanted.append(Source(TRAINING_ARGS, given, flags[0] if len(flags) == 1 else "no"))
     explicit = {}
-    for dtype, block in (("fp16", "fp16"), ("bf16", "bf16"), ("bf16", "bfloat16")):
+    for dtype, block in ((d, b) for d, blocks in DEEPSPEED_PRECISION_BLOCKS.items() for b in blocks):
         enabled = get_path(inp.deepspeed, f"{block}.enabled", None)
         if isinstance(enabled, bool):
             explicit[dtype] = Source(inp.deepspeed_file or "", f"{block}.enabled", enabled)

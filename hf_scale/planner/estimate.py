@@ -72,9 +72,9 @@ class Workload:
 
     shapes: ModelShapes
     gpus_per_machine: int
-    machines: int
+    num_machines: int
     seq_len: int
-    micro_batch: int
+    micro_batch_size: int
     precision: Precision = "bf16"
     optimizer: OptimizerName = "adamw"
     lora_r: int | None = None
@@ -85,12 +85,12 @@ class Workload:
 
     @property
     def world_size(self) -> int:
-        return self.gpus_per_machine * self.machines
+        return self.gpus_per_machine * self.num_machines
 
     @property
     def tokens(self) -> int:
         """Tokens per micro-batch on one GPU."""
-        return self.micro_batch * self.seq_len
+        return self.micro_batch_size * self.seq_len
 
     @property
     def weight_bytes(self) -> int:
@@ -136,7 +136,7 @@ class Estimate:
 
 
 def activation_bytes(w: Workload, *, checkpointing: bool) -> int:
-    """Activations saved for backward on one GPU for one micro-batch (t = micro_batch x seq_len tokens).
+    """Activations saved for backward on one GPU for one micro-batch (t = micro_batch_size x seq_len tokens).
 
     Per decoder layer and token, with h = hidden, i = intermediate, kv = num_key_value_heads x head_dim,
     a = bytes of the compute dtype (2 under bf16/fp16, 4 in fp32), Llama layers as transformers runs them:

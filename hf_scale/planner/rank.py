@@ -105,7 +105,7 @@ def candidates(w: Workload, activation_checkpointing: str) -> list[Candidate]:
     choices = {"on": [True], "off": [False], "auto": [False, True]}[activation_checkpointing]
     out = []
     for base in _BASE:
-        if base.hybrid and (w.machines < 2 or w.gpus_per_machine < 2):
+        if base.hybrid and (w.num_machines < 2 or w.gpus_per_machine < 2):
             continue  # hybrid needs a shard group inside each machine and more than one machine
         for ac in choices:
             out.append(replace(base, activation_checkpointing=ac))
@@ -114,7 +114,7 @@ def candidates(w: Workload, activation_checkpointing: str) -> list[Candidate]:
 
 def speed(w: Workload, c: Candidate) -> float:
     score = BASE_SPEED[c.key]
-    if w.machines > 1 and (c.zero_stage == 3 or (c.engine == "fsdp" and not c.hybrid)):
+    if w.num_machines > 1 and (c.zero_stage == 3 or (c.engine == "fsdp" and not c.hybrid)):
         score *= CROSS_MACHINE_SHARDING_SPEED
     if c.activation_checkpointing:
         score *= ACTIVATION_CHECKPOINTING_SPEED
@@ -157,13 +157,13 @@ def gib(n: int) -> str:
 def distributed_config(plan: Plan, assessment: Assessment) -> DistributedConfig:
     """The DistributedConfig that runs ``assessment`` on the plan's topology (validated)."""
     w, c = plan.workload, assessment.candidate
-    topology: dict = {"num_machines": w.machines, "processes_per_machine": w.gpus_per_machine}
-    if w.machines > 1:
+    topology: dict = {"num_machines": w.num_machines, "processes_per_machine": w.gpus_per_machine}
+    if w.num_machines > 1:
         topology["main_process_ip"] = PLACEHOLDER_MAIN_IP
     data: dict = {
         "precision": w.precision,
         "activation_checkpointing": c.activation_checkpointing,
-        "batch": {"micro_batch_size": w.micro_batch},
+        "batch": {"micro_batch_size": w.micro_batch_size},
         "topology": topology,
     }
     if c.engine == "ddp":

@@ -23,8 +23,8 @@ def _workload_line(plan: Plan) -> str:
     tuning = f"LoRA r={w.lora_r} ({w.trainable_params:,} trainable)" if w.lora_r else "full fine-tune"
     return (
         f"{s.name}: {s.total_params:,} parameters ({s.model_type}, {s.num_layers} x {s.decoder_layer_class}), "
-        f"{tuning}, {w.optimizer}, precision {w.precision}, micro-batch {w.micro_batch} x {w.seq_len} tokens\n"
-        f"hardware: {w.machines} machine(s) x {w.gpus_per_machine} GPU(s) x {gib(plan.gpu_memory)}"
+        f"{tuning}, {w.optimizer}, precision {w.precision}, micro-batch {w.micro_batch_size} x {w.seq_len} tokens\n"
+        f"hardware: {w.num_machines} machine(s) x {w.gpus_per_machine} GPU(s) x {gib(plan.gpu_memory)}"
         + (f", {gib(plan.cpu_memory)} CPU RAM per machine" if plan.cpu_memory is not None else ", CPU RAM not checked")
         + f"; usable per GPU {gib(plan.gpu_budget)} ({plan.safety_margin:.0%} safety margin)"
     )
@@ -114,13 +114,13 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "num_layers": s.num_layers,
         },
         "workload": {
-            "machines": w.machines,
+            "num_machines": w.num_machines,
             "gpus_per_machine": w.gpus_per_machine,
             "gpu_memory_bytes": plan.gpu_memory,
             "cpu_memory_bytes": plan.cpu_memory,
             "safety_margin": plan.safety_margin,
             "seq_len": w.seq_len,
-            "micro_batch": w.micro_batch,
+            "micro_batch_size": w.micro_batch_size,
             "precision": w.precision,
             "optimizer": w.optimizer,
             "lora_r": w.lora_r,
@@ -184,7 +184,8 @@ def plan_figure(plan: Plan):
     ax.set_ylabel("GiB per GPU")
     s, w = plan.workload.shapes, plan.workload
     ax.set_title(
-        f"{s.name} on {w.machines}x{w.gpus_per_machine} GPUs, {w.micro_batch}x{w.seq_len} tokens, {w.precision}"
+        f"{s.name} on {w.num_machines}x{w.gpus_per_machine} GPUs, {w.micro_batch_size}x{w.seq_len} tokens, "
+        f"{w.precision}"
     )
     plt.setp(ax.get_xticklabels(), rotation=45, ha="right", rotation_mode="anchor")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hf_scale.rules import DTYPE_CHOICES
+
 
 @dataclass
 class ModelArguments:
@@ -33,10 +35,11 @@ class ModelArguments:
             "flash-attention if installed, else sdpa."
         },
     )
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+    torch_dtype: Literal[DTYPE_CHOICES] = field(  # hf_scale.rules: either spelling, bf16 = bfloat16
         default="float32",
         metadata={
-            "help": "dtype the weights are loaded in. Keep float32 for mixed precision (--bf16/--fp16 keep an "
+            "help": "dtype the weights are loaded in: bf16|bfloat16, fp16|float16, fp32|float32 or auto (the "
+            "checkpoint's). Keep float32 for mixed precision (--bf16/--fp16 keep an "
             "fp32 master copy); DeepSpeed casts to its own precision."
         },
     )

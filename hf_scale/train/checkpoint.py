@@ -179,21 +179,25 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def write_state(path: Path, *, step: int, loop: str, world_size: int, expected, args, **position) -> None:
+def write_state(path: Path, *, step: int, spec, **position) -> None:
     """`hf_scale_state.json`: what a resume (and `hf-scale export`) needs to know about the run that saved.
 
-    `expected` is the run's `guard.Expected`; `position` the manual loop's place in the data (epoch, samples
-    consumed in it), which the Trainer keeps in its own `trainer_state.json`.
+    Every fact of the run comes from its one `RunSpec` (hf_scale.train.run_spec); `position` is the manual loop's
+    place in the data (epoch, samples consumed in it), which the Trainer keeps in its own `trainer_state.json`.
     """
     state = {
         "step": step,
         **position,
-        "world_size": world_size,
-        "strategy": expected.strategy,
-        "zero_stage": expected.zero_stage,
-        "micro_batch_size": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "loop": loop,
+        "world_size": spec.world_size,
+        "strategy": spec.strategy,
+        "zero_stage": spec.zero_stage,
+        "micro_batch_size": spec.micro_batch_size,
+        "gradient_accumulation_steps": spec.gradient_accumulation_steps,
+        "global_batch_size": spec.global_batch_size,
+        "precision": spec.precision,
+        "seed": spec.seed,
+        "data_seed": spec.data_seed,
+        "loop": spec.loop,
     }
     (path / STATE).write_text(json.dumps(state, indent=2) + "\n")
 

@@ -8,7 +8,7 @@ writes, seals and publishes).
     OUTPUT_DIR/                              a run directory
       checkpoint-STEP/                       one complete checkpoint (renamed into place when sealed)
         hf_scale_complete.json               the manifest: every file's size and checksum, written last
-        hf_scale_state.json                  step, world size, strategy, loop, position in the data
+        hf_scale_state.json                  step, position in the data, the run spec (world, batch, precision)
         config.json, tokenizer files         what `hf-scale export` rebuilds a Hub directory from
         model.safetensors, optimizer.*       full states (DDP / one process), or
         pytorch_model/ + latest              DeepSpeed ZeRO partitions under accelerate's tag, or
@@ -18,6 +18,7 @@ writes, seals and publishes).
         pytorch_model_fsdp.bin               its FULL_STATE_DICT
         trainer_state.json                   the Trainer's checkpoints only
       .tmp-checkpoint-STEP/                  a save in progress (removed at the next start if interrupted)
+      .hf_scale.lock                         held while a run writes the directory (hf_scale.train.output_lock)
       config.json, model.safetensors         the final model, from_pretrained-ready (the exported model's files)
 """
 
@@ -35,6 +36,12 @@ PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
 """hf_scale's temporary directories (a save in progress, a universal-checkpoint conversion); only these are
 ever removed at startup."""
+LOCK_FILE = ".hf_scale.lock"
+"""`OUTPUT_DIR/.hf_scale.lock`: one run writes a directory at a time (hf_scale.train.output_lock holds it)."""
+TRAINING_STATE_GLOBS = (f"{PREFIX}*", ".tmp-*", "*.lock")
+"""What of a run directory is training state, never the model, so `--push_to_hub` uploads none of it (the Hub's
+`ignore_patterns`): the checkpoints (also one moved aside, `checkpoint-STEP.kept-K`), every temporary of
+hf_scale's (`.tmp-checkpoint-*` saves, `hf-scale export`'s `.tmp-export-*`) and the lock."""
 MANIFEST = "hf_scale_complete.json"
 STATE = "hf_scale_state.json"
 DEEPSPEED_TAG = "pytorch_model"

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_scale.errors import UserError
-from hf_scale.rules import flag_given, precision_from_flags
+from hf_scale.rules import PRECISIONS, flag_given, precision_from_flags
 
-PRECISIONS = ("no", "fp16", "bf16")
 _ENV_PREFIX = "ACCELERATE_"
 
 
@@ -109,15 +108,29 @@ def deepspeed_config(inline: InlineDeepSpeed, precision: str) -> dict:
     return inline.plugin.deepspeed_config
 
 
-def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> tuple[dict, list[str]]:
-    """Fill the flags the YAML decides and refuse conflicting ones; returns (the DeepSpeed config for
-    `--deepspeed`, the flags filled from the YAML as `--flag=value` words)."""
+@dataclass(frozen=True)
+class YamlFills:
+    """What the YAML decides for train.py's flags."""
+
+    fills: Mapping[str, Any]
+    """Flag name -> value to fill, `deepspeed` (the DeepSpeed config for `--deepspeed`) among them."""
+    words: tuple[str, ...]
+    """The flags filled from the YAML as `--flag=value` words (they count as given from then on)."""
+
+    @property
+    def deepspeed(self) -> dict:
+        return self.fills["deepspeed"]
+
+
+def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> YamlFills:
+    """The flag values the YAML decides, a conflicting flag refused in one line (``ns`` is only read)."""
     if inline.mixed_precision not in PRECISIONS:
         raise UserError(
             f"the accelerate config has mixed_precision={inline.mixed_precision}: with DeepSpeed train.py runs "
             "no, fp16 or bf16"
         )
     filled: list[str] = []
+    fills: dict[str, Any] = {}
 
     def fill_or_match(flag: str, yaml_key: str, value) -> None:
         current = getattr(ns, flag)
@@ -126,7 +139,7 @@ def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> tuple[dict, 
                 f"the accelerate config has {yaml_key}={value} but --{flag}={current}; make them equal "
                 "(or drop the flag: train.py takes the YAML's value)"
             )
-        setattr(ns, flag, value)
+        fills[flag] = value
         filled.append(f"--{flag}={value}")
 
     if inline.gradient_accumulation_steps is not None:
@@ -145,7 +158,7 @@ def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> tuple[dict, 
             f"the accelerate config has mixed_precision={inline.mixed_precision} but the flags ask for "
             f"{flags_precision}; make them equal (or drop --bf16/--fp16: train.py takes the YAML's value)"
         )
-    ns.bf16, ns.fp16 = inline.mixed_precision == "bf16", inline.mixed_precision == "fp16"
+    fills.update(bf16=inline.mixed_precision == "bf16", fp16=inline.mixed_precision == "fp16")
     if inline.mixed_precision != "no":
         filled.append(f"--{inline.mixed_precision}")
     config = deepspeed_config(inline, inline.mixed_precision)
@@ -153,4 +166,4 @@ def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> tuple[dict, 
     # TrainingArguments creates next, refuses YAML DeepSpeed keys next to a config *file*
     # (_deepspeed_config_checks reads this variable); that guard is about a file, not this config.
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
-    return config, filled
+    return YamlFills({**fills, "deepspeed": config}, tuple(filled))

@@ -140,7 +140,7 @@ def run(
     if accelerator.log_with:
         accelerator.init_trackers("hf_scale", config=report_config)
 
-    saver = _CheckpointSaver(args, accelerator, model, optimizer, tokenizer, spec.expected, shard_ourselves)
+    saver = _CheckpointSaver(args, spec, accelerator, model, optimizer, tokenizer, shard_ourselves)
     step, epoch, skip_batches = saver.load(resume_dir) if resume_dir is not None else (0, 0, 0)
     metrics = StepMetrics(
         args.output_dir,
@@ -374,14 +374,14 @@ class _CheckpointSaver:
     """Full training state through accelerate's `save_state` (DeepSpeed / FSDP formats underneath),
     published atomically by hf_scale.train.checkpoint."""
 
-    def __init__(self, args, accelerator, model, optimizer, tokenizer, expected: guard.Expected,
-                 shard_ourselves: bool):
+    def __init__(self, args, spec: RunSpec, accelerator, model, optimizer, tokenizer, shard_ourselves: bool):
         self.args = args
+        self.spec = spec
+        """The run's facts: the batch arithmetic of the data position, and hf_scale_state.json."""
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
         self.tokenizer = tokenizer
-        self.expected = expected
         self.shard_ourselves = shard_ourselves
         self.interval = _save_interval(args)
 
@@ -406,14 +406,11 @@ class _CheckpointSaver:
         if self.shard_ourselves:
             fsdp.save_sharded(self.model, self.optimizer, tmp / checkpoint_layout.DCP_DIR)
         if accelerator.is_main_process:
-            samples_per_batch_row = args.per_device_train_batch_size * accelerator.num_processes
+            samples_per_batch_row = self.spec.micro_batch_size * self.spec.world_size
             checkpoint.write_state(
                 tmp,
                 step=step,
-                loop="accelerate",
-                world_size=accelerator.num_processes,
-                expected=self.expected,
-                args=args,
+                spec=self.spec,
                 epoch=epoch,
                 samples_consumed_in_epoch=batches_in_epoch * samples_per_batch_row,
             )
@@ -431,16 +428,16 @@ class _CheckpointSaver:
         """Restore everything, also at another world size (hf_scale.train.reshard; main.py has already
         refused what cannot resume); returns (step, epoch, micro-batches per rank to skip in that epoch)."""
         state = checkpoint.read_state(path)
-        world = self.accelerator.num_processes
-        samples_per_batch_row = self.args.per_device_train_batch_size * world
+        world = self.spec.world_size
+        samples_per_batch_row = self.spec.micro_batch_size * world
         if state["samples_consumed_in_epoch"] % samples_per_batch_row:
             raise UserError(
                 f"--resume_from_checkpoint={path}: {state['samples_consumed_in_epoch']} samples of epoch "
                 f"{state['epoch']} were consumed, not a whole number of micro-batches of "
-                f"{self.args.per_device_train_batch_size} x {world} processes"
+                f"{self.spec.micro_batch_size} x {world} processes"
             )
         with checkpoint.load_errors_reported(path):
-            if state["world_size"] != world and self.expected.strategy == "deepspeed":
+            if state["world_size"] != world and self.spec.strategy == "deepspeed":
                 work_root = Path(self.args.output_dir)
                 with reshard.deepspeed_universal(path, self.accelerator, self.model, work_root) as view:
                     self.accelerator.load_state(str(view))

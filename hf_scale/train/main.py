@@ -28,6 +28,7 @@ from hf_scale.errors import UserError, exit_with_user_error
 from hf_scale.train import (
     attention,
     checkpoint,
+    checkpoint_layout,
     distributed,
     evaluation,
     guard,
@@ -251,12 +252,11 @@ def train(argv: list[str] | None = None) -> int:
 def prepare(argv: list[str] | None) -> Run:
     """Flags (recipe, command line) checked and reconciled with the launcher, the run spec built once, a process
     group that really delivers it, the output directory locked and the checkpoint to resume from found."""
-    ns, argv, recipe_path = _parse(argv)
-    _validate_flags(ns)
-    if ns.warmup_ratio is not None:  # transformers 4's flag; transformers 5 takes the fraction in --warmup_steps
-        ns.warmup_steps = ns.warmup_ratio
-    chat_template, hub_target = _checked_extras(ns)
-    launch = _reconcile_with_launcher(ns, argv)
+    parsed, argv, recipe_path = _parse(argv)
+    _validate_flags(parsed)
+    chat_template, hub_target = _checked_extras(parsed)
+    launch = _reconcile_with_launcher(parsed, argv)
+    ns = launch.flags  # the parsed flags with what the launcher's config (and --hf_scale_config) filled
     state = distributed.init_process_state(launch.request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
     if launch.overrides_warning and state.is_main_process:
         print(f"hf_scale: warning: {launch.overrides_warning}", file=sys.stderr, flush=True)
@@ -288,33 +288,43 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], str |
         from hf_scale import quiet
 
         quiet.undo()
-    reconcile.checkpointing_flag(ns)  # one spelling of activation checkpointing from here on
-    return ns, argv, recipe_path
+    # One spelling of activation checkpointing from here on.
+    return reconcile.filled(ns, reconcile.checkpointing_spelling(ns)), argv, recipe_path
 
 
-def _reconcile_with_launcher(ns, argv: list[str]) -> Launch:
+def _reconcile_with_launcher(parsed: argparse.Namespace, argv: list[str]) -> Launch:
     """What the launcher asks for; the flags it leaves open filled from its config (and --hf_scale_config), a
-    conflict one line now (transformers would raise its traceback after the model loads)."""
-    request = distributed.detect_launch(ns.deepspeed)
+    conflict one line now (transformers would raise its traceback after the model loads). ``parsed`` stays as
+    it is: each step returns its fills, and the flags of the run (``Launch.flags``) are a new namespace."""
+    request = distributed.detect_launch(parsed.deepspeed)
+    fills: dict[str, Any] = {}
+    if parsed.warmup_ratio is not None:  # transformers 4's flag; transformers 5 takes the fraction in --warmup_steps
+        fills["warmup_steps"] = parsed.warmup_ratio
     if request.deepspeed_inline is not None:
         # accelerate launch with the DeepSpeed settings inline in the YAML: accelerate's plugin builds the
         # config a JSON would hold; the YAML's accumulation/clipping/precision fill (or must match) the flags.
         from hf_scale.train.inline_deepspeed import apply_to_flags
 
-        ns.deepspeed, from_yaml = apply_to_flags(request.deepspeed_inline, ns, argv)
-        argv = [*argv, *from_yaml]  # what the YAML decided counts as given for --hf_scale_config below
-    if ns.hf_scale_config:
-        request, ns.deepspeed = reconcile.apply_hf_scale_config(ns.hf_scale_config, request, ns, argv)
-    elif request.deepspeed_config_file and not ns.deepspeed:
+        from_yaml = apply_to_flags(request.deepspeed_inline, parsed, argv)
+        fills.update(from_yaml.fills)
+        argv = [*argv, *from_yaml.words]  # what the YAML decided counts as given for --hf_scale_config below
+    if parsed.hf_scale_config:
+        from_config = reconcile.apply_hf_scale_config(parsed.hf_scale_config, request,
+                                                      reconcile.filled(parsed, fills), argv)
+        request = from_config.request
+        fills.update(from_config.fills)
+    elif request.deepspeed_config_file and not parsed.deepspeed:
         # accelerate launch with a DeepSpeed YAML: the Trainer's resolver fills the JSON's "auto" values.
-        ns.deepspeed = request.deepspeed_config_file
+        fills["deepspeed"] = request.deepspeed_config_file
+    ns = reconcile.filled(parsed, fills)
     overrides_warning = _deepspeed_overrides(ns.deepspeed, ns, argv)
     # Precision, batch, clipping and optimizer values the launcher's config fixes: followed when no flag says
     # otherwise.
     ds_config = distributed.deepspeed_config_dict(ns.deepspeed)
     given = reconcile.typed_flags(ns, argv)
-    reconcile.follow_launcher_config(ns, given, request, ds_config,
-                                     num_training_steps=ns.max_steps if ns.max_steps > 0 else None)
+    fills.update(reconcile.follow_launcher_config(ns, given, request, ds_config,
+                                                  num_training_steps=ns.max_steps if ns.max_steps > 0 else None))
+    ns = reconcile.filled(parsed, fills)
     if ds_config is not None:  # before DeepSpeed loads any compiled op (on CPU the process group does)
         problems = deepspeed_ops.check_config_ops(ds_config, request.deepspeed_config_file or "--hf_scale_config",
                                                   gpu=distributed.has_gpu())
@@ -419,7 +429,7 @@ def _model_and_data_choices(run: Run):
     model_args = dataclasses.replace(model_args, attn_implementation=attention.resolve(
         model_args.attn_implementation,
         packing=data_args.packing,
-        half_precision=run.spec.precision != "no" or model_args.torch_dtype in ("bfloat16", "float16"),
+        half_precision=run.spec.precision != "no" or rules.is_half_dtype(model_args.torch_dtype),
         announce=run.state.is_main_process,
     ))
     return model_config, model_args, data_args
@@ -496,7 +506,7 @@ def _fit_trainer(run: Run, built: Built) -> Fitted:
         eval_dataset=built.eval_dataset,
         data_collator=built.collator,
         processing_class=built.tokenizer,
-        expected=run.spec.expected,
+        spec=run.spec,
     )
     callback = GuardAndMetricsCallback(trainer, run.spec, built.loaded_partitioned, built.flops_per_token)
     trainer.add_callback(callback)
@@ -529,7 +539,8 @@ def finish(run: Run, built: Built, fitted: Fitted) -> int:
     # After the group is gone: an upload of a large model outlasts any collective timeout.
     if run.hub_target is not None and report is not None and report["ok"]:
         hub.push_folder(Path(args.output_dir), run.hub_target, "--push_to_hub",
-                        message=f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}")
+                        message=f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}",
+                        ignore=checkpoint_layout.TRAINING_STATE_GLOBS)
     return 0 if report is None or report["ok"] else 1
 
 

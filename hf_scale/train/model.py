@@ -15,10 +15,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from hf_scale import rules
 from hf_scale.errors import UserError
 from hf_scale.train.args import ModelArguments
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+def load_dtype(spelling: str):
+    """`--torch_dtype` (either spelling, see hf_scale.rules) as transformers' `dtype`: a torch.dtype or "auto"."""
+    name = rules.torch_dtype_name(spelling, "--torch_dtype")
+    return name if name == rules.AUTO_DTYPE else getattr(torch, name)
 
 
 def resolve_model_path(model_args: ModelArguments) -> str:
@@ -94,7 +99,7 @@ def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path,
-            dtype=_DTYPES[model_args.torch_dtype],
+            dtype=load_dtype(model_args.torch_dtype),
             attn_implementation=model_args.attn_implementation,
             trust_remote_code=model_args.trust_remote_code,
             output_loading_info=True,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from hf_scale.errors import UserError
 from hf_scale.train import integrity
+from hf_scale.train.checkpoint_layout import LOCK_FILE
 
-LOCK_FILE = ".hf_scale.lock"
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 

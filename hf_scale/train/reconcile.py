@@ -15,14 +15,21 @@ anything it disagrees with is an error — never a silent override.
 
 :func:`follow_launcher_config` does the same for the launcher's own config (accelerate YAML precision,
 every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scale.launch_values.
+
+Pure: every function here reads train.py's parsed flags (an argparse namespace) and returns the values to fill
+(flag name -> value); none writes into the namespace it is given. train.py's prepare stage builds the filled
+namespace, a new one, from the parsed flags and these fills (hf_scale.train.main._filled).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from hf_scale import launch_values
 from hf_scale.errors import UserError
@@ -35,8 +42,27 @@ FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulatio
 """And activation checkpointing, under the name checkpointing_flag() gives."""
 
 
-def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None):
-    """Returns the (possibly completed) launch request and the value for `--deepspeed`."""
+def filled(ns, fills: Mapping[str, Any]) -> argparse.Namespace:
+    """A new namespace: the flags of ``ns`` with ``fills`` in place of theirs (``ns`` stays as it is)."""
+    return argparse.Namespace(**{**vars(ns), **fills})
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFills:
+    """What `--hf_scale_config` decides: the (possibly completed) launch request and the flag values to fill
+    (`deepspeed` among them where the config supplies or confirms the DeepSpeed config)."""
+
+    request: LaunchRequest
+    fills: Mapping[str, Any]
+
+    @property
+    def deepspeed(self):
+        """The value for `--deepspeed` (what the flags held, if the config leaves it)."""
+        return self.fills["deepspeed"]
+
+
+def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None) -> ConfigFills:
+    """The launch request completed by the config and the flag values it fills (``ns`` is only read)."""
     from hf_scale.config import load_config
     from hf_scale.generators.deepspeed_json import deepspeed_config
 
@@ -88,40 +114,51 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
             f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
         )
 
-    _fill_training_values(cfg, request, ns, argv, where)
-    return request, deepspeed_value
-
-
-def _fill_training_values(cfg, request: LaunchRequest, ns, argv: list[str], where: str) -> None:
-    """The config's values into the flags (or stop), then what the launch itself must agree with."""
-    contradictions = fill_flags_from_config(cfg, ns, argv, where)
-    if contradictions:
-        raise UserError("; ".join(contradictions))
+    flags = fill_flags_from_config(cfg, ns, argv, where)
+    if flags.contradictions:
+        raise UserError("; ".join(flags.contradictions))
     _launch_agrees(cfg, request, where)
+    return ConfigFills(request, {**flags.fills, "deepspeed": deepspeed_value})
 
 
 def checkpointing_flag(ns) -> str:
-    """The flag that turns activation checkpointing on. transformers 5 renamed --gradient_checkpointing to
-    --activation_checkpointing and keeps the old name as an alias that warns (FutureWarning) whenever it is set;
-    the value moves to the new name here, so that the one TrainingArguments train.py builds warns about
-    nothing. Older transformers have only the old name. Idempotent."""
-    if not hasattr(ns, "activation_checkpointing"):
-        return "gradient_checkpointing"
+    """The flag that turns activation checkpointing on: transformers 5 renamed --gradient_checkpointing to
+    --activation_checkpointing (older transformers have only the old name)."""
+    return "activation_checkpointing" if hasattr(ns, "activation_checkpointing") else "gradient_checkpointing"
+
+
+def checkpointing_spelling(ns) -> dict[str, Any]:
+    """The fills that move activation checkpointing to one spelling. transformers 5 keeps
+    --gradient_checkpointing as an alias that warns (FutureWarning) whenever it is set; its value moves to the
+    new name, so that the one TrainingArguments train.py builds warns about nothing. Idempotent."""
+    if checkpointing_flag(ns) == "gradient_checkpointing":
+        return {}
+    fills: dict[str, Any] = {}
     for old, new in (("gradient_checkpointing", "activation_checkpointing"),
                      ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
         if getattr(ns, new, None) is None and getattr(ns, old, None) is not None:
-            setattr(ns, new, getattr(ns, old))
+            fills[new] = getattr(ns, old)
         if hasattr(ns, old):
-            setattr(ns, old, None)
-    return "activation_checkpointing"
+            fills[old] = None
+    return fills
 
 
-def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> list[str]:
-    """The config's batch, clipping, activation checkpointing, optimizer values and precision into the flags
-    (``ns``, train.py's parsed flags; ``argv``: the flags typed). Pure: no launcher, no environment, so that
-    `hf-scale check` applies the same rule. Returns the contradictions with typed flags, one sentence each
-    (a contradicting flag keeps its typed value; every other value is filled)."""
+@dataclasses.dataclass(frozen=True)
+class FlagFills:
+    """The flag values a DistributedConfig fills, and its contradictions with typed flags (one sentence each; a
+    contradicting flag keeps its typed value, every other value is filled)."""
+
+    fills: Mapping[str, Any]
+    contradictions: tuple[str, ...]
+
+
+def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> FlagFills:
+    """The config's batch, clipping, activation checkpointing, optimizer values and precision as flag values
+    (``ns``, train.py's parsed flags, only read; ``argv``: the flags typed). Pure: no launcher, no environment,
+    so that `hf-scale check` applies the same rule."""
     batch, opt = cfg.batch, cfg.optimizer
+    fills = checkpointing_spelling(ns)
+    ns = filled(ns, fills)  # a view with one spelling of activation checkpointing
     contradictions: list[str] = []
     for flag, field, value in (
         ("per_device_train_batch_size", "batch.micro_batch_size", batch.micro_batch_size),
@@ -133,7 +170,7 @@ def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> list[str]:
         ("adam_epsilon", "optimizer.eps", opt.eps),
         ("weight_decay", "optimizer.weight_decay", opt.weight_decay),
     ):
-        contradictions += _fill_or_match(ns, argv, where, flag, field, value)
+        contradictions += _fill_or_match(ns, argv, where, flag, field, value, fills)
     if ns.auto_find_batch_size:
         contradictions.append(f"{where}: --auto_find_batch_size would change batch.micro_batch_size="
                               f"{batch.micro_batch_size} (global batch {batch.global_batch_size}) at run time; drop it")
@@ -155,13 +192,13 @@ def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> list[str]:
         contradictions.append(f"{where}: activation_checkpointing={_show(cfg.activation_checkpointing)} but "
                               f"--{spelling}={_show(bool(getattr(ns, flag)))}")
     else:
-        setattr(ns, flag, cfg.activation_checkpointing)
+        fills[flag] = cfg.activation_checkpointing
     flags_precision = precision_from_flags(ns.bf16, ns.fp16)
     if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != cfg.precision:
         contradictions.append(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
     else:
-        ns.bf16, ns.fp16 = cfg.precision == "bf16", cfg.precision == "fp16"
-    return contradictions
+        fills.update(bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16")
+    return FlagFills(fills, tuple(contradictions))
 
 
 def _launch_agrees(cfg, request: LaunchRequest, where: str) -> None:
@@ -184,10 +221,10 @@ def _launch_agrees(cfg, request: LaunchRequest, where: str) -> None:
         )
 
 
-def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value) -> list[str]:
+def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value, fills: dict) -> list[str]:
     if flag_given(argv, flag) and getattr(ns, flag) != value:
         return [f"{where}: {field}={_show(value)} but --{flag}={_show(getattr(ns, flag))}"]
-    setattr(ns, flag, value)
+    fills[flag] = value
     return []
 
 
@@ -216,8 +253,8 @@ def training_values(ns, world_size: int) -> launch_values.TrainingValues:
 def follow_launcher_config(
     ns, given: set[str], request: LaunchRequest, ds_config: dict | None, *, num_training_steps: int | None = None,
     late: bool = False,
-) -> None:
-    """Fill the flags the launcher's config fixes, or stop with one line naming every conflict.
+) -> dict[str, Any]:
+    """The values of the flags the launcher's config fixes (to fill), or stop with one line naming every conflict.
 
     `late`: called once the run is set up (a JSON scheduler compared with an epoch-based length): a value
     that would still have to be followed is a conflict then."""
@@ -236,11 +273,10 @@ def follow_launcher_config(
                        f"or pass --{name} {getattr(result.values, name)}" for name, why in result.followed.items()]
     if mismatches:
         raise UserError("; ".join(mismatches))
-    for name in result.followed:
-        setattr(ns, name, getattr(result.values, name))
     if result.followed and os.environ.get("RANK", "0") == "0":
         said = ", ".join(f"{name}={getattr(result.values, name)} ({why})" for name, why in result.followed.items())
         print(f"hf_scale: following the launcher's config: {said}", file=sys.stderr, flush=True)
+    return {name: getattr(result.values, name) for name in result.followed}
 
 
 @contextlib.contextmanager

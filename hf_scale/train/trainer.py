@@ -26,9 +26,10 @@ class HfScaleTrainer(Trainer):
     """A Trainer that remembers each optimizer step's loss, token count and gradient norm, and whose
     checkpoints appear complete (sealed with hf_scale's manifest) or not at all."""
 
-    def __init__(self, *args, expected: guard.Expected, **kwargs):
+    def __init__(self, *args, spec: RunSpec, **kwargs):
         super().__init__(*args, **kwargs)
-        self.expected = expected
+        self.spec = spec
+        """The run's facts (hf_scale.train.run_spec): its checkpoints' hf_scale_state.json is written from them."""
         self.window_loss = 0.0
         self.window_tokens = 0
         self.window_data_wait_s = 0.0
@@ -125,8 +126,7 @@ class HfScaleTrainer(Trainer):
         accelerator.wait_for_everyone()  # every rank's shards are on disk
         final = checkpoint_layout.checkpoint_dir(output_dir, step)
         if is_main:
-            checkpoint.write_state(written, step=step, loop="trainer", world_size=accelerator.num_processes,
-                                   expected=self.expected, args=self.args)
+            checkpoint.write_state(written, step=step, spec=self.spec)
             if not (written / checkpoint_layout.MODEL_CONFIG).is_file():
                 # The Trainer saves no config or tokenizer with FSDP's SHARDED_STATE_DICT (its save_model
                 # writes only a full state dict); `hf-scale export` needs them beside the shards.
