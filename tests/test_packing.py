@@ -477,3 +477,98 @@ def test_liger_kernel_config_parses_from_the_command_line():
     assert namespace.liger_kernel_config == {"fused_linear_cross_entropy": False, "cross_entropy": True}
     with pytest.raises(UserError, match="--liger_kernel_config.*not a JSON object"):
         build_parser().parse_known_args(["--liger_kernel_config", "[1]"])
+
+
+# --- liger: both loops apply the same kernels, configured by --liger_kernel_config ------------------
+# liger's kernels run only on a CUDA GPU, but applying them patches modules and functions, which runs anywhere:
+# no forward pass here. liger-kernel pulls triton (~1 GB installed), so it is not in the `test` extra.
+
+STOCK = dict.fromkeys(("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy", "cross_entropy"), "stock")
+LIGER_RUNS = [
+    # (--liger_kernel_config, what is liger's afterwards): None is liger's defaults for Llama.
+    (None, {**STOCK, "rms_norm": "liger", "swiglu": "liger", "rope": "liger", "fused_linear_cross_entropy": "liger"}),
+    ('{"swiglu": false, "rope": false, "fused_linear_cross_entropy": false, "cross_entropy": true}',
+     {**STOCK, "rms_norm": "liger", "cross_entropy": "liger"}),
+]
+
+
+@pytest.fixture
+def liger_undone(monkeypatch):
+    """liger patches transformers' Llama module and torch's cross_entropy for the whole process: put them back."""
+    pytest.importorskip("liger_kernel", reason='liger-kernel is not installed (pip install "hf-scale[gpu]")')
+    from accelerate.state import AcceleratorState
+    from transformers.models.llama import modeling_llama
+
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+    monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", modeling_llama.LlamaForCausalLM.forward)
+    monkeypatch.setattr(F, "cross_entropy", F.cross_entropy)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _kernels(model) -> dict[str, str]:
+    """Which parts of a Llama run liger's code ("liger"), transformers'/torch's ("stock"), or both ("mixed")."""
+    from transformers.models.llama import modeling_llama
+
+    def origin(*functions) -> str:
+        kinds = {"liger" if f.__module__.startswith("liger_kernel") else "stock" for f in functions}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    norms = [m for name, m in model.named_modules() if name.endswith("norm")]
+    mlps = [m for name, m in model.named_modules() if name.endswith("mlp")]
+    assert len(norms) == 5 and len(mlps) == 2, "the tiny Llama: 2 layers of 2 norms, and the final norm"
+    return {
+        "rms_norm": origin(*(m.forward.__func__ for m in norms)),
+        "swiglu": origin(*(m.forward.__func__ for m in mlps)),
+        "rope": origin(modeling_llama.apply_rotary_pos_emb),
+        "fused_linear_cross_entropy": origin(model.forward.__func__),
+        "cross_entropy": origin(F.cross_entropy),
+    }
+
+
+def _liger_arguments(config: str | None, tmp_path):
+    """TrainingArguments as train.py builds them from its command line, in a single CPU process."""
+    from accelerate import PartialState
+
+    from hf_scale.train.main import _training_arguments, build_parser
+
+    PartialState(cpu=True)  # train.py's process state (distributed.init_process_state), which the arguments reuse
+
+    argv = ["--use_liger_kernel", "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--max_steps", "1"]
+    namespace, _ = build_parser().parse_known_args(argv + (["--liger_kernel_config", config] if config else []))
+    return _training_arguments(namespace)
+
+
+class _StopBeforeTheFirstStep(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("config", "expected"), LIGER_RUNS, ids=["defaults", "configured"])
+@pytest.mark.parametrize("loop", ["accelerate", "trainer"])
+def test_both_loops_apply_liger_with_the_same_configuration(loop, config, expected, liger_undone, tmp_path):
+    from accelerate import Accelerator
+    from transformers import Trainer, TrainerCallback
+
+    from hf_scale.train import loop as manual_loop
+
+    args = _liger_arguments(config, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR)
+    assert _kernels(model) == STOCK
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 4, "labels": [[1, 2, 3, 4]] * 4})
+    collator = PackedCollator(pad_token_id=0)
+    if loop == "accelerate":  # the manual loop's own preparation, up to accelerate's prepare
+        loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=collator)
+        model, *_ = manual_loop._prepare(Accelerator(cpu=True), args, None, model, loader, 1, ds_plugin=None,
+                                         shard_ourselves=False)
+    else:  # the Trainer's train(), stopped when training begins: liger is applied by then, nothing has run
+
+        class Stop(TrainerCallback):
+            def on_train_begin(self, *_, **__):
+                raise _StopBeforeTheFirstStep
+
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator, callbacks=[Stop()])
+        with pytest.raises(_StopBeforeTheFirstStep):
+            trainer.train()
+        model = trainer.model
+    assert _kernels(model) == expected
