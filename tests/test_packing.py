@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import random
+import statistics
 from pathlib import Path
 
 import datasets
@@ -34,9 +36,11 @@ from hf_scale.train.packing import (
     REAL_TOKENS,
     SEQ_LENGTHS,
     PackedCollator,
+    balanced_rows,
     best_fit_decreasing,
     model_inputs,
     pack_dataset,
+    packing_summary,
 )
 
 
@@ -68,6 +72,88 @@ def test_bfd_takes_the_tightest_row_and_keeps_long_examples_first():
         best_fit_decreasing([11], 10)
 
 
+def test_balanced_rows_even_out_bfd_rows_without_adding_one():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 300) for _ in range(400)]
+    rows = balanced_rows(lengths, 2000)
+    assert sorted(i for members in rows for i in members) == list(range(len(lengths)))
+    assert len(rows) == len(best_fit_decreasing(lengths, 2000)) == 30, "as many rows as best-fit decreasing"
+    loads = [sum(lengths[i] for i in members) for members in rows]
+    assert max(loads) <= 2000 and max(loads) - min(loads) < 20, "within a few short examples of each other"
+    bfd_loads = [sum(lengths[i] for i in members) for members in best_fit_decreasing(lengths, 2000)]
+    assert max(bfd_loads) - min(bfd_loads) > 1000, "best-fit decreasing alone leaves a short last row"
+    assert balanced_rows(lengths, 2000) == rows  # deterministic
+
+
+def test_balanced_rows_even_out_bfd_rows_when_dealing_overflows():
+    # Dealt longest first to the emptiest of 3 rows: 8|5|4, 8|5+3|4+4, then 3 fits nowhere. BFD's rows hold 8, 10
+    # and 10 tokens; the 1-token example moves from the second row to the first: 9, 9, 10.
+    lengths = [4, 8, 3, 4, 5, 3, 1]
+    assert best_fit_decreasing(lengths, 10) == [[1], [4, 0, 6], [3, 2, 5]]
+    assert balanced_rows(lengths, 10) == [[1, 6], [4, 0], [3, 2, 5]]
+    assert balanced_rows([3, 3, 2, 2, 2], 6) == [[0, 1], [2, 3, 4]], "full rows stay as they are"
+
+
+def _instruction_lengths(count: int, seed: int = 0) -> list[int]:
+    """benchmarks/gpu.py's data: log-normal prompt (median 160) and response (median 240) tokens, cut at 2,048."""
+    rng = random.Random(seed)
+
+    def draw(median: float, sigma: float, least: int) -> int:
+        return max(least, round(rng.lognormvariate(math.log(median), sigma)))
+
+    return [min(2048, draw(160, 0.8, 16) + draw(240, 1.0, 8) + 2) for _ in range(count)]
+
+
+def _rank_imbalance(row_tokens: list[int], *, world: int, micro: int, epochs: int = 3) -> list[float]:
+    """max/mean tokens over ranks of every micro-step, rows dealt as both loops deal them: a seeded RandomSampler
+    reshuffling each epoch, whole micro-batches round-robin to the ranks (accelerate's BatchSamplerShard)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    ratios = []
+    for epoch in range(epochs):
+        shards = []
+        for rank in range(world):
+            order = RandomSampler(row_tokens, generator=torch.Generator().manual_seed(epoch))
+            shards.append(BatchSamplerShard(BatchSampler(order, micro, drop_last=False), world, rank))
+        for step in zip(*shards, strict=True):
+            tokens = [sum(row_tokens[i] for i in batch) for batch in step]
+            ratios.append(max(tokens) * world / sum(tokens))
+    return ratios
+
+
+@pytest.mark.parametrize(("world", "micro", "budget", "bound"),
+                         [(2, 1, 16_384, 1.035), (8, 1, 16_384, 1.035), (8, 2, 16_384, 1.035), (8, 4, 2048, 1.07)])
+def test_ranks_get_balanced_token_counts_on_instruction_lengths(world, micro, budget, bound, capsys):
+    lengths, window = _instruction_lengths(20_000), 1000
+    ordered = sorted(lengths)
+    assert 560 < statistics.mean(lengths) < 640 and 1100 < ordered[int(0.9 * len(ordered))] < 1250
+
+    def row_tokens(pack) -> list[int]:
+        windows = [lengths[start : start + window] for start in range(0, len(lengths), window)]
+        return [sum(part[i] for i in members) for part in windows for members in pack(part, budget)]
+
+    before, after = row_tokens(best_fit_decreasing), row_tokens(balanced_rows)
+    assert len(after) == len(before) and sum(after) == sum(before) == sum(lengths)
+    imbalance_before = _rank_imbalance(before, world=world, micro=micro)
+    imbalance = _rank_imbalance(after, world=world, micro=micro)
+    worst_before, worst_after = max(imbalance_before), max(imbalance)
+    with capsys.disabled():
+        print(f"\n{world} ranks x {micro} rows of {budget} tokens, max/mean tokens per micro-step over ranks: worst "
+              f"{worst_before:.3f}, mean {statistics.mean(imbalance_before):.4f} (best-fit decreasing) -> worst "
+              f"{worst_after:.3f}, mean {statistics.mean(imbalance):.4f} (balanced)")
+    assert worst_after <= max(after) / min(after) <= bound, "the bound packing_summary prints holds"
+    assert worst_after < 1.02 < 1.04 < worst_before
+
+
+def test_the_startup_line_says_the_rank_imbalance_bound():
+    packed = pack_dataset(_numbered([5, 9, 3, 7, 8, 2, 6, 4] * 4), budget=16, strategy="bfd", window=1000, seed=0)
+    row_tokens = [len(ids) for ids in packed["input_ids"]]
+    line = packing_summary(32, packed, 16)
+    assert f"rows hold {min(row_tokens)}-{max(row_tokens)} tokens" in line
+    assert line.endswith(f"at most {max(row_tokens) / min(row_tokens):.3f}") and "\n" not in line
+
+
 def _numbered(lengths: list[int]) -> datasets.Dataset:
     """Example i is `lengths[i]` copies of token 10 + i (so a row tells which examples it holds)."""
     rows = [[10 + i] * n for i, n in enumerate(lengths)]
@@ -90,9 +176,10 @@ def test_packing_shuffles_then_packs_each_window_and_is_deterministic():
     for row in rows:
         assert len(row["input_ids"]) == sum(row[SEQ_LENGTHS]) <= 64
         assert row["input_ids"] == [10 + i for i in _members(row) for _ in range(lengths[i])]
-    # A row only holds examples of one window of the seeded shuffle.
+    # A row only holds examples of one window of the seeded shuffle; 60 examples in windows of at most 16 are
+    # cut into 4 equal windows of 15 (not 16/16/16/12).
     order = [ids[0] - 10 for ids in dataset.shuffle(seed=3)["input_ids"]]
-    windows = [set(order[start : start + 16]) for start in range(0, 60, 16)]
+    windows = [set(order[start : start + 15]) for start in range(0, 60, 15)]
     assert all(any(set(_members(row)) <= window for window in windows) for row in rows)
     assert list(pack_dataset(dataset, budget=64, strategy="bfd", window=16, seed=3)) == rows
     other = [sorted(_members(row)) for row in pack_dataset(dataset, budget=64, strategy="bfd", window=16, seed=4)]
@@ -390,3 +477,98 @@ def test_liger_kernel_config_parses_from_the_command_line():
     assert namespace.liger_kernel_config == {"fused_linear_cross_entropy": False, "cross_entropy": True}
     with pytest.raises(UserError, match="--liger_kernel_config.*not a JSON object"):
         build_parser().parse_known_args(["--liger_kernel_config", "[1]"])
+
+
+# --- liger: both loops apply the same kernels, configured by --liger_kernel_config ------------------
+# liger's kernels run only on a CUDA GPU, but applying them patches modules and functions, which runs anywhere:
+# no forward pass here. liger-kernel pulls triton (~1 GB installed), so it is not in the `test` extra.
+
+STOCK = dict.fromkeys(("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy", "cross_entropy"), "stock")
+LIGER_RUNS = [
+    # (--liger_kernel_config, what is liger's afterwards): None is liger's defaults for Llama.
+    (None, {**STOCK, "rms_norm": "liger", "swiglu": "liger", "rope": "liger", "fused_linear_cross_entropy": "liger"}),
+    ('{"swiglu": false, "rope": false, "fused_linear_cross_entropy": false, "cross_entropy": true}',
+     {**STOCK, "rms_norm": "liger", "cross_entropy": "liger"}),
+]
+
+
+@pytest.fixture
+def liger_undone(monkeypatch):
+    """liger patches transformers' Llama module and torch's cross_entropy for the whole process: put them back."""
+    pytest.importorskip("liger_kernel", reason='liger-kernel is not installed (pip install "hf-scale[gpu]")')
+    from accelerate.state import AcceleratorState
+    from transformers.models.llama import modeling_llama
+
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+    monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", modeling_llama.LlamaForCausalLM.forward)
+    monkeypatch.setattr(F, "cross_entropy", F.cross_entropy)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _kernels(model) -> dict[str, str]:
+    """Which parts of a Llama run liger's code ("liger"), transformers'/torch's ("stock"), or both ("mixed")."""
+    from transformers.models.llama import modeling_llama
+
+    def origin(*functions) -> str:
+        kinds = {"liger" if f.__module__.startswith("liger_kernel") else "stock" for f in functions}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    norms = [m for name, m in model.named_modules() if name.endswith("norm")]
+    mlps = [m for name, m in model.named_modules() if name.endswith("mlp")]
+    assert len(norms) == 5 and len(mlps) == 2, "the tiny Llama: 2 layers of 2 norms, and the final norm"
+    return {
+        "rms_norm": origin(*(m.forward.__func__ for m in norms)),
+        "swiglu": origin(*(m.forward.__func__ for m in mlps)),
+        "rope": origin(modeling_llama.apply_rotary_pos_emb),
+        "fused_linear_cross_entropy": origin(model.forward.__func__),
+        "cross_entropy": origin(F.cross_entropy),
+    }
+
+
+def _liger_arguments(config: str | None, tmp_path):
+    """TrainingArguments as train.py builds them from its command line, in a single CPU process."""
+    from accelerate import PartialState
+
+    from hf_scale.train.main import _training_arguments, build_parser
+
+    PartialState(cpu=True)  # train.py's process state (distributed.init_process_state), which the arguments reuse
+
+    argv = ["--use_liger_kernel", "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--max_steps", "1"]
+    namespace, _ = build_parser().parse_known_args(argv + (["--liger_kernel_config", config] if config else []))
+    return _training_arguments(namespace)
+
+
+class _StopBeforeTheFirstStep(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("config", "expected"), LIGER_RUNS, ids=["defaults", "configured"])
+@pytest.mark.parametrize("loop", ["accelerate", "trainer"])
+def test_both_loops_apply_liger_with_the_same_configuration(loop, config, expected, liger_undone, tmp_path):
+    from accelerate import Accelerator
+    from transformers import Trainer, TrainerCallback
+
+    from hf_scale.train import loop as manual_loop
+
+    args = _liger_arguments(config, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR)
+    assert _kernels(model) == STOCK
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 4, "labels": [[1, 2, 3, 4]] * 4})
+    collator = PackedCollator(pad_token_id=0)
+    if loop == "accelerate":  # the manual loop's own preparation, up to accelerate's prepare
+        loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=collator)
+        model, *_ = manual_loop._prepare(Accelerator(cpu=True), args, None, model, loader, 1, ds_plugin=None,
+                                         shard_ourselves=False)
+    else:  # the Trainer's train(), stopped when training begins: liger is applied by then, nothing has run
+
+        class Stop(TrainerCallback):
+            def on_train_begin(self, *_, **__):
+                raise _StopBeforeTheFirstStep
+
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator, callbacks=[Stop()])
+        with pytest.raises(_StopBeforeTheFirstStep):
+            trainer.train()
+        model = trainer.model
+    assert _kernels(model) == expected

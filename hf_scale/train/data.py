@@ -98,8 +98,9 @@ class DataArguments:
     packing: bool = field(
         default=False,
         metadata={"help": "Pack whole examples into rows of up to --max_seq_length tokens (best-fit decreasing "
-                  "within a shuffled window, TRL's convention); --per_device_train_batch_size then counts packed "
-                  "rows. Position ids restart per example: no attention across examples."},
+                  "within a shuffled window, TRL's convention; then each window's rows are evened out, so ranks get "
+                  "balanced token counts); --per_device_train_batch_size then counts packed rows. Position ids "
+                  "restart per example: no attention across examples."},
     )
     packing_strategy: str = field(
         default="bfd",
@@ -109,7 +110,7 @@ class DataArguments:
     packing_window: int = field(
         default=1000,
         metadata={"help": "With --packing: examples packed together by one best-fit-decreasing pass (TRL packs "
-                  "per 1000 too); the dataset is shuffled (seeded) before it is cut into windows."},
+                  "per 1000 too); the dataset is shuffled (seeded) before it is cut into equal windows."},
     )
     completion_only_loss: bool | None = field(
         default=None,

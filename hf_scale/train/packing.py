@@ -13,17 +13,26 @@ TRL implements the same algorithm, but TRL is not a dependency of hf_scale (nor 
 runs on) and the algorithm is 30 lines; the names (``bfd``, ``bfd_split``, ``seq_lengths``) are TRL's
 so that a TRL user finds what they expect.
 
-Why rows stay balanced across ranks: BFD fills every row of a window to within the length of the
-shortest example left over, so all rows but the last few of each window carry close to the budget,
-and with `--torch_compile` (or flex_attention) every row is padded to exactly the budget (one shape: one
-compilation).
-Each rank's micro-batch therefore computes the same number of positions in its projections and MLPs;
-only the attention work (quadratic in each example's length) varies with the examples a row holds.
+Ranks get balanced token counts. BFD alone fills every row of a window to the budget except the last few,
+which hold what is left (a row of 1,700 tokens next to rows of 16,384): the rank that draws it idles at the
+next collective while the others compute, and every step that holds a full row lasts a full row. So each
+window's rows are then evened out (:func:`balanced_rows`): the same examples in as many rows, examples moved
+from the fullest rows to the emptiest until every row is close to the window's mean. The windows are cut
+equal (1000 examples and a remainder of 3 would leave a row of 3 examples), so windows fill alike. Balance
+then holds whichever rows a rank draws: accelerate's and the Trainer's samplers still shuffle the rows every
+epoch and deal whole micro-batches round-robin, unchanged, and a rank's tokens per micro-batch are at most
+``max row / min row`` times the ranks' mean, the number :func:`packing_summary` prints. The examples and the
+loss normalisation (``num_items_in_batch`` over all ranks) do not change; only which examples share a row
+does. With `--torch_compile` (or flex_attention) every row is padded to exactly the budget (one shape: one
+compilation), so every row costs a full budget in the projections and MLPs whatever it holds. Only the
+attention work (quadratic in each example's length) varies with the examples a row holds.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +77,53 @@ def best_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return bins
 
 
+def balanced_rows(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """As many rows as :func:`best_fit_decreasing` needs, evened out: each close to their mean.
+
+    First the examples are dealt longest first to the row holding the fewest tokens (LPT, the classic greedy
+    for equal sums: the shortest, dealt last, settle the differences). When that overflows the budget (a
+    few long examples per row and little room left), BFD's rows are the start instead. Then, while it
+    evens them, the emptiest row takes from the fullest row that has one the example closest to half the
+    gap between the two (shorter than the gap, within the budget): every move lowers the sum of squared
+    row loads, so it ends. Deterministic: ties go to the lower row and example index.
+    """
+    packed = best_fit_decreasing(lengths, budget)
+    rows = _dealt(lengths, len(packed), budget) or packed
+    loads = [sum(lengths[i] for i in members) for members in rows]
+    for _ in range(4 * len(lengths)):  # a safety bound, never reached in practice
+        low = min(range(len(rows)), key=lambda row: (loads[row], row))
+        move = None
+        for high in sorted(range(len(rows)), key=lambda row: (-loads[row], row)):
+            gap = loads[high] - loads[low]
+            if gap < 2:  # no example is shorter than the gap and still evens the two rows
+                break
+            fits = [i for i in rows[high] if lengths[i] < gap and loads[low] + lengths[i] <= budget]
+            if fits:
+                move = high, min(fits, key=lambda i: (abs(2 * lengths[i] - gap), i))
+                break
+        if move is None:
+            return rows
+        high, index = move
+        rows[high].remove(index)
+        rows[low].append(index)
+        loads[high] -= lengths[index]
+        loads[low] += lengths[index]
+    return rows
+
+
+def _dealt(lengths: Sequence[int], count: int, budget: int) -> list[list[int]] | None:
+    """The examples dealt longest first to the emptiest of `count` rows, or None if one overflows the budget."""
+    loads = [(0, row) for row in range(count)]  # a heap: the emptiest row first
+    rows: list[list[int]] = [[] for _ in range(count)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, row = heapq.heappop(loads)
+        if load + lengths[index] > budget:
+            return None
+        rows[row].append(index)
+        heapq.heappush(loads, (load + lengths[index], row))
+    return rows
+
+
 def _split(ids: list[int], labels: list[int], budget: int) -> list[tuple[list[int], list[int]]]:
     return [(ids[i : i + budget], labels[i : i + budget]) for i in range(0, len(ids), budget)]
 
@@ -86,7 +142,7 @@ def _pack_window(batch: dict[str, list], *, budget: int, split: bool) -> dict[st
     else:
         examples = [(ids[:budget], labels[:budget]) for ids, labels in examples]
     rows: dict[str, list] = {"input_ids": [], "labels": [], SEQ_LENGTHS: []}
-    for members in best_fit_decreasing([len(ids) for ids, _ in examples], budget):
+    for members in balanced_rows([len(ids) for ids, _ in examples], budget):
         rows["input_ids"].append([t for i in members for t in examples[i][0]])
         rows["labels"].append([t for i in members for t in examples[i][1]])
         rows[SEQ_LENGTHS].append([len(examples[i][0]) for i in members])
@@ -96,7 +152,8 @@ def _pack_window(batch: dict[str, list], *, budget: int, split: bool) -> dict[st
 def pack_dataset(
     tokenized: datasets.Dataset, *, budget: int, strategy: str, window: int, seed: int, num_proc: int | None = None
 ) -> datasets.Dataset:
-    """Shuffle (seeded), then pack every window of `window` examples into rows of <= `budget` tokens."""
+    """Shuffle (seeded), cut into equal windows of at most `window` examples, pack each into rows of <= `budget`
+    tokens (:func:`balanced_rows`)."""
     if strategy not in PACKING_STRATEGIES:
         raise UserError(f"--packing_strategy {strategy}: unknown; allowed: {', '.join(PACKING_STRATEGIES)}")
     if window < 1:
@@ -104,6 +161,10 @@ def pack_dataset(
     # The shuffle decides which examples share a window (and so a row): a dataset sorted by source or
     # length would otherwise pack similar neighbours together. The sampler still reshuffles rows per epoch.
     shuffled = tokenized.shuffle(seed=seed)
+    # Equal windows: 2,003 examples in windows of 1000 are cut 668/668/667, not 1000/1000/3 (a nearly empty row);
+    # with num_proc, datasets cuts the data into that many contiguous shards first, then windows each one.
+    shard = math.ceil(len(shuffled) / (num_proc or 1))
+    window = math.ceil(shard / math.ceil(shard / window)) if shard else window
     packed = shuffled.map(
         partial(_pack_window, budget=budget, split=strategy == "bfd_split"),
         batched=True,
@@ -118,11 +179,16 @@ def pack_dataset(
 
 
 def packing_summary(examples: int, packed: datasets.Dataset, budget: int) -> str:
-    """One line: how many rows, and how much of their token budget the examples fill."""
-    tokens = pyarrow.compute.sum(pyarrow.compute.list_value_length(packed.data.column("input_ids"))).as_py()
+    """One line: how many rows, how much of their token budget the examples fill, and how evenly: a rank's tokens
+    per micro-batch are at most max row / min row times the ranks' mean, whichever rows the sampler deals it."""
+    lengths = pyarrow.compute.list_value_length(packed.data.column("input_ids"))
+    tokens = pyarrow.compute.sum(lengths).as_py()
+    extremes = pyarrow.compute.min_max(lengths)
+    shortest, longest = extremes["min"].as_py(), extremes["max"].as_py()
     return (
         f"packed {examples} examples into {len(packed)} rows of at most {budget} tokens "
-        f"({100.0 * tokens / (len(packed) * budget):.1f}% of the budget filled)"
+        f"({100.0 * tokens / (len(packed) * budget):.1f}% of the budget filled); rows hold {shortest}-{longest} "
+        f"tokens: rank imbalance (max/mean tokens per micro-batch over ranks) at most {longest / shortest:.3f}"
     )
 
 
