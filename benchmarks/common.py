@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -54,11 +55,7 @@ WIDE_LLAMA = dict(SMALL_LLAMA, hidden_size=1536, intermediate_size=4096, num_hid
 
 def environment() -> dict:
     """What produced a number: versions, device, cores, load at the time, date."""
-    import accelerate
-    import datasets
-    import deepspeed
     import torch
-    import transformers
 
     import hf_scale
 
@@ -68,10 +65,9 @@ def environment() -> dict:
         "hf_scale": hf_scale.__version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__,
-        "deepspeed": deepspeed.__version__,
-        "datasets": datasets.__version__,
+        # The installed distributions' versions, read without importing them (DeepSpeed's import alone takes
+        # seconds, and a benchmark that stops early, e.g. gpu.py without a GPU, should not pay it).
+        **{name: _installed_version(name) for name in ("transformers", "accelerate", "deepspeed", "datasets")},
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
@@ -82,6 +78,13 @@ def environment() -> dict:
         "load_average_at_start": os.getloadavg()[0],
         "host": socket.gethostname(),
     }
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str:

@@ -545,14 +545,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from hf_scale.train.metrics import device_peak_flops
-
     environment = common.environment()
     if not torch.cuda.is_available() and not args.cpu_smoke:
         reason = "no CUDA GPU visible; this benchmark needs one (--cpu-smoke runs a tiny CPU check of the script)"
         _not_run(args.output, environment, reason)
         print(f"gpu.py: error: {reason}; recorded 'not run' in {args.output}", file=sys.stderr)
         return 2
+    from hf_scale.train.metrics import device_peak_flops  # imports datasets: only once the run goes ahead
+
     config = SMOKE_LLAMA if args.cpu_smoke else GPU_LLAMA
     if args.budget > config["max_position_embeddings"]:
         parser.error(f"--budget {args.budget} is above the model's {config['max_position_embeddings']} positions")

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps} must be larger than --warmup {args.warmup}")
 
     environment = common.environment()
-    model_dir = common.build_llama(common.SMALL_LLAMA, common.WORK_DIR / "models" / "small-llama")
+    model_dir = common.build_llama(common.SMALL_LLAMA, args.workdir / "small-llama")
     rows_needed = args.steps * args.micro_batch * args.grad_accum
     data_file = common.write_fixed_length_text(args.workdir / "data.jsonl", rows=max(256, rows_needed), length=SEQ_LEN)
     variants = ["hf_scale", "baseline"]

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps} must be larger than --warmup {args.warmup}")
 
     environment = common.environment()
-    model_dir = common.build_llama(MODELS[args.model], common.WORK_DIR / "models" / f"{args.model}-llama")
+    model_dir = common.build_llama(MODELS[args.model], args.workdir / f"{args.model}-llama")
     data_file = common.write_instruction_data(args.workdir / "instructions.jsonl", rows=args.rows)
     lengths = common.token_lengths(model_dir, data_file, MAX_SEQ_LEN)
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--strategies must include ddp (the reference of the ratios)")
 
     environment = common.environment()
-    model_dir = common.build_llama(common.MEDIUM_LLAMA, common.WORK_DIR / "models" / "medium-llama")
+    model_dir = common.build_llama(common.MEDIUM_LLAMA, args.workdir / "medium-llama")
     data_file = common.write_fixed_length_text(
         args.workdir / "data.jsonl", rows=max(256, args.steps * args.micro_batch * WORLD), length=SEQ_LEN
     )

@@ -29,17 +29,17 @@ CPU_2PROC = ["topology.processes_per_machine=2", "deepspeed.torch_adam=true", "p
 @pytest.fixture(scope="module")
 def ds_configs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
-    for stage in (2, 3):
-        generate_config(root, f"zero{stage}", preset=f"zero{stage}", sets=CPU_2PROC)
+    generate_config(root, "zero3", preset="zero3", sets=CPU_2PROC)
     return root / "ds_configs"
 
 
+# ZeRO-2 is left out: its checkpoints go through the same DeepSpeed engine save/load as ZeRO-3's (which also
+# gathers partitioned parameters), and tests/test_reshard.py resumes a ZeRO-2 checkpoint at another world size
+# and compares it with the uninterrupted run.
 CASES = [
     ("single-trainer", "python", None, "trainer"),
     ("ddp-loop", "torchrun", None, "accelerate"),
     ("ddp-trainer", "torchrun", None, "trainer"),
-    ("zero2-loop", "torchrun", "zero2", "accelerate"),
-    ("zero2-trainer", "torchrun", "zero2", "trainer"),
     ("zero3-loop", "torchrun", "zero3", "accelerate"),
     ("zero3-trainer", "torchrun", "zero3", "trainer"),
 ]
@@ -79,7 +79,9 @@ def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+# SIGTERM here; SIGUSR1 (SLURM's --signal) goes through the same handler and is sent through a generated launch
+# script in tests/test_launch_signals.py and to one rank in the test below.
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
 def test_signal_saves_a_checkpoint_exits_75_and_resumes_exactly(sig, tmp_path):
     long_args = [a if a != str(STEPS) else "40" for a in ARGS[:2]] + ARGS[2:] + ["--save_steps", "1000"]
     reference = tmp_path / "reference"
