@@ -38,8 +38,10 @@ def _assert_final_logits(exported, run_dir, *, atol=1e-5):
     return model
 
 
-@pytest.mark.parametrize(("strategy", "label"), [("zero1", "ZeRO-1"), ("zero2", "ZeRO-2"), ("zero3", "ZeRO-3"),
-                                                  ("fsdp", "FSDP2"), ("ddp", "full weights")])
+# ZeRO-1 is left out: its checkpoint has ZeRO-2's layout (whole 16-bit weights in mp_rank_00_model_states.pt,
+# optimizer states partitioned), read by the same code.
+@pytest.mark.parametrize(("strategy", "label"), [("zero2", "ZeRO-2"), ("zero3", "ZeRO-3"), ("fsdp", "FSDP2"),
+                                                  ("ddp", "full weights")])
 def test_export_of_a_two_process_checkpoint_loads_with_the_trained_logits(strategy, label, tmp_path_factory,
                                                                           tmp_path):
     run_dir = trained(tmp_path_factory, strategy, 2)
