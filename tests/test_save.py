@@ -225,6 +225,9 @@ def test_zero3_without_gathering_ends_with_the_final_checkpoint_which_exports_to
                   "--output_dir", str(out), *NO_GATHER_RUNS[loop]], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "ERROR" not in result.stderr
+    # No empty weights file written and deleted: not transformers' save_model fallback, which writes the engine's
+    # checkpoint that the Trainer's _save_checkpoint then writes again (HfScaleTrainer.save_model).
+    assert "Writing model shards" not in result.stderr
 
     final = out / "checkpoint-3"
     assert checkpoint_layout.complete_checkpoints(out) == [final]

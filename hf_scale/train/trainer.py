@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard, integrity, live
 from hf_scale.train.data import micro_batch_per_rank
@@ -147,15 +148,15 @@ class HfScaleTrainer(Trainer):
         if (_internal_call and self.spec.final_save_is_checkpoint and not self.args.save_only_model
                 and not getattr(self.model, "peft_config", None)):
             # ZeRO-3 without gathering: transformers' save_model (inside _save_checkpoint) writes the config and
-            # tokenizer, then falls back to the engine's whole checkpoint, which _save_checkpoint writes again right
-            # after (_save_optimizer_and_scheduler): at 70B about 1 TB twice. Here the config and tokenizer as
-            # transformers writes them, and the engine's checkpoint once. (With LoRA transformers gathers the
-            # adapter instead: no fallback, nothing written twice.)
-            from transformers.trainer_pt_utils import remove_dummy_checkpoint
-            from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
-
-            self._save(output_dir, state_dict={})
-            remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
+            # tokenizer with an empty weights file it then deletes, and falls back to the engine's whole checkpoint,
+            # which _save_checkpoint writes again right after (_save_optimizer_and_scheduler): at 70B about 1 TB twice.
+            # Here the files beside the engine's checkpoint only; it is written once. (With LoRA transformers gathers
+            # the adapter instead: no fallback, nothing written twice.)
+            if self.args.should_save:
+                Path(output_dir).mkdir(parents=True, exist_ok=True)
+                checkpoint.write_model_files(Path(output_dir), self.accelerator.unwrap_model(self.model),
+                                             self.processing_class)
+                torch.save(self.args, Path(output_dir, TRAINING_ARGS_NAME))
             return
         super().save_model(output_dir, _internal_call)
 
