@@ -246,8 +246,9 @@ class DeepSpeedSettings(_Section):
     """Build the model already partitioned (deepspeed.zero.Init) under ZeRO-3, so no process holds it
     whole."""
     gather_16bit_weights_on_save: StrictBool = True
-    """Stage 3: gather the full 16-bit weights when saving (stage3_gather_16bit_weights_on_model_save);
-    without it saved weights are shards that need zero_to_fp32.py conversion."""
+    """Stage 3: gather the full 16-bit weights when saving (stage3_gather_16bit_weights_on_model_save), so
+    train.py ends with a safetensors model. False (no gather onto one process at the end, e.g. 70B): train.py ends
+    with the final step's DeepSpeed checkpoint instead, which `hf-scale export` turns into safetensors."""
     torch_adam: StrictBool = False
     """Write a DeepSpeed `optimizer` block whose AdamW is torch.optim.AdamW (no compiled DeepSpeed op, also
     under optimizer offload: slower than DeepSpeedCPUAdam but needs no C++ compiler)."""
@@ -462,8 +463,9 @@ def config_warnings(cfg: DistributedConfig) -> list[str]:
             )
         if not ds.gather_16bit_weights_on_save:
             warnings.append(
-                "deepspeed.gather_16bit_weights_on_save=false with ZeRO-3: saved model weights are per-rank "
-                "shards, unusable without zero_to_fp32.py conversion"
+                "deepspeed.gather_16bit_weights_on_save=false with ZeRO-3: train.py saves no safetensors model; "
+                "it ends with the final step's sharded DeepSpeed checkpoint (OUTPUT_DIR/checkpoint-STEP), which "
+                "`hf-scale export` turns into safetensors (and --push_to_hub is refused)"
             )
         if not ds.zero3_init:
             warnings.append(

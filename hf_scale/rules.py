@@ -117,6 +117,25 @@ ACCELERATE_DEFAULT_ZERO_STAGE = 2
 """DeepSpeedPlugin's `zero_stage` when the YAML gives none."""
 
 
+ZERO3_GATHER_SPELLINGS = (
+    "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+)
+"""DeepSpeedZeroConfig's `gather_16bit_weights_on_model_save`: its alias, its own name and the deprecated fp16 name
+(deepspeed/runtime/zero/config.py)."""
+
+
+def zero3_without_gathering(ds_config: dict[str, Any] | None) -> bool:
+    """ZeRO-3 that gathers no 16-bit weights on save: no spelling of the setting is true ("auto", which
+    accelerate fills from `zero3_save_16bit_model`, default false, and a missing key mean false, as in
+    DeepSpeed). train.py then ends with the final step's checkpoint instead of a safetensors model."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    if not isinstance(zero, dict) or zero.get("stage") != 3:
+        return False
+    return not any(zero.get(name) is True for name in ZERO3_GATHER_SPELLINGS)
+
+
 def deepspeed_config_from_yaml(section: dict[str, Any]) -> dict[str, Any]:
     """The DeepSpeed settings a YAML's inline `deepspeed_config` section sets, by accelerate's map (without
     accelerate: for a YAML its own code refuses, so that the values can still be judged)."""

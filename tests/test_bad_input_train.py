@@ -245,6 +245,10 @@ CASES: dict[str, Case] = {
         ["--deepspeed", "{d}/ds.json", "--per_device_train_batch_size", "2"],
         "train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size=2",
         files={"ds.json": json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}})}),
+    "push-to-hub-with-zero3-without-gathering": Case(
+        ["--deepspeed", "{d}/ds.json", "--push_to_hub", "--hub_model_id", "me/tiny"],
+        "--push_to_hub me/tiny: ZeRO-3 without 16-bit gathering on save",  # before the token (HF_HUB_OFFLINE here)
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})}),
     "hf-scale-config-missing": Case(["--hf_scale_config", "/nonexistent/cfg.yaml"], "/nonexistent/cfg.yaml"),
     "hf-scale-config-world-size": Case(
         ["--hf_scale_config", "{d}/c.yaml"], "world_size=2",

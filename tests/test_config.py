@@ -197,7 +197,8 @@ def test_warnings_for_risky_but_legal_choices():
     no_gather = validate_config(
         {"strategy": "deepspeed", "deepspeed": {"zero_stage": 3, "gather_16bit_weights_on_save": False}}
     )
-    assert any("zero_to_fp32" in warning for warning in config_warnings(no_gather))
+    assert any("final step's sharded DeepSpeed checkpoint" in warning and "hf-scale export" in warning
+               for warning in config_warnings(no_gather))
     assert config_warnings(validate_config({"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}})) == []
 
 

@@ -66,6 +66,7 @@ def test_zero3_init_follows_the_deepspeed_plugin_transformers_builds(tmp_path):
         request = _request(strategy="deepspeed", zero_stage=3, launcher="deepspeed")
         spec = run_spec.build(request, args, loop="trainer", packing=False)
         assert spec.zero3_init and spec.expected.zero3_init and spec.zero_stage == 3
+        assert spec.final_save_is_checkpoint  # no 16-bit gather in the config: the final save is a checkpoint
         assert spec.describe().startswith("deepspeed ZeRO-3 on 4 process(es) (deepspeed), trainer loop")
     finally:
         unset_hf_deepspeed_config()  # TrainingArguments registered the config globally

@@ -1,19 +1,25 @@
 """The save check (hf_scale/train/save.py): written safetensors vs the trained tensors, exactly, one tensor at a
 time. Saves are broken on purpose (missing, empty, `_orig_mod.`-prefixed, wrong values, empty adapter) and the
 check must name each defect; correct saves in fp32, bf16, sharded, tied and LoRA form must pass bit-exactly.
-The end-to-end case is a real ZeRO-3 run that writes no weights."""
+The end-to-end case is a real ZeRO-3 run without 16-bit gathering, which saves its final step as a checkpoint
+instead (hf_scale/train/final_checkpoint.py)."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from train_helpers import TRAIN_PY, generate_config, run
+from train_helpers import REPO, generate_config, logits, run, run_ok
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_scale import rules
+from hf_scale.train import checkpoint, checkpoint_layout, final_checkpoint
 from hf_scale.train.save import (
     ADAPTER_FILE,
     MODEL_FILE,
@@ -23,6 +29,8 @@ from hf_scale.train.save import (
     live_tensors,
     verify_saved_model,
 )
+
+ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
 
 
 def tiny_llama(*, tie: bool = False, dtype=torch.float32) -> LlamaForCausalLM:
@@ -171,21 +179,89 @@ def test_an_empty_lora_adapter_is_caught(defect, lora_model, tmp_path):
     assert "the saved LoRA adapter" in failure_message(report, tmp_path)
 
 
-def test_train_py_exits_1_with_one_line_when_zero3_writes_no_weights(tmp_path):
-    """A real empty ZeRO-3 save (stage3_gather_16bit_weights_on_model_save=false; the Trainer writes the
-    config and no weights): one process, plain python, DeepSpeed over gloo."""
+@pytest.mark.parametrize(("zero", "without_gathering"), [
+    ({"stage": 3}, True),
+    ({"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}, True),
+    ({"stage": 3, "stage3_gather_16bit_weights_on_model_save": "auto"}, True),  # accelerate fills false
+    ({"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}, False),
+    ({"stage": 3, "gather_16bit_weights_on_model_save": True}, False),
+    ({"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}, False),
+    ({"stage": 2}, False),
+])
+def test_zero3_without_gathering_is_read_as_deepspeed_reads_it(zero, without_gathering):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert rules.zero3_without_gathering({"zero_optimization": zero}) is without_gathering
+    assert rules.zero3_without_gathering(None) is False
+    if zero["stage"] == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") != "auto":
+        assert DeepSpeedZeroConfig(**zero).gather_16bit_weights_on_model_save is not without_gathering
+
+
+def test_the_export_command_keeps_a_16_bit_runs_dtype():
+    final = Path("/runs/a b/checkpoint-9")
+    assert final_checkpoint.export_command(final, "/runs/a b", "bf16") == (
+        "hf-scale export '/runs/a b/checkpoint-9' '/runs/a b/model' --dtype bf16")
+    assert final_checkpoint.export_command(final, "/runs/a b", "no").endswith("'/runs/a b/model'")
+
+
+# ZeRO-3 without 16-bit gathering, one real run per loop. The Trainer saves nothing during the run (--save_strategy
+# no): its only checkpoint is the one the final save writes. The manual loop saves at step 2 (--save_steps 2 does not
+# land on the last step, 3) and keeps one checkpoint (--save_total_limit 1): the final step's, nothing else.
+NO_GATHER_RUNS = {"trainer": ["--save_strategy", "no"], "accelerate": ["--save_steps", "2", "--save_total_limit", "1"]}
+
+
+@pytest.mark.parametrize("loop", sorted(NO_GATHER_RUNS))
+def test_zero3_without_gathering_ends_with_the_final_checkpoint_which_exports_to_the_trained_model(loop, tmp_path):
+    """stage3_gather_16bit_weights_on_model_save=false (deepspeed.gather_16bit_weights_on_save=false): one process,
+    plain python, DeepSpeed over gloo. Exit 0; the final step's checkpoint, complete and verified; no safetensors;
+    one line up front and one last line naming the checkpoint and the export command; that command's model
+    computes the logits the live trained model computed before the final save (tests/_trained_logits_worker.py)."""
     generate_config(tmp_path, "nogather", preset="zero3",
                     sets=["topology.processes_per_machine=1", "precision='no'",
                           "deepspeed.gather_16bit_weights_on_save=false"])
-    out = tmp_path / "out"
-    result = run([sys.executable, TRAIN_PY, "--max_steps", "1", "--deepspeed",
-                  str(tmp_path / "ds_configs" / "nogather.json"), "--output_dir", str(out)], timeout=300)
-    assert result.returncode == 1, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
-    assert errors == [f"hf_scale: ERROR: the saved model in {out} has no {MODEL_FILE} or {MODEL_INDEX} "
-                      "(ZeRO-3 writes no weights without stage3_gather_16bit_weights_on_model_save: set "
-                      "deepspeed.gather_16bit_weights_on_save=true, or turn the last checkpoint into a model with "
-                      "`hf-scale export`)"]
-    assert "Traceback" not in result.stderr
-    assert json.loads((out / REPORT_FILE).read_text())["ok"] is False
-    assert json.loads((out / "train_summary.json").read_text())["saved_model_verified"] is False
+    out, trained_logits = tmp_path / "out", tmp_path / "trained_logits.pt"
+    result = run([sys.executable, str(REPO / "tests" / "_trained_logits_worker.py"), str(trained_logits),
+                  "--max_steps", "3", "--loop", loop, "--deepspeed", str(tmp_path / "ds_configs" / "nogather.json"),
+                  "--output_dir", str(out), *NO_GATHER_RUNS[loop]], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ERROR" not in result.stderr
+    # No empty weights file written and deleted: not transformers' save_model fallback, which writes the engine's
+    # checkpoint that the Trainer's _save_checkpoint then writes again (HfScaleTrainer.save_model).
+    assert "Writing model shards" not in result.stderr
+
+    final = out / "checkpoint-3"
+    assert checkpoint_layout.complete_checkpoints(out) == [final]
+    layout = checkpoint_layout.detect_layout(final)
+    assert (layout.kind, layout.weights, layout.loop) == (checkpoint_layout.CHECKPOINT, checkpoint_layout.DEEPSPEED,
+                                                          loop)
+    assert checkpoint.verify(final, ONE_PROCESS) is None  # what --resume_from_checkpoint checks
+    assert checkpoint.read_state(final)["step"] == 3
+    # No Hugging Face weights, and no DeepSpeed checkpoint outside checkpoint-3 (transformers' own fallback).
+    assert not list(out.rglob("*.safetensors")) and not (out / "latest").exists()
+
+    command = shlex.join(["hf-scale", "export", str(final), str(out / "model")])
+    notice = [line for line in result.stderr.splitlines()
+              if "the final model will be the last step's DeepSpeed checkpoint" in line]
+    assert notice == [f"hf_scale: ZeRO-3 without 16-bit gathering on save (stage3_gather_16bit_weights_on_model_save "
+                      f"false): the final model will be the last step's DeepSpeed checkpoint {out}/checkpoint-STEP, "
+                      "not safetensors; `hf-scale export` turns it into safetensors after the run (set "
+                      "stage3_gather_16bit_weights_on_model_save true to save safetensors at the end instead)"]
+    last = result.stdout.strip().splitlines()[-1]
+    assert [line for line in (result.stdout + result.stderr).splitlines() if command in line] == [last]
+    assert last.startswith("hf_scale: 3 steps, final loss ") and last.endswith(
+        f"; final step saved as the DeepSpeed checkpoint {final} (ZeRO-3 without 16-bit gathering: no safetensors), "
+        f"verified ({len(checkpoint_layout.read_manifest(final)[0])} files, "
+        f"{json.loads((out / REPORT_FILE).read_text())['seconds']:.1f} s); safetensors with: {command}")
+
+    report = json.loads((out / REPORT_FILE).read_text())
+    assert report["ok"] is True and report["problems"] == {}
+    assert (report["what"], report["checkpoint"], report["step"], report["weights"]) == ("checkpoint", str(final), 3,
+                                                                                        "deepspeed")
+    assert report["export_command"] == command and report["bytes_checked"] > 0
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["model_dir"] is None and summary["saved_model_verified"] is True
+    assert summary["final_save"] == {"verified": True, "what": "checkpoint", "checkpoint": str(final), "step": 3,
+                                     "weights": "deepspeed", "export_command": command}
+
+    run_ok([sys.executable, "-m", "hf_scale.cli", *shlex.split(command)[1:]], timeout=180)
+    torch.testing.assert_close(logits(out / "model"), torch.load(trained_logits), rtol=1e-5, atol=1e-5)

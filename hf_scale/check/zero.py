@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from hf_scale import rules
 from hf_scale.check.findings import ERROR, WARNING, Finding, get_path, in_file
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
 from hf_scale.check.knowledge import PARSE_ERRORS, deepspeed_off_stdout
@@ -75,8 +76,8 @@ def check_nvme_path(inp: CheckInputs) -> Iterator[Finding]:
 def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
     """`zero3-no-16bit-save` (warning): ZeRO-3 without 16-bit weights gathered on save, in any spelling
     DeepSpeed reads (`stage3_gather_16bit_weights_on_model_save`, `gather_16bit_weights_on_model_save`, the
-    deprecated fp16 name; asked from DeepSpeed's own ZeRO model): the saved model is only the sharded
-    checkpoint (needs zero_to_fp32.py)."""
+    deprecated fp16 name; asked from DeepSpeed's own ZeRO model): train.py's final save is the last step's
+    checkpoint, not safetensors (hf_scale.train.final_checkpoint)."""
     view = deepspeed_view(inp)
     zero = get_path(view.config, "zero_optimization", None) if view is not None else None
     if not isinstance(zero, dict) or zero.get("stage") != 3 or _gathers_16bit_on_save(zero):
@@ -91,19 +92,16 @@ def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
         "zero3-no-16bit-save",
         file,
         key,
-        f'ZeRO-3 with this at {value!r} (missing and "auto" mean false): save_model() writes no usable '
-        "weights, only the sharded checkpoint (convert it with zero_to_fp32.py).",
-        f"{in_file(file)}set `{key}` to true.",
+        f'ZeRO-3 with this at {value!r} (missing and "auto" mean false): no safetensors model is saved at the end; '
+        "train.py ends with the final step's DeepSpeed checkpoint (OUTPUT_DIR/checkpoint-STEP) and refuses "
+        "--push_to_hub; `hf-scale export` turns the checkpoint into safetensors.",
+        f"{in_file(file)}set `{key}` to true to save safetensors at the end (the full 16-bit model gathered on the "
+        "main process), or keep it and run `hf-scale export OUTPUT_DIR/checkpoint-STEP OUT` after training.",
         {f"{file}:{key}": value},
     )
 
 
-# DeepSpeedZeroConfig's field, its alias and the deprecated fp16 name (deepspeed/runtime/zero/config.py).
-GATHER_SPELLINGS = (
-    "stage3_gather_16bit_weights_on_model_save",
-    "gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save",
-)
+GATHER_SPELLINGS = rules.ZERO3_GATHER_SPELLINGS
 
 
 def _gathers_16bit_on_save(zero: dict[str, Any]) -> bool:

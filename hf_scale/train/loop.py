@@ -14,6 +14,7 @@ import contextlib
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ class LoopResult:
     metrics: StepMetrics
     preempted: bool = False
     """Stopped by SIGTERM/SIGUSR1 after saving a checkpoint."""
+    final_checkpoint: Callable[[], Path] | None = None
+    """ZeRO-3 without gathering: the final step's checkpoint, the run's final model (_Loop.final_checkpoint)."""
 
 
 def _take(iterator, n: int) -> list:
@@ -160,7 +163,8 @@ def run(
     preempted = loop.train()
     if accelerator.log_with:
         accelerator.end_training()
-    return LoopResult(accelerator=accelerator, model=model, metrics=metrics, preempted=preempted)
+    return LoopResult(accelerator=accelerator, model=model, metrics=metrics, preempted=preempted,
+                      final_checkpoint=loop.final_checkpoint)
 
 
 def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard_ourselves: bool) -> Accelerator:
@@ -364,6 +368,13 @@ class _Loop:
         )
         self._log(self.metrics.log_eval(step=self.step, epoch=epoch_now, result=result))
 
+    def final_checkpoint(self) -> Path:
+        """ZeRO-3 without gathering (hf_scale.train.final_checkpoint): the last step's checkpoint, saved at that
+        step (`_CheckpointSaver.due`); written now only by a resumed run that had no step left to train."""
+        if self.saver.last_saved_step != self.step:
+            self.saver.save(self.step, self.epoch, self.skip_batches)
+        return checkpoint_layout.checkpoint_dir(self.args.output_dir, self.step)
+
     def _log(self, record: dict) -> None:
         """To the trackers of --report_to (metrics.jsonl is StepMetrics')."""
         if self.accelerator.log_with:
@@ -384,8 +395,12 @@ class _CheckpointSaver:
         self.tokenizer = tokenizer
         self.shard_ourselves = shard_ourselves
         self.interval = _save_interval(args)
+        self.last_saved_step: int | None = None
+        """The step of the last checkpoint this run published."""
 
     def due(self, step: int, total_steps: int) -> bool:
+        if step == total_steps and self.spec.final_save_is_checkpoint:
+            return True  # the run's final model is this checkpoint (hf_scale.train.final_checkpoint)
         if self.interval is None:
             return False
         interval = self.interval if self.interval >= 1 else max(1, math.ceil(self.interval * total_steps))
@@ -422,6 +437,7 @@ class _CheckpointSaver:
             checkpoint.publish(tmp, args.output_dir, step)
             checkpoint.rotate(args.output_dir, args.save_total_limit)
         accelerator.wait_for_everyone()
+        self.last_saved_step = step
         return final
 
     def load(self, path: Path) -> tuple[int, int, int]:

@@ -31,6 +31,7 @@ from hf_scale.train import (
     checkpoint_layout,
     distributed,
     evaluation,
+    final_checkpoint,
     guard,
     output_lock,
     preemption,
@@ -147,14 +148,12 @@ def _validate_flags(ns) -> None:
 
 
 def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
-    """The data flags checked, the chat template's text and the Hub target: before anything is launched or loaded."""
+    """The data flags checked, the chat template's text and the Hub target (checked once the DeepSpeed config is
+    known): before anything is launched or loaded."""
     sources.data_sources(_dataclass_from(ns, DataArguments), _dataclass_from(ns, sources.SourceArguments),
                          evaluation.requested_by(ns))  # the data flags, before anything is launched
     chat_template = read_chat_template(ns.chat_template_path) if ns.chat_template_path else None
-    hub_target = hub.training_target(ns, ns.output_dir)
-    if hub_target is not None:
-        hub.check_target(hub_target, "--push_to_hub")
-    return chat_template, hub_target
+    return chat_template, hub.training_target(ns, ns.output_dir)
 
 
 def _deepspeed_overrides(deepspeed, ns, argv: list[str]) -> str | None:
@@ -238,6 +237,8 @@ class Fitted:
     metrics: Any
     preempted: bool
     save_model: Callable[[str], None]
+    final_checkpoint: Callable[[], Path]
+    """ZeRO-3 without 16-bit gathering: the checkpoint that is the final model (hf_scale.train.final_checkpoint)."""
 
 
 def train(argv: list[str] | None = None) -> int:
@@ -257,6 +258,9 @@ def prepare(argv: list[str] | None) -> Run:
     chat_template, hub_target = _checked_extras(parsed)
     launch = _reconcile_with_launcher(parsed, argv)
     ns = launch.flags  # the parsed flags with what the launcher's config (and --hf_scale_config) filled
+    if hub_target is not None:  # first whether there will be a model to push, then the token
+        final_checkpoint.refuse_push(launch.deepspeed_config, hub_target.repo_id, ns.output_dir)
+        hub.check_target(hub_target, "--push_to_hub")
     state = distributed.init_process_state(launch.request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
     if launch.overrides_warning and state.is_main_process:
         print(f"hf_scale: warning: {launch.overrides_warning}", file=sys.stderr, flush=True)
@@ -268,6 +272,8 @@ def prepare(argv: list[str] | None) -> Run:
     spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing)
     if state.is_main_process:
         print(f"hf_scale: run: {spec.describe()}", file=sys.stderr, flush=True)
+        if spec.final_save_is_checkpoint:
+            print(f"hf_scale: {final_checkpoint.startup_notice(args.output_dir)}", file=sys.stderr, flush=True)
     resume_dir = _claim_output_dir(args, spec, state, hub_target)
     return Run(
         spec=spec, args=args, model_args=_dataclass_from(ns, ModelArguments), data_args=data_args,
@@ -493,7 +499,7 @@ def _fit_manual_loop(run: Run, built: Built) -> Fitted:
         save_with_accelerator(result.accelerator, result.model, built.tokenizer, output_dir)
 
     return Fitted(accelerator=result.accelerator, model=result.model, metrics=result.metrics,
-                  preempted=result.preempted, save_model=save_model)
+                  preempted=result.preempted, save_model=save_model, final_checkpoint=result.final_checkpoint)
 
 
 def _fit_trainer(run: Run, built: Built) -> Fitted:
@@ -517,21 +523,18 @@ def _fit_trainer(run: Run, built: Built) -> Fitted:
     if not checkpoints.preempted and run.args.do_eval and callback.metrics.last_eval_step != trainer.state.global_step:
         trainer.evaluate()  # at the end (--do_eval, any --eval_strategy), as the manual loop does
     return Fitted(accelerator=trainer.accelerator, model=trainer.model_wrapped, metrics=callback.metrics,
-                  preempted=checkpoints.preempted, save_model=trainer.save_model)
+                  preempted=checkpoints.preempted, save_model=trainer.save_model,
+                  final_checkpoint=trainer.final_checkpoint)
 
 
 def finish(run: Run, built: Built, fitted: Fitted) -> int:
-    """Save the final model, prove the save (tensor by tensor, exactly, against the trained weights), write the
-    summary, shut down, then push. A preempted run stops with its checkpoint instead."""
+    """Save the final model, prove the save (tensor by tensor, exactly, against the trained weights; ZeRO-3 without
+    16-bit gathering: the final step's checkpoint, against its manifest), write the summary, shut down, then push.
+    A preempted run stops with its checkpoint instead."""
     args, accelerator = run.args, fitted.accelerator
     if fitted.preempted:
         return _stop_preempted(run, fitted)
-    with checkpoint.write_errors_reported("the final model", args.output_dir):
-        fitted.save_model(args.output_dir)
-    summary = fitted.metrics.summary()  # before the check, which resets the host peak-memory counter to measure itself
-    fitted.metrics.close()
-    trained = accelerator.unwrap_model(fitted.model, keep_torch_compile=False)
-    report = verify_saved_model(args.output_dir, trained, is_main_process=accelerator.is_main_process)
+    summary, report = _save_and_prove(run, fitted)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _write_summary(run, built, summary, report)
@@ -542,6 +545,25 @@ def finish(run: Run, built: Built, fitted: Fitted) -> int:
                         message=f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}",
                         ignore=checkpoint_layout.TRAINING_STATE_GLOBS)
     return 0 if report is None or report["ok"] else 1
+
+
+def _save_and_prove(run: Run, fitted: Fitted) -> tuple[dict, dict | None]:
+    """The final save and its proof (the report on the main process): a safetensors model compared tensor by tensor
+    with the trained one, or, under ZeRO-3 without 16-bit gathering, the final step's checkpoint re-read against its
+    manifest. The summary is taken after the save, before the proof."""
+    args, accelerator = run.args, fitted.accelerator
+    if run.spec.final_save_is_checkpoint:
+        saved = fitted.final_checkpoint()  # the loops' own writer: errors reported like every checkpoint's
+        summary = fitted.metrics.summary()
+        fitted.metrics.close()
+        return summary, final_checkpoint.verify(saved, accelerator, output_dir=args.output_dir,
+                                                precision=run.spec.precision)
+    with checkpoint.write_errors_reported("the final model", args.output_dir):
+        fitted.save_model(args.output_dir)
+    summary = fitted.metrics.summary()  # before the check, which resets the host peak-memory counter to measure itself
+    fitted.metrics.close()
+    trained = accelerator.unwrap_model(fitted.model, keep_torch_compile=False)
+    return summary, verify_saved_model(args.output_dir, trained, is_main_process=accelerator.is_main_process)
 
 
 def _stop_preempted(run: Run, fitted: Fitted) -> int:
@@ -557,26 +579,35 @@ def _stop_preempted(run: Run, fitted: Fitted) -> int:
 def _write_summary(run: Run, built: Built, summary: dict, report: dict) -> None:
     """train_summary.json and the run's last line (main process)."""
     output_dir = run.args.output_dir
-    summary["model_dir"] = os.path.abspath(output_dir)
+    as_checkpoint = final_checkpoint.is_report(report)
+    summary["model_dir"] = None if as_checkpoint else os.path.abspath(output_dir)
     summary["strategy"] = run.spec.strategy
     summary["world_size"] = run.spec.world_size
     summary["saved_model_verified"] = report["ok"]
+    if as_checkpoint:
+        summary["final_save"] = final_checkpoint.summary_entry(report)
     summary["data"] = built.data_manifest
     if run.recipe_path is not None:
         summary["recipe"] = os.path.abspath(run.recipe_path)
     with open(os.path.join(output_dir, "train_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    if as_checkpoint:  # the checkpoint, and the command that makes safetensors of it
+        saved = final_checkpoint.saved_clause(report)
+    else:
+        saved = f"model saved to {summary['model_dir']}" + (
+            f", verified ({report['tensors_checked']} tensors, {report['seconds']:.1f} s)" if report["ok"]
+            else ", but the check FAILED")
     print(
         f"hf_scale: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
         f"{summary['tokens_per_sec']:.0f} tokens/s, peak memory {summary['peak_memory_bytes'] / 2**20:.0f} MiB"
         + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
-        + f"; model saved to {summary['model_dir']}"
-        + (f", verified ({report['tensors_checked']} tensors, {report['seconds']:.1f} s)" if report["ok"]
-           else ", but the check FAILED"),
+        + f"; {saved}",
         flush=True,
     )
     if not report["ok"]:
-        print(f"hf_scale: ERROR: {failure_message(report, output_dir)}", file=sys.stderr, flush=True)
+        message = (final_checkpoint.failure_message(report, output_dir) if as_checkpoint
+                   else failure_message(report, output_dir))
+        print(f"hf_scale: ERROR: {message}", file=sys.stderr, flush=True)
 
 
 def _close_progress_bars() -> None:

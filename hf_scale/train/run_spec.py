@@ -41,6 +41,9 @@ class RunSpec:
     """ZeRO-3 builds the model partitioned (the DeepSpeed config is registered before from_pretrained)."""
     fsdp_settings: dict | None = field(default=None, compare=False)
     """The `fsdp` section of a --hf_scale_config when it (not accelerate's YAML) asks for FSDP."""
+    final_save_is_checkpoint: bool = False
+    """ZeRO-3 without 16-bit gathering on save: the run ends with the final step's checkpoint, not a safetensors
+    model (hf_scale.train.final_checkpoint)."""
 
     def __post_init__(self):
         # Built from validated flags: a violation here is a bug in hf_scale, not bad input.
@@ -98,4 +101,6 @@ def build(request, args, *, loop: str, packing: bool) -> RunSpec:
         zero_stage=request.zero_stage,
         zero3_init=request.zero_stage == 3 and bool(plugin) and bool(plugin.zero3_init_flag),
         fsdp_settings=request.fsdp_settings,
+        # The config as DeepSpeed will run it ("auto" filled by accelerate's plugin).
+        final_save_is_checkpoint=rules.zero3_without_gathering(plugin.deepspeed_config if plugin else None),
     )

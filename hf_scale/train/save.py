@@ -10,7 +10,8 @@ so the cost is one read of the saved bytes, and host memory holds one tensor at 
 
 It catches what the check exists for: an empty or partial ZeRO-3 save (missing or 0-element tensors), an
 empty LoRA adapter, keys that kept torch.compile's `_orig_mod.` prefix, wrong values. The result is
-written to `hf_scale_verify.json`; a failure is one line on stderr and exit code 1.
+written to `hf_scale_verify.json`; a failure is one line on stderr and exit code 1. (ZeRO-3 without 16-bit
+gathering saves no model: its final save is a checkpoint, proved by hf_scale.train.final_checkpoint.)
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ SHOWN = 3  # example names per kind of problem in the one-line error
 def save_with_accelerator(accelerator, model, tokenizer, output_dir: str) -> None:
     """Manual loop: gather (ZeRO-3: 16-bit weights) and write safetensors + tokenizer."""
     accelerator.wait_for_everyone()
-    # ZeRO-3 without gathering has no full weights to write (the Trainer then writes none either); the check
-    # after the save says so in one line.
-    state_dict = {} if _zero3_without_gathering(accelerator) else _gathered_state_dict(accelerator, model)
+    # (ZeRO-3 without gathering never comes here: its final save is a checkpoint, hf_scale.train.final_checkpoint.)
+    state_dict = _gathered_state_dict(accelerator, model)
     # --torch_compile: accelerate keeps the compiled wrapper, whose keys carry `_orig_mod.`; a saved model
     # must use the plain module's names (found by the save verification below).
     if state_dict is not None:  # ZeRO-3 gathers onto the main process only
@@ -54,12 +54,6 @@ def save_with_accelerator(accelerator, model, tokenizer, output_dir: str) -> Non
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
-
-
-def _zero3_without_gathering(accelerator) -> bool:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    zero = (plugin.deepspeed_config.get("zero_optimization") or {}) if plugin is not None else {}
-    return zero.get("stage") == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save", False)
 
 
 def _gathered_state_dict(accelerator, model) -> dict:
@@ -247,11 +241,8 @@ def failure_message(report: dict, output_dir: str | Path) -> str:
     """The one-line error for a report that is not ok."""
     if not report["files"] and not report["problems"].get("unreadable"):
         wanted = ADAPTER_FILE if report["what"] == "LoRA adapter" else f"{MODEL_FILE} or {MODEL_INDEX}"
-        return (
-            f"the saved {report['what']} in {output_dir} has no {wanted} (ZeRO-3 writes no weights without "
-            "stage3_gather_16bit_weights_on_model_save: set deepspeed.gather_16bit_weights_on_save=true, or turn "
-            "the last checkpoint into a model with `hf-scale export`)"
-        )
+        return (f"the saved {report['what']} in {output_dir} has no {wanted}; `hf-scale export {output_dir} OUT` "
+                "turns the run's newest complete checkpoint into a model")
     parts = []
     labels = {"missing": "missing", "wrong_shape": "with another shape (empty or partial save)",
               "wrong_values": "with other values", "unexpected": "saved under names the model does not have",

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINING_ARGS_NAME
 
-from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard, live
+from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard, integrity, live
 from hf_scale.train.data import micro_batch_per_rank
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
@@ -37,6 +38,8 @@ class HfScaleTrainer(Trainer):
         self.last_grad_norm = None
         self.last_eval: evaluation.EvalResult | None = None
         self._saving_step: int | None = None
+        self.last_saved_step: int | None = None
+        """The step of the last checkpoint this run published."""
 
     def _set_signature_columns_if_needed(self):
         # Packed rows carry their examples' lengths (SEQ_LENGTHS), which the collator needs but the model's
@@ -139,6 +142,40 @@ class HfScaleTrainer(Trainer):
             checkpoint.publish(written, output_dir, step)
             checkpoint.rotate(output_dir, self.args.save_total_limit, protect=self.state.best_model_checkpoint)
         accelerator.wait_for_everyone()
+        self.last_saved_step = step
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if (_internal_call and self.spec.final_save_is_checkpoint and not self.args.save_only_model
+                and not getattr(self.model, "peft_config", None)):
+            # ZeRO-3 without gathering: transformers' save_model (inside _save_checkpoint) writes the config and
+            # tokenizer with an empty weights file it then deletes, and falls back to the engine's whole checkpoint,
+            # which _save_checkpoint writes again right after (_save_optimizer_and_scheduler): at 70B about 1 TB twice.
+            # Here the files beside the engine's checkpoint only; it is written once. (With LoRA transformers gathers
+            # the adapter instead: no fallback, nothing written twice.)
+            if self.args.should_save:
+                Path(output_dir).mkdir(parents=True, exist_ok=True)
+                checkpoint.write_model_files(Path(output_dir), self.accelerator.unwrap_model(self.model),
+                                             self.processing_class)
+                torch.save(self.args, Path(output_dir, TRAINING_ARGS_NAME))
+            return
+        super().save_model(output_dir, _internal_call)
+
+    def final_checkpoint(self) -> Path:
+        """ZeRO-3 without gathering (hf_scale.train.final_checkpoint): the checkpoint that is the final model. The
+        best one when --load_best_model_at_end loaded it; else the last step's: the one saved at that step (the end
+        save of --save_strategy steps, or epoch), or written now (--save_strategy no or best), sealed and rotated
+        like every other. A collective."""
+        best = self.state.best_model_checkpoint
+        if self.args.load_best_model_at_end and best:
+            return Path(best)
+        step = self.state.global_step
+        final = checkpoint_layout.checkpoint_dir(self.args.output_dir, step)
+        # transformers' end of training deletes every checkpoint but the best one under --save_total_limit 1.
+        is_main = self.accelerator.is_main_process
+        present = integrity.broadcast(self.accelerator, checkpoint_layout.is_complete(final) if is_main else None)
+        if self.last_saved_step != step or not present:
+            self._save_checkpoint(self.model_wrapped, trial=None)
+        return final
 
     # A checkpoint that verified but does not load is one line, not a traceback (private hooks, transformers 5).
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
