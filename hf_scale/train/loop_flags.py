@@ -13,6 +13,7 @@ function it names, which that path calls), and every TrainingArguments field rea
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hf_scale.errors import UserError
@@ -172,8 +173,6 @@ def refusal(ns, defaults: dict, fields) -> str | None:
 
 def check(ns, parser) -> None:
     """Refuse (UserError) a flag `--loop accelerate` would ignore; ``parser``: train.py's, for the defaults."""
-    import dataclasses
-
     from transformers import TrainingArguments
 
     fields = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
