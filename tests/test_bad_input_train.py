@@ -210,6 +210,24 @@ CASES: dict[str, Case] = {
     "save-strategy-unknown": Case(["--save_strategy", "sometimes"], "--save_strategy"),
     "save-strategy-epoch-in-manual-loop": Case(["--loop", "accelerate", "--save_strategy", "epoch"],
                                                "--save_strategy=epoch"),
+    # --- flags the manual loop does not apply (hf_scale.train.loop_flags): refused, not ignored ------------
+    "manual-loop-group-by-length": Case(["--loop", "accelerate", "--train_sampling_strategy", "group_by_length"],
+                                        "--train_sampling_strategy=group_by_length: applied only by --loop trainer; "
+                                        "use --loop trainer or drop the flag"),
+    "manual-loop-label-smoothing": Case(["--loop", "accelerate", "--label_smoothing_factor", "0.1"],
+                                        "--label_smoothing_factor=0.1: applied only by --loop trainer"),
+    "manual-loop-empty-cache-steps": Case(["--loop", "accelerate", "--torch_empty_cache_steps", "4"],
+                                          "--torch_empty_cache_steps=4: applied only by --loop trainer"),
+    "manual-loop-load-best-model": Case(["--loop", "accelerate", "--load_best_model_at_end"],
+                                        "--load_best_model_at_end=true: applied only by --loop trainer"),
+    "manual-loop-drop-last": Case(["--loop", "accelerate", "--dataloader_drop_last", "true"],
+                                  "--dataloader_drop_last=true: applied only by --loop trainer"),
+    "manual-loop-plateau-scheduler": Case(["--loop", "accelerate", "--lr_scheduler_type", "reduce_lr_on_plateau"],
+                                          "--lr_scheduler_type=reduce_lr_on_plateau: this value is applied only by "
+                                          "--loop trainer"),
+    "manual-loop-neftune-from-recipe": Case(["{d}/recipe.yaml"], "--neftune_noise_alpha=5.0: applied only by --loop "
+                                            "trainer",
+                                            files={"recipe.yaml": "loop: accelerate\nneftune_noise_alpha: 5\n"}),
     # --- LoRA: each flag named by itself ----------------------------------------------------------------
     "lora-r-negative": Case(["--lora_r", "-1"], "--lora_r=-1"),
     "lora-alpha-zero": Case(["--lora_r", "4", "--lora_alpha", "0"], "--lora_alpha=0"),

@@ -104,9 +104,10 @@ def rank_batches(num_examples: int, batch_size: int, rank: int, world_size: int)
 
 @torch.no_grad()
 def evaluate(model, dataset, collator, accelerator, *, batch_size: int, num_workers: int = 0,
-             inputs=model_inputs) -> EvalResult:
+             inputs=model_inputs, progress_bar: bool = True) -> EvalResult:
     """Every rank must call this (collective). `model` is the prepared (wrapped) model; `inputs` turns a
-    collated batch into the model's keyword arguments, as the training step does."""
+    collated batch into the model's keyword arguments, as the training step does; `progress_bar`: false for
+    --disable_tqdm."""
     start = time.perf_counter()
     plan = rank_batches(len(dataset), batch_size, accelerator.process_index, accelerator.num_processes)
     loader = DataLoader(dataset, batch_sampler=[indices for indices, _ in plan], collate_fn=collator,
@@ -117,7 +118,7 @@ def evaluate(model, dataset, collator, accelerator, *, batch_size: int, num_work
     model.eval()
     try:
         progress = tqdm(zip(loader, plan, strict=True), total=len(plan), desc="evaluating", unit="batch",
-                        leave=False, dynamic_ncols=True, disable=not accelerator.is_main_process)
+                        leave=False, dynamic_ncols=True, disable=not (progress_bar and accelerator.is_main_process))
         for batch, (_, counts) in progress:
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             targets = count_target_tokens(batch)

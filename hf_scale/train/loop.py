@@ -153,6 +153,7 @@ def run(
         flops_per_token=flops_per_token,
         first_step=step,
         track_compilations=args.torch_compile,
+        progress_bar=not args.disable_tqdm,
     )
     loop = _Loop(
         args=args, spec=spec, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -200,7 +201,8 @@ class _Length:
     def of(cls, loader_batches: int, num_processes: int, accumulation: int, args: TrainingArguments) -> _Length:
         batches_per_epoch = math.ceil(loader_batches / num_processes)
         steps_per_epoch = max(1, math.ceil(batches_per_epoch / accumulation))
-        total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * math.ceil(args.num_train_epochs)
+        # The Trainer's count (and launch_values.planned_optimizer_steps'): a fractional epoch is part of one.
+        total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
         return cls(batches_per_epoch=batches_per_epoch, total_steps=total_steps)
 
 
@@ -365,6 +367,7 @@ class _Loop:
         result = evaluation.evaluate(
             self.model, self.eval_dataset, self.collator, self.accelerator,
             batch_size=self.args.per_device_eval_batch_size, num_workers=self.args.dataloader_num_workers,
+            progress_bar=not self.args.disable_tqdm,
         )
         self._log(self.metrics.log_eval(step=self.step, epoch=epoch_now, result=result))
 

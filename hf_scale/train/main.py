@@ -33,6 +33,7 @@ from hf_scale.train import (
     evaluation,
     final_checkpoint,
     guard,
+    loop_flags,
     output_lock,
     preemption,
     reconcile,
@@ -82,7 +83,8 @@ def build_parser() -> HfArgumentParser:
         (ModelArguments, DataArguments, sources.SourceArguments, ScaleArguments, TrainingArguments),
         allow_abbrev=False,  # a typo like --learning_rat must not silently mean --learning_rate
         description="Fine-tune a causal LM with the HF Trainer or hf_scale's Accelerator loop. Every "
-        "TrainingArguments flag works. With no model/data flags it fine-tunes the tiny Llama shipped with "
+        "TrainingArguments flag works with the Trainer (--loop accelerate refuses those it does not apply). "
+        "With no model/data flags it fine-tunes the tiny Llama shipped with "
         "hf_scale on its sample dataset (CPU, seconds). Launch unchanged with python, torchrun, "
         "accelerate launch or deepspeed. All flags can come from a recipe file: python train.py recipe.yaml "
         "[flags that override it].",
@@ -145,6 +147,7 @@ def _validate_flags(ns) -> None:
                 f"--warmup_ratio={ns.warmup_ratio} and --warmup_steps={ns.warmup_steps}: set only one"
             )
     evaluation.check_flags(ns)
+    loop_flags.check(ns, build_parser())  # --loop accelerate: a flag it would ignore is refused
 
 
 def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:

@@ -85,6 +85,7 @@ class HfScaleTrainer(Trainer):
             self.accelerator,
             batch_size=self.args.per_device_eval_batch_size,
             num_workers=self.args.dataloader_num_workers,
+            progress_bar=not self.args.disable_tqdm,
         )
         self.last_eval = result
         metrics = {k: v for k, v in result.metrics(metric_key_prefix).items() if v is not None}
