@@ -154,6 +154,24 @@ def test_no_effect_flags_and_default_values_pass():
                             "--label_smoothing_factor", "0", "--disable_tqdm", "true", "--num_train_epochs", "0.5"))
 
 
+def test_the_ddp_flags_given_reach_accelerates_ddp_wrapper_and_none_keeps_its_defaults():
+    """--ddp_find_unused_parameters false (common in LoRA recipes) and the other --ddp_* flags: the manual loop
+    hands what was given to accelerate's DistributedDataParallelKwargs, as the Trainer does."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from hf_scale.train.loop import ddp_kwargs_handlers
+
+    args = _parsed("--loop", "accelerate", "--ddp_find_unused_parameters", "false", "--ddp_bucket_cap_mb", "50",
+                   "--ddp_static_graph", "true")
+    _validate_flags(args)
+    (handler,) = ddp_kwargs_handlers(args)
+    assert isinstance(handler, DistributedDataParallelKwargs)
+    assert handler.to_kwargs() == {"bucket_cap_mb": 50, "static_graph": True}  # find_unused False: the default
+    assert ddp_kwargs_handlers(_parsed("--loop", "accelerate", "--ddp_find_unused_parameters", "true"))[0].to_kwargs() \
+        == {"find_unused_parameters": True}
+    assert ddp_kwargs_handlers(_parsed("--loop", "accelerate")) == []
+
+
 def test_fractional_epochs_count_as_in_the_trainer():
     from types import SimpleNamespace
 

@@ -186,7 +186,25 @@ def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard
         log_with=[r for r in args.report_to if r != "none"] or None,
         project_dir=args.output_dir,
         dynamo_plugin=_dynamo_plugin(args),
+        kwargs_handlers=ddp_kwargs_handlers(args),
     )
+
+
+def ddp_kwargs_handlers(args: TrainingArguments) -> list:
+    """The --ddp_* settings that were given, handed to accelerate's DDP wrapper as the Trainer hands them
+    (``Trainer._build_accelerator_args``). Unlike the Trainer, no flag keeps accelerate's default of
+    find_unused_parameters=False, not the Trainer's True for a model without activation checkpointing: the
+    extra graph traversal per step is only needed by models with branches unused in a forward."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    settings = {
+        "find_unused_parameters": args.ddp_find_unused_parameters,
+        "bucket_cap_mb": args.ddp_bucket_cap_mb,
+        "broadcast_buffers": args.ddp_broadcast_buffers,
+        "static_graph": args.ddp_static_graph,
+    }
+    given = {key: value for key, value in settings.items() if value is not None}
+    return [DistributedDataParallelKwargs(**given)] if given else []
 
 
 @dataclass(frozen=True)
