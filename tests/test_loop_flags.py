@@ -141,12 +141,22 @@ def test_defaults_are_never_refused(loop):
     (["--dataloader_drop_last"], "--dataloader_drop_last=true"),
     (["--optim", "galore_adamw"], "--optim=galore_adamw: this value is applied only by --loop trainer"),
     (["--lr_scheduler_type", "reduce_lr_on_plateau", "--eval_strategy", "steps"], "--lr_scheduler_type="),
-    (["--hub_strategy", "checkpoint"], "--hub_strategy=checkpoint: not applied in either loop"),
 ])
 def test_refused_in_the_manual_loop_accepted_by_the_trainer(argv, fragment):
     with pytest.raises(loop_flags.UserError, match=re.escape(fragment)):
         _validate_flags(_parsed("--loop", "accelerate", *argv))
     _validate_flags(_parsed("--loop", "trainer", *argv))
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--hub_strategy", "checkpoint"], "--hub_strategy=checkpoint: not applied in either loop (hf_scale pushes once"),
+    (["--do_predict"], "--do_predict=true: not applied in either loop (train.py has no prediction stage)"),
+    (["--bf16_full_eval"], "--bf16_full_eval=true: not applied in either loop"),
+])
+@pytest.mark.parametrize("loop", ["accelerate", "trainer"])
+def test_flags_applied_in_neither_loop_are_refused_in_both(argv, fragment, loop):
+    with pytest.raises(loop_flags.UserError, match=re.escape(fragment)):
+        _validate_flags(_parsed("--loop", loop, *argv))
 
 
 def test_no_effect_flags_and_default_values_pass():

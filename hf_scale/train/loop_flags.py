@@ -141,8 +141,8 @@ IN_NEITHER_LOOP: dict[str, str] = {
     "fp16_full_eval": "hf_scale's evaluation runs in the training precision",
     "do_predict": "train.py has no prediction stage",
 }
-"""Fields hf_scale applies in neither loop (the Trainer path replaces what reads them): why. Refused under
-`--loop accelerate` with that reason (the Trainer path still accepts them: see the README)."""
+"""Fields hf_scale applies in neither loop (the Trainer path replaces what reads them): why. Refused with that
+reason under either loop."""
 
 
 def _text(value) -> str:
@@ -155,8 +155,6 @@ def refusal(ns, defaults: dict, fields) -> str | None:
 
     ``ns``: train.py's parsed flags; ``defaults``: each flag's parser default; ``fields``: the names of
     TrainingArguments' fields (of the installed transformers)."""
-    if ns.loop != "accelerate":
-        return None
     for name in fields:
         if name in NO_EFFECT or not hasattr(ns, name):
             continue
@@ -165,6 +163,8 @@ def refusal(ns, defaults: dict, fields) -> str | None:
             continue
         if name in IN_NEITHER_LOOP:
             return f"--{name}={_text(value)}: not applied in either loop ({IN_NEITHER_LOOP[name]}); drop the flag"
+        if ns.loop != "accelerate":
+            continue
         applied = APPLIED.get(name)
         if applied is None:
             return f"--{name}={_text(value)}: applied only by --loop trainer; use --loop trainer or drop the flag"
