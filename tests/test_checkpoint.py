@@ -127,6 +127,33 @@ def test_signal_to_one_rank_stops_all_ranks_with_a_checkpoint(tmp_path):
     assert json.loads((saved[0] / checkpoint_layout.STATE).read_text())["world_size"] == 2
 
 
+@pytest.mark.parametrize(("loop", "first", "again"), [("accelerate", signal.SIGTERM, signal.SIGTERM),
+                                                   ("trainer", signal.SIGUSR1, signal.SIGTERM)])
+def test_a_repeated_stop_signal_does_not_change_the_exit_code(loop, first, again, tmp_path):
+    """A scheduler may signal again before the process is gone: every ~0.1 s from the first signal until exit, so
+    the repeats land in the step, the save, the shutdown and the interpreter's finalization alike."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, TRAIN_PY, "--max_steps", "300", "--save_steps", "1000", "--loop", loop,
+                             "--output_dir", str(out)], env=child_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_steps(out, 1, proc)
+        proc.send_signal(first)
+        repeats = 0
+        while proc.poll() is None:
+            proc.send_signal(again)
+            repeats += 1
+            time.sleep(0.1)
+        stderr = proc.communicate()[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == checkpoint.EXIT_PREEMPTED, stderr[-3000:]
+    assert repeats >= 3 and f"stopped by {first.name}" in stderr  # the first signal says why it stopped
+    (saved,) = checkpoint_layout.complete_checkpoints(out)
+    assert checkpoint.verify(saved, checkpoint._ONE_PROCESS) is None
+
+
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_resumable(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, TRAIN_PY, "--max_steps", "400", "--save_steps", "1", "--save_total_limit", "2",

@@ -357,7 +357,14 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = self.signal_name or signal.Signals(signum).name  # the first one says why it stopped
+
+    def settle(self) -> None:
+        """The checkpoint is saved and the process is ending: a repeated stop signal must change nothing (exit 75).
+        Ignored, not handled: while the interpreter finalizes it puts every Python handler back to the default
+        action, and a second SIGTERM a second after the first would then kill the process (-15, not 75)."""
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
     @property
     def requested(self) -> bool:

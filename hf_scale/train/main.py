@@ -570,6 +570,7 @@ def _save_and_prove(run: Run, fitted: Fitted) -> tuple[dict, dict | None]:
 
 
 def _stop_preempted(run: Run, fitted: Fitted) -> int:
+    run.stop.settle()
     fitted.metrics.close()
     preemption.mark_preempted()  # the launch script exits 75 on it (launchers turn 75 into 1)
     if fitted.accelerator.is_main_process:
