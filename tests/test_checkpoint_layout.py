@@ -160,10 +160,15 @@ def test_the_names_agree_with_the_libraries_that_write_them():
 
 def test_startup_removes_exactly_the_staging_directories(tmp_path):
     for label in (5, "universal-2", "replaced-4"):
-        layout.staging_dir(tmp_path, label).mkdir()
+        checkpoint.make_staging(tmp_path, label)
     kept = _checkpoint(tmp_path, 1, {"a": "x"}, sealed=False)
+    users = layout.staging_dir(tmp_path, 9)  # named like hf_scale's, without its marker: the user's
+    users.mkdir()
+    (users / "notes").write_text("mine")
     assert sorted(p.name for p in checkpoint.remove_interrupted(tmp_path)) == [
         ".tmp-checkpoint-5", ".tmp-checkpoint-replaced-4", ".tmp-checkpoint-universal-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [users.name, kept.name]
+    assert checkpoint.remove_interrupted(tmp_path, foreign_too=True) == [users]  # --overwrite_output_dir
     assert [p.name for p in tmp_path.iterdir()] == [kept.name]
 
 

@@ -105,18 +105,62 @@ def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_and_drops_what_cam
     assert path.read_text() == ""
 
 
-def test_publishing_over_a_foreign_directory_moves_it_aside_intact(tmp_path):
+def _sealed(output_dir: Path, step: int, content: bytes) -> Path:
+    """A checkpoint written and sealed the way the savers do, in its staging directory."""
+    written = checkpoint_layout.checkpoint_dir(checkpoint.make_staging(output_dir, step), step)
+    written.mkdir()
+    (written / "model.safetensors").write_bytes(content)
+    checkpoint.seal(written, step, ONE_PROCESS)
+    return written
+
+
+def _flip_a_bit(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the checksum tells
+    file.write_bytes(bytes(data))
+
+
+def test_publishing_over_a_foreign_directory_moves_it_aside_intact(tmp_path, capfd):
     foreign = tmp_path / "checkpoint-3"
     foreign.mkdir()
     (foreign / "weights.bin").write_bytes(b"someone else's")
-    written = tmp_path / f"{checkpoint_layout.TMP_PREFIX}3"
-    written.mkdir()
-    (written / "model.safetensors").write_bytes(b"ours")
-    checkpoint.seal(written, 3, ONE_PROCESS)
-    checkpoint.publish(written, tmp_path, 3)
+    checkpoint.Publisher(tmp_path, ONE_PROCESS).publish(_sealed(tmp_path, 3, b"ours"), 3)
     assert (tmp_path / "checkpoint-3.kept-1" / "weights.bin").read_bytes() == b"someone else's"
-    assert checkpoint_layout.is_complete(tmp_path / "checkpoint-3")
+    assert "not a checkpoint of verified content (no hf_scale_complete.json" in capfd.readouterr().err
     assert checkpoint.verify(tmp_path / "checkpoint-3", ONE_PROCESS) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-3.kept-1"]  # no staging left
+
+
+@pytest.mark.parametrize("damage", ["one bit flipped", "size-only manifest"])
+def test_a_checkpoint_whose_content_does_not_verify_is_never_replaced_nor_rotated_away(damage, tmp_path, capfd):
+    publisher = checkpoint.Publisher(tmp_path, ONE_PROCESS)
+    old = checkpoint.Publisher(tmp_path, ONE_PROCESS).publish(_sealed(tmp_path, 3, b"an earlier run's"), 3)
+    if damage == "one bit flipped":
+        _flip_a_bit(old / "model.safetensors")
+    else:  # edited to an older hf_scale's form: sizes only, which a changed byte keeps
+        manifest = json.loads((old / checkpoint_layout.MANIFEST).read_text())
+        manifest["files"] = {name: entry["size"] for name, entry in manifest["files"].items()}
+        (old / checkpoint_layout.MANIFEST).write_text(json.dumps(manifest))
+        _flip_a_bit(old / "model.safetensors")
+    assert checkpoint_layout.is_complete(old)  # by sizes; but not verified content:
+    found = checkpoint.verify(old, ONE_PROCESS)
+    assert found == ("model.safetensors is corrupt (its xxh3_128 checksum differs from the one in "
+                     "hf_scale_complete.json)" if damage == "one bit flipped" else
+                     "hf_scale_complete.json records no xxh3_128 checksum for model.safetensors (a size-only "
+                     "manifest); its content cannot be verified")
+    damaged = tree(old)
+    publisher.publish(_sealed(tmp_path, 3, b"this run's"), 3)  # the same step saved again: moved aside
+    assert tree(tmp_path / "checkpoint-3.kept-1") == damaged
+    assert f"moved it to {tmp_path / 'checkpoint-3.kept-1'} (nothing deleted)" in capfd.readouterr().err
+    # Beyond --save_total_limit: a damaged older checkpoint stays (said once), an intact one of this run goes.
+    shutil.move(tmp_path / "checkpoint-3.kept-1", tmp_path / "checkpoint-1")
+    for step in (4, 5):
+        publisher.publish(_sealed(tmp_path, step, b"this run's"), step)
+        publisher.rotate(1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-5"]
+    assert tree(tmp_path / "checkpoint-1") == damaged
+    assert capfd.readouterr().err.count(f"{tmp_path / 'checkpoint-1'} is left in place beyond --save_total_limit: "
+                                        f"{found}") == 1
 
 
 def test_the_lock_names_its_holder_and_leaves_nothing_behind(tmp_path):
@@ -161,9 +205,10 @@ def test_a_run_killed_with_sigkill_does_not_block_the_next(tmp_path):
 
 def test_startup_removes_only_hf_scales_own_temporary_directories(tmp_path, capfd):
     out = tmp_path / "out"
-    for name in (f"{checkpoint_layout.TMP_PREFIX}5", f"{checkpoint_layout.TMP_PREFIX}universal-2"):
-        (out / name / "pytorch_model").mkdir(parents=True)
-        (out / name / "pytorch_model" / "shard.pt").write_bytes(b"partial")
+    for label in (5, "universal-2"):
+        staging = checkpoint.make_staging(out, label)
+        (staging / "pytorch_model").mkdir(parents=True)
+        (staging / "pytorch_model" / "shard.pt").write_bytes(b"partial")
     (out / "checkpoint-7").mkdir()  # another tool's checkpoint (no hf_scale manifest)
     (out / "checkpoint-7" / "optimizer.pt").write_bytes(b"theirs")
     (out / "notes.txt").write_text("mine")
@@ -199,9 +244,9 @@ def test_auto_skips_a_damaged_checkpoint_and_continues_the_metrics(loop, damage,
     reason = f"{victim.name} has {len(data)} bytes" if damage == "truncated" else f"{victim.name} is corrupt"
     assert f"skipping {damaged}: {reason}" in stderr
     assert f"resuming from {out / 'checkpoint-1'}" in stderr
-    if damage == "truncated":  # not a complete hf_scale checkpoint: the new checkpoint-2 never deletes it
-        assert f"moved it to {out / 'checkpoint-2.kept-1'} (nothing deleted)" in stderr
-        assert tree(out / "checkpoint-2.kept-1") == damaged_files
+    # Not verified content (also when only the checksum tells): the new checkpoint-2 never replaces it.
+    assert f"moved it to {out / 'checkpoint-2.kept-1'} (nothing deleted)" in stderr
+    assert tree(out / "checkpoint-2.kept-1") == damaged_files
     saved = checkpoint_layout.complete_checkpoints(out)
     assert [p.name for p in saved] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert all(checkpoint.verify(p, ONE_PROCESS) is None for p in checkpoint_layout.complete_checkpoints(out))

@@ -83,6 +83,15 @@ class ScaleArguments:
             "takes a fraction < 1 in --warmup_steps, which this sets)."
         },
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Let this run replace files in --output_dir that hf_scale did not write (a model's config.json "
+            "and safetensors, tokenizer files, metrics.jsonl) and remove directories named like its temporary ones "
+            "(.tmp-checkpoint-*) that it did not create. Without it such a directory is refused. Checkpoints of "
+            "other tools are never deleted either way: a save of the same step moves them aside."
+        },
+    )
     verbose: bool = field(
         default=False,
         metadata={

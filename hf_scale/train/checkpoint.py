@@ -3,19 +3,19 @@ triggers one.
 
 The layout (names, manifest, what a directory is) belongs to `checkpoint_layout.py`; this module writes,
 seals, publishes, rotates and verifies. Both loops write a checkpoint into a temporary directory of
-hf_scale's own (`OUTPUT_DIR/.tmp-checkpoint-STEP`; the Trainer writes its own format into
-`.tmp-checkpoint-STEP/checkpoint-STEP`), add `hf_scale_state.json` (step, epoch, position in the epoch,
-world size, strategy; the manual loop also the model config and tokenizer), flush every file and record
-its size and checksum in the manifest `hf_scale_complete.json`, written last, then rename the directory
-into place as `OUTPUT_DIR/checkpoint-STEP`. The checksums are computed and verified by all ranks in
-parallel (`integrity.py`).
+hf_scale's own (`OUTPUT_DIR/.tmp-checkpoint-STEP/checkpoint-STEP`, the container marked as hf_scale's), add
+`hf_scale_state.json` (step, epoch, position in the epoch, world size, strategy; the manual loop also the model
+config and tokenizer), flush every file and record its size and checksum in the manifest
+`hf_scale_complete.json`, written last, then rename the directory into place as `OUTPUT_DIR/checkpoint-STEP`.
+The checksums are computed and verified by all ranks in parallel (`integrity.py`).
 
-What startup removes: only hf_scale's own temporary directories (`.tmp-checkpoint-*`: an interrupted save
-of either loop, a leftover DeepSpeed universal-checkpoint conversion), under the output_dir lock
-(`output_lock.py`), so never those of another live run. A `checkpoint-N` without a valid manifest (another
-tool's, an older hf_scale's, a damaged one) is never deleted: `--resume_from_checkpoint auto` skips it
-and says so, an explicit `--resume_from_checkpoint` refuses it naming the file, and a save of the same
-step moves it aside to `checkpoint-N.kept-K`.
+What startup removes: only hf_scale's own temporary directories (`.tmp-checkpoint-*` holding its marker: an
+interrupted save of either loop, a leftover DeepSpeed universal-checkpoint conversion), under the output_dir
+lock (`output_lock.py`), so never those of another live run (a user's directory of that name is refused by
+hf_scale.train.ownership). A `checkpoint-N` whose content does not verify (another tool's, an older hf_scale's
+size-only manifest, a damaged one) is never deleted or replaced: `--resume_from_checkpoint auto` skips it and
+says so, an explicit `--resume_from_checkpoint` refuses it naming the file, a save of the same step moves it
+aside to `checkpoint-N.kept-K`, and `--save_total_limit` leaves it in place.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from hf_scale.exit_codes import EXIT_PREEMPTED  # noqa: F401 (checkpoint.EXIT_PR
 from hf_scale.train import integrity
 from hf_scale.train.checkpoint_layout import (
     MANIFEST,
+    MARKER,
     STATE,
     TMP_PREFIX,
     checkpoint_dir,
     checkpoint_folders,
     complete_checkpoints,
-    is_complete,
+    is_ours,
     manifest_text,
     read_manifest,
     size_problem,
@@ -57,26 +58,43 @@ _RNG_KEYS = {"random_states_": {"random_state", "numpy_random_seed", "torch_manu
              "rng_state": {"python", "numpy", "cpu"}}
 
 
-def remove_interrupted(output_dir: str | Path) -> list[Path]:
-    """Delete hf_scale's own temporary directories (interrupted saves, a universal-checkpoint conversion).
+def make_staging(output_dir: str | Path, label: int | str) -> Path:
+    """Main process: a new `OUTPUT_DIR/.tmp-checkpoint-LABEL` holding hf_scale's marker, so that an interrupted
+    one is known as hf_scale's and removed at the next start (a user's directory of that name never is)."""
+    path = staging_dir(output_dir, label)
+    if is_ours(path):
+        shutil.rmtree(path)
+    path.mkdir(parents=True)  # a user's directory of that name: refused at startup, never written into
+    (path / MARKER).write_text("a temporary directory of hf_scale's, removed at the start of the next run\n")
+    return path
+
+
+def temporary_dirs(output_dir: str | Path) -> list[Path]:
+    """Every `.tmp-checkpoint-*` entry of `output_dir`, hf_scale's or not."""
+    root = Path(output_dir)
+    return sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)) if root.is_dir() else []
+
+
+def remove_interrupted(output_dir: str | Path, *, foreign_too: bool = False) -> list[Path]:
+    """Delete hf_scale's own temporary directories (interrupted saves, a universal-checkpoint conversion); with
+    `foreign_too` (--overwrite_output_dir) also the user's directories of those names.
 
     Main process, while it holds the output_dir lock: no live run can still be writing them. Nothing else
     is ever removed at startup.
     """
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    removed = [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX) and p.is_dir() and not p.is_symlink()]
+    removed = [p for p in temporary_dirs(output_dir)
+               if is_ours(p) or (foreign_too and p.is_dir() and not p.is_symlink())]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
 def verify(path: Path, state) -> str | None:
-    """The first reason `path` cannot be resumed from, or None. Collective (`state`: PartialState/Accelerator).
+    """The first reason `path` cannot be resumed from, or None: None means verified content. Collective
+    (`state`: PartialState/Accelerator).
 
-    Manifest and sizes (main process), then every recorded checksum (each rank hashes a share), then the
-    small state files and `hf_scale_state.json` must load (main process).
+    Manifest and sizes (main process), then every file's checksum (each rank hashes a share; a manifest without
+    checksums does not verify), then the small state files and `hf_scale_state.json` must load (main process).
     """
     found, entries = None, None
     if state.is_main_process:
@@ -85,10 +103,13 @@ def verify(path: Path, state) -> str | None:
     found, entries = integrity.broadcast(state, (found, entries))
     if found:
         return found
-    recorded = {name: entry for name, entry in entries.items() if integrity.HASH_NAME in entry}
-    actual = integrity.digests(path, {name: entry["size"] for name, entry in recorded.items()}, state)
-    for name in sorted(recorded):
-        if actual[name] != recorded[name][integrity.HASH_NAME]:
+    unsummed = sorted(name for name, entry in entries.items() if integrity.HASH_NAME not in entry)
+    if unsummed:  # an older hf_scale's manifest, or one edited to that form: sizes prove nothing about content
+        return (f"{MANIFEST} records no {integrity.HASH_NAME} checksum for {unsummed[0]} (a size-only manifest); "
+                "its content cannot be verified")
+    actual = integrity.digests(path, {name: entry["size"] for name, entry in entries.items()}, state)
+    for name in sorted(entries):
+        if actual[name] != entries[name][integrity.HASH_NAME]:
             return f"{name} is corrupt (its {integrity.HASH_NAME} checksum differs from the one in {MANIFEST})"
     return integrity.broadcast(state, _unloadable(path) if state.is_main_process else None)
 
@@ -247,44 +268,86 @@ def write_manifest(path: Path, step: int) -> None:
     seal(path, step, _ONE_PROCESS)
 
 
-def publish(written: Path, output_dir: str | Path, step: int) -> Path:
-    """Main process: rename the sealed `written` to `OUTPUT_DIR/checkpoint-STEP` (same filesystem: atomic).
+class Publisher:
+    """Puts one run's sealed checkpoints in place and rotates old ones away (`--save_total_limit`). Collective
+    calls. Only what verifies (every checksum; or what this run wrote or resumed from itself) is ever replaced
+    or deleted: a damaged checkpoint, another tool's, one with a size-only manifest is moved aside when its step
+    is saved again, and left in place by the rotation."""
 
-    `written` is `.tmp-checkpoint-STEP` or, for the Trainer, `.tmp-checkpoint-STEP/checkpoint-STEP` (its
-    empty parent is removed). A directory already at the final name is replaced when it is a complete
-    hf_scale checkpoint (this run's own step, saved again after a resume) and otherwise moved aside intact.
-    """
-    root = Path(output_dir)
-    final = checkpoint_dir(root, step)
+    def __init__(self, output_dir: str | Path, state):
+        self.root = Path(output_dir)
+        self.state = state
+        self.verified: set[Path] = set()
+        """Checkpoints whose content this run verified or wrote itself (resolved paths; the same on every rank)."""
+        self.kept: set[Path] = set()
+        """Checkpoints the rotation found damaged and left in place (said once)."""
+
+    def _problem(self, path: Path) -> str | None:
+        """Why `path` is not a checkpoint of verified content, or None. Collective."""
+        if path.resolve() in self.verified:
+            return None
+        present = integrity.broadcast(self.state, path.is_dir() and not path.is_symlink()
+                                      if self.state.is_main_process else None)
+        found = verify(path, self.state) if present else "not a directory"
+        if found is None:
+            self.verified.add(path.resolve())
+        return found
+
+    def publish(self, written: Path, step: int) -> Path:
+        """Rename the sealed `written` (`.tmp-checkpoint-STEP/checkpoint-STEP`) to `OUTPUT_DIR/checkpoint-STEP`
+        (same filesystem: atomic) and remove its container. A directory already at the final name is replaced
+        when its content verifies (this run's own step saved again after a resume) and otherwise moved aside
+        intact."""
+        final = checkpoint_dir(self.root, step)
+        exists = integrity.broadcast(self.state, (final.exists() or final.is_symlink())
+                                     if self.state.is_main_process else None)
+        problem = self._problem(final) if exists else None
+        if self.state.is_main_process:
+            _publish(written, self.root, final, step, problem)
+        self.verified.add(final.resolve())  # sealed from the digests of the bytes this run wrote
+        return final
+
+    def rotate(self, keep: int | None, protect: str | Path | None = None) -> None:
+        """`--save_total_limit`: keep the newest `keep` complete checkpoints (and `protect`, the Trainer's best);
+        an older one is deleted only when its content verifies."""
+        if not keep or keep < 1:
+            return
+        protected = Path(protect).resolve() if protect else None
+        old = integrity.broadcast(self.state, [p for p in complete_checkpoints(self.root)[:-keep]
+                                               if p.resolve() != protected] if self.state.is_main_process else None)
+        for path in old:
+            if path.resolve() in self.kept:
+                continue
+            found = self._problem(path)  # the same on every rank
+            if found is not None:
+                self.kept.add(path.resolve())
+            if self.state.is_main_process and found is None:
+                shutil.rmtree(path, ignore_errors=True)
+            elif self.state.is_main_process:
+                print(f"hf_scale: {path} is left in place beyond --save_total_limit: {found}", file=sys.stderr,
+                      flush=True)
+
+
+def _publish(written: Path, root: Path, final: Path, step: int, problem: str | None) -> None:
+    """Main process: `publish`'s renames. `problem`: why the directory at `final` does not verify (None when it
+    does, or when there is none)."""
     replaced = None
-    if final.exists() and is_complete(final):
-        replaced = staging_dir(root, f"replaced-{step}")
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(final, replaced)
-    elif final.exists() or final.is_symlink():
-        kept = next(final.with_name(f"{final.name}.kept-{i}") for i in range(1, 10**6)
-                    if not final.with_name(f"{final.name}.kept-{i}").exists())
-        os.replace(final, kept)
-        print(f"hf_scale: {final} was not a complete hf_scale checkpoint; moved it to {kept} (nothing deleted)",
-              file=sys.stderr, flush=True)
+    if final.exists() or final.is_symlink():
+        if problem is None:
+            replaced = make_staging(root, f"replaced-{step}")
+            os.replace(final, replaced / final.name)
+        else:
+            kept = next(final.with_name(f"{final.name}.kept-{i}") for i in range(1, 10**6)
+                        if not final.with_name(f"{final.name}.kept-{i}").exists())
+            os.replace(final, kept)
+            print(f"hf_scale: {final} is not a checkpoint of verified content ({problem}); moved it to {kept} "
+                  "(nothing deleted)", file=sys.stderr, flush=True)
     os.replace(written, final)
-    if written.parent != root:  # the Trainer's .tmp-checkpoint-STEP/, hf_scale's own
+    if written.parent != root:  # hf_scale's own .tmp-checkpoint-STEP/
         shutil.rmtree(written.parent, ignore_errors=True)
     _fsync_dir(root)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
-    return final
-
-
-def rotate(output_dir: str | Path, keep: int | None, protect: str | Path | None = None) -> None:
-    """`--save_total_limit`: keep the newest `keep` complete checkpoints (and `protect`, the Trainer's best).
-    Only complete hf_scale checkpoints are ever rotated away."""
-    if not keep or keep < 1:
-        return
-    protected = Path(protect).resolve() if protect else None
-    for old in complete_checkpoints(output_dir)[:-keep]:
-        if old.resolve() != protected:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def intact_note(output_dir: str | Path) -> str:

@@ -18,7 +18,10 @@ writes, seals and publishes).
         pytorch_model_fsdp.bin               its FULL_STATE_DICT
         trainer_state.json                   the Trainer's checkpoints only
       .tmp-checkpoint-STEP/                  a save in progress (removed at the next start if interrupted)
+        .written-by-hf_scale                 its marker: only a temporary directory holding it is ever removed
+        checkpoint-STEP/                     the checkpoint being written, renamed into place when sealed
       .hf_scale.lock                         held while a run writes the directory (hf_scale.train.output_lock)
+      .written-by-hf_scale                   written before a run's first file: what hf_scale wrote, it may replace
       config.json, model.safetensors         the final model, from_pretrained-ready (the exported model's files)
 """
 
@@ -38,10 +41,14 @@ TMP_PREFIX = ".tmp-checkpoint-"
 ever removed at startup."""
 LOCK_FILE = ".hf_scale.lock"
 """`OUTPUT_DIR/.hf_scale.lock`: one run writes a directory at a time (hf_scale.train.output_lock holds it)."""
-TRAINING_STATE_GLOBS = (f"{PREFIX}*", ".tmp-*", "*.lock")
+MARKER = ".written-by-hf_scale"
+"""In each directory hf_scale creates and may remove (its `.tmp-checkpoint-*`) and in an OUTPUT_DIR whose files it
+may replace (its final model): a directory without it is the user's, never removed, its files never replaced
+(hf_scale.train.ownership)."""
+TRAINING_STATE_GLOBS = (f"{PREFIX}*", ".tmp-*", "*.lock", MARKER)
 """What of a run directory is training state, never the model, so `--push_to_hub` uploads none of it (the Hub's
 `ignore_patterns`): the checkpoints (also one moved aside, `checkpoint-STEP.kept-K`), every temporary of
-hf_scale's (`.tmp-checkpoint-*` saves, `hf-scale export`'s `.tmp-export-*`) and the lock."""
+hf_scale's (`.tmp-checkpoint-*` saves, `hf-scale export`'s `.tmp-export-*`), the lock and the marker."""
 MANIFEST = "hf_scale_complete.json"
 STATE = "hf_scale_state.json"
 DEEPSPEED_TAG = "pytorch_model"
@@ -97,6 +104,11 @@ def staging_dir(output_dir: str | Path, label: int | str) -> Path:
     """`OUTPUT_DIR/.tmp-checkpoint-LABEL`: a save of step LABEL in progress, or another temporary of hf_scale's
     (`universal-STEP`, `replaced-STEP`)."""
     return Path(output_dir) / f"{TMP_PREFIX}{label}"
+
+
+def is_ours(directory: Path) -> bool:
+    """`directory` holds hf_scale's MARKER (and is no link to somewhere else)."""
+    return not directory.is_symlink() and (directory / MARKER).is_file()
 
 
 def step_of(path: Path) -> int | None:

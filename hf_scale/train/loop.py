@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, fsdp, guard, live, reshard
+from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, fsdp, guard, live, reshard, resume
 from hf_scale.train.data import count_target_tokens, make_train_dataloader, micro_batch_per_rank
 from hf_scale.train.distributed import has_gpu
 from hf_scale.train.liger import apply_liger
@@ -145,6 +144,8 @@ def run(
 
     saver = _CheckpointSaver(args, spec, accelerator, model, optimizer, tokenizer, shard_ourselves)
     step, epoch, skip_batches = saver.load(resume_dir) if resume_dir is not None else (0, 0, 0)
+    if resume_dir is not None:
+        resume.continue_schedule(scheduler, args.learning_rate, announce=accelerator.is_main_process)
     metrics = StepMetrics(
         args.output_dir,
         is_main=accelerator.is_main_process,
@@ -391,9 +392,7 @@ class _Loop:
 
     def final_checkpoint(self) -> Path:
         """ZeRO-3 without gathering (hf_scale.train.final_checkpoint): the last step's checkpoint, saved at that
-        step (`_CheckpointSaver.due`); written now only by a resumed run that had no step left to train."""
-        if self.saver.last_saved_step != self.step:
-            self.saver.save(self.step, self.epoch, self.skip_batches)
+        step (`_CheckpointSaver.due`; a resume of the last step trains nothing and never comes here)."""
         return checkpoint_layout.checkpoint_dir(self.args.output_dir, self.step)
 
     def _log(self, record: dict) -> None:
@@ -416,8 +415,7 @@ class _CheckpointSaver:
         self.tokenizer = tokenizer
         self.shard_ourselves = shard_ourselves
         self.interval = _save_interval(args)
-        self.last_saved_step: int | None = None
-        """The step of the last checkpoint this run published."""
+        self.publisher = checkpoint.Publisher(args.output_dir, accelerator)
 
     def due(self, step: int, total_steps: int) -> bool:
         if step == total_steps and self.spec.final_save_is_checkpoint:
@@ -433,10 +431,10 @@ class _CheckpointSaver:
 
     def _save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
         accelerator, args = self.accelerator, self.args
-        tmp = checkpoint_layout.staging_dir(args.output_dir, step)
+        tmp = checkpoint_layout.checkpoint_dir(checkpoint_layout.staging_dir(args.output_dir, step), step)
         if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            checkpoint.make_staging(args.output_dir, step)
+            tmp.mkdir()
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
         if self.shard_ourselves:
@@ -453,12 +451,9 @@ class _CheckpointSaver:
             checkpoint.write_model_files(tmp, accelerator.unwrap_model(self.model), self.tokenizer)
         accelerator.wait_for_everyone()
         checkpoint.seal(tmp, step, accelerator)
-        final = checkpoint_layout.checkpoint_dir(args.output_dir, step)
-        if accelerator.is_main_process:
-            checkpoint.publish(tmp, args.output_dir, step)
-            checkpoint.rotate(args.output_dir, args.save_total_limit)
+        final = self.publisher.publish(tmp, step)
+        self.publisher.rotate(args.save_total_limit)
         accelerator.wait_for_everyone()
-        self.last_saved_step = step
         return final
 
     def load(self, path: Path) -> tuple[int, int, int]:
@@ -473,6 +468,7 @@ class _CheckpointSaver:
                 f"{state['epoch']} were consumed, not a whole number of micro-batches of "
                 f"{self.spec.micro_batch_size} x {world} processes"
             )
+        self.publisher.verified.add(path.resolve())  # verified before the resume (checkpoint.resolve_resume)
         with checkpoint.load_errors_reported(path):
             if state["world_size"] != world and self.spec.strategy == "deepspeed":
                 work_root = Path(self.args.output_dir)

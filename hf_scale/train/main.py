@@ -35,9 +35,10 @@ from hf_scale.train import (
     guard,
     loop_flags,
     output_lock,
+    ownership,
     preemption,
     reconcile,
-    reshard,
+    resume,
     run_spec,
     sources,
 )
@@ -249,6 +250,9 @@ def train(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     run = prepare(argv)
     built = build(run)
+    if built is None:  # resumed at the run's last step: nothing to train (hf_scale.train.resume)
+        distributed.shutdown()
+        return 0
     fitted = fit(run, built)
     return finish(run, built, fitted)
 
@@ -277,7 +281,7 @@ def prepare(argv: list[str] | None) -> Run:
         print(f"hf_scale: run: {spec.describe()}", file=sys.stderr, flush=True)
         if spec.final_save_is_checkpoint:
             print(f"hf_scale: {final_checkpoint.startup_notice(args.output_dir)}", file=sys.stderr, flush=True)
-    resume_dir = _claim_output_dir(args, spec, state, hub_target)
+    resume_dir = ownership.claim(args, spec, state, hub_target, overwrite=ns.overwrite_output_dir)
     return Run(
         spec=spec, args=args, model_args=_dataclass_from(ns, ModelArguments), data_args=data_args,
         source_args=_dataclass_from(ns, sources.SourceArguments), launch=launch, state=state, stop=stop,
@@ -376,28 +380,9 @@ def _training_arguments(ns) -> TrainingArguments:
         raise UserError(f"training arguments: {' '.join(str(error).split())}") from None
 
 
-def _claim_output_dir(args, spec: RunSpec, state, hub_target) -> Path | None:
-    """One run per output_dir, locked before anything in it is touched; the checkpoint to resume from. hf_scale's
-    own interrupted saves are removed (nothing else ever is); `auto` takes the newest checkpoint that verifies."""
-    output_lock.acquire(args.output_dir, state)
-    if state.is_main_process:
-        for path in checkpoint.remove_interrupted(args.output_dir):
-            print(f"hf_scale: removed interrupted save {path}", file=sys.stderr)
-        if hub_target is not None:  # as the Trainer does: a refused token stops the run before training
-            hub.create_repo(hub_target, "--push_to_hub")
-    state.wait_for_everyone()
-    resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir, state)
-    if resume_dir is not None:  # refuse what cannot resume (another loop, strategy, or world size for the Trainer)
-        reshard.check_resumable(resume_dir, loop=spec.loop, world_size=spec.world_size,
-                                strategy=spec.strategy, zero_stage=spec.zero_stage)
-        if state.is_main_process:
-            print(f"hf_scale: resuming from {resume_dir}", file=sys.stderr)
-    return resume_dir
-
-
-def build(run: Run) -> Built:
+def build(run: Run) -> Built | None:
     """Tokenizer, data (tokenised, mixed, packed once on the main process and cached, then read by the others),
-    collator and model."""
+    collator and model; None when the checkpoint resumed from is the run's last step."""
     set_seed(run.args.seed)
     model_config, model_args, data_args = _model_and_data_choices(run)
     tokenizer = load_tokenizer(model_args)
@@ -408,6 +393,8 @@ def build(run: Run) -> Built:
         train_dataset = maybe_pack(train_examples, data_args, seed=run.spec.data_seed,
                                    announce=run.state.is_main_process)
     _check_scheduler_length(run, len(train_dataset))
+    if run.resume_dir and resume.finished(run, len(train_dataset)):
+        return None
     collator = make_collator(
         tokenizer,
         packing=data_args.packing,
@@ -474,6 +461,7 @@ def _check_scheduler_length(run: Run, train_rows: int) -> None:
 
 def fit(run: Run, built: Built) -> Fitted:
     """Train with the HF Trainer or hf_scale's manual Accelerator loop (--loop)."""
+    ownership.mark(run.args.output_dir, run.state)  # the run's first file in OUTPUT_DIR comes next
     if run.spec.loop == "accelerate":
         return _fit_manual_loop(run, built)
     return _fit_trainer(run, built)

@@ -83,10 +83,12 @@ def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, ze
 def deepspeed_universal(path: Path, accelerator, engine, work_root: Path) -> Iterator[Path]:
     """A view of checkpoint `path` whose DeepSpeed tag is a universal checkpoint, and `engine` set to load
     it as one. Yields the directory to hand to `accelerator.load_state` (every rank)."""
-    view = staging_dir(work_root, f"universal-{step_of(path)}")
+    container = staging_dir(work_root, f"universal-{step_of(path)}")
+    view = container / path.name
     error = None
     if accelerator.is_main_process:
         try:
+            checkpoint.make_staging(work_root, f"universal-{step_of(path)}")
             _convert(path, view, accelerator.num_processes)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below, instead of a hang at the barrier
             error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
@@ -108,15 +110,14 @@ def deepspeed_universal(path: Path, accelerator, engine, work_root: Path) -> Ite
         config.load_universal_checkpoint = False
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            shutil.rmtree(view, ignore_errors=True)
+            shutil.rmtree(container, ignore_errors=True)
 
 
 def _convert(path: Path, view: Path, new_world: int) -> None:
     """Main process: `view/` links every file of `path` except the DeepSpeed tag, which is converted."""
     from deepspeed.checkpoint import ds_to_universal
 
-    shutil.rmtree(view, ignore_errors=True)
-    view.mkdir(parents=True)
+    view.mkdir()
     for entry in path.iterdir():
         if entry.name not in (DEEPSPEED_TAG, DEEPSPEED_LATEST, MANIFEST):
             (view / entry.name).symlink_to(entry.resolve())

@@ -8,7 +8,6 @@ own log rounds to 4 digits), and evaluates with hf_scale.train.evaluation, as th
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
 
-from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard, integrity, live
+from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard, integrity, live, resume
 from hf_scale.train.data import micro_batch_per_rank
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
@@ -40,6 +39,7 @@ class HfScaleTrainer(Trainer):
         self._saving_step: int | None = None
         self.last_saved_step: int | None = None
         """The step of the last checkpoint this run published."""
+        self.publisher = checkpoint.Publisher(self.args.output_dir, self.accelerator)
 
     def _set_signature_columns_if_needed(self):
         # Packed rows carry their examples' lengths (SEQ_LENGTHS), which the collator needs but the model's
@@ -120,7 +120,7 @@ class HfScaleTrainer(Trainer):
         staging = checkpoint_layout.staging_dir(output_dir, step)
         written = checkpoint_layout.checkpoint_dir(staging, step)  # the Trainer appends checkpoint-STEP
         if is_main:
-            shutil.rmtree(staging, ignore_errors=True)
+            checkpoint.make_staging(output_dir, step)
         accelerator.wait_for_everyone()
         self._saving_step = step
         try:
@@ -139,9 +139,8 @@ class HfScaleTrainer(Trainer):
                 self.state.best_model_checkpoint = str(final)
                 self.state.save_to_json(str(written / checkpoint_layout.TRAINER_STATE))
         checkpoint.seal(written, step, accelerator)
-        if is_main:
-            checkpoint.publish(written, output_dir, step)
-            checkpoint.rotate(output_dir, self.args.save_total_limit, protect=self.state.best_model_checkpoint)
+        self.publisher.publish(written, step)
+        self.publisher.rotate(self.args.save_total_limit, protect=self.state.best_model_checkpoint)
         accelerator.wait_for_everyone()
         self.last_saved_step = step
 
@@ -184,8 +183,13 @@ class HfScaleTrainer(Trainer):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
+        # Called after every kind of load (DeepSpeed's engine loads its states before): the schedule is this run's.
         with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
             super()._load_optimizer_and_scheduler(checkpoint_dir)
+        if checkpoint_dir is not None:
+            self.publisher.verified.add(Path(checkpoint_dir).resolve())  # verified before the resume
+            resume.continue_schedule(self.lr_scheduler, self.args.learning_rate,
+                                     announce=self.accelerator.is_main_process)
 
     def _load_rng_state(self, checkpoint_dir):
         with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
