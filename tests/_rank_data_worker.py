@@ -1,4 +1,4 @@
-"""Run by tests/test_data.py under ``torchrun --nproc_per_node 2``: records the samples each rank sees.
+"""Run by tests/train/data/test_data.py under ``torchrun --nproc_per_node 2``: records the samples each rank sees.
 
 Every rank builds the real data pipeline (load, tokenize, collate, shuffle) and the real
 ``accelerator.prepare``, iterates two epochs and writes ``OUT/rank<N>.json`` with, per epoch, the

@@ -1,4 +1,4 @@
-"""The data pipeline: formats, masking, truncation, collators (packing: tests/test_packing.py),
+"""The data pipeline: formats, masking, truncation, collators (packing: tests/train/data/test_packing.py),
 rank-aware shuffling in a real 2-process run, and one-line errors for bad input."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from paths import REPO
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainingArguments
 
 from hf_scale.errors import UserError
@@ -30,8 +31,6 @@ from hf_scale.train.data.pipeline import (
     make_train_dataloader,
     tokenize_dataset,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 PROMPT_ROWS = [
     {"prompt": "What is 2 plus 3?", "response": "5"},
@@ -283,7 +282,7 @@ def _model(attn_implementation: str):
 
 
 def test_count_target_tokens_is_what_the_causal_lm_loss_averages_over(tokenizer, sample_examples):
-    # Packed rows: tests/test_packing.py.
+    # Packed rows: tests/train/data/test_packing.py.
     batch = make_collator(tokenizer, packing=False)(sample_examples)
     model = _model("sdpa")
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """hf_scale.train.setup.loop_flags: the table of the TrainingArguments flags the manual loop applies cannot drift from
 the code (an AST scan of the manual loop's path), and `--loop accelerate` refuses the others (the bad-input
-cases are in tests/test_bad_input_train.py)."""
+cases are in tests/train/test_bad_input_train.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import re
 from pathlib import Path
 
 import pytest
+from paths import REPO
 from transformers import Trainer, TrainingArguments
 
 from hf_scale.train.main import _validate_flags, build_parser
 from hf_scale.train.setup import loop_flags
 
-REPO = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
 ROOTS = ("hf_scale.train.loops.manual", "hf_scale.train.main")
 NOT_ON_THE_PATH = {
