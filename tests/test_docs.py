@@ -92,17 +92,36 @@ def test_every_link_and_anchor_resolves(path):
     assert dead_links(path) == []
 
 
-def test_a_dead_link_or_anchor_is_reported(tmp_path):
+def test_dead_links_anchors_and_paths_are_reported(tmp_path):
     (tmp_path / "a.md").write_text("# Top `x`: y\n\n## Top `x`: y\n\n"
                                    "[ok](#top-x-y) [ok](#top-x-y-1) [ok](b.md) ![i](b.md#tail)\n"
                                    "[dead](c.md) [dead](#nope) [dead](b.md#nope) `[not a link](x.md)`\n"
                                    "```\n[in code](d.md)\n# not a heading\n```\n")
-    (tmp_path / "b.md").write_text("# Tail\n")
+    (tmp_path / "b.md").write_text("# Tail\n`hf_scale/cli.py` `tests/gone.py::test_x` `benchmarks/results/x.json`\n")
+    (tmp_path / "hf_scale").mkdir()
+    (tmp_path / "hf_scale" / "cli.py").write_text("")
+    assert missing_repo_paths(tmp_path / "b.md", root=tmp_path) == [
+        "b.md: tests/gone.py::test_x (no such file or directory)"]
     assert dead_links(tmp_path / "a.md", root=tmp_path) == [
         "a.md: c.md (no such file)",
         "a.md: #nope (no heading with that anchor in a.md)",
         "a.md: b.md#nope (no heading with that anchor in b.md)",
     ]
+
+
+def missing_repo_paths(path, root=ROOT):
+    """The code and test files a page names in backticks (`hf_scale/train/guard.py`, `tests/test_x.py`) that do
+    not exist: a module that moved leaves the page pointing nowhere. Benchmark results (written when a script
+    runs) and placeholders (`{a,b}`, `*`) are not files to look for."""
+    names = re.findall(r"`((?:hf_scale|tests|benchmarks|\.ci)/[^`\s]*)`", path.read_text(encoding="utf-8"))
+    return [f"{path.relative_to(root)}: {name} (no such file or directory)" for name in names
+            if not name.startswith("benchmarks/results/") and not re.search(r"[{}*]", name)
+            and not (root / name.split("::")[0]).exists()]
+
+
+@pytest.mark.parametrize("path", _doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_code_path_named_exists(path):
+    assert missing_repo_paths(path) == []
 
 
 @pytest.mark.parametrize("heading, slug", [
