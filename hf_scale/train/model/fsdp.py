@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_scale.train.model import decoder_layer_classes
+from hf_scale.train.model.load import decoder_layer_classes
 
 
 def layer_classes(model, settings: dict) -> list[str]:

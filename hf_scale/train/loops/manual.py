@@ -25,13 +25,18 @@ from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, fsdp, guard, live, reshard
-from hf_scale.train.data import count_target_tokens, make_train_dataloader, micro_batch_per_rank
-from hf_scale.train.distributed import has_gpu
-from hf_scale.train.liger import apply_liger
-from hf_scale.train.metrics import StepMetrics, count_real_tokens
-from hf_scale.train.packing import model_inputs
-from hf_scale.train.run_spec import RunSpec
+from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import reshard
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.data.packing import model_inputs
+from hf_scale.train.data.pipeline import count_target_tokens, make_train_dataloader, micro_batch_per_rank
+from hf_scale.train.loops import divergence, evaluation, live
+from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
+from hf_scale.train.model import fsdp
+from hf_scale.train.model.liger import apply_liger
+from hf_scale.train.setup import guard
+from hf_scale.train.setup.distributed import has_gpu
+from hf_scale.train.setup.run_spec import RunSpec
 
 
 @dataclass
@@ -390,7 +395,7 @@ class _Loop:
         self._log(self.metrics.log_eval(step=self.step, epoch=epoch_now, result=result))
 
     def final_checkpoint(self) -> Path:
-        """ZeRO-3 without gathering (hf_scale.train.final_checkpoint): the last step's checkpoint, saved at that
+        """ZeRO-3 without gathering (train/checkpoint/final_checkpoint.py): the last step's checkpoint, saved at that
         step (`_CheckpointSaver.due`); written now only by a resumed run that had no step left to train."""
         if self.saver.last_saved_step != self.step:
             self.saver.save(self.step, self.epoch, self.skip_batches)
@@ -404,7 +409,7 @@ class _Loop:
 
 class _CheckpointSaver:
     """Full training state through accelerate's `save_state` (DeepSpeed / FSDP formats underneath),
-    published atomically by hf_scale.train.checkpoint."""
+    published atomically by hf_scale.train.checkpoint.store."""
 
     def __init__(self, args, spec: RunSpec, accelerator, model, optimizer, tokenizer, shard_ourselves: bool):
         self.args = args
@@ -421,7 +426,7 @@ class _CheckpointSaver:
 
     def due(self, step: int, total_steps: int) -> bool:
         if step == total_steps and self.spec.final_save_is_checkpoint:
-            return True  # the run's final model is this checkpoint (hf_scale.train.final_checkpoint)
+            return True  # the run's final model is this checkpoint (hf_scale.train.checkpoint.final_checkpoint)
         if self.interval is None:
             return False
         interval = self.interval if self.interval >= 1 else max(1, math.ceil(self.interval * total_steps))
@@ -462,7 +467,7 @@ class _CheckpointSaver:
         return final
 
     def load(self, path: Path) -> tuple[int, int, int]:
-        """Restore everything, also at another world size (hf_scale.train.reshard; main.py has already
+        """Restore everything, also at another world size (hf_scale.train.checkpoint.reshard; main.py has already
         refused what cannot resume); returns (step, epoch, micro-batches per rank to skip in that epoch)."""
         state = checkpoint.read_state(path)
         world = self.spec.world_size

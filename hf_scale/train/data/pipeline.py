@@ -9,7 +9,7 @@ Three dataset formats are understood (column names are auto-detected or given ex
 
 With completion-only loss (the default for the last two formats) only response/assistant tokens
 are targets; the rest carry label ``-100``. Batches are either padded to the longest example or,
-with ``--packing``, rows packed to a token budget (hf_scale.train.packing).
+with ``--packing``, rows packed to a token budget (hf_scale.train.data.packing).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader, RandomSampler
 from transformers import DataCollatorForSeq2Seq, PretrainedConfig
 
 from hf_scale.errors import UserError
-from hf_scale.train.embedded import EMBEDDED_DATA_FILE
-from hf_scale.train.labels import IGNORE_INDEX
+from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE
+from hf_scale.train.data.labels import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class DataArguments:
 
 def _one_source(flag: str, values: list[str] | None) -> str | None:
     if values is not None and len(values) > 1:
-        raise ValueError(f"--{flag}: {len(values)} sources; hf_scale.train.sources loads them one by one")
+        raise ValueError(f"--{flag}: {len(values)} sources; hf_scale.train.data.sources loads them one by one")
     return values[0] if values else None
 
 
@@ -212,7 +212,7 @@ def _load_named(args: DataArguments, name: str) -> datasets.DatasetDict:
 
 def load_raw_datasets(args: DataArguments) -> datasets.DatasetDict:
     """Load ``train`` (and ``validation`` when available) of ONE source: the Hub/a directory, a file, or the
-    sample (several sources: hf_scale.train.sources loads each through here).
+    sample (several sources: hf_scale.train.data.sources loads each through here).
 
     With no data argument at all, the sample dataset shipped with hf_scale is used.
     """
@@ -516,7 +516,7 @@ def tokenize_dataset(dataset: datasets.Dataset, tokenizer: Any, args: DataArgume
         _tokenize_batch,
         tokenizer=tokenizer,
         fmt=fmt,
-        # bfd_split packing cuts long examples into budget-sized pieces itself (hf_scale.train.packing).
+        # bfd_split packing cuts long examples into budget-sized pieces itself (hf_scale.train.data.packing).
         max_seq_length=None if args.packing and args.packing_strategy == "bfd_split" else args.max_seq_length,
         completion_only=completion_only,
     )
@@ -559,7 +559,7 @@ def check_max_seq_length(max_seq_length: int | None, model_config: PretrainedCon
 def make_collator(tokenizer: Any, packing: bool, *, pad_to: int | None = None, varlen_kwargs: bool = False):
     """Collate a list of dataset rows into a dict of tensors for ``model(**batch)``.
 
-    - ``packing=True``: rows packed by hf_scale.train.packing, collated by its ``PackedCollator``
+    - ``packing=True``: rows packed by hf_scale.train.data.packing, collated by its ``PackedCollator``
       (position ids restarting per example, the first label of every example ignored, rows padded to
       `pad_to` or to the longest row; `varlen_kwargs` adds the ``cu_seq_lens`` of varlen kernels).
       The model must run with ``use_cache=False`` (the Trainer's default; set
@@ -573,7 +573,7 @@ def make_collator(tokenizer: Any, packing: bool, *, pad_to: int | None = None, v
         # out of attention and of the loss, so which id fills them does not matter; eos is always there.
         tokenizer.pad_token = tokenizer.eos_token
     if packing:
-        from hf_scale.train.packing import PackedCollator
+        from hf_scale.train.data.packing import PackedCollator
 
         return PackedCollator(tokenizer.pad_token_id, pad_to=pad_to, varlen_kwargs=varlen_kwargs)
     return DataCollatorForSeq2Seq(

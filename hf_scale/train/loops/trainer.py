@@ -3,7 +3,7 @@
 The stock Trainer already normalises the loss by the target tokens of the whole accumulation window
 across ranks (`average_tokens_across_devices`). hf_scale adds the runtime guard before the first
 step and the same per-step `metrics.jsonl` as the manual loop, with unrounded losses (the Trainer's
-own log rounds to 4 digits), and evaluates with hf_scale.train.evaluation, as the manual loop does.
+own log rounds to 4 digits), and evaluates with hf_scale.train.loops.evaluation, as the manual loop does.
 """
 
 from __future__ import annotations
@@ -16,11 +16,15 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
 
-from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard, integrity, live
-from hf_scale.train.data import micro_batch_per_rank
-from hf_scale.train.metrics import StepMetrics, count_real_tokens
-from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
-from hf_scale.train.run_spec import RunSpec
+from hf_scale.train.checkpoint import integrity
+from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
+from hf_scale.train.data.pipeline import micro_batch_per_rank
+from hf_scale.train.loops import divergence, evaluation, live
+from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
+from hf_scale.train.setup import guard
+from hf_scale.train.setup.run_spec import RunSpec
 
 
 class HfScaleTrainer(Trainer):
@@ -30,7 +34,7 @@ class HfScaleTrainer(Trainer):
     def __init__(self, *args, spec: RunSpec, **kwargs):
         super().__init__(*args, **kwargs)
         self.spec = spec
-        """The run's facts (hf_scale.train.run_spec): its checkpoints' hf_scale_state.json is written from them."""
+        """The run's facts (train/setup/run_spec.py): its checkpoints' hf_scale_state.json is written from them."""
         self.window_loss = 0.0
         self.window_tokens = 0
         self.window_data_wait_s = 0.0
@@ -162,7 +166,7 @@ class HfScaleTrainer(Trainer):
         super().save_model(output_dir, _internal_call)
 
     def final_checkpoint(self) -> Path:
-        """ZeRO-3 without gathering (hf_scale.train.final_checkpoint): the checkpoint that is the final model. The
+        """ZeRO-3 without gathering (checkpoint/final_checkpoint.py): the checkpoint that is the final model. The
         best one when --load_best_model_at_end loaded it; else the last step's: the one saved at that step (the end
         save of --save_strategy steps, or epoch), or written now (--save_strategy no or best), sealed and rotated
         like every other. A collective."""

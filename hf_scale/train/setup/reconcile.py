@@ -34,7 +34,7 @@ from typing import Any
 from hf_scale import launch_values
 from hf_scale.errors import UserError
 from hf_scale.rules import flag_given, precision_from_flags
-from hf_scale.train.distributed import LaunchRequest, has_gpu
+from hf_scale.train.setup.distributed import LaunchRequest, has_gpu
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
 FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",

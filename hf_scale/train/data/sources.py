@@ -1,6 +1,6 @@
 """Where the rows come from: one or several sources (a mixture), and the validation set.
 
-Each `--train_file` / `--dataset_name` is loaded on its own (hf_scale.train.data.load_raw_datasets), its
+Each `--train_file` / `--dataset_name` is loaded on its own (hf_scale.train.data.pipeline.load_raw_datasets), its
 format resolved and tokenized on its own, and only then are the tokenized sources mixed:
 
 - without `--mixture_weights`, concatenated (every row of every source, once per epoch);
@@ -30,8 +30,8 @@ from typing import Any, Literal
 import datasets
 
 from hf_scale.errors import UserError
-from hf_scale.train.data import DataArguments, _load_file, load_raw_datasets, tokenize_dataset
-from hf_scale.train.embedded import EMBEDDED_DATA_FILE
+from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE
+from hf_scale.train.data.pipeline import DataArguments, _load_file, load_raw_datasets, tokenize_dataset
 
 SOURCE_COLUMN = "__hf_scale_source"
 

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint
+from hf_scale.train.checkpoint import store as checkpoint
 
 
 def check_step(step: int, loss: float, grad_norm: float | None, *, loss_scaling: bool,

@@ -11,7 +11,7 @@ so the cost is one read of the saved bytes, and host memory holds one tensor at 
 It catches what the check exists for: an empty or partial ZeRO-3 save (missing or 0-element tensors), an
 empty LoRA adapter, keys that kept torch.compile's `_orig_mod.` prefix, wrong values. The result is
 written to `hf_scale_verify.json`; a failure is one line on stderr and exit code 1. (ZeRO-3 without 16-bit
-gathering saves no model: its final save is a checkpoint, proved by hf_scale.train.final_checkpoint.)
+gathering saves no model: its final save is a checkpoint, proved by hf_scale.train.checkpoint.final_checkpoint.)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ SHOWN = 3  # example names per kind of problem in the one-line error
 def save_with_accelerator(accelerator, model, tokenizer, output_dir: str) -> None:
     """Manual loop: gather (ZeRO-3: 16-bit weights) and write safetensors + tokenizer."""
     accelerator.wait_for_everyone()
-    # (ZeRO-3 without gathering never comes here: its final save is a checkpoint, hf_scale.train.final_checkpoint.)
+    # (ZeRO-3 without gathering never comes here: its final save is a checkpoint, final_checkpoint.py.)
     state_dict = _gathered_state_dict(accelerator, model)
     # --torch_compile: accelerate keeps the compiled wrapper, whose keys carry `_orig_mod.`; a saved model
     # must use the plain module's names (found by the save verification below).
@@ -61,9 +61,9 @@ def _gathered_state_dict(accelerator, model) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule) and accelerator.distributed_type.name != "FSDP":
-        from hf_scale.train.fsdp import full_state_dict
+        from hf_scale.train.model.fsdp import full_state_dict
 
-        return full_state_dict(model)  # sharded by hf_scale.train.fsdp.shard_on_cpu; accelerate can't gather it
+        return full_state_dict(model)  # sharded by hf_scale.train.model.fsdp.shard_on_cpu; accelerate can't gather it
     return accelerator.get_state_dict(model)
 
 

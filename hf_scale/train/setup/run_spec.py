@@ -1,8 +1,8 @@
 """One run's facts, decided once before anything is loaded (in the spirit of torchtitan's Trainer, which derives
 the accumulation in one block, asserts it and logs one line).
 
-train.py's flags are filled from the launcher (hf_scale.train.reconcile) and become `TrainingArguments`; the
-:class:`RunSpec` is built right after, from those and the :class:`~hf_scale.train.distributed.LaunchRequest`,
+train.py's flags are filled from the launcher (hf_scale.train.setup.reconcile) and become `TrainingArguments`; the
+:class:`RunSpec` is built right after, from those and the :class:`~hf_scale.train.setup.distributed.LaunchRequest`,
 and is what the loops, the callbacks and the runtime guard read: strategy, world size, batch arithmetic,
 precision, loop. Nothing re-derives these from the flags later.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hf_scale import rules
-from hf_scale.train import guard
+from hf_scale.train.setup import guard
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class RunSpec:
     """The `fsdp` section of a --hf_scale_config when it (not accelerate's YAML) asks for FSDP."""
     final_save_is_checkpoint: bool = False
     """ZeRO-3 without 16-bit gathering on save: the run ends with the final step's checkpoint, not a safetensors
-    model (hf_scale.train.final_checkpoint)."""
+    model (hf_scale.train.checkpoint.final_checkpoint)."""
 
     def __post_init__(self):
         # Built from validated flags: a violation here is a bug in hf_scale, not bad input.

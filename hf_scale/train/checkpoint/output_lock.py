@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from hf_scale.errors import UserError
-from hf_scale.train import integrity
-from hf_scale.train.checkpoint_layout import LOCK_FILE
+from hf_scale.train.checkpoint import integrity
+from hf_scale.train.checkpoint.layout import LOCK_FILE
 
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 

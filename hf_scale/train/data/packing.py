@@ -43,7 +43,7 @@ import pyarrow.compute
 import torch
 
 from hf_scale.errors import UserError
-from hf_scale.train.labels import IGNORE_INDEX
+from hf_scale.train.data.labels import IGNORE_INDEX
 
 PACKING_STRATEGIES = ("bfd", "bfd_split")
 SEQ_LENGTHS = "seq_lengths"

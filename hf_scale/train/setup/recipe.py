@@ -8,7 +8,7 @@ variables (TRL's convention). Flags on the command line override it.
 How: every recipe value is checked on its own (unknown key → the closest name; wrong type → what the
 flag takes), turned into `--key=value` tokens and put *before* the command-line flags, so argparse
 applies both with one rule (the last occurrence wins) and the recipe's values count as flags "given"
-for `--hf_scale_config`'s conflict check (hf_scale.train.reconcile).
+for `--hf_scale_config`'s conflict check (hf_scale.train.setup.reconcile).
 
 The recipe may sit anywhere among the arguments as the one positional argument (the `deepspeed`
 launcher adds `--local_rank=N` before it, generated launch scripts add `--deepspeed FILE`); put it

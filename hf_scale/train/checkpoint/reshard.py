@@ -35,8 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint
-from hf_scale.train.checkpoint_layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MANIFEST, staging_dir, step_of
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint.layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MANIFEST, staging_dir, step_of
 
 _FULL_STATES = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
 

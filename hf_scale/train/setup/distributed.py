@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 from hf_scale.errors import UserError
-from hf_scale.train.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
+from hf_scale.train.setup.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
 

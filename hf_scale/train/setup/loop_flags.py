@@ -36,7 +36,7 @@ _OPTIMIZER = "Trainer.get_optimizer_cls_and_kwargs"
 _POST_INIT = "TrainingArguments.__post_init__"
 
 APPLIED: dict[str, Applied] = {
-    # Where the run writes, and the run's length and batch (the run spec, hf_scale.train.run_spec).
+    # Where the run writes, and the run's length and batch (the run spec, hf_scale.train.setup.run_spec).
     "output_dir": Applied("the lock, metrics.jsonl, the checkpoints and the final model"),
     "per_device_train_batch_size": Applied("the run spec's micro batch: the loader's batch size"),
     "gradient_accumulation_steps": Applied("the run spec: micro-batches per optimizer step"),
@@ -51,7 +51,7 @@ APPLIED: dict[str, Applied] = {
     "tf32": Applied("TrainingArguments switches torch's TF32 matmuls for the process, before either loop",
                     via=_POST_INIT),
     "deepspeed": Applied("TrainingArguments' DeepSpeed plugin, handed to the Accelerator"),
-    "ddp_backend": Applied("the process group (hf_scale.train.distributed)"),
+    "ddp_backend": Applied("the process group (hf_scale.train.setup.distributed)"),
     "ddp_timeout": Applied("the process group's collective timeout"),
     "ddp_find_unused_parameters": Applied("accelerate's DDP wrapper (loop.ddp_kwargs_handlers)"),
     "ddp_bucket_cap_mb": Applied("accelerate's DDP wrapper (loop.ddp_kwargs_handlers)"),
@@ -91,7 +91,7 @@ APPLIED: dict[str, Applied] = {
     "dataloader_pin_memory": Applied("the train loader (on a GPU)"),
     "dataloader_persistent_workers": Applied("the train loader"),
     "dataloader_prefetch_factor": Applied("the train loader"),
-    # Evaluation (hf_scale.train.evaluation, the same in both loops).
+    # Evaluation (hf_scale.train.loops.evaluation, the same in both loops).
     "eval_strategy": Applied("the eval schedule"),
     "eval_steps": Applied("the eval schedule"),
     "eval_on_start": Applied("the eval schedule"),

@@ -5,7 +5,7 @@
 records ``HF_SCALE_PROFILE_STEPS`` (default 3), and at the end of training writes ``DIR/top_kernels.txt``
 (``key_averages()`` sorted by self device time on GPU, self CPU time otherwise) and a Chrome trace
 ``DIR/trace.json`` (open it in https://ui.perfetto.dev). ``benchmarks/gpu.py --profile`` uses it for the
-fastest variant. Steps are counted by hf_scale.train.metrics.StepMetrics, which both loops feed.
+fastest variant. Steps are counted by hf_scale.train.loops.metrics.StepMetrics, which both loops feed.
 """
 
 from __future__ import annotations

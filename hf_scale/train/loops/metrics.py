@@ -1,7 +1,7 @@
 """Per-step training metrics: `OUTPUT_DIR/metrics.jsonl`, the progress bar and the end-of-run summary.
 
 Both loops feed :class:`StepMetrics` with already globally-reduced values; only the main process
-writes. Evaluations (hf_scale.train.evaluation) add records with `eval_loss` and `eval_perplexity` in
+writes. Evaluations (hf_scale.train.loops.evaluation) add records with `eval_loss` and `eval_perplexity` in
 place of `loss`. MFU uses the usual dense-transformer count (6·N + 12·L·H·T FLOPs per token: N parameters taking
 part in matmuls — all but an untied input embedding, which is a lookup —, L layers, H hidden size, T the
 mean example length, over which each token attends) and is reported only when the device's peak FLOP/s
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_scale.train import profile
-from hf_scale.train.packing import REAL_TOKENS
+from hf_scale.train.data.packing import REAL_TOKENS
+from hf_scale.train.loops import profile
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity), by substring of torch.cuda.get_device_name().
 _PEAK_FLOPS_BY_DEVICE = {
@@ -66,7 +66,7 @@ def flops_per_token(model_config, num_parameters: int, seq_len: float) -> float:
 
 
 def count_real_tokens(batch) -> int:
-    """Non-padding tokens of a micro-batch (a packed batch says how many, see hf_scale.train.packing)."""
+    """Non-padding tokens of a micro-batch (a packed batch says how many, see hf_scale.train.data.packing)."""
     if REAL_TOKENS in batch:
         return int(batch[REAL_TOKENS])
     if "attention_mask" in batch:
@@ -194,7 +194,7 @@ class StepMetrics:
         return record
 
     def log_eval(self, *, step: int, epoch: float, result) -> dict:
-        """One eval record (an `hf_scale.train.evaluation.EvalResult`) in metrics.jsonl, told apart from the
+        """One eval record (an `hf_scale.train.loops.evaluation.EvalResult`) in metrics.jsonl, told apart from the
         step records by `eval_loss` in place of `loss`."""
         record = {"step": step, "epoch": round(epoch, 4), **result.metrics("eval")}
         self.eval_history.append(record)

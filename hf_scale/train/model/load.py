@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from hf_scale import rules
 from hf_scale.errors import UserError
-from hf_scale.train.args import ModelArguments
+from hf_scale.train.setup.args import ModelArguments
 
 
 def load_dtype(spelling: str):
@@ -27,7 +27,7 @@ def load_dtype(spelling: str):
 
 
 def resolve_model_path(model_args: ModelArguments) -> str:
-    from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 
     return model_args.model_name_or_path or str(EMBEDDED_MODEL_DIR)
 
@@ -94,7 +94,7 @@ def _weights_error(error: BaseException) -> str | None:
 
 def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
     """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
-    and resolved `--attn_implementation auto` (hf_scale.train.attention.resolve)."""
+    and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve)."""
     path = resolve_model_path(model_args)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(

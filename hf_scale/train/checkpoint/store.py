@@ -1,7 +1,7 @@
 """Checkpoints that appear complete or not at all, are verified before a resume, and the stop request that
 triggers one.
 
-The layout (names, manifest, what a directory is) belongs to `checkpoint_layout.py`; this module writes,
+The layout (names, manifest, what a directory is) belongs to `layout.py`; this module writes,
 seals, publishes, rotates and verifies. Both loops write a checkpoint into a temporary directory of
 hf_scale's own (`OUTPUT_DIR/.tmp-checkpoint-STEP`; the Trainer writes its own format into
 `.tmp-checkpoint-STEP/checkpoint-STEP`), add `hf_scale_state.json` (step, epoch, position in the epoch,
@@ -32,8 +32,8 @@ from types import SimpleNamespace
 
 from hf_scale.errors import UserError
 from hf_scale.exit_codes import EXIT_PREEMPTED  # noqa: F401 (checkpoint.EXIT_PREEMPTED: train.py's exit code)
-from hf_scale.train import integrity
-from hf_scale.train.checkpoint_layout import (
+from hf_scale.train.checkpoint import integrity
+from hf_scale.train.checkpoint.layout import (
     MANIFEST,
     STATE,
     TMP_PREFIX,
@@ -182,7 +182,7 @@ def read_state(path: Path) -> dict:
 def write_state(path: Path, *, step: int, spec, **position) -> None:
     """`hf_scale_state.json`: what a resume (and `hf-scale export`) needs to know about the run that saved.
 
-    Every fact of the run comes from its one `RunSpec` (hf_scale.train.run_spec); `position` is the manual loop's
+    Every fact of the run comes from its one `RunSpec` (hf_scale.train.setup.run_spec); `position` is the manual loop's
     place in the data (epoch, samples consumed in it), which the Trainer keeps in its own `trainer_state.json`.
     """
     state = {

@@ -1,8 +1,8 @@
 """hf_scale's checkpoint layout on disk: every name, the manifest, and `detect_layout(path)`.
 
 The one place that knows what a directory written by train.py looks like. The loops' savers, the resume
-logic (`checkpoint.py`, `reshard.py`), `hf-scale export` and the tests ask this module; nothing else spells
-a file name of the layout. Reading only: no torch, no process group, nothing written (`checkpoint.py`
+logic (`store.py`, `reshard.py`), `hf-scale export` and the tests ask this module; nothing else spells
+a file name of the layout. Reading only: no torch, no process group, nothing written (`store.py`
 writes, seals and publishes).
 
     OUTPUT_DIR/                              a run directory
@@ -18,7 +18,7 @@ writes, seals and publishes).
         pytorch_model_fsdp.bin               its FULL_STATE_DICT
         trainer_state.json                   the Trainer's checkpoints only
       .tmp-checkpoint-STEP/                  a save in progress (removed at the next start if interrupted)
-      .hf_scale.lock                         held while a run writes the directory (hf_scale.train.output_lock)
+      .hf_scale.lock                         held while a run writes the directory (output_lock.py)
       config.json, model.safetensors         the final model, from_pretrained-ready (the exported model's files)
 """
 
@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from hf_scale.train.integrity import HASH_NAME  # the checksum recorded per file in the manifest
+from hf_scale.train.checkpoint.integrity import HASH_NAME  # the checksum recorded per file in the manifest
 
 PREFIX = "checkpoint-"
 """`OUTPUT_DIR/checkpoint-STEP`: the Trainer's own name (transformers' PREFIX_CHECKPOINT_DIR), used by both loops."""
@@ -37,7 +37,7 @@ TMP_PREFIX = ".tmp-checkpoint-"
 """hf_scale's temporary directories (a save in progress, a universal-checkpoint conversion); only these are
 ever removed at startup."""
 LOCK_FILE = ".hf_scale.lock"
-"""`OUTPUT_DIR/.hf_scale.lock`: one run writes a directory at a time (hf_scale.train.output_lock holds it)."""
+"""`OUTPUT_DIR/.hf_scale.lock`: one run writes a directory at a time (output_lock.py holds it)."""
 TRAINING_STATE_GLOBS = (f"{PREFIX}*", ".tmp-*", "*.lock")
 """What of a run directory is training state, never the model, so `--push_to_hub` uploads none of it (the Hub's
 `ignore_patterns`): the checkpoints (also one moved aside, `checkpoint-STEP.kept-K`), every temporary of

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_scale.train import guard
+from hf_scale.train.setup import guard
 
 LIVE_FILE = "hf_scale_live.json"
 

@@ -5,7 +5,7 @@ With no model or data arguments, train.py fine-tunes :data:`EMBEDDED_MODEL_DIR` 
 deterministically, so the shipped files can be checked for drift (tests/test_embedded.py) and
 regenerated with::
 
-    python -m hf_scale.train.embedded
+    python -m hf_scale.train.data.embedded
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
 EMBEDDED_MODEL_DIR: Path = ASSETS_DIR / "tiny-llama"
 EMBEDDED_DATA_FILE: Path = ASSETS_DIR / "sample_sft.jsonl"
 
