@@ -30,15 +30,10 @@ from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import failure_message, save_with_accelerator, verify_saved_model
 from hf_scale.train.data import sources
+from hf_scale.train.data.arguments import DEFAULT_MAX_SEQ_LENGTH, DataArguments, check_max_seq_length
+from hf_scale.train.data.batches import default_dataloader_workers, make_collator
 from hf_scale.train.data.chat_template import read_chat_template
 from hf_scale.train.data.packing import maybe_pack
-from hf_scale.train.data.pipeline import (
-    DEFAULT_MAX_SEQ_LENGTH,
-    DataArguments,
-    check_max_seq_length,
-    default_dataloader_workers,
-    make_collator,
-)
 from hf_scale.train.loops import evaluation
 from hf_scale.train.loops.metrics import flops_per_token, matmul_parameters, mean_example_length
 from hf_scale.train.model import attention

@@ -27,7 +27,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.errors import UserError
+from hf_scale.train.data.arguments import DataArguments
+from hf_scale.train.data.batches import make_collator
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.packing import (
     REAL_TOKENS,
     SEQ_LENGTHS,
@@ -38,7 +41,7 @@ from hf_scale.train.data.packing import (
     pack_dataset,
     packing_summary,
 )
-from hf_scale.train.data.pipeline import IGNORE_INDEX, DataArguments, load_raw_datasets, make_collator, tokenize_dataset
+from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 from hf_scale.train.loops.metrics import count_real_tokens
 from hf_scale.train.model import attention
 from hf_scale.train.model.liger import liger_problem

@@ -95,7 +95,7 @@ def names_called(tree: ast.AST) -> set[str]:
 def path():
     trees = manual_loop_path()
     assert {"hf_scale.train.loops.manual", "hf_scale.train.loops.evaluation", "hf_scale.train.loops.metrics",
-            "hf_scale.train.data.pipeline", "hf_scale.train.model.load", "hf_scale.train.model.liger",
+            "hf_scale.train.data.batches", "hf_scale.train.model.load", "hf_scale.train.model.liger",
             "hf_scale.train.checkpoint.store", "hf_scale.hub"} <= trees.keys()
     return trees
 

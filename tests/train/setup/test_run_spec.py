@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from hf_scale.train import main
-from hf_scale.train.data.pipeline import micro_batch_per_rank
+from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.setup import guard, run_spec
 from hf_scale.train.setup.distributed import LaunchRequest
 from hf_scale.train.setup.run_spec import RunSpec
