@@ -23,8 +23,8 @@ from paths import TEST_DATA
 from hf_scale import check
 from hf_scale.cli import main
 from hf_scale.errors import UserError
-from hf_scale.train.main import build_parser
 from hf_scale.train.setup import distributed, inline_deepspeed
+from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.reconcile import filled
 
 CORPUS = TEST_DATA / "peer_configs"
@@ -144,7 +144,7 @@ def test_train_py_prepare_fills_the_yaml_values_into_a_new_namespace(monkeypatch
     (Launch.flags, a new namespace) hold the YAML's DeepSpeed config, accumulation and precision."""
     import copy
 
-    from hf_scale.train.main import _parse, _reconcile_with_launcher
+    from hf_scale.train.prepare import _parse, _reconcile_with_launcher
 
     _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
     parsed, argv, _ = _parse([])

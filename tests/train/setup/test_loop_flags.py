@@ -14,8 +14,9 @@ import pytest
 from paths import REPO
 from transformers import Trainer, TrainingArguments
 
-from hf_scale.train.main import _validate_flags, build_parser
+from hf_scale.train.prepare import _validate_flags
 from hf_scale.train.setup import loop_flags
+from hf_scale.train.setup.parser import build_parser
 
 FIELDS = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
 ROOTS = ("hf_scale.train.loops.manual", "hf_scale.train.main")
