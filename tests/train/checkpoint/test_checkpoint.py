@@ -59,7 +59,8 @@ def test_resume_mid_epoch_is_bit_identical(launcher, ds, loop, ds_configs, tmp_p
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-    shutil.copy(full / "metrics.jsonl", resumed / "metrics.jsonl")
+    for name in ("metrics.jsonl", checkpoint_layout.MARKER):  # the crashed run's: hf_scale wrote that directory
+        shutil.copy(full / name, resumed / name)
     run_ok(launcher_command(launcher) + extra + ["--output_dir", str(resumed), "--resume_from_checkpoint", "auto"])
     want = {r["step"]: (r["loss"], r["lr"]) for r in read_metrics(full)}
     records = read_metrics(resumed)
