@@ -24,7 +24,7 @@ from transformers import set_seed
 
 from hf_scale import hub, launch_values, rules
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train.checkpoint import final_checkpoint, output_lock, ownership, preemption, resume
+from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, resume
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import failure_message, save_with_accelerator, verify_saved_model
@@ -170,7 +170,6 @@ def _check_scheduler_length(run: Run, train_rows: int) -> None:
 
 def fit(run: Run, built: Built) -> Fitted:
     """Train with the HF Trainer or hf_scale's manual Accelerator loop (--loop)."""
-    ownership.mark(run.args.output_dir, run.state)  # the run's first file in OUTPUT_DIR comes next
     if run.spec.loop == "accelerate":
         return _fit_manual_loop(run, built)
     return _fit_trainer(run, built)

@@ -5,7 +5,8 @@ hf_scale's (`.tmp-checkpoint-*`) without hf_scale's marker, or files the run wou
 config.json and safetensors, tokenizer files, metrics.jsonl, ...) in a directory hf_scale has not marked as its
 own, are the user's: one line naming them, exit 2, unless `--overwrite_output_dir` (then such temporaries are
 removed and such files replaced). hf_scale marks OUTPUT_DIR (`checkpoint_layout.MARKER`) just before a run
-writes its first file there, so a run that stops earlier leaves the directory as it was.
+writes its first file there (metrics.jsonl, once the model is loaded and checked), so a run that stops
+earlier leaves the directory as it was.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import layout as checkpoint_layout
-from hf_scale.train.checkpoint import reshard, resume
+from hf_scale.train.checkpoint import ownership, reshard, resume
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data.batches import count_target_tokens, make_train_dataloader, micro_batch_per_rank
 from hf_scale.train.data.packing import model_inputs
@@ -151,6 +151,7 @@ def run(
     step, epoch, skip_batches = saver.load(resume_dir) if resume_dir is not None else (0, 0, 0)
     if resume_dir is not None:
         resume.continue_schedule(scheduler, args.learning_rate, announce=accelerator.is_main_process)
+    ownership.mark(args.output_dir, accelerator)  # metrics.jsonl is the run's first file in OUTPUT_DIR
     metrics = StepMetrics(
         args.output_dir,
         is_main=accelerator.is_main_process,

@@ -15,7 +15,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
 
-from hf_scale.train.checkpoint import integrity, resume
+from hf_scale.train.checkpoint import integrity, ownership, resume
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data.batches import micro_batch_per_rank
@@ -227,6 +227,7 @@ class GuardAndMetricsCallback(TrainerCallback):
                 trainer.accelerator, trainer.model_wrapped, micro, loaded_partitioned=self.loaded_partitioned
             ),
         )
+        ownership.mark(args.output_dir, trainer.accelerator)  # metrics.jsonl is the run's first file in OUTPUT_DIR
         self.metrics = StepMetrics(
             args.output_dir,
             is_main=state.is_world_process_zero,
