@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from hf_scale.cluster_config import ClusterConfig
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_yaml, read_text
 from hf_scale.rules import global_batch_size
@@ -298,6 +299,8 @@ class DistributedConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     deepspeed: DeepSpeedSettings = Field(default_factory=DeepSpeedSettings)
     fsdp: FSDPSettings = Field(default_factory=FSDPSettings)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Kubernetes, SkyPilot, Ray and the container image (`hf-scale generate --targets`): hf_scale.cluster_config."""
 
     @property
     def world_size(self) -> int:

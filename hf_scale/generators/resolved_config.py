@@ -15,8 +15,12 @@ from hf_scale.config import DistributedConfig
 
 
 def resolved_config(cfg: DistributedConfig) -> dict:
-    """Every field, in the schema's order; `load_config` on it gives `cfg` back."""
-    return cfg.model_dump(mode="json")
+    """Every field, in the schema's order; `load_config` on it gives `cfg` back. The `cluster` section only when
+    it differs from its defaults (train.py does not read it; configs without cluster targets stay as they were)."""
+    data = cfg.model_dump(mode="json")
+    if cfg.cluster == type(cfg.cluster)():
+        del data["cluster"]
+    return data
 
 
 def resolved_config_yaml(cfg: DistributedConfig, *, header: str) -> str:
