@@ -311,3 +311,22 @@ def kinds_of(layout: Layout) -> list[str]:
     if layout.dp_replicate > 1 and layout.dp_shard > 1:
         kinds.append("hsdp")
     return kinds
+
+
+# Why a kind cannot run without a GPU although the versions allow it (measured on torch 2.13 CPU).
+_NEEDS_GPU = {
+    "cp": "torch's context_parallel has no sharding strategy for the CPU SDPA kernel "
+          "(aten._scaled_dot_product_flash_attention_for_cpu): it needs a CUDA GPU",
+    "sp": "DeepSpeed's Ulysses/ALST sequence parallelism is run by hf_scale on GPUs only (not proven over gloo)",
+}
+
+
+def node_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
+    """For `hf-scale doctor`: whether this node's torch/accelerate/transformers/deepspeed run each kind, and why not."""
+    support = {}
+    for kind in NEEDS:
+        problem = version_problem(kind)
+        if problem is None and not gpu_present and kind in _NEEDS_GPU:
+            problem = _NEEDS_GPU[kind]
+        support[kind] = {"usable": problem is None, "why": problem or "installed versions support it"}
+    return support

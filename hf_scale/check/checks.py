@@ -13,6 +13,7 @@ from hf_scale.check import (
     batch,
     deepspeed_file,
     deepspeed_json,
+    parallelism,
     precision,
     topology,
     trainer_values,
@@ -50,6 +51,8 @@ CHECKS: list[Check] = [
     topology.check_multinode,
     topology.check_main_process_ip,
     accelerate_yaml.check_accelerate_values,
+    parallelism.check_parallelism_block,
+    parallelism.check_parallelism_layout,
     deepspeed_json.check_deepspeed_values,
 ]
 
