@@ -64,6 +64,10 @@ class Candidate:
     hybrid: bool = False
     """FSDP2 hybrid shard: shard within a machine, replicate across machines."""
     activation_checkpointing: bool = False
+    tp: int = 1
+    """Tensor-parallel degree (FSDP2 x TP, hf_scale.planner.parallel)."""
+    cp: int = 1
+    """Context-parallel degree (FSDP2 x CP)."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,10 @@ def estimate(w: Workload, c: Candidate) -> Estimate:
     logits = logits_bytes(w)
     if c.engine == "ddp":
         return _ddp(w, c, activations, logits)
+    if c.engine == "fsdp" and (c.tp > 1 or c.cp > 1 or c.offload_params):
+        from hf_scale.planner.parallel import fsdp_estimate
+
+        return fsdp_estimate(w, c, logits)
     if c.engine == "fsdp":
         return _fsdp(w, c, activations, logits)
     return _deepspeed(w, c, activations, logits)
