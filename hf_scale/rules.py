@@ -101,7 +101,7 @@ def is_half_dtype(spelling: str) -> bool:
 # accelerate's DeepSpeedPlugin.__post_init__ (`plugin_to_config_mapping`, accelerate/utils/dataclasses.py):
 # the YAML's `deepspeed_config` keys and the DeepSpeed JSON paths they set. One table for both directions:
 # :func:`deepspeed_config_from_yaml` writes with it, :func:`yaml_key_of` reads it back.
-# tests/test_check_knowledge.py proves every pair against accelerate's source.
+# tests/check/test_check_knowledge.py proves every pair against accelerate's source.
 ACCELERATE_YAML_TO_DEEPSPEED = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "gradient_clipping": "gradient_clipping",
@@ -156,7 +156,7 @@ def yaml_key_of(deepspeed_path: str) -> str | None:
 
 
 # Which "auto" values each runner fills in. Hand-listed because the libraries fill them inline (no importable
-# list); tests/test_check_knowledge.py checks every entry against the libraries' source, tests/test_rules.py
+# list); tests/check/test_check_knowledge.py checks every entry against the libraries' source, tests/test_rules.py
 # that the generated JSON writes "auto" only there.
 # Filled by accelerate's DeepSpeedPlugin.__post_init__, for both the Trainer and an Accelerator loop:
 PLUGIN_FILLED = frozenset(ACCELERATE_YAML_TO_DEEPSPEED.values())

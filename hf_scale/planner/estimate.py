@@ -12,7 +12,7 @@ Everything is in bytes and split the way memory is actually held:
                step-time fp32 gradient partition, layers all-gathered by ZeRO-3/FSDP
 
 ``params + grads + optimizer`` of the DeepSpeed candidates is *exactly* what the engine holds on each rank
-after backward (tests/test_planner_deepspeed.py checks it to the byte on 2 processes, ZeRO-1/2/3, which is
+after backward (tests/planner/test_planner_deepspeed.py checks it to the byte on 2 processes, ZeRO-1/2/3, which is
 why ZeRO-1/2 pad to 2 x world elements and ZeRO-3 pads each parameter to the world size, as DeepSpeed does).
 
 Differences from DeepSpeed's ``estimate_zero2/zero3_model_states_mem_needs`` (deliberate):

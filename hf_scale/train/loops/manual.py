@@ -28,8 +28,8 @@ from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import reshard
 from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.data.batches import count_target_tokens, make_train_dataloader, micro_batch_per_rank
 from hf_scale.train.data.packing import model_inputs
-from hf_scale.train.data.pipeline import count_target_tokens, make_train_dataloader, micro_batch_per_rank
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.model import fsdp

@@ -19,8 +19,8 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from hf_scale.train.checkpoint import integrity
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
-from hf_scale.train.data.pipeline import micro_batch_per_rank
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.setup import guard

@@ -1,7 +1,7 @@
 """Runtime guard: before the first optimizer step, prove that what runs is what was asked for.
 
 accelerate, DeepSpeed and the launchers fall back silently in several ways (each one is built for real in
-tests/test_guard.py): N processes that each train alone (`DistributedType.NO`), a
+tests/train/setup/test_guard.py): N processes that each train alone (`DistributedType.NO`), a
 `--cpu` launch that starts one process instead of N, FSDP quietly replaced by DDP or by nothing,
 a DeepSpeed config whose batch or precision disagrees with the flags. :func:`observe` reads the
 live objects; :func:`find_problems` compares them with :class:`Expected`; :func:`verify_runtime`

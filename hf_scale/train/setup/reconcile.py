@@ -18,7 +18,7 @@ every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scal
 
 Pure: every function here reads train.py's parsed flags (an argparse namespace) and returns the values to fill
 (flag name -> value); none writes into the namespace it is given. train.py's prepare stage builds the filled
-namespace, a new one, from the parsed flags and these fills (hf_scale.train.main._filled).
+namespace, a new one, from the parsed flags and these fills (hf_scale.train.prepare).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """hf_scale.train.setup.loop_flags: the table of the TrainingArguments flags the manual loop applies cannot drift from
 the code (an AST scan of the manual loop's path), and `--loop accelerate` refuses the others (the bad-input
-cases are in tests/test_bad_input_train.py)."""
+cases are in tests/train/test_bad_input_train.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import re
 from pathlib import Path
 
 import pytest
+from paths import REPO
 from transformers import Trainer, TrainingArguments
 
-from hf_scale.train.main import _validate_flags, build_parser
+from hf_scale.train.prepare import _validate_flags
 from hf_scale.train.setup import loop_flags
+from hf_scale.train.setup.parser import build_parser
 
-REPO = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
 ROOTS = ("hf_scale.train.loops.manual", "hf_scale.train.main")
 NOT_ON_THE_PATH = {
@@ -95,7 +96,7 @@ def names_called(tree: ast.AST) -> set[str]:
 def path():
     trees = manual_loop_path()
     assert {"hf_scale.train.loops.manual", "hf_scale.train.loops.evaluation", "hf_scale.train.loops.metrics",
-            "hf_scale.train.data.pipeline", "hf_scale.train.model.load", "hf_scale.train.model.liger",
+            "hf_scale.train.data.batches", "hf_scale.train.model.load", "hf_scale.train.model.liger",
             "hf_scale.train.checkpoint.store", "hf_scale.hub"} <= trees.keys()
     return trees
 

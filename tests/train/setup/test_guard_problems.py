@@ -1,6 +1,6 @@
 """guard.find_problems, the pure comparison behind the runtime guard: every problem it can name, and none for
-a run that is what was asked for. In-process and fast (tests/test_guard.py builds each fallback for real in 2
-processes)."""
+a run that is what was asked for. In-process and fast (tests/train/setup/test_guard.py builds each fallback for
+real in 2 processes)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ import torch
 from hf_scale import deepspeed_overrides
 from hf_scale.errors import UserError
 from hf_scale.train import main as train_main
+from hf_scale.train import prepare
+from hf_scale.train.setup.parser import build_parser
 
 ADAMW = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
 LAMB = {"type": "Lamb", "params": {"lr": "auto"}}
@@ -55,13 +57,13 @@ def test_train_py_refuses_an_explicit_flag_the_json_would_ignore(tmp_path):
 
 def test_train_py_warning_line_names_what_runs_instead(tmp_path):
     argv = _train_argv(tmp_path, {"optimizer": LAMB, "scheduler": WARMUP_LR})
-    ns, _ = train_main.build_parser().parse_known_args(argv)
-    message = train_main._deepspeed_overrides(ns.deepspeed, ns, argv)
+    ns, _ = build_parser().parse_known_args(argv)
+    message = prepare._deepspeed_overrides(ns.deepspeed, ns, argv)
     assert message.startswith("the DeepSpeed config: ")
     assert "optimizer.type='Lamb' runs instead of --optim adamw_torch" in message
     assert "scheduler.type='WarmupLR' runs instead of --lr_scheduler_type linear (default)" in message
     assert "logarithmic" in message and "\n" not in message
-    assert train_main._deepspeed_overrides(None, ns, []) is None
+    assert prepare._deepspeed_overrides(None, ns, []) is None
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from hf_scale.errors import UserError
-from hf_scale.train.main import build_parser
 from hf_scale.train.setup.distributed import LaunchRequest
+from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.reconcile import apply_hf_scale_config, checkpointing_flag, filled, typed_flags
 
 # Non-default values everywhere (the defaults would hide a field that is never applied).
@@ -279,7 +279,7 @@ def test_train_py_prepare_builds_the_run_flags_as_a_new_namespace(tmp_path, monk
     """train.py's prepare stage: the parsed flags stay as parsed, Launch.flags holds them with every fill."""
     import copy
 
-    from hf_scale.train.main import _parse, _reconcile_with_launcher
+    from hf_scale.train.prepare import _parse, _reconcile_with_launcher
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_MIXED_PRECISION"):
         monkeypatch.delenv(name, raising=False)

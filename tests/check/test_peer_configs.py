@@ -5,7 +5,7 @@
 missed), and train.py must accept the YAMLs whose DeepSpeed settings sit inline under `deepspeed_config`:
 accelerate's own launch code computes the environment `accelerate launch` would give the training
 processes, and train.py's own functions turn it into the DeepSpeed config it trains with, in-process. Two
-of them really train in tests/test_train_equivalence.py.
+of them really train in tests/train/loops/test_train_equivalence.py.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import TEST_DATA
 
 from hf_scale import check
 from hf_scale.cli import main
 from hf_scale.errors import UserError
-from hf_scale.train.main import build_parser
 from hf_scale.train.setup import distributed, inline_deepspeed
+from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.reconcile import filled
 
-CORPUS = Path(__file__).parent / "data" / "peer_configs"
+CORPUS = TEST_DATA / "peer_configs"
 CASES = yaml.safe_load((CORPUS / "index.yaml").read_text())["cases"]
 
 
@@ -143,7 +144,7 @@ def test_train_py_prepare_fills_the_yaml_values_into_a_new_namespace(monkeypatch
     (Launch.flags, a new namespace) hold the YAML's DeepSpeed config, accumulation and precision."""
     import copy
 
-    from hf_scale.train.main import _parse, _reconcile_with_launcher
+    from hf_scale.train.prepare import _parse, _reconcile_with_launcher
 
     _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
     parsed, argv, _ = _parse([])

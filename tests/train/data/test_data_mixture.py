@@ -1,9 +1,9 @@
 """Several training sources: per-source format and tokenization, seeded weighted mixing, the manifest of what
 was taken, the validation set (own splits, --validation_file, carved) and one-line errors.
 
-That the mixture is identical on every rank and dealt disjointly is proven by tests/test_train_equivalence.py,
-whose runs (DDP, ZeRO-1/2/3, FSDP2, both loops) all train on a two-source weighted mixture and must equal one
-process.
+That the mixture is identical on every rank and dealt disjointly is proven by
+tests/train/loops/test_train_equivalence.py, whose runs (DDP, ZeRO-1/2/3, FSDP2, both loops) all train on a
+two-source weighted mixture and must equal one process.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_scale.errors import UserError
+from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
-from hf_scale.train.data.pipeline import IGNORE_INDEX, DataArguments
+from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.sources import SourceArguments, data_sources, describe, prepare_datasets
 
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
+from paths import TESTS, TINY_LLAMA
 from train_helpers import child_env, torchrun
 
 from hf_scale.planner import Candidate, Workload, estimate, model_shapes
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = Path(__file__).with_name("_planner_ds_worker.py")
-TINY = Path(__file__).resolve().parents[1] / "hf_scale" / "assets" / "tiny-llama"
+WORKER = TESTS / "_planner_ds_worker.py"
+TINY = TINY_LLAMA
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

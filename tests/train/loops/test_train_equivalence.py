@@ -30,10 +30,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from paths import TEST_DATA
 from train_helpers import (
     REPO,
     SHM_COMM_OP,
@@ -55,7 +55,7 @@ from train_helpers import (
 from hf_scale import check
 
 pytestmark = pytest.mark.multiprocess
-PEER_CONFIGS = Path(__file__).parent / "data" / "peer_configs"
+PEER_CONFIGS = TEST_DATA / "peer_configs"
 
 STEPS = 5
 COMMON = [

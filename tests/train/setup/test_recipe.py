@@ -2,7 +2,7 @@
 the launchers' extra arguments, one-line errors, recipe values counting as given flags for
 --hf_scale_config, and the starter recipe of `hf-scale generate --recipe`.
 
-(The launchers running a recipe for real: tests/test_train_equivalence.py, where the `deepspeed` launcher's
+(The launchers running a recipe for real: tests/train/loops/test_train_equivalence.py, where the `deepspeed` launcher's
 run takes its flags from a positional recipe and an `accelerate launch` run from `--config`.)
 """
 
@@ -16,8 +16,8 @@ import yaml
 from hf_scale.cli import main as cli_main
 from hf_scale.errors import UserError
 from hf_scale.presets import load_preset
-from hf_scale.train.main import build_parser
 from hf_scale.train.main import main as train_main
+from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.recipe import expand_recipe
 from hf_scale.train.setup.reconcile import checkpointing_flag
 
@@ -29,7 +29,7 @@ def _write(path, data) -> str:
 
 def _parse(argv: list[str]):
     """train.py's own parsing: the recipe expanded, one spelling of activation checkpointing."""
-    from hf_scale.train.main import _parse as parse_train_flags
+    from hf_scale.train.prepare import _parse as parse_train_flags
 
     return parse_train_flags(argv)
 

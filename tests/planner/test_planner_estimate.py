@@ -126,7 +126,7 @@ def test_zero3_offload_cpu_memory_matches_deepspeeds_estimator_and_gpu_differs_a
     persistent = sum(n for n in llama8b.param_numels if n < 10 * 4096)  # the RMSNorm weights
     assert off.params - 2 * persistent == ds_gpu - live == 2 * p // 8
     # Without offload DeepSpeed's 18/N leaves out the 16-bit gradient partition (2/N) that the engine holds
-    # (tests/test_planner_deepspeed.py measures it) and the 4/N fp32 step copy is in buffers here.
+    # (tests/planner/test_planner_deepspeed.py measures it) and the 4/N fp32 step copy is in buffers here.
     _, ds_gpu, live = estimate_zero3_model_states_mem_needs(p, largest, cpu_offload=False, **both)
     on = estimate(w, ZERO3)
     assert on.model_states - 2 * persistent - 2 * p // 8 + 4 * p // 8 == ds_gpu - live

@@ -35,8 +35,8 @@ def ds_configs(tmp_path_factory):
 
 
 # ZeRO-2 is left out: its checkpoints go through the same DeepSpeed engine save/load as ZeRO-3's (which also
-# gathers partitioned parameters), and tests/test_reshard.py resumes a ZeRO-2 checkpoint at another world size
-# and compares it with the uninterrupted run.
+# gathers partitioned parameters), and tests/train/checkpoint/test_reshard.py resumes a ZeRO-2 checkpoint at
+# another world size and compares it with the uninterrupted run.
 CASES = [
     ("single-trainer", "python", None, "trainer"),
     ("ddp-loop", "torchrun", None, "accelerate"),
@@ -81,7 +81,7 @@ def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 
 
 
 # SIGTERM here; SIGUSR1 (SLURM's --signal) goes through the same handler and is sent through a generated launch
-# script in tests/test_launch_signals.py and to one rank in the test below.
+# script in tests/generators/test_launch_signals.py and to one rank in the test below.
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
 def test_signal_saves_a_checkpoint_exits_75_and_resumes_exactly(sig, tmp_path):
     long_args = [a if a != str(STEPS) else "40" for a in ARGS[:2]] + ARGS[2:] + ["--save_steps", "1000"]

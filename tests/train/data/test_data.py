@@ -1,4 +1,4 @@
-"""The data pipeline: formats, masking, truncation, collators (packing: tests/test_packing.py),
+"""The data pipeline: formats, masking, truncation, collators (packing: tests/train/data/test_packing.py),
 rank-aware shuffling in a real 2-process run, and one-line errors for bad input."""
 
 from __future__ import annotations
@@ -15,23 +15,16 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from paths import REPO
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainingArguments
 
 from hf_scale.errors import UserError
+from hf_scale.train.data.arguments import DataArguments, check_max_seq_length
+from hf_scale.train.data.batches import count_target_tokens, make_collator, make_train_dataloader
 from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
-from hf_scale.train.data.pipeline import (
-    IGNORE_INDEX,
-    DataArguments,
-    check_max_seq_length,
-    count_target_tokens,
-    detect_format,
-    load_raw_datasets,
-    make_collator,
-    make_train_dataloader,
-    tokenize_dataset,
-)
-
-REPO = Path(__file__).resolve().parent.parent
+from hf_scale.train.data.formats import detect_format
+from hf_scale.train.data.labels import IGNORE_INDEX
+from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
 PROMPT_ROWS = [
     {"prompt": "What is 2 plus 3?", "response": "5"},
@@ -283,7 +276,7 @@ def _model(attn_implementation: str):
 
 
 def test_count_target_tokens_is_what_the_causal_lm_loss_averages_over(tokenizer, sample_examples):
-    # Packed rows: tests/test_packing.py.
+    # Packed rows: tests/train/data/test_packing.py.
     batch = make_collator(tokenizer, packing=False)(sample_examples)
     model = _model("sdpa")
     with torch.no_grad():

@@ -81,7 +81,7 @@ def test_every_fix_names_the_file_and_key_that_hold_the_value(case, tmp_path, mo
 
 
 # machine_rank and main_process_ip have their own checks, which read them as `accelerate launch` does
-# (tests/test_check_topology.py: a quoted "1" is rank 1, "one" fails in accelerate; `main-ip-invalid`).
+# (tests/check/test_check_topology.py: a quoted "1" is rank 1, "one" fails in accelerate; `main-ip-invalid`).
 YAML_CASES = {
     "num_processes: two": ({"num_processes": "two"}, "num_processes"),
     "num_processes: 0": ({"num_processes": 0}, "num_processes"),

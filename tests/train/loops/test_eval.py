@@ -3,7 +3,7 @@ the eval micro-batches dealt to ranks, the schedule of both loops, eval records 
 errors.
 
 Equality across strategies (DDP, ZeRO-1/2/3, FSDP2, both loops, 2 processes vs 1) is asserted by
-tests/test_train_equivalence.py, whose runs all evaluate.
+tests/train/loops/test_train_equivalence.py, whose runs all evaluate.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from train_helpers import TRAIN_PY, read_eval_metrics, read_metrics, run_ok
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_scale.train.data.arguments import DataArguments
+from hf_scale.train.data.batches import make_collator
 from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
-from hf_scale.train.data.pipeline import DataArguments, make_collator
 from hf_scale.train.data.sources import SourceArguments, prepare_datasets
 from hf_scale.train.loops.evaluation import EvalSchedule, evaluate, rank_batches
 from hf_scale.train.main import main as train_main

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 from hub_standin import HubStandIn
+from paths import TINY_LLAMA
 
 from hf_scale.cli import main
 from hf_scale.config import load_config
 from hf_scale.planner.report import clipped_bars, plan_figure
 
-TINY = str(Path(__file__).resolve().parents[1] / "hf_scale" / "assets" / "tiny-llama")
+TINY = str(TINY_LLAMA)
 LLAMA_8B = {
     "model_type": "llama",
     "hidden_size": 4096,

@@ -33,7 +33,7 @@ FAMILIES = ("accelerate_yaml", "deepspeed_file", "batch", "precision", "deepspee
 
 
 def all_triggers() -> dict[str, tuple]:
-    """Every family's TRIGGERS (tests/test_check_FAMILY.py)."""
+    """Every family's TRIGGERS (tests/check/test_check_FAMILY.py)."""
     return {case: trigger for family in FAMILIES
             for case, trigger in importlib.import_module(f"test_check_{family}").TRIGGERS.items()}
 

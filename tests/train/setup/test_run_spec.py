@@ -15,10 +15,11 @@ from torch.utils.data import DataLoader
 from transformers import TrainingArguments
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from hf_scale.train import main
-from hf_scale.train.data.pipeline import micro_batch_per_rank
+from hf_scale.train import prepare
+from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.setup import guard, run_spec
 from hf_scale.train.setup.distributed import LaunchRequest
+from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.run_spec import RunSpec
 
 
@@ -113,9 +114,9 @@ def test_an_inconsistent_spec_cannot_be_built(micro, accumulation, world, global
 
 def test_training_arguments_are_built_without_changing_the_parsed_flags(tmp_path):
     PartialState(cpu=True)  # what train.py creates first; TrainingArguments reuses it (use_configured_state)
-    ns, _ = main.build_parser().parse_known_args(["--output_dir", str(tmp_path), "--bf16", "--push_to_hub"])
+    ns, _ = build_parser().parse_known_args(["--output_dir", str(tmp_path), "--bf16", "--push_to_hub"])
     before = copy.deepcopy(vars(ns))
-    args = main._training_arguments(ns)
+    args = prepare._training_arguments(ns)
     assert vars(ns) == before
     assert args.push_to_hub is False  # hf_scale pushes itself, after the save check
     assert args.use_cpu == (not torch.cuda.is_available())

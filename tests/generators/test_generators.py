@@ -30,8 +30,6 @@ from hf_scale.generators.deepspeed_json import (
 from hf_scale.generators.launch import hostfile, launch_files
 from hf_scale.presets import PRESETS, get_preset
 
-REPO = Path(__file__).resolve().parents[1]
-
 # Exactly the keys transformers' HfTrainerDeepSpeedConfig fills from TrainingArguments / the model.
 TRAINER_RESOLVED_KEYS = {
     "train_batch_size",
