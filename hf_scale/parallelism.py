@@ -330,3 +330,26 @@ def node_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
             problem = _NEEDS_GPU[kind]
         support[kind] = {"usable": problem is None, "why": problem or "installed versions support it"}
     return support
+
+
+def train_refusal(layout: Layout, where: str) -> str | None:
+    """Why train.py refuses this layout, or None. train.py does not build models on a TP/CP/SP mesh yet: without
+    the refusal accelerate would fail after loading ("Model should undergo tensor parallel") or, for SP, train
+    each rank on its own data. HSDP (dp_replicate x dp_shard) is FSDP2's hybrid sharding, which train.py runs."""
+    used = [f"{name}={getattr(layout, name)}" for name in ("tp", "cp", "sp") if getattr(layout, name) > 1]
+    if not used:
+        return None
+    return (f"{where}: {', '.join(used)}: train.py does not build models on a tensor/context/sequence-parallel "
+            "mesh yet; `hf-scale generate`, `check` and `plan` handle these sizes for your own training script "
+            "(set them to 1 for train.py)")
+
+
+def launch_layout(environ: dict[str, str]) -> Layout:
+    """The sizes `accelerate launch` passes the processes (PARALLELISM_CONFIG_*, utils/launch.py), 1 when unset."""
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
+        return Layout()
+    sizes = {}
+    for name in SIZES:
+        value = environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")
+        sizes[name] = int(value) if value.isdigit() and int(value) >= 1 else 1
+    return Layout(**sizes)

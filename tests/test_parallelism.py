@@ -4,6 +4,8 @@ fsdp2_tp / fsdp2_cp presets and the one-line refusals of `hf-scale generate`."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -195,3 +197,16 @@ def test_version_problem_names_the_version_needed(monkeypatch):
     assert parallelism.version_problem("cp").startswith("cp needs torch >= 99.0 (")
     monkeypatch.setitem(parallelism.NEEDS, "sp", {"no-such-package-hf-scale": "1.0"})
     assert "not installed" in parallelism.version_problem("sp")
+
+
+def test_train_refuses_tp_cp_sp_sizes_from_accelerate_launch_in_one_line(monkeypatch):
+    """`accelerate launch` with a parallelism_config block sets PARALLELISM_CONFIG_*; train.py stops before loading."""
+    from hf_scale.train.setup.distributed import detect_launch
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    with pytest.raises(UserError, match="parallelism_config: cp=2: train.py does not build models"):
+        detect_launch(None)
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "1")  # HSDP / plain dp_shard: FSDP2, which train.py runs
+    assert parallelism.train_refusal(parallelism.launch_layout(dict(os.environ)), "x") is None
