@@ -1,5 +1,5 @@
-"""TP, CP and HSDP x TP candidates of the planner: which sizes make sense for a model and topology, their memory
-per GPU and their speed score.
+"""TP, CP and HSDP x TP candidates of the planner: which sizes make sense for a model and topology, and their speed
+score (their memory: hf_scale.planner.estimate.fsdp_parallel_estimate).
 
 Memory follows what accelerate builds (FSDP2 over the ``dp_shard x cp`` mesh dimension, TP inside it, transformers'
 Llama ``tp_plan``): parameters, gradients and optimizer states are split over every rank that does not replicate
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hf_scale.parallelism import Layout, cp_problem, head_problem
-from hf_scale.planner.estimate import FP32, OPTIMIZER_STATE_BYTES, Candidate, Estimate, Workload, _ceil_div
+from hf_scale.planner.estimate import Candidate, Workload
 
 SIZES = (2, 4, 8)
 """TP and CP degrees offered: TP past 8 leaves an 8-GPU machine; CP past 8 is past what the ring overlaps."""
@@ -55,49 +55,3 @@ def speed(w: Workload, c: Candidate, base: float) -> float:
     """``base``: the score of the same sharding without TP/CP."""
     score = base * TP_SPEED.get(c.tp, 1.0) * CP_SPEED.get(c.cp, 1.0)
     return score * OFFLOAD_SPEED if c.offload_params else score
-
-
-def activation_bytes(w: Workload, *, checkpointing: bool, tp: int, cp: int) -> int:
-    """estimate.activation_bytes with the tokens split over cp and the TP-split tensors over tp."""
-    s = w.shapes
-    a, h, i = w.weight_bytes, s.hidden_size, s.intermediate_size
-    kv = s.num_key_value_heads * s.head_dim
-    tokens = _ceil_div(w.tokens, cp)
-    # Norms (fp32 upcast + output) stay whole on each TP rank; q, k, v, attention output and the MLP are split.
-    per_layer = 2 * (FP32 + a) * h + _ceil_div(a * (2 * h + 2 * kv) + 4 * a * i, tp)
-    if checkpointing:
-        return (s.num_layers * a * h + per_layer) * tokens
-    return (s.num_layers * per_layer + (a + FP32) * h) * tokens
-
-
-def fsdp_estimate(w: Workload, c: Candidate, logits: int) -> Estimate:
-    """Memory of an FSDP2 candidate with TP/CP (and optionally FSDP2's CPU offload)."""
-    s = w.shapes
-    replicas = w.num_machines if c.hybrid else 1
-    shards = w.world_size // replicas  # dp_shard x cp x tp: every rank of a replica holds a distinct piece
-    trainable, frozen = w.trainable_params, w.frozen_params
-    a, state = w.weight_bytes, OPTIMIZER_STATE_BYTES[w.optimizer]
-    embed = s.vocab_size * s.hidden_size
-    root = s.total_params - s.num_layers * s.decoder_layer_params
-    # Gathered over dp_shard x cp: the root (embedding whole, lm_head split over tp) and two TP-split layers,
-    # plus one layer's fp32 gradient before its reduce-scatter.
-    layer = _ceil_div(s.decoder_layer_params, c.tp)
-    gathered = a * (embed + _ceil_div(root - embed, c.tp) + 2 * layer) + FP32 * layer
-    params = _ceil_div(FP32 * trainable + a * frozen, shards)
-    grads = _ceil_div(FP32 * trainable, shards)
-    optimizer = _ceil_div(state * trainable, shards)
-    cpu = 0
-    if c.offload_params:
-        cpu = (params + grads + optimizer) * w.gpus_per_machine
-        params = grads = optimizer = 0
-    return Estimate(
-        c,
-        params=params,
-        grads=grads,
-        optimizer=optimizer,
-        activations=activation_bytes(w, checkpointing=c.activation_checkpointing, tp=c.tp, cp=c.cp),
-        logits=_ceil_div(logits, c.cp),
-        buffers=gathered,
-        cpu_per_machine=cpu,
-        notes=(f"sharded over {shards} GPUs (tp={c.tp}, cp={c.cp})",),
-    )
