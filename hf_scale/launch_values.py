@@ -171,6 +171,8 @@ def _precision(state: _State, ds: dict, accelerate: str | None) -> None:
             allowed &= {p for p in PRECISIONS if (p == dtype) == on}
             fixed_by.append(f"{state.source} {block}.enabled={str(on).lower()}")
     if accelerate and accelerate != "no":
+        # fp8 trains under bf16 autocast (hf_scale.rules.FP8_AUTOCAST): its flags are --bf16.
+        accelerate = rules.compute_precision(accelerate)
         if accelerate not in PRECISIONS:
             state.mismatches.append(
                 f"the accelerate config's mixed_precision={accelerate} is not supported by train.py (allowed: no, "

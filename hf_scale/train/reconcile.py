@@ -33,7 +33,7 @@ from typing import Any
 
 from hf_scale import launch_values
 from hf_scale.errors import UserError
-from hf_scale.rules import flag_given, precision_from_flags
+from hf_scale.rules import compute_precision, flag_given, precision_from_flags
 from hf_scale.train.distributed import LaunchRequest, has_gpu
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
@@ -194,10 +194,11 @@ def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> FlagFills:
     else:
         fills[flag] = cfg.activation_checkpointing
     flags_precision = precision_from_flags(ns.bf16, ns.fp16)
-    if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != cfg.precision:
+    computes_in = compute_precision(cfg.precision)  # fp8 runs with --bf16 (bf16 outside the fp8 matmuls)
+    if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != computes_in:
         contradictions.append(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
     else:
-        fills.update(bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16")
+        fills.update(bf16=computes_in == "bf16", fp16=computes_in == "fp16")
     return FlagFills(fills, tuple(contradictions))
 
 
