@@ -260,6 +260,10 @@ def prepare(argv: list[str] | None) -> Run:
     _validate_flags(parsed)
     chat_template, hub_target = _checked_extras(parsed)
     launch = _reconcile_with_launcher(parsed, argv)
+    if launch.request.fp8_backend is not None:  # before the process group and the model: one line, exit 2
+        from hf_scale.train import fp8
+
+        fp8.check_can_run(launch.request.fp8_backend)
     ns = launch.flags  # the parsed flags with what the launcher's config (and --hf_scale_config) filled
     if hub_target is not None:  # first whether there will be a model to push, then the token
         final_checkpoint.refuse_push(launch.deepspeed_config, hub_target.repo_id, ns.output_dir)
@@ -416,6 +420,10 @@ def build(run: Run) -> Built:
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
     model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing)
+    if run.spec.fp8_backend and run.state.is_main_process:  # which layers accelerate will convert: said once
+        from hf_scale.train import fp8
+
+        print(f"hf_scale: {fp8.describe(fp8.plan(model, run.spec.fp8_backend))}", file=sys.stderr, flush=True)
     return Built(
         tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset, data_manifest=data_manifest,
         collator=collator, model=model,

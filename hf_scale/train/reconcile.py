@@ -114,6 +114,11 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
             f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
         )
 
+    if cfg.precision == "fp8":
+        if request.fp8_backend not in (None, cfg.fp8.backend):
+            raise UserError(f"{where}: fp8.backend={cfg.fp8.backend} but the accelerate config's fp8_config asks for "
+                            f"{request.fp8_backend}")
+        request = dataclasses.replace(request, fp8_backend=cfg.fp8.backend)
     flags = fill_flags_from_config(cfg, ns, argv, where)
     if flags.contradictions:
         raise UserError("; ".join(flags.contradictions))

@@ -18,6 +18,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from hf_scale.train import checkpoint, checkpoint_layout, divergence, evaluation, guard, integrity, live
 from hf_scale.train.data import micro_batch_per_rank
+from hf_scale.train.fp8 import fp8_handlers
 from hf_scale.train.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.packing import SEQ_LENGTHS, model_inputs
 from hf_scale.train.run_spec import RunSpec
@@ -40,6 +41,14 @@ class HfScaleTrainer(Trainer):
         self._saving_step: int | None = None
         self.last_saved_step: int | None = None
         """The step of the last checkpoint this run published."""
+
+    def _build_accelerator_args(self, **kwargs):
+        # FP8: accelerate's fp8 mode with hf_scale's recipe (hf_scale.train.fp8); TrainingArguments knows only bf16.
+        args = super()._build_accelerator_args(**kwargs)
+        if self.spec.fp8_backend:
+            args["mixed_precision"] = "fp8"
+            args["kwargs_handlers"] = [*args.get("kwargs_handlers", []), *fp8_handlers(self.spec)]
+        return args
 
     def _set_signature_columns_if_needed(self):
         # Packed rows carry their examples' lengths (SEQ_LENGTHS), which the collator needs but the model's
