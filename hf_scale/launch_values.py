@@ -172,14 +172,14 @@ def _precision(state: _State, ds: dict, accelerate: str | None) -> None:
             fixed_by.append(f"{state.source} {block}.enabled={str(on).lower()}")
     if accelerate and accelerate != "no":
         # fp8 trains under bf16 autocast (hf_scale.rules.FP8_AUTOCAST): its flags are --bf16.
-        accelerate = rules.compute_precision(accelerate)
-        if accelerate not in PRECISIONS:
+        computes_in = rules.compute_precision(accelerate)
+        if computes_in not in PRECISIONS:
             state.mismatches.append(
                 f"the accelerate config's mixed_precision={accelerate} is not supported by train.py (allowed: no, "
                 "bf16, fp16)"
             )
             return
-        allowed &= {accelerate}
+        allowed &= {computes_in}
         fixed_by.append(f"the accelerate config's mixed_precision={accelerate}")
     if not allowed:
         state.mismatches.append(f"{' and '.join(fixed_by)} disagree about the precision")

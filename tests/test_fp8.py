@@ -137,8 +137,9 @@ def test_which_layers_become_fp8_is_what_torchao_converts():
 
 
 def test_a_small_model_keeps_everything_in_bf16():
-    from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
     from transformers import AutoModelForCausalLM
+
+    from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
 
     plan = fp8.plan(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), "torchao")
     assert not plan.converted and "lm_head" in plan.kept

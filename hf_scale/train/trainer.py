@@ -29,9 +29,9 @@ class HfScaleTrainer(Trainer):
     checkpoints appear complete (sealed with hf_scale's manifest) or not at all."""
 
     def __init__(self, *args, spec: RunSpec, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.spec = spec
+        self.spec = spec  # before the Trainer builds its Accelerator (_build_accelerator_args reads it)
         """The run's facts (hf_scale.train.run_spec): its checkpoints' hf_scale_state.json is written from them."""
+        super().__init__(*args, **kwargs)
         self.window_loss = 0.0
         self.window_tokens = 0
         self.window_data_wait_s = 0.0
