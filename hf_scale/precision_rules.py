@@ -1,13 +1,16 @@
 """FP8 and 4-bit rules that need the config but no library: the config's refusals and warnings, and what the
-generated accelerate YAML says about fp8. Torch-free, like hf_scale.rules (which holds the tables); the decisions
-that need torch (which modules become fp8, the GPU, the backend's import) are hf_scale.train.fp8's.
+generated accelerate YAML says about fp8, and which fp8 backends import here (`doctor`). Torch-free, like
+hf_scale.rules (which holds the tables); the decisions that need torch (which modules become fp8, the GPU) are
+hf_scale.train.fp8's.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from typing import Any
 
-from hf_scale.rules import FP8, FP8_BACKENDS
+from hf_scale.rules import FP8, FP8_BACKEND_MODULES, FP8_BACKENDS
 
 # accelerate 1.15's `accelerate launch` turns each fp8_config key K into the launch argument fp8_K (or K when it
 # already starts with fp8_) and exports it as ACCELERATE_FP8_*, which its recipe kwargs read
@@ -63,3 +66,18 @@ def fp8_config_warnings(cfg: Any) -> list[str]:
         return ["precision=fp8 with offload: the host transfers dominate the step, so fp8's faster matmuls rarely "
                 "show; prefer precision=bf16 when offloading"]
     return []
+
+
+def fp8_backends() -> dict[str, str | None]:
+    """Each fp8 backend's version where it imports, None where it is not installed, "broken: ..." where it is found
+    but fails to import (a CUDA build on a machine without CUDA, a mismatched torch)."""
+    backends: dict[str, str | None] = {}
+    for name, module in FP8_BACKEND_MODULES.items():
+        if importlib.util.find_spec(module) is None:
+            backends[name] = None
+            continue
+        try:
+            backends[name] = str(getattr(importlib.import_module(module), "__version__", "installed"))
+        except Exception as error:  # noqa: BLE001 -- a broken install is the finding, not a traceback
+            backends[name] = f"broken: {(str(error).splitlines() or [''])[0][:120]}"
+    return backends
