@@ -1,7 +1,7 @@
 """FP8 and 4-bit rules that need the config but no library: the config's refusals and warnings, and what the
 generated accelerate YAML says about fp8, and which fp8 backends import here (`doctor`). Torch-free, like
 hf_scale.rules (which holds the tables); the decisions that need torch (which modules become fp8, the GPU) are
-hf_scale.train.fp8's.
+hf_scale.train.model.fp8's.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from hf_scale.config import config_warnings, validate_config
 from hf_scale.errors import UserError
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
 from hf_scale.generators.deepspeed_json import deepspeed_config
-from hf_scale.train import fp8
+from hf_scale.train.model import fp8
 
 torchao = pytest.importorskip("torchao")  # the test extra installs it; the kernels are never run here
 
@@ -139,7 +139,7 @@ def test_which_layers_become_fp8_is_what_torchao_converts():
 def test_a_small_model_keeps_everything_in_bf16():
     from transformers import AutoModelForCausalLM
 
-    from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 
     plan = fp8.plan(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), "torchao")
     assert not plan.converted and "lm_head" in plan.kept

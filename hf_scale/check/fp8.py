@@ -1,5 +1,5 @@
 """Checks of FP8 training: where it will run slower than bf16. (Where it cannot run at all, the config refuses it
-(hf_scale.precision_rules) and train.py stops before the model loads (hf_scale.train.fp8).)
+(hf_scale.precision_rules) and train.py stops before the model loads (hf_scale.train.model.fp8).)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hf_scale.check.inputs import CheckInputs, deepspeed_view
 def _fp8_source(inp: CheckInputs) -> tuple[str, str, str] | None:
     """(file, key, backend) of whatever asks for fp8: the accelerate YAML or the --hf_scale_config."""
     if inp.accelerate.get("mixed_precision") == "fp8":
-        from hf_scale.train.fp8 import BACKEND_OF_ACCELERATE
+        from hf_scale.train.model.fp8 import BACKEND_OF_ACCELERATE
 
         backend = (inp.accelerate.get("fp8_config") or {}).get("backend", "AO")
         return inp.accelerate_file, "mixed_precision", BACKEND_OF_ACCELERATE.get(str(backend).upper(), "torchao")
@@ -81,8 +81,8 @@ def _model_plan(inp: CheckInputs, backend: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_scale.train import fp8
-    from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.train.model import fp8
 
     path = inp.training.get("model_name_or_path") or str(EMBEDDED_MODEL_DIR)
     if not (Path(path) / "config.json").is_file():
