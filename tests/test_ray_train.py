@@ -22,7 +22,7 @@ from train_helpers import child_env, launcher_command, read_metrics, run_ok
 from hf_scale import ray_train
 from hf_scale.cli import main
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint
+from hf_scale.train.checkpoint import store as checkpoint
 
 TRAIN = ["--max_steps", "30", "--save_steps", "5", "--seed", "7", "--learning_rate", "1e-3", "--warmup_ratio", "0",
          "--loop", "accelerate"]

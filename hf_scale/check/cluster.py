@@ -138,7 +138,7 @@ def _facts(kind: str, data: dict) -> dict[str, Any]:
 
 def measured_save_seconds(checkpoint_dir: Path) -> float:
     """How long saving `checkpoint_dir` took: from its oldest file to its manifest (written last, hf_scale's)."""
-    from hf_scale.train.checkpoint_layout import MANIFEST
+    from hf_scale.train.checkpoint.layout import MANIFEST
 
     files = [f for f in checkpoint_dir.rglob("*") if f.is_file()]
     manifest = checkpoint_dir / MANIFEST
