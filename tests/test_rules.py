@@ -139,7 +139,7 @@ def test_export_resolves_either_spelling_and_a_saved_dtype_through_the_table(tmp
     import torch
 
     from hf_scale.errors import UserError
-    from hf_scale.export import _resolve_dtype
+    from hf_scale.export.command import _resolve_dtype
 
     assert _resolve_dtype("bfloat16", tmp_path) is _resolve_dtype("bf16", tmp_path) is torch.bfloat16
     for saved, dtype in (("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float64", torch.float64),
