@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from hf_scale import precision_rules
 from hf_scale.config_errors import one_line, show
 from hf_scale.config_types import (
     MAX_BATCH,
@@ -175,13 +176,22 @@ class FSDPSettings(_Section):
     activation_checkpointing)."""
 
 
+class FP8Settings(_Section):
+    """FP8 training (used when precision is fp8): fp8 matmuls in the large linear layers, bf16 elsewhere."""
+
+    backend: Literal["torchao", "te", "msamp"] = "torchao"
+    """torchao (float8 linears, the default) | te (NVIDIA TransformerEngine) | msamp (MS-AMP). Needs a GPU of
+    compute capability >= 8.9 (Ada, Hopper) and the backend installed: `pip install hf-scale[fp8]` for torchao."""
+
+
 class DistributedConfig(_Section):
     """One typed description of a distributed fine-tuning run; every generated file derives from it."""
 
     strategy: Strategy = "single"
     """single (one process) | ddp (data parallel) | deepspeed (ZeRO) | fsdp (PyTorch FSDP via accelerate)."""
     precision: Precision = "bf16"
-    """Mixed precision: no | fp16 | bf16. Legacy shorthands `bf16: true` / `fp16: true` are accepted at the
+    """Mixed precision: no | fp16 | bf16 | fp8 (bf16 with fp8 matmuls in the large linear layers, see the fp8
+    section; GPUs of compute capability >= 8.9). Legacy shorthands `bf16: true` / `fp16: true` are accepted at the
     top level; both true, or one disagreeing with precision, is an error."""
     gradient_clipping: Annotated[Number, Field(gt=0)] | None = 1.0
     """Clip the global gradient norm to this value; null turns clipping off."""
@@ -192,6 +202,7 @@ class DistributedConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     deepspeed: DeepSpeedSettings = Field(default_factory=DeepSpeedSettings)
     fsdp: FSDPSettings = Field(default_factory=FSDPSettings)
+    fp8: FP8Settings = Field(default_factory=FP8Settings)
 
     @property
     def world_size(self) -> int:
@@ -302,6 +313,10 @@ class DistributedConfig(_Section):
                     "fsdp.activation_checkpointing=true and activation_checkpointing=true together would "
                     "checkpoint every layer twice; set only one of them"
                 )
+        if self.precision == "fp8":
+            fp8_problem = precision_rules.fp8_config_problem(self)
+            if fp8_problem:
+                raise ValueError(fp8_problem)
         self.batch = _resolve_batch(self.batch, world)
         return self
 
@@ -366,7 +381,7 @@ def config_warnings(cfg: DistributedConfig) -> list[str]:
                 "deepspeed.zero3_init=false with ZeRO-3: every process loads the whole model before it is "
                 "partitioned (CPU RAM x processes_per_machine)"
             )
-    return warnings
+    return warnings + precision_rules.fp8_config_warnings(cfg)
 
 
 # --- loading -----------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def _yaml_no_is_no(value: Any) -> Any:
     return "no" if value is False else value
 
 
-Precision = Annotated[Literal["no", "fp16", "bf16"], BeforeValidator(_yaml_no_is_no)]
+Precision = Annotated[Literal["no", "fp16", "bf16", "fp8"], BeforeValidator(_yaml_no_is_no)]
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]

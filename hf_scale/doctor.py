@@ -24,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from hf_scale import rules
 from hf_scale.errors import UserError
+from hf_scale.precision_rules import fp8_backends
 from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
 
 EPILOG = """\
@@ -91,7 +93,7 @@ def gpus() -> list[dict]:
             "memory_bytes": props.total_memory,
             "compute_capability": f"{props.major}.{props.minor}",
             "bf16": props.major >= 8,  # Ampere and newer
-            "fp8": (props.major, props.minor) >= (8, 9),  # Ada and Hopper tensor cores
+            "fp8": (props.major, props.minor) >= rules.FP8_MIN_COMPUTE_CAPABILITY,  # Ada and Hopper tensor cores
         })  # fmt: skip
     return listed
 
@@ -389,6 +391,7 @@ def build_report(*, config: str | None, output_dir: str, allreduce: bool) -> dic
         "environment": network_env(),
         "disk": disk(output_dir),
         "allreduce": allreduce_report(gpu_list, enabled=allreduce),
+        "fp8": {"gpu": any(g["fp8"] for g in gpu_list), "backends": fp8_backends()},
     }
     if requirements:
         problems, warnings = config_verdict(requirements, gpu_list, report["build"]["deepspeed_ops"], os.environ)
@@ -420,6 +423,11 @@ def format_text(report: dict) -> str:
           + (f" (missing: {', '.join(s['missing'])})" if s.get("missing") else "")
           for op, s in b["deepspeed_ops"].items()],
     ])
+    f8 = report["fp8"]
+    need = ".".join(map(str, rules.FP8_MIN_COMPUTE_CAPABILITY))
+    lines += _block("fp8", [
+        f"GPU: {'yes' if f8['gpu'] else 'no'} (compute capability >= {need} needed); backends: "
+        + ", ".join(f"{name} {version or 'not installed'}" for name, version in f8["backends"].items())])
     lines += _block("kernels", [f"{name}: {'yes' if k['usable'] else 'no'} ({k['why']})"
                                 for name, k in report["kernels"].items()])
     lines += _block("network", [f"{k}={val}" for k, val in report["environment"].items()] or ["no NCCL/rendezvous "

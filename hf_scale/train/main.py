@@ -107,6 +107,10 @@ def build(run: Run) -> Built:
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
     model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing)
+    if run.spec.fp8_backend and run.state.is_main_process:  # which layers accelerate will convert: said once
+        from hf_scale.train.model import fp8
+
+        print(f"hf_scale: {fp8.describe(fp8.plan(model, run.spec.fp8_backend))}", file=sys.stderr, flush=True)
     return Built(
         tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset, data_manifest=data_manifest,
         collator=collator, model=model,

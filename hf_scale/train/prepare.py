@@ -144,6 +144,10 @@ def prepare(argv: list[str] | None) -> Run:
     _validate_flags(parsed)
     chat_template, hub_target = _checked_extras(parsed)
     launch = _reconcile_with_launcher(parsed, argv)
+    if launch.request.fp8_backend is not None:  # before the process group and the model: one line, exit 2
+        from hf_scale.train.model import fp8
+
+        fp8.check_can_run(launch.request.fp8_backend)
     ns = launch.flags  # the parsed flags with what the launcher's config (and --hf_scale_config) filled
     if hub_target is not None:  # first whether there will be a model to push, then the token
         final_checkpoint.refuse_push(launch.deepspeed_config, hub_target.repo_id, ns.output_dir)

@@ -29,7 +29,7 @@ from check_cases import (
 from hf_scale import check
 
 FAMILIES = ("accelerate_yaml", "deepspeed_file", "batch", "precision", "deepspeed_json", "trainer_values", "topology",
-            "zero")
+            "zero", "fp8")
 
 
 def all_triggers() -> dict[str, tuple]:

@@ -53,6 +53,9 @@ class LaunchRequest:
     """The `fsdp` section of a `--hf_scale_config` when it (not accelerate's YAML) asks for FSDP."""
     deepspeed_inline: InlineDeepSpeed | None = None
     """DeepSpeed from an accelerate YAML's inline `deepspeed_config` (no JSON file): see inline_deepspeed."""
+    fp8_backend: str | None = None
+    """FP8 training's backend (torchao | te | msamp: the config's fp8.backend) when the YAML's mixed_precision or
+    the --hf_scale_config asks for fp8; None otherwise."""
 
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:
@@ -138,7 +141,18 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         zero_stage=zero_stage,
         mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION") if by_accelerate else None,
         deepspeed_inline=inline,
+        fp8_backend=_fp8_backend_from_env() if by_accelerate else None,
     )
+
+
+def _fp8_backend_from_env() -> str | None:
+    """The backend `accelerate launch` exports for a YAML with mixed_precision fp8 (its fp8_config.backend); without
+    one accelerate picks torchao first, as here."""
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") != "fp8":
+        return None
+    from hf_scale.train.model.fp8 import BACKEND_OF_ACCELERATE
+
+    return BACKEND_OF_ACCELERATE.get(os.environ.get("ACCELERATE_FP8_BACKEND", "").upper(), "torchao")
 
 
 def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backend: str | None):

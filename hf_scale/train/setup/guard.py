@@ -184,7 +184,7 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"DeepSpeed train_batch_size={ds['train_batch_size']} but micro {expected.micro_batch_size} x "
                 f"accumulation {expected.gradient_accumulation_steps} x world size {expected.world_size} = {implied}"
             )
-        if ds["precision"] != expected.precision:
+        if ds["precision"] != rules.compute_precision(expected.precision):  # fp8 runs on DeepSpeed's bf16
             problems.append(
                 f"DeepSpeed runs precision {ds['precision']} but the flags ask for {expected.precision}"
             )
