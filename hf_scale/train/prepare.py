@@ -26,9 +26,9 @@ from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.batches import default_dataloader_workers
 from hf_scale.train.data.chat_template import read_chat_template
 from hf_scale.train.loops import evaluation
+from hf_scale.train.model.arguments import ModelArguments
 from hf_scale.train.model.load import check_lora_flags
 from hf_scale.train.setup import distributed, loop_flags, reconcile, run_spec
-from hf_scale.train.setup.args import ModelArguments
 from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.recipe import expand_recipe
 from hf_scale.train.setup.run_spec import RunSpec

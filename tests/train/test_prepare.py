@@ -22,6 +22,9 @@ PASS_THE_COMMAND_LINE = {
     ("hf_scale/train/prepare.py", "prepare"), ("hf_scale/train/prepare.py", "_parse"),
     ("hf_scale/train/setup/recipe.py", "expand_recipe"),  # the recipe's values become flags before _parse reads them
     ("hf_scale/rules.py", "given_flags"),  # the reading itself
+    # --help, answered from the parser's snapshot before anything loads (it exits: no run is prepared).
+    ("hf_scale/train/setup/help_snapshot.py", "help_requested"),
+    ("hf_scale/train/setup/help_snapshot.py", "print_help"),
 }
 """The functions of train.py's path that take the command line (an `argv`): it goes down to _parse only."""
 
