@@ -3,27 +3,22 @@
 A :class:`DistributedConfig` is loaded from YAML (:func:`load_config`) or a preset (`presets.load_preset`),
 optionally with dotted ``key=value`` overrides, and validated completely before anything is generated: unknown keys,
 wrong types and every cross-field inconsistency become a one-line :class:`~hf_scale.errors.UserError`
-naming the dotted field, the value and what is allowed.
+naming the dotted field, the value and what is allowed. The fields' value types (bounds, strict numbers, safe
+host names and paths) are `config_types.py`'s.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
-import ipaddress
-import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
-    Strict,
     StrictBool,
     ValidationError,
     model_validator,
@@ -31,131 +26,30 @@ from pydantic import (
 
 from hf_scale import precision_rules
 from hf_scale.cluster_config import ClusterConfig
+from hf_scale.config_errors import one_line, show
+from hf_scale.config_types import (
+    MAX_BATCH,
+    MAX_MACHINES,
+    MAX_PROCESSES_PER_MACHINE,
+    AutoOrPositiveInt,
+    BatchSize,
+    Beta,
+    ClassName,
+    Elements,
+    Host,
+    LocalPath,
+    Number,
+    OffloadDevice,
+    Precision,
+    StrictInt,
+    int_choice,
+)
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_yaml, read_text
 from hf_scale.parallelism import Layout, ParallelismSettings, checked_layout, config_layout, layout_warnings
 from hf_scale.rules import global_batch_size
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
-
-# Upper bounds: far beyond any real run, low enough that a typo (an extra digit, a byte count in an
-# element field) is refused instead of generating a file that fails at launch or allocates terabytes.
-MAX_MACHINES = 16_384
-MAX_PROCESSES_PER_MACHINE = 1_024
-MAX_BATCH = 2**24
-"""Any of the batch triple, and the resolved global batch (samples per optimizer step)."""
-MAX_ELEMENTS = 2**40
-"""DeepSpeed bucket sizes and thresholds, in elements: 2**40 bf16 elements are 2 TiB, more than any GPU."""
-MAX_STRING = 4_096
-
-
-def _yaml_no_is_no(value: Any) -> Any:
-    # YAML 1.1 reads a bare `no` as false; `precision: no` (or `--set precision=no`) means "no" here.
-    return "no" if value is False else value
-
-
-Precision = Annotated[Literal["no", "fp16", "bf16", "fp8"], BeforeValidator(_yaml_no_is_no)]
-OffloadDevice = Literal["none", "cpu", "nvme"]
-
-
-def _not_bool(value: Any) -> Any:
-    # pydantic's lax mode reads true as 1.0; a flag where a number belongs is a mistake, not a value.
-    if isinstance(value, bool):
-        raise ValueError("must be a number, not true/false")
-    return value
-
-
-# Integers are strict (true, 2.0 and "2" are refused); numbers refuse booleans, NaN and infinities
-# (DistributedConfig's model_config has allow_inf_nan=False) but accept YAML 1.1's unquoted "1e-5", which
-# PyYAML reads as a string.
-StrictInt = Annotated[int, Strict()]
-Number = Annotated[float, BeforeValidator(_not_bool)]
-
-
-def _int_choice(value: Any) -> Any:
-    # Literal[0, 1, 2, 3] alone would take true as 1 and 3.0 as 3.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError("must be an integer")
-    return value
-
-
-def _auto_or_positive_int(value: Any) -> Any:
-    # One readable message instead of pydantic's per-union-member errors.
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_ELEMENTS):
-        return value
-    raise ValueError(f'must be "auto" or an integer from 1 to {MAX_ELEMENTS}')
-
-
-AutoOrPositiveInt = Annotated[
-    Literal["auto"] | Annotated[int, Field(gt=0)], BeforeValidator(_auto_or_positive_int)
-]
-Elements = Annotated[StrictInt, Field(gt=0, le=MAX_ELEMENTS)]
-BatchSize = Annotated[StrictInt, Field(gt=0, le=MAX_BATCH)]
-Beta = Annotated[Number, Field(ge=0.0, lt=1.0)]
-
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
-_IPV6_ZONE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
-_SAFE_PATH = re.compile(r"/[A-Za-z0-9_@%+=:,./-]*")
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-
-
-def host_problem(value: str) -> str | None:
-    """Why ``value`` is not an IPv4/IPv6 address or an RFC 1123 host name (None when it is one). Such a
-    value goes into launch scripts and hostfiles, so nothing else may pass."""
-    try:
-        address = ipaddress.ip_address(value)
-    except ValueError:
-        address = None
-    if address is not None:
-        zone = getattr(address, "scope_id", None)
-        return None if zone is None or _IPV6_ZONE.fullmatch(zone) else "the IPv6 zone must be an interface name"
-    labels = value.split(".")
-    if len(value) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
-        return (
-            "must be an IPv4/IPv6 address or a DNS host name (RFC 1123: labels of letters, digits and '-', "
-            "separated by '.', e.g. 10.0.0.1 or node-001.cluster)"
-        )
-    if labels[-1].isdigit():
-        return "is neither an IPv4 address nor a host name (a host name cannot end in a numeric label)"
-    return None
-
-
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
-
-
-def name_problem(name: str) -> str | None:
-    """Why ``name`` cannot name generated files (None when it can): it becomes file names, a SLURM job
-    name and words in launch scripts."""
-    if _NAME.fullmatch(name):
-        return None
-    return "is invalid: use up to 100 letters, digits, '_', '-' and '.', starting with a letter or digit"
-
-
-def _host(value: str) -> str:
-    problem = host_problem(value)
-    if problem:
-        raise ValueError(problem)
-    return value
-
-
-def _local_path(value: str) -> str:
-    if not _SAFE_PATH.fullmatch(value) or len(value) > MAX_STRING:
-        raise ValueError(
-            "must be an absolute path (starting with /) of letters, digits and _ @ % + = : , . / - (no spaces, "
-            "quotes, $, ;, newlines or other control characters)"
-        )
-    return value
-
-
-def _class_name(value: str) -> str:
-    if not _IDENTIFIER.fullmatch(value):
-        raise ValueError("must be a Python class name, e.g. LlamaDecoderLayer")
-    return value
-
-
-Host = Annotated[str, Field(max_length=253), AfterValidator(_host)]
-LocalPath = Annotated[str, AfterValidator(_local_path)]
-ClassName = Annotated[str, AfterValidator(_class_name)]
 
 
 class _Section(BaseModel):
@@ -217,7 +111,7 @@ class OptimizerConfig(_Section):
 class DeepSpeedSettings(_Section):
     """DeepSpeed ZeRO settings (used when strategy is deepspeed, ignored otherwise)."""
 
-    zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_int_choice)] = 2
+    zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(int_choice)] = 2
     """ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters sharded."""
     offload_optimizer: OffloadDevice = "none"
     """Offload optimizer states: none | cpu (stages 1-3) | nvme (stage 3, ZeRO-Infinity)."""
@@ -265,7 +159,7 @@ class DeepSpeedSettings(_Section):
 class FSDPSettings(_Section):
     """PyTorch FSDP settings, applied through accelerate (used when strategy is fsdp)."""
 
-    version: Annotated[Literal[1, 2], BeforeValidator(_int_choice)] = 2
+    version: Annotated[Literal[1, 2], BeforeValidator(int_choice)] = 2
     """FSDP implementation: 2 (fully_shard, recommended) or 1 (legacy FullyShardedDataParallel)."""
     sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = "full_shard"
     """full_shard (params+grads+optimizer), shard_grad_op (params kept after forward), hybrid_shard (shard
@@ -337,7 +231,7 @@ class DistributedConfig(_Section):
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(
-                    f"{name}={_show(value)} is invalid: the legacy shorthand must be true or false"
+                    f"{name}={show(value)} is invalid: the legacy shorthand must be true or false"
                 )
         enabled = [name for name, value in flags.items() if value]
         if len(enabled) == 2:
@@ -348,7 +242,7 @@ class DistributedConfig(_Section):
         if enabled:
             if explicit is not None and explicit != enabled[0]:
                 raise ValueError(
-                    f"{enabled[0]}=true disagrees with precision={_show(explicit)}; keep only precision "
+                    f"{enabled[0]}=true disagrees with precision={show(explicit)}; keep only precision "
                     "(allowed: no|fp16|bf16)"
                 )
             data["precision"] = enabled[0]
@@ -529,7 +423,7 @@ def _check_keys(data: Any, where: str = "") -> None:
     for key, value in data.items():
         if not isinstance(key, str):
             place = f"under {where}" if where else "at the top level"
-            raise UserError(f"key {_show(key)} ({place}) is not a field name; allowed keys are names such as strategy")
+            raise UserError(f"key {show(key)} ({place}) is not a field name; allowed keys are names such as strategy")
         _check_keys(value, f"{where}.{key}".lstrip("."))
 
 
@@ -538,7 +432,7 @@ def validate_config(data: Any) -> DistributedConfig:
     try:
         return DistributedConfig.model_validate(data)
     except ValidationError as error:
-        raise UserError(_one_line(error)) from None
+        raise UserError(one_line(error, DistributedConfig)) from None
 
 
 def _read_yaml(path: Path) -> dict:
@@ -561,7 +455,7 @@ def _apply_override(data: dict, override: str) -> None:
             "deepspeed.zero_stage=3"
         )
     try:
-        value = load_yaml(raw, f"--set {key}={_show(raw)}") if raw.strip() else None
+        value = load_yaml(raw, f"--set {key}={show(raw)}") if raw.strip() else None
     except UserError as error:
         raise UserError(f"{error} (quote strings with ':' or '#')") from None
     node = data
@@ -570,60 +464,6 @@ def _apply_override(data: dict, override: str) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
-            raise UserError(f"--set {key}: {where} is a value ({_show(child)}), not a section with sub-keys")
+            raise UserError(f"--set {key}: {where} is a value ({show(child)}), not a section with sub-keys")
         node = child
     node[parts[-1]] = value
-
-
-# --- one-line errors -------------------------------------------------------------------------------------
-
-
-def _show(value: Any) -> str:
-    """Values as a user would type them in YAML."""
-    if isinstance(value, str):
-        return repr(value) if len(value) <= 80 else repr(value[:77]) + "..."
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and math.isfinite(value):
-        return repr(value)
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _section_model(loc: Sequence[Any]) -> type[BaseModel] | None:
-    model: type[BaseModel] = DistributedConfig
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    return model
-
-
-def _one_line(error: ValidationError) -> str:
-    errors = error.errors(include_url=False)
-    first = errors[0]
-    # Union/annotated members add their own tags to `loc`; keep only field names and list indexes.
-    loc = [part for part in first["loc"] if isinstance(part, int) or part.isidentifier()]
-    field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-    more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
-    kind = first["type"]
-    if kind == "extra_forbidden":
-        section = _section_model(loc[:-1])
-        allowed = sorted(section.model_fields) if section else []
-        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        where = field.rpartition(".")[0]
-        hint = f"did you mean {'.'.join(filter(None, [where, close[0]]))}? " if close else ""
-        where = where or "the top level"
-        return f"unknown key {field}: {hint}allowed keys under {where}: {', '.join(allowed)}{more}"
-    if kind == "value_error" and not loc:
-        # Our own cross-field messages already name fields and values.
-        return f"{first['ctx']['error']}{more}"
-    message = str(first["ctx"]["error"]) if kind == "value_error" else first["msg"]
-    message = message[0].lower() + message[1:] if message else message
-    if kind == "missing":
-        return f"{field} is required{more}"
-    return f"{field}={_show(first['input'])} is invalid: {message}{more}"

@@ -16,11 +16,9 @@ accelerate's tests) ask for DeepSpeed's own optimizer on purpose.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
-
-from hf_scale.rules import flag_given
 
 # block -> the training flags it replaces (transformers' deepspeed_optim_sched; create_optimizer/create_scheduler
 # read these flags only when the block is absent).
@@ -67,10 +65,11 @@ def _linear_like(section: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
     )
 
 
-def find_overrides(ds_config: Mapping[str, Any], argv: Sequence[str]) -> list[Override]:
+def find_overrides(ds_config: Mapping[str, Any], given: Set[str]) -> list[Override]:
     """The blocks that change what the flags would train with: an `optimizer` block unless it is AdamW in
     place of the default --optim, a `scheduler` block unless it is linear warmup + decay in place of the
-    default --lr_scheduler_type, and any block replacing a flag given explicitly."""
+    default --lr_scheduler_type, and any block replacing a flag given explicitly (`given`: the flags typed, as
+    rules.given_flags found them)."""
     found = []
     for block, flags in REPLACED_FLAGS.items():
         section = ds_config.get(block)
@@ -81,11 +80,11 @@ def find_overrides(ds_config: Mapping[str, Any], argv: Sequence[str]) -> list[Ov
         log_warmup = block == "scheduler" and ds_type in _LOG_WARMUP_SCHEDULERS and params.get(
             "warmup_type", "log"
         ) != "linear"
-        given = tuple(flag for flag in flags if flag_given(argv, flag))
+        typed = tuple(flag for flag in flags if flag in given)
         same = _adamw_like(section, params) if block == "optimizer" else _linear_like(section, params)
-        if same and not given:
+        if same and not typed:
             continue
-        found.append(Override(block, ds_type, flags, given, log_warmup))
+        found.append(Override(block, ds_type, flags, typed, log_warmup))
     return found
 
 

@@ -14,7 +14,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from hf_scale.config import DistributedConfig, config_from_data, config_warnings, load_config, name_problem
+from hf_scale.config import DistributedConfig, config_from_data, config_warnings, load_config
+from hf_scale.config_types import name_problem
 from hf_scale.errors import UserError
 from hf_scale.files import write_files_together
 from hf_scale.generators import TARGETS, render_files

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from hf_scale import rules
-from hf_scale.config import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
+from hf_scale.config_types import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
 from hf_scale.errors import UserError
 from hf_scale.files import check_output_file, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload

@@ -7,19 +7,26 @@ so that every layer (the CLI's --help included) can use them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
-def flag_given(argv: Sequence[str], name: str) -> bool:
-    """Whether the flag of the field ``name`` was typed in ``argv`` (``--name`` or ``--name=value``), in any
-    spelling train.py's HfArgumentParser accepts for it: ``--name``, the dashed ``--na-me``, and for booleans
-    that default to true ``--no_name`` / ``--no-na-me``. train.py's parser takes no abbreviation
-    (``allow_abbrev=False``), so neither does this: an abbreviation is refused there, never "given".
-    tests/test_rules.py proves the spellings against every option of train.py's parser."""
-    dashed = name.replace("_", "-")
-    spellings = {f"--{name}", f"--{dashed}", f"--no_{name}", f"--no-{dashed}"}
-    return any(arg.split("=", 1)[0] in spellings for arg in argv)
+def given_flags(argv: Sequence[str], names: Iterable[str]) -> frozenset[str]:
+    """The field names among ``names`` whose flag was typed in ``argv`` (``--name`` or ``--name=value``), in any
+    spelling train.py's HfArgumentParser accepts: ``--name``, the dashed ``--na-me``, and for booleans that default
+    to true ``--no_name`` / ``--no-na-me``. train.py's parser takes no abbreviation (``allow_abbrev=False``), so
+    neither does this: an abbreviation is refused there, never "given". Computed once per command line (train.py's
+    prepare stage, `hf-scale check`'s training args) and handed down as a set; tests/test_rules.py proves the
+    spellings against every option of train.py's parser."""
+    names = list(names)
+    spelled = {}
+    for name in names:  # --no_NAME first, so that a field really named no_NAME keeps its own flag
+        dashed = name.replace("_", "-")
+        spelled.update({f"--no_{name}": name, f"--no-{dashed}": name})
+    for name in names:
+        dashed = name.replace("_", "-")
+        spelled.update({f"--{name}": name, f"--{dashed}": name})
+    return frozenset(spelled[word] for arg in argv if (word := arg.split("=", 1)[0]) in spelled)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -208,3 +208,13 @@ def test_checkpoint_checksums_measures_hashing_sealing_and_verifying(tmp_path):
     results = data["results"]
     assert set(results["hash_gb_per_s"]) == {"xxh3_128", "blake2b", "sha256"}
     assert all(results[key] > 0 for key in ("write_fsync_s_per_gb", "seal_s_per_gb", "verify_s_per_gb"))
+
+
+def test_train_help_benchmark_times_every_command(tmp_path):
+    output = tmp_path / "train_help.json"
+    result = _bench("train_help.py", "--reps", "1", "--output", str(output))
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(output.read_text())
+    assert set(data["environment"]) >= ENVIRONMENT_KEYS
+    assert set(data["results"]) == {"python", "import_torch", "help", "help_live_parser"}
+    assert all(r["median_s"] > 0 for r in data["results"].values())

@@ -117,7 +117,7 @@ def test_the_graph_sees_lazy_imports_and_the_commands_the_cli_loads_by_name():
     graph = import_graph()
     assert "hf_scale.config" in graph["hf_scale.presets"]
     assert "hf_scale.train.data.packing" in graph["hf_scale.train.data.batches"]  # imported inside a function
-    assert "hf_scale.train.checkpoint.layout" in graph["hf_scale.export"]  # `from hf_scale.train import x` inside one
+    assert "hf_scale.train.checkpoint.layout" in graph["hf_scale.export.command"]  # imported inside a function
     assert {"hf_scale.demo", "hf_scale.export", "hf_scale.generate"} <= graph["hf_scale.cli"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -130,6 +130,39 @@ def test_dependencies_point_down_cli_commands_train_generators_config_errors():
     upward = sorted((source, target) for source, targets in _without_allowed(import_graph()).items()
                     for target in targets if layer(target) > layer(source))
     assert upward == []
+
+
+TRAIN_ROOMS = ("data", "model", "setup", "checkpoint", "loops")
+"""hf_scale.train's rooms, lowest first: a room imports only from rooms below it (the data path knows nothing of
+models, flags, checkpoints or loops; the model knows its data only through the embedded assets; the loops use
+everything). The stage modules (prepare, main, entry) sit above all rooms."""
+
+
+def train_room(module: str) -> int | None:
+    """The rank of `module`'s room in hf_scale.train (the stage modules: above every room); None outside it."""
+    parts = module.split(".")
+    if parts[:2] != ["hf_scale", "train"] or len(parts) < 3:
+        return None
+    return TRAIN_ROOMS.index(parts[2]) if parts[2] in TRAIN_ROOMS else len(TRAIN_ROOMS)
+
+
+def test_every_module_of_hf_scale_train_sits_in_a_room_or_is_a_stage():
+    stages = {"hf_scale.train", "hf_scale.train.__main__", "hf_scale.train.entry", "hf_scale.train.main",
+              "hf_scale.train.prepare"}
+    outside = {m for m in import_graph() if train_room(m) == len(TRAIN_ROOMS)} - stages
+    assert outside == set(), "a new module of hf_scale.train goes into a room (CONTRIBUTING.md)"
+
+
+def test_the_rooms_of_hf_scale_train_import_downwards_only():
+    upward = sorted((source, target) for source, targets in import_graph().items() for target in targets
+                    if train_room(source) is not None and train_room(target) is not None
+                    and train_room(target) > train_room(source))
+    assert upward == []
+
+
+def test_the_room_rule_sees_an_upward_import():
+    assert train_room("hf_scale.train.data.packing") < train_room("hf_scale.train.loops.manual")
+    assert train_room("hf_scale.train.main") == len(TRAIN_ROOMS) and train_room("hf_scale.config") is None
 
 
 def test_every_allowed_exception_still_exists():

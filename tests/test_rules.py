@@ -15,16 +15,17 @@ def train_py_parser():
     return build_parser()
 
 
-def test_flag_given_knows_every_spelling_of_train_py_parser_and_nothing_else(train_py_parser):
+def test_given_flags_knows_every_spelling_of_train_py_parser_and_nothing_else(train_py_parser):
     """Every option string of train.py's parser counts as its field given; an abbreviation or a prefix never does
     (train.py's parser has allow_abbrev=False)."""
     assert train_py_parser.allow_abbrev is False
+    names = {action.dest for action in train_py_parser._actions}
     for option, action in train_py_parser._option_string_actions.items():
         if not option.startswith("--") or action.dest == "help":
             continue
-        assert rules.flag_given([option], action.dest), (option, action.dest)
-        assert rules.flag_given([f"{option}=1"], action.dest), option
-        assert not rules.flag_given([option[:-1]], action.dest), option
+        assert rules.given_flags([option], names) == {action.dest}, (option, action.dest)
+        assert rules.given_flags([f"{option}=1"], names) == {action.dest}, option
+        assert action.dest not in rules.given_flags([option[:-1]], names), option
 
 
 @pytest.mark.parametrize(
@@ -38,8 +39,14 @@ def test_flag_given_knows_every_spelling_of_train_py_parser_and_nothing_else(tra
         (["--run_name", "bf16"], "bf16", False),
     ],
 )
-def test_flag_given(argv, name, given):
-    assert rules.flag_given(argv, name) is given
+def test_given_flags(argv, name, given):
+    assert (name in rules.given_flags(argv, [name, "fp16", "bf16", "run_name"])) is given
+
+
+def test_given_flags_reads_every_word_once_and_names_each_flag_once():
+    argv = ["--bf16", "--learning_rate=1e-4", "--run_name", "fp16", "--no-dataloader-pin-memory", "--bf16"]
+    names = ["bf16", "fp16", "learning_rate", "run_name", "dataloader_pin_memory", "seed"]
+    assert rules.given_flags(argv, names) == {"bf16", "learning_rate", "run_name", "dataloader_pin_memory"}
 
 
 # ---- batch and precision -------------------------------------------------------------------------------------
@@ -139,7 +146,7 @@ def test_export_resolves_either_spelling_and_a_saved_dtype_through_the_table(tmp
     import torch
 
     from hf_scale.errors import UserError
-    from hf_scale.export import _resolve_dtype
+    from hf_scale.export.command import _resolve_dtype
 
     assert _resolve_dtype("bfloat16", tmp_path) is _resolve_dtype("bf16", tmp_path) is torch.bfloat16
     for saved, dtype in (("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float64", torch.float64),

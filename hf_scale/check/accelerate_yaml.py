@@ -192,7 +192,7 @@ def _option_problem(key: str, value: Any, action: Any) -> str | None:
     if key.endswith(("offload_optimizer_device", "offload_param_device")) and value not in OFFLOAD_DEVICES:
         return f"must be one of {', '.join(OFFLOAD_DEVICES)}"
     if key == "main_process_ip":
-        from hf_scale.config import host_problem
+        from hf_scale.config_types import host_problem
 
         return host_problem(str(value))
     bounds = ACCELERATE_RANGES.get(key)

@@ -19,7 +19,7 @@ from hf_scale import rules
 from hf_scale.check.findings import TRAINING_ARGS, Source, get_path, is_int
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, load_yaml, read_text
-from hf_scale.rules import flag_given
+from hf_scale.rules import given_flags
 
 RUNNERS = ("trainer", "accelerate", "deepspeed")
 """What resolves DeepSpeed's "auto" values: the HF Trainer (hf_scale's train.py resolves "auto" with the
@@ -47,9 +47,9 @@ class CheckInputs:
     ``layout_only`` / None (see :func:`_resolve_yaml_reference`)."""
     training: dict[str, Any] | None = None
     """Parsed ``TrainingArguments`` fields (defaults included) when training args were given."""
-    training_argv: tuple[str, ...] = ()
-    """The training args as train.py reads them: a recipe's flags first, then the command line's, then the flags
-    ``--hf_scale_config`` filled (as ``--flag=value``: they count as typed, as in train.py)."""
+    training_given: frozenset[str] = frozenset()
+    """The training flags given, as train.py decides it once: a recipe's and the command line's, and the flags
+    ``--hf_scale_config`` filled (they count as typed, as in train.py)."""
     hf_scale_config_file: str | None = None
     """``--hf_scale_config FILE`` of the training args, as written."""
     hf_scale_config: Any = None
@@ -113,7 +113,7 @@ def deepspeed_view(inp: CheckInputs) -> DeepSpeedView | None:
 def training_source(inp: CheckInputs, name: str) -> Source | None:
     if inp.training is None:
         return None
-    given = flag_given(inp.training_argv, name)
+    given = name in inp.training_given
     return Source(TRAINING_ARGS, f"--{name}" + ("" if given else " (default)"), inp.training[name])
 
 
@@ -127,7 +127,7 @@ def only_a_default_flag_differs(inp: CheckInputs, sources: list[Source], flags: 
         (is_deepspeed_yaml(inp) or inp.deepspeed is not None)
         and bool(written and defaults)
         and len({repr(s.value) for s in written}) == 1
-        and not any(flag_given(inp.training_argv, flag) for flag in flags)
+        and not inp.training_given & set(flags)
     )
 
 
@@ -148,7 +148,7 @@ def _read_mapping(path: Path, what: str, parse: Callable[[str, str], Any]) -> di
 @dataclass(frozen=True)
 class _TrainingArgs:
     values: dict[str, Any]
-    argv: tuple[str, ...]
+    given: frozenset[str]
     hf_scale_config: str | None = None
     contradictions: tuple[str, ...] = ()
     config: Any = None
@@ -173,12 +173,13 @@ def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
     if unknown:
         raise UserError(f"training args: unrecognized arguments: {' '.join(unknown)} (train.py refuses them; see "
                         "python train.py --help)")
+    given = given_flags(argv, vars(namespace))  # the one reading of the flags, as in train.py's prepare stage
     if not namespace.hf_scale_config:
-        return _TrainingArgs(vars(namespace), tuple(argv))
-    return _apply_hf_scale_config(namespace, argv, cwd)
+        return _TrainingArgs(vars(namespace), given)
+    return _apply_hf_scale_config(namespace, given, cwd)
 
 
-def _apply_hf_scale_config(namespace: Any, argv: list[str], cwd: Path) -> _TrainingArgs:
+def _apply_hf_scale_config(namespace: Any, given: frozenset[str], cwd: Path) -> _TrainingArgs:
     """``--hf_scale_config FILE`` fills the flags as train.py fills them (the same function,
     hf_scale.train.setup.reconcile.fill_flags_from_config); the filled flags then count as typed, as in train.py."""
     from hf_scale.config import load_config
@@ -195,11 +196,10 @@ def _apply_hf_scale_config(namespace: Any, argv: list[str], cwd: Path) -> _Train
         config = load_config(path if path.is_absolute() else cwd / path)
     except UserError as error:
         raise UserError(f"training args: --hf_scale_config {written}: {error}") from None
-    from_config = fill_flags_from_config(config, namespace, argv, f"--hf_scale_config={written}")
+    from_config = fill_flags_from_config(config, namespace, given, f"--hf_scale_config={written}")
     namespace = filled(namespace, from_config.fills)
-    fixed = (*FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag(namespace))
-    words = [f"--{name}={getattr(namespace, name)}" for name in fixed if not flag_given(argv, name)]
-    return _TrainingArgs(vars(namespace), (*argv, *words), written, from_config.contradictions, config)
+    fixed = {*FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag(namespace)}
+    return _TrainingArgs(vars(namespace), given | fixed, written, from_config.contradictions, config)
 
 
 @contextlib.contextmanager
@@ -367,7 +367,7 @@ def load_inputs(
         deepspeed_refs=tuple(refs),
         deepspeed_path_note=path_note,
         training=training,
-        training_argv=parsed.argv if parsed else (),
+        training_given=parsed.given if parsed else frozenset(),
         hf_scale_config_file=parsed.hf_scale_config if parsed else None,
         hf_scale_config_contradictions=parsed.contradictions if parsed else (),
         hf_scale_config=parsed.config if parsed else None,

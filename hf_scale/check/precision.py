@@ -19,7 +19,7 @@ from hf_scale.check.findings import (
     in_file,
 )
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
-from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS, flag_given
+from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
 
 
 def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source]]:
@@ -30,7 +30,7 @@ def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source
         wanted.append(Source(inp.accelerate_file, "mixed_precision", mixed))
     if inp.training is not None:
         flags = [name for name in ("bf16", "fp16") if inp.training[name]]
-        typed = any(flag_given(inp.training_argv, name) for name in ("bf16", "fp16"))
+        typed = bool(inp.training_given & {"bf16", "fp16"})
         given = "--" + "/--".join(flags) if flags else "--bf16/--fp16 " + ("false" if typed else "(not given)")
         wanted.append(Source(TRAINING_ARGS, given, flags[0] if len(flags) == 1 else "no"))
     explicit = {}
@@ -47,7 +47,7 @@ def check_precision(inp: CheckInputs) -> Iterator[Finding]:
     train.py follows them, a plain HF Trainer script stops)."""
     wanted, explicit = _precision_sources(inp)
     training = next((s for s in wanted if s.file == TRAINING_ARGS), None)
-    untyped = training is not None and not any(flag_given(inp.training_argv, f) for f in ("bf16", "fp16"))
+    untyped = training is not None and not inp.training_given & {"bf16", "fp16"}
     # Flags left out are not compared: train.py follows the launcher's config (hf_scale.launch_values).
     compared = [s for s in wanted if s is not training] if untyped else wanted
     # fp8 computes in bf16 outside its matmuls and runs with --bf16 (hf_scale.rules.compute_precision).

@@ -172,7 +172,7 @@ def address_problem(value: Any) -> tuple[str, str] | None:
     is no IP address nor DNS name at all, a warning for a placeholder that reaches no other machine."""
     import ipaddress
 
-    from hf_scale.config import host_problem
+    from hf_scale.config_types import host_problem
 
     if not isinstance(value, str):
         return ERROR, f"is a {type(value).__name__}, not an address (YAML reads an unquoted 1234 as a number)"

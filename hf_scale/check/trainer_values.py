@@ -13,7 +13,6 @@ from typing import Any
 from hf_scale import launch_values
 from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, get_path, in_file, is_int
 from hf_scale.check.inputs import CheckInputs, deepspeed_view, world_size_of
-from hf_scale.rules import flag_given
 
 
 def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
@@ -26,7 +25,7 @@ def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
     from hf_scale import deepspeed_overrides
 
     file = inp.deepspeed_file or ""
-    for override in deepspeed_overrides.find_overrides(inp.deepspeed, inp.training_argv):
+    for override in deepspeed_overrides.find_overrides(inp.deepspeed, inp.training_given):
         flags = " / ".join(f"--{flag}" for flag in (override.given or override.flags[:1]))
         key = override.path if override.ds_type is not None else override.block
         yield Finding(
@@ -157,7 +156,7 @@ def _is_number_or_numbers(value: Any) -> bool:
 
 def _mismatch_finding(inp: CheckInputs, file: str, difference: launch_values.Difference) -> Finding:
     key, shown = difference.key, "/".join(f"--{name}" for name in difference.flags)
-    typed = any(flag_given(inp.training_argv, name) for name in difference.flags)
+    typed = bool(inp.training_given & set(difference.flags))
     flag_value = difference.flag_value
     if key == "scheduler.params.warmup_num_steps":
         flag_value = f"{flag_value} steps"

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import shlex
 
-from hf_scale.config import DistributedConfig, host_problem, name_problem
+from hf_scale.config import DistributedConfig
+from hf_scale.config_types import host_problem, name_problem
 from hf_scale.exit_codes import EXIT_PREEMPTED, PREEMPTED_MARKER_ENV
 from hf_scale.generators import layout
 

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,9 @@ from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.batches import default_dataloader_workers
 from hf_scale.train.data.chat_template import read_chat_template
 from hf_scale.train.loops import evaluation
+from hf_scale.train.model.arguments import ModelArguments
 from hf_scale.train.model.load import check_lora_flags
 from hf_scale.train.setup import distributed, loop_flags, reconcile, run_spec
-from hf_scale.train.setup.args import ModelArguments
 from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.recipe import expand_recipe
 from hf_scale.train.setup.run_spec import RunSpec
@@ -84,13 +85,14 @@ def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
     return chat_template, hub.training_target(ns, ns.output_dir)
 
 
-def _deepspeed_overrides(deepspeed, ns, argv: list[str]) -> str | None:
+def _deepspeed_overrides(deepspeed, ns, given: Set[str]) -> str | None:
     """The DeepSpeed config's optimizer/scheduler blocks replace --optim / --lr_scheduler_type in both loops:
-    refuse when such a flag was given explicitly, else return the warning line (None without such blocks)."""
+    refuse when such a flag was given explicitly (in ``given``), else return the warning line (None without such
+    blocks)."""
     from hf_scale import deepspeed_overrides
 
     config = distributed.deepspeed_config_dict(deepspeed)
-    found = deepspeed_overrides.find_overrides(config, argv) if config else []
+    found = deepspeed_overrides.find_overrides(config, given) if config else []
     where = "the DeepSpeed config"
     refusal = deepspeed_overrides.refusal(found, vars(ns), where)
     if refusal:
@@ -140,10 +142,10 @@ class Run:
 def prepare(argv: list[str] | None) -> Run:
     """Flags (recipe, command line) checked and reconciled with the launcher, the run spec built once, a process
     group that really delivers it, the output directory locked and the checkpoint to resume from found."""
-    parsed, argv, recipe_path = _parse(argv)
+    parsed, given, recipe_path = _parse(argv)
     _validate_flags(parsed)
     chat_template, hub_target = _checked_extras(parsed)
-    launch = _reconcile_with_launcher(parsed, argv)
+    launch = _reconcile_with_launcher(parsed, given)
     if launch.request.fp8_backend is not None:  # before the process group and the model: one line, exit 2
         from hf_scale.train.model import fp8
 
@@ -173,8 +175,9 @@ def prepare(argv: list[str] | None) -> Run:
     )
 
 
-def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], str | None]:
-    """The flags, the argv that says which were given (the recipe's values count) and the recipe's path."""
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], str | None]:
+    """The flags, which of them were given (the recipe's count) and the recipe's path. The only reader of the
+    command line: from here on "was --x given" is a question to the set, never to the raw argv again."""
     parser = build_parser()
     # A recipe's values become flags before the command line's (which override them), so "given" covers both.
     argv, recipe_path = expand_recipe(parser, sys.argv[1:] if argv is None else list(argv))
@@ -186,10 +189,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], str |
 
         quiet.undo()
     # One spelling of activation checkpointing from here on.
-    return reconcile.filled(ns, reconcile.checkpointing_spelling(ns)), argv, recipe_path
+    given = rules.given_flags(argv, vars(ns))
+    return reconcile.filled(ns, reconcile.checkpointing_spelling(ns)), given, recipe_path
 
 
-def _reconcile_with_launcher(parsed: argparse.Namespace, argv: list[str]) -> Launch:
+def _reconcile_with_launcher(parsed: argparse.Namespace, given: frozenset[str]) -> Launch:
     """What the launcher asks for; the flags it leaves open filled from its config (and --hf_scale_config), a
     conflict one line now (transformers would raise its traceback after the model loads). ``parsed`` stays as
     it is: each step returns its fills, and the flags of the run (``Launch.flags``) are a new namespace."""
@@ -202,24 +206,24 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, argv: list[str]) -> Lau
         # config a JSON would hold; the YAML's accumulation/clipping/precision fill (or must match) the flags.
         from hf_scale.train.setup.inline_deepspeed import apply_to_flags
 
-        from_yaml = apply_to_flags(request.deepspeed_inline, parsed, argv)
+        from_yaml = apply_to_flags(request.deepspeed_inline, parsed, given)
         fills.update(from_yaml.fills)
-        argv = [*argv, *from_yaml.words]  # what the YAML decided counts as given for --hf_scale_config below
+        given |= from_yaml.decided  # what the YAML decided counts as given for --hf_scale_config below
     if parsed.hf_scale_config:
         from_config = reconcile.apply_hf_scale_config(parsed.hf_scale_config, request,
-                                                      reconcile.filled(parsed, fills), argv)
+                                                      reconcile.filled(parsed, fills), given)
         request = from_config.request
         fills.update(from_config.fills)
     elif request.deepspeed_config_file and not parsed.deepspeed:
         # accelerate launch with a DeepSpeed YAML: the Trainer's resolver fills the JSON's "auto" values.
         fills["deepspeed"] = request.deepspeed_config_file
     ns = reconcile.filled(parsed, fills)
-    overrides_warning = _deepspeed_overrides(ns.deepspeed, ns, argv)
+    overrides_warning = _deepspeed_overrides(ns.deepspeed, ns, given)
     # Precision, batch, clipping and optimizer values the launcher's config fixes: followed when no flag says
     # otherwise.
     ds_config = distributed.deepspeed_config_dict(ns.deepspeed)
-    given = reconcile.typed_flags(ns, argv)
-    fills.update(reconcile.follow_launcher_config(ns, given, request, ds_config,
+    typed = reconcile.typed_flags(ns, given)
+    fills.update(reconcile.follow_launcher_config(ns, typed, request, ds_config,
                                                   num_training_steps=ns.max_steps if ns.max_steps > 0 else None))
     ns = reconcile.filled(parsed, fills)
     if ds_config is not None:  # before DeepSpeed loads any compiled op (on CPU the process group does)
@@ -227,7 +231,7 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, argv: list[str]) -> Lau
                                                   gpu=distributed.has_gpu())
         if problems:
             raise UserError("; ".join(problems))
-    return Launch(request=request, deepspeed_config=ds_config, given=given, flags=ns,
+    return Launch(request=request, deepspeed_config=ds_config, given=typed, flags=ns,
                   overrides_warning=overrides_warning)
 
 

@@ -10,6 +10,8 @@ import pytest
 import yaml
 from check_cases import DDP_YAML, DS_JSON, DS_YAML, REPO, check_json, merged, run_cli
 
+from hf_scale.rules import given_flags
+
 BAD_INPUTS = {
     "missing-yaml": (["--accelerate-config", "nope.yaml"], "--accelerate-config nope.yaml: not found"),
     "no-yaml-flag": ([], "--accelerate-config A.yaml is required"),
@@ -187,8 +189,9 @@ def test_a_flag_contradicting_the_hf_scale_config_is_an_error_with_train_py_mess
     assert (finding["severity"], finding["code"]) == ("error", "hf-scale-config-mismatch")
     assert finding["where"] == "hf_scale_configs/zero3.yaml:batch.micro_batch_size"
     # train.py's own sentence (the same function fills its flags and stops on it).
+    ns = build_parser().parse_args(flags)
     (said,) = fill_flags_from_config(load_config(REPO / "hf_scale_configs/zero3.yaml"),
-                                     build_parser().parse_args(flags), flags, "--hf_scale_config=x").contradictions
+                                     ns, given_flags(flags, vars(ns)), "--hf_scale_config=x").contradictions
     assert said.endswith("batch.micro_batch_size=1 but --per_device_train_batch_size=4")
     assert finding["problem"].startswith(said.removeprefix("--hf_scale_config=x: "))
     assert "--per_device_train_batch_size" in finding["fix"] and "zero3.yaml" in finding["fix"]
@@ -230,7 +233,8 @@ def test_a_launch_the_hf_scale_config_refuses_is_an_error_with_train_py_message(
     assert (finding["code"], finding["where"]) == ("hf-scale-config-mismatch", f"{flags[1]}:{key}")
     request = LaunchRequest("accelerate", world, strategy, json_file, stage, None)
     with pytest.raises(UserError) as said:
-        apply_hf_scale_config(flags[1], request, build_parser().parse_args(flags), flags)
+        ns = build_parser().parse_args(flags)
+        apply_hf_scale_config(flags[1], request, ns, given_flags(flags, vars(ns)))
     assert finding["problem"] == f"{str(said.value).removeprefix(f'--hf_scale_config={flags[1]}: ')}: train.py " \
                                  "stops at start on this."
     assert f"{config_name}.yaml" in finding["fix"] and f"`{key}`" in finding["fix"]

@@ -23,6 +23,7 @@ from paths import TEST_DATA
 from hf_scale import check
 from hf_scale.cli import main
 from hf_scale.errors import UserError
+from hf_scale.rules import given_flags
 from hf_scale.train.setup import distributed, inline_deepspeed
 from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.reconcile import filled
@@ -103,7 +104,7 @@ def test_train_py_accepts_the_inline_deepspeed_yaml_and_agrees_with_check(case, 
     assert (request.strategy, request.launcher) == ("deepspeed", "accelerate")
     assert request.zero_stage == section["zero_stage"] == inputs.inline_deepspeed["zero_optimization"]["stage"]
     ns, _ = build_parser().parse_known_args(training_args)
-    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, training_args)
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, given_flags(training_args, vars(ns)))
     config, ns = from_yaml.deepspeed, filled(ns, from_yaml.fills)
 
     # What check reads from the file is what train.py trains with: stage, offload, precision, accumulation.
@@ -133,10 +134,10 @@ def test_yaml_values_fill_the_flags_left_unset(monkeypatch):
     _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
     request = distributed.detect_launch(None)
     ns, _ = build_parser().parse_known_args([])
-    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, frozenset())
     config, ns = from_yaml.deepspeed, filled(ns, from_yaml.fills)
     assert ns.fp16 and not ns.bf16 and config["fp16"]["enabled"] is True
-    assert from_yaml.words == ("--gradient_accumulation_steps=1", "--fp16")
+    assert from_yaml.decided == {"gradient_accumulation_steps", "fp16"}
 
 
 def test_train_py_prepare_fills_the_yaml_values_into_a_new_namespace(monkeypatch):
@@ -147,9 +148,9 @@ def test_train_py_prepare_fills_the_yaml_values_into_a_new_namespace(monkeypatch
     from hf_scale.train.prepare import _parse, _reconcile_with_launcher
 
     _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
-    parsed, argv, _ = _parse([])
+    parsed, given, _ = _parse([])
     before = copy.deepcopy(vars(parsed))
-    launch = _reconcile_with_launcher(parsed, argv)
+    launch = _reconcile_with_launcher(parsed, given)
     assert vars(parsed) == before and parsed.deepspeed is None and not parsed.fp16
     flags = launch.flags
     assert flags.fp16 and not flags.bf16 and flags.gradient_accumulation_steps == 1
@@ -172,7 +173,7 @@ def test_a_flag_given_against_the_yaml_is_a_one_line_error(flags, message, monke
     request = distributed.detect_launch(None)
     ns, _ = build_parser().parse_known_args(flags)
     with pytest.raises(UserError, match=message):
-        inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, flags)
+        inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, given_flags(flags, vars(ns)))
 
 
 def test_an_unreadable_inline_value_is_a_one_line_error(monkeypatch):
@@ -203,14 +204,14 @@ def test_hf_scale_config_next_to_an_inline_yaml_must_agree_with_it(config, error
     _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero3.yaml", [])
     request = distributed.detect_launch(None)
     ns, _ = build_parser().parse_known_args([])
-    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, [])
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, frozenset())
     ns = filled(ns, from_yaml.fills)
     if error is None:
-        deepspeed = apply_hf_scale_config(str(path), request, ns, list(from_yaml.words)).deepspeed
+        deepspeed = apply_hf_scale_config(str(path), request, ns, from_yaml.decided).deepspeed
         assert deepspeed is ns.deepspeed and deepspeed["zero_optimization"]["stage"] == 3
     else:
         with pytest.raises(UserError, match=error):
-            apply_hf_scale_config(str(path), request, ns, list(from_yaml.words))
+            apply_hf_scale_config(str(path), request, ns, from_yaml.decided)
 
 
 def test_deepspeed_flag_next_to_an_inline_yaml_is_refused_by_train_py_and_check(monkeypatch, tmp_path):

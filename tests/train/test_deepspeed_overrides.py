@@ -10,6 +10,7 @@ import torch
 
 from hf_scale import deepspeed_overrides
 from hf_scale.errors import UserError
+from hf_scale.rules import given_flags
 from hf_scale.train import main as train_main
 from hf_scale.train import prepare
 from hf_scale.train.setup.parser import build_parser
@@ -35,7 +36,8 @@ BASE = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage":
     ],
 )
 def test_which_blocks_replace_which_flags(blocks, argv, expected):
-    found = deepspeed_overrides.find_overrides({**BASE, **blocks}, argv)
+    given = given_flags(argv, [flag for flags in deepspeed_overrides.REPLACED_FLAGS.values() for flag in flags])
+    found = deepspeed_overrides.find_overrides({**BASE, **blocks}, given)
     assert [(o.block, o.given) for o in found] == expected
 
 
@@ -58,12 +60,12 @@ def test_train_py_refuses_an_explicit_flag_the_json_would_ignore(tmp_path):
 def test_train_py_warning_line_names_what_runs_instead(tmp_path):
     argv = _train_argv(tmp_path, {"optimizer": LAMB, "scheduler": WARMUP_LR})
     ns, _ = build_parser().parse_known_args(argv)
-    message = prepare._deepspeed_overrides(ns.deepspeed, ns, argv)
+    message = prepare._deepspeed_overrides(ns.deepspeed, ns, given_flags(argv, vars(ns)))
     assert message.startswith("the DeepSpeed config: ")
     assert "optimizer.type='Lamb' runs instead of --optim adamw_torch" in message
     assert "scheduler.type='WarmupLR' runs instead of --lr_scheduler_type linear (default)" in message
     assert "logarithmic" in message and "\n" not in message
-    assert prepare._deepspeed_overrides(None, ns, []) is None
+    assert prepare._deepspeed_overrides(None, ns, frozenset()) is None
 
 
 @pytest.mark.parametrize(

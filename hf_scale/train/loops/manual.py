@@ -23,13 +23,13 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
 from transformers import Trainer, TrainingArguments, get_scheduler
 
-from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import layout as checkpoint_layout
-from hf_scale.train.checkpoint import ownership, reshard, resume
+from hf_scale.train.checkpoint import ownership, resume
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data.batches import count_target_tokens, make_train_dataloader, micro_batch_per_rank
 from hf_scale.train.data.packing import model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
+from hf_scale.train.loops.manual_checkpoints import CheckpointSaver
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.model import fsdp
 from hf_scale.train.model.fp8 import fp8_handlers
@@ -148,7 +148,7 @@ def run(
     if accelerator.log_with:
         accelerator.init_trackers("hf_scale", config=report_config)
 
-    saver = _CheckpointSaver(args, spec, accelerator, model, optimizer, tokenizer, shard_ourselves)
+    saver = CheckpointSaver(args, spec, accelerator, model, optimizer, tokenizer, shard_ourselves)
     step, epoch, skip_batches = saver.load(resume_dir) if resume_dir is not None else (0, 0, 0)
     if resume_dir is not None:
         resume.continue_schedule(scheduler, args.learning_rate, announce=accelerator.is_main_process)
@@ -266,7 +266,7 @@ class _Loop:
     scheduler: Any
     dataloader: Any
     collator: Any
-    saver: _CheckpointSaver
+    saver: CheckpointSaver
     metrics: StepMetrics
     length: _Length
     stop: checkpoint.StopRequest | None
@@ -399,94 +399,13 @@ class _Loop:
 
     def final_checkpoint(self) -> Path:
         """ZeRO-3 without gathering (train/checkpoint/final_checkpoint.py): the last step's checkpoint, saved at
-        that step (`_CheckpointSaver.due`; a resume of the last step trains nothing and never comes here)."""
+        that step (`CheckpointSaver.due`; a resume of the last step trains nothing and never comes here)."""
         return checkpoint_layout.checkpoint_dir(self.args.output_dir, self.step)
 
     def _log(self, record: dict) -> None:
         """To the trackers of --report_to (metrics.jsonl is StepMetrics')."""
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=self.step)
-
-
-class _CheckpointSaver:
-    """Full training state through accelerate's `save_state` (DeepSpeed / FSDP formats underneath),
-    published atomically by hf_scale.train.checkpoint.store."""
-
-    def __init__(self, args, spec: RunSpec, accelerator, model, optimizer, tokenizer, shard_ourselves: bool):
-        self.args = args
-        self.spec = spec
-        """The run's facts: the batch arithmetic of the data position, and hf_scale_state.json."""
-        self.accelerator = accelerator
-        self.model = model
-        self.optimizer = optimizer
-        self.tokenizer = tokenizer
-        self.shard_ourselves = shard_ourselves
-        self.interval = _save_interval(args)
-        self.publisher = checkpoint.Publisher(args.output_dir, accelerator)
-
-    def due(self, step: int, total_steps: int) -> bool:
-        if step == total_steps and self.spec.final_save_is_checkpoint:
-            return True  # the run's final model is this checkpoint (hf_scale.train.checkpoint.final_checkpoint)
-        if self.interval is None:
-            return False
-        interval = self.interval if self.interval >= 1 else max(1, math.ceil(self.interval * total_steps))
-        return step % interval == 0 or step == total_steps
-
-    def save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
-        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), self.args.output_dir):
-            return self._save(step, epoch, batches_in_epoch)
-
-    def _save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
-        accelerator, args = self.accelerator, self.args
-        tmp = checkpoint_layout.checkpoint_dir(checkpoint_layout.staging_dir(args.output_dir, step), step)
-        if accelerator.is_main_process:
-            checkpoint.make_staging(args.output_dir, step)
-            tmp.mkdir()
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        if self.shard_ourselves:
-            fsdp.save_sharded(self.model, self.optimizer, tmp / checkpoint_layout.DCP_DIR)
-        if accelerator.is_main_process:
-            samples_per_batch_row = self.spec.micro_batch_size * self.spec.world_size
-            checkpoint.write_state(
-                tmp,
-                step=step,
-                spec=self.spec,
-                epoch=epoch,
-                samples_consumed_in_epoch=batches_in_epoch * samples_per_batch_row,
-            )
-            checkpoint.write_model_files(tmp, accelerator.unwrap_model(self.model), self.tokenizer)
-        accelerator.wait_for_everyone()
-        checkpoint.seal(tmp, step, accelerator)
-        final = self.publisher.publish(tmp, step)
-        self.publisher.rotate(args.save_total_limit)
-        accelerator.wait_for_everyone()
-        return final
-
-    def load(self, path: Path) -> tuple[int, int, int]:
-        """Restore everything, also at another world size (hf_scale.train.checkpoint.reshard; main.py has already
-        refused what cannot resume); returns (step, epoch, micro-batches per rank to skip in that epoch)."""
-        state = checkpoint.read_state(path)
-        world = self.spec.world_size
-        samples_per_batch_row = self.spec.micro_batch_size * world
-        if state["samples_consumed_in_epoch"] % samples_per_batch_row:
-            raise UserError(
-                f"--resume_from_checkpoint={path}: {state['samples_consumed_in_epoch']} samples of epoch "
-                f"{state['epoch']} were consumed, not a whole number of micro-batches of "
-                f"{self.spec.micro_batch_size} x {world} processes"
-            )
-        self.publisher.verified.add(path.resolve())  # verified before the resume (checkpoint.resolve_resume)
-        with checkpoint.load_errors_reported(path):
-            if state["world_size"] != world and self.spec.strategy == "deepspeed":
-                work_root = Path(self.args.output_dir)
-                with reshard.deepspeed_universal(path, self.accelerator, self.model, work_root) as view:
-                    self.accelerator.load_state(str(view))
-            else:
-                # Full states (DDP, one process) load at any world size; FSDP2's DCP shards reshard on load.
-                self.accelerator.load_state(str(path))
-            if self.shard_ourselves:
-                fsdp.load_sharded(self.model, self.optimizer, path / checkpoint_layout.DCP_DIR)
-        return state["step"], state["epoch"], state["samples_consumed_in_epoch"] // samples_per_batch_row
 
 
 def _dynamo_plugin(args):
@@ -496,15 +415,6 @@ def _dynamo_plugin(args):
     from accelerate.utils import TorchDynamoPlugin
 
     return TorchDynamoPlugin(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
-
-
-def _save_interval(args) -> float | None:
-    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if strategy == "no":
-        return None
-    if strategy != "steps":
-        raise UserError(f"--save_strategy={strategy}: the accelerate loop saves by steps; use steps or no")
-    return args.save_steps
 
 
 def _as_float(value) -> float | None:

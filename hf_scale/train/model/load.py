@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from hf_scale import rules
 from hf_scale.errors import UserError
-from hf_scale.train.setup.args import ModelArguments
+from hf_scale.train.model.arguments import ModelArguments
 
 
 def load_dtype(spelling: str):

@@ -112,13 +112,18 @@ class GroupedHelp:
         formatter.add_text(self.epilog)
         return formatter.format_help()
 
-    def help_sections(self) -> dict[str, list[argparse.Action]]:
-        """Every action by section: model, data, hf_scale, then TrainingArguments (in the parser's order)."""
+    def section_of_dest(self) -> dict[str, str]:
+        """Each flag's section, by the dataclass that defines it (a flag no dataclass defines: OWN)."""
         section_of_dest: dict[str, str] = {}
         for dtype in self.dataclass_types:
             title = SECTIONS.get(dtype.__name__, TRAINING if dtype.__module__.startswith("transformers") else OWN)
             for field in dataclasses.fields(dtype):
                 section_of_dest.setdefault(field.name, title)
+        return section_of_dest
+
+    def help_sections(self) -> dict[str, list[argparse.Action]]:
+        """Every action by section: model, data, hf_scale, then TrainingArguments (in the parser's order)."""
+        section_of_dest = self.section_of_dest()
         sections: dict[str, list[argparse.Action]] = {title: [] for title in (*dict.fromkeys(SECTIONS.values()),
                                                                                TRAINING)}
         for action in self._actions:

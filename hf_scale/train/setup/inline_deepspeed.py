@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
 from hf_scale.errors import UserError
-from hf_scale.rules import PRECISIONS, flag_given, precision_from_flags
+from hf_scale.rules import PRECISIONS, precision_from_flags
 
 _ENV_PREFIX = "ACCELERATE_"
 
@@ -114,33 +114,34 @@ class YamlFills:
 
     fills: Mapping[str, Any]
     """Flag name -> value to fill, `deepspeed` (the DeepSpeed config for `--deepspeed`) among them."""
-    words: tuple[str, ...]
-    """The flags filled from the YAML as `--flag=value` words (they count as given from then on)."""
+    decided: frozenset[str]
+    """The flags filled from the YAML (they count as given from then on)."""
 
     @property
     def deepspeed(self) -> dict:
         return self.fills["deepspeed"]
 
 
-def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> YamlFills:
-    """The flag values the YAML decides, a conflicting flag refused in one line (``ns`` is only read)."""
+def apply_to_flags(inline: InlineDeepSpeed, ns, given: Set[str]) -> YamlFills:
+    """The flag values the YAML decides, a conflicting flag (one in ``given``, the flags typed) refused in one
+    line (``ns`` is only read)."""
     if inline.mixed_precision not in PRECISIONS:
         raise UserError(
             f"the accelerate config has mixed_precision={inline.mixed_precision}: with DeepSpeed train.py runs "
             "no, fp16 or bf16"
         )
-    filled: list[str] = []
+    decided: set[str] = set()
     fills: dict[str, Any] = {}
 
     def fill_or_match(flag: str, yaml_key: str, value) -> None:
         current = getattr(ns, flag)
-        if flag_given(argv, flag) and current != value:
+        if flag in given and current != value:
             raise UserError(
                 f"the accelerate config has {yaml_key}={value} but --{flag}={current}; make them equal "
                 "(or drop the flag: train.py takes the YAML's value)"
             )
         fills[flag] = value
-        filled.append(f"--{flag}={value}")
+        decided.add(flag)
 
     if inline.gradient_accumulation_steps is not None:
         fill_or_match(
@@ -151,7 +152,7 @@ def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> YamlFills:
     if inline.gradient_clipping is not None:
         fill_or_match("max_grad_norm", "deepspeed_config.gradient_clipping", inline.gradient_clipping)
 
-    flags_given = flag_given(argv, "bf16") or flag_given(argv, "fp16")
+    flags_given = bool(given & {"bf16", "fp16"})
     flags_precision = precision_from_flags(ns.bf16, ns.fp16)
     if flags_given and flags_precision != inline.mixed_precision:
         raise UserError(
@@ -160,10 +161,10 @@ def apply_to_flags(inline: InlineDeepSpeed, ns, argv: list[str]) -> YamlFills:
         )
     fills.update(bf16=inline.mixed_precision == "bf16", fp16=inline.mixed_precision == "fp16")
     if inline.mixed_precision != "no":
-        filled.append(f"--{inline.mixed_precision}")
+        decided.add(inline.mixed_precision)
     config = deepspeed_config(inline, inline.mixed_precision)
     # The YAML's keys are now in `config`. accelerate's DeepSpeedPlugin(hf_ds_config=...), which
     # TrainingArguments creates next, refuses YAML DeepSpeed keys next to a config *file*
     # (_deepspeed_config_checks reads this variable); that guard is about a file, not this config.
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
-    return YamlFills({**fills, "deepspeed": config}, tuple(filled))
+    return YamlFills({**fills, "deepspeed": config}, frozenset(decided))

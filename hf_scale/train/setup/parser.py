@@ -11,7 +11,8 @@ from transformers import HfArgumentParser, TrainingArguments
 from hf_scale.errors import UserError
 from hf_scale.train.data import sources
 from hf_scale.train.data.arguments import DataArguments
-from hf_scale.train.setup.args import ModelArguments, ScaleArguments
+from hf_scale.train.model.arguments import ModelArguments
+from hf_scale.train.setup.args import ScaleArguments
 from hf_scale.train.setup.help import GroupedHelp
 from hf_scale.train.setup.recipe import add_config_flag
 

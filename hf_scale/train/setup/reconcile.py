@@ -28,12 +28,12 @@ import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from typing import Any
 
 from hf_scale import launch_values, parallelism
 from hf_scale.errors import UserError
-from hf_scale.rules import compute_precision, flag_given, precision_from_flags
+from hf_scale.rules import compute_precision, precision_from_flags
 from hf_scale.train.setup.distributed import LaunchRequest, has_gpu
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
@@ -61,12 +61,12 @@ class ConfigFills:
         return self.fills["deepspeed"]
 
 
-def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None) -> ConfigFills:
-    """The launch request completed by the config and the flag values it fills (``ns`` is only read)."""
+def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]) -> ConfigFills:
+    """The launch request completed by the config and the flag values it fills (``ns`` is only read; ``given``:
+    the flags typed)."""
     from hf_scale.config import load_config
     from hf_scale.generators.deepspeed_json import deepspeed_config
 
-    argv = sys.argv[1:] if argv is None else argv
     cfg = load_config(path)
     where = f"--hf_scale_config={path}"
     refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism")
@@ -122,7 +122,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
             raise UserError(f"{where}: fp8.backend={cfg.fp8.backend} but the accelerate config's fp8_config asks for "
                             f"{request.fp8_backend}")
         request = dataclasses.replace(request, fp8_backend=cfg.fp8.backend)
-    flags = fill_flags_from_config(cfg, ns, argv, where)
+    flags = fill_flags_from_config(cfg, ns, given, where)
     if flags.contradictions:
         raise UserError("; ".join(flags.contradictions))
     _launch_agrees(cfg, request, where)
@@ -160,9 +160,9 @@ class FlagFills:
     contradictions: tuple[str, ...]
 
 
-def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> FlagFills:
+def fill_flags_from_config(cfg, ns, given: Set[str], where: str) -> FlagFills:
     """The config's batch, clipping, activation checkpointing, optimizer values and precision as flag values
-    (``ns``, train.py's parsed flags, only read; ``argv``: the flags typed). Pure: no launcher, no environment,
+    (``ns``, train.py's parsed flags, only read; ``given``: the flags typed). Pure: no launcher, no environment,
     so that `hf-scale check` applies the same rule."""
     batch, opt = cfg.batch, cfg.optimizer
     fills = checkpointing_spelling(ns)
@@ -178,32 +178,32 @@ def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> FlagFills:
         ("adam_epsilon", "optimizer.eps", opt.eps),
         ("weight_decay", "optimizer.weight_decay", opt.weight_decay),
     ):
-        contradictions += _fill_or_match(ns, argv, where, flag, field, value, fills)
+        contradictions += _fill_or_match(ns, given, where, flag, field, value, fills)
     if ns.auto_find_batch_size:
         contradictions.append(f"{where}: --auto_find_batch_size would change batch.micro_batch_size="
                               f"{batch.micro_batch_size} (global batch {batch.global_batch_size}) at run time; drop it")
     optim = str(getattr(ns.optim, "value", ns.optim))
-    if flag_given(argv, "optim") and "adam" not in optim:
+    if "optim" in given and "adam" not in optim:
         contradictions.append(f"{where}: optimizer.betas and optimizer.eps are AdamW's, but --optim={optim} does not "
                               "use them; use an AdamW --optim (adamw_torch, adamw_torch_fused, adamw_8bit, ...) or "
                               "leave it out")
     # activation_checkpointing -> the Trainer's flag (the model's own checkpointing, in both loops); either
     # spelling counts as typed.
     flag = checkpointing_flag(ns)
-    typed = flag_given(argv, "gradient_checkpointing") or flag_given(argv, "activation_checkpointing")
+    typed = bool(given & {"gradient_checkpointing", "activation_checkpointing"})
     if cfg.strategy == "fsdp" and cfg.fsdp.activation_checkpointing and typed and getattr(ns, flag):
         contradictions.append(f"{where}: fsdp.activation_checkpointing=true checkpoints the decoder layers already; "
                               "drop --gradient_checkpointing / --activation_checkpointing (the layers would be "
                               "checkpointed twice)")
     elif typed and bool(getattr(ns, flag)) != cfg.activation_checkpointing:
-        spelling = "gradient_checkpointing" if flag_given(argv, "gradient_checkpointing") else flag
+        spelling = "gradient_checkpointing" if "gradient_checkpointing" in given else flag
         contradictions.append(f"{where}: activation_checkpointing={_show(cfg.activation_checkpointing)} but "
                               f"--{spelling}={_show(bool(getattr(ns, flag)))}")
     else:
         fills[flag] = cfg.activation_checkpointing
     flags_precision = precision_from_flags(ns.bf16, ns.fp16)
     computes_in = compute_precision(cfg.precision)  # fp8 runs with --bf16 (bf16 outside the fp8 matmuls)
-    if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != computes_in:
+    if given & {"bf16", "fp16"} and flags_precision != computes_in:
         contradictions.append(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
     else:
         fills.update(bf16=computes_in == "bf16", fp16=computes_in == "fp16")
@@ -230,8 +230,8 @@ def _launch_agrees(cfg, request: LaunchRequest, where: str) -> None:
         )
 
 
-def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value, fills: dict) -> list[str]:
-    if flag_given(argv, flag) and getattr(ns, flag) != value:
+def _fill_or_match(ns, given: Set[str], where: str, flag: str, field: str, value, fills: dict) -> list[str]:
+    if flag in given and getattr(ns, flag) != value:
         return [f"{where}: {field}={_show(value)} but --{flag}={_show(getattr(ns, flag))}"]
     fills[flag] = value
     return []
@@ -242,16 +242,15 @@ def _show(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def typed_flags(ns, argv: list[str] | None) -> set[str]:
-    """The launch_values flag names the user typed (or --hf_scale_config fixed)."""
-    argv = sys.argv[1:] if argv is None else argv
+def typed_flags(ns, given: Set[str]) -> set[str]:
+    """The launch_values flag names the user typed (``given``: every flag typed) or --hf_scale_config fixed."""
     names = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} | {"num_train_epochs"}
-    given = {name for name in names if flag_given(argv, name)}
-    if flag_given(argv, "warmup_ratio"):
-        given.add("warmup_steps")
+    typed = set(given & names)
+    if "warmup_ratio" in given:
+        typed.add("warmup_steps")
     if ns.hf_scale_config:
-        given.update(FIXED_BY_HF_SCALE_CONFIG)
-    return given
+        typed.update(FIXED_BY_HF_SCALE_CONFIG)
+    return typed
 
 
 def training_values(ns, world_size: int) -> launch_values.TrainingValues:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from hf_scale.errors import UserError
+from hf_scale.rules import given_flags
 from hf_scale.train.setup.distributed import LaunchRequest
 from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.reconcile import apply_hf_scale_config, checkpointing_flag, filled, typed_flags
@@ -57,7 +58,7 @@ def _apply(tmp_path, argv: list[str], config: dict = CONFIG, request: LaunchRequ
     argv = ["--hf_scale_config", str(path), *argv]
     ns, unknown = build_parser().parse_known_args(argv)
     assert not unknown
-    result = apply_hf_scale_config(str(path), request or _request(), ns, argv)
+    result = apply_hf_scale_config(str(path), request or _request(), ns, given_flags(argv, vars(ns)))
     return filled(ns, result.fills), result.request, result.deepspeed
 
 
@@ -69,7 +70,7 @@ def test_every_field_fills_the_flag_left_unset(tmp_path):
     assert (ns.bf16, ns.fp16) == (False, False)
     assert deepspeed is None
     # What the launcher's config (a DeepSpeed JSON, accelerate's YAML) is then compared with as given.
-    assert {flag for _, flag, *_ in FIELDS if flag != "gradient_checkpointing"} <= typed_flags(ns, [])
+    assert {flag for _, flag, *_ in FIELDS if flag != "gradient_checkpointing"} <= typed_flags(ns, frozenset())
 
 
 @pytest.mark.parametrize(("field", "flag", "value", "same", "other"), FIELDS, ids=[f[0] for f in FIELDS])
@@ -197,10 +198,10 @@ def test_a_resolved_deepspeed_json_agrees_with_the_flags_or_is_refused_in_one_li
     assert deepspeed == str(path)
     if lr_in_json != 3e-4:
         with pytest.raises(UserError, match=rf"optimizer.params.lr={lr_in_json} .*--learning_rate") as refused:
-            follow_launcher_config(ns, typed_flags(ns, []), request, ds_config)
+            follow_launcher_config(ns, typed_flags(ns, frozenset()), request, ds_config)
         assert "\n" not in str(refused.value)
         return
-    ns = filled(ns, follow_launcher_config(ns, typed_flags(ns, []), request, ds_config))
+    ns = filled(ns, follow_launcher_config(ns, typed_flags(ns, frozenset()), request, ds_config))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, fp16=False,
@@ -264,14 +265,15 @@ def test_reconciling_returns_fills_and_never_changes_the_parsed_namespace(tmp_pa
     spelling = checkpointing_spelling(ns)
     assert spelling == {"activation_checkpointing": True, "gradient_checkpointing": None,
                         "gradient_checkpointing_kwargs": None}
-    result = apply_hf_scale_config(str(path), _request(strategy="ddp"), ns, argv)
+    given = given_flags(argv, vars(ns))
+    result = apply_hf_scale_config(str(path), _request(strategy="ddp"), ns, given)
     assert vars(ns) == before
     assert {k: result.fills[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16")} == {
         "per_device_train_batch_size": 1, "gradient_accumulation_steps": 3, "bf16": False}
     assert result.deepspeed["zero_optimization"]["stage"] == 2 and result.request.strategy == "deepspeed"
     flags = filled(ns, result.fills)
     assert flags is not ns and vars(ns) == before and flags.adam_beta1 == 0.85
-    followed = follow_launcher_config(flags, typed_flags(flags, argv), result.request, result.deepspeed)
+    followed = follow_launcher_config(flags, typed_flags(flags, given), result.request, result.deepspeed)
     assert followed == {} and vars(ns) == before and vars(flags) == {**before, **result.fills}
 
 

@@ -23,14 +23,13 @@ import json
 import os
 import shutil
 import sys
-import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from hf_scale import rules
 from hf_scale.errors import UserError
+from hf_scale.export.sources import Source, find_source, with_adapter_names
 
 if TYPE_CHECKING:
     from hf_scale.train.checkpoint.layout import Layout
@@ -122,16 +121,6 @@ def _log(message: str) -> None:
     print(f"hf-scale export: {message}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class Source:
-    """Where a checkpoint's weights are, read lazily: names and a reader for a few of them at a time."""
-
-    description: str
-    names: list[str]
-    read: Callable[[list[str]], dict]
-    """names -> {name: tensor} (fp32 or the saved dtype), reading only those."""
-
-
 def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: str | None = None,
            max_shard_size: str = "5GB") -> Path:
     """Write the Hugging Face directory for `checkpoint_dir` to `out_dir` (atomically); returns out_dir."""
@@ -148,7 +137,7 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     lora_mode = (lora or "adapter") if is_lora else None
 
     with _reading(checkpoint_dir):
-        source = _find_source(found)
+        source = find_source(found)
         torch_dtype = _resolve_dtype(dtype, checkpoint_dir)
     _log(f"reading {checkpoint_dir} ({source.description}, {len(source.names)} tensors)")
 
@@ -160,7 +149,7 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
         with _reading(checkpoint_dir):
             model = _build_model(checkpoint_dir, torch_dtype, is_lora)
             if is_lora:
-                source = _with_adapter_names(source, model)
+                source = with_adapter_names(source, model)
             wanted = [n for n in source.names if "lora_" in n] if lora_mode == "adapter" else source.names
             _fill(model, source, wanted, torch_dtype, only_adapter=lora_mode == "adapter")
             tokenizer = _load_tokenizer(checkpoint_dir)
@@ -253,151 +242,6 @@ def _resolve_dtype(dtype: str, checkpoint_dir: Path):
         name = rules.TORCH_DTYPE_OF.get(saved, saved)  # a saved "bf16" too; any other torch dtype as saved
     found = getattr(torch, name, None)
     return found if isinstance(found, torch.dtype) else torch.float32
-
-
-def _find_source(found: Layout) -> Source:
-    """The reader of the weights of the complete checkpoint `found`."""
-    from hf_scale.train.checkpoint import layout
-
-    path = found.path
-    if found.weights == layout.FSDP_DCP:
-        return _dcp_source(path / layout.DCP_DIR, "FSDP2 shards")
-    if found.weights == layout.ACCELERATE_FSDP and (source := _accelerate_fsdp_source(path)):
-        return source
-    if found.weights == layout.DEEPSPEED:
-        return _deepspeed_source(path, found.deepspeed_tag)
-    if found.weights == layout.FULL:
-        return _safetensors_source(path / layout.MODEL_WEIGHTS)
-    if found.weights == layout.ADAPTER_ONLY:
-        raise UserError(
-            f"CHECKPOINT_DIR {path}: holds only a LoRA adapter (the Trainer's save without DeepSpeed); it already "
-            "is a PEFT adapter directory: load it with peft's AutoPeftModelForCausalLM"
-        )
-    raise UserError(
-        f"CHECKPOINT_DIR {path}: no model weights found (expected a DeepSpeed tag named in "
-        f"'{layout.DEEPSPEED_LATEST}', {layout.DCP_DIR}/ or {layout.MODEL_WEIGHTS})"
-    )
-
-
-def _deepspeed_source(path: Path, tag: str | None) -> Source:
-    """DeepSpeed's own consolidation, lazily: ZeRO-3 tensors are gathered from the partitions one at a time."""
-    import torch
-
-    from hf_scale.train.checkpoint import layout
-
-    if not tag or not (path / tag).is_dir():
-        raise UserError(f"CHECKPOINT_DIR {path}: '{layout.DEEPSPEED_LATEST}' names {tag or 'nothing'}, which is not "
-                        "a directory in it")
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress; stdout stays clean
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        lazy = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag, lazy_mode=True)
-
-    def read(names):
-        return {n: lazy[n] if isinstance(lazy[n], torch.Tensor) else lazy[n].contiguous() for n in names}
-
-    stage = json.loads((path / layout.STATE).read_text()).get("zero_stage")
-    return Source(f"DeepSpeed ZeRO-{stage} partitions in {tag}/", list(lazy), read)
-
-
-def _dcp_source(path: Path, what: str) -> Source:
-    """FSDP shards saved as {"model": state_dict} (hf_scale's `fsdp.save_sharded`, accelerate's
-    `save_fsdp_model`): torch.distributed.checkpoint reads the requested tensors (any world size) without
-    a process group."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    prefix = "model."  # DCP flattens the nested {"model": {name: tensor}} to "model.NAME"
-    saved = {_module_name(k.removeprefix(prefix)): k for k, v in metadata.items()
-             if k.startswith(prefix) and hasattr(v, "size")}
-
-    def read(wanted):
-        state = {saved[n]: torch.empty(tuple(metadata[saved[n]].size), dtype=metadata[saved[n]].properties.dtype)
-                 for n in wanted}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
-        return {n: state[saved[n]] for n in wanted}
-
-    return Source(f"{what} in {path.name}/", list(saved), read)
-
-
-def _accelerate_fsdp_source(path: Path) -> Source | None:
-    """The model files accelerate's FSDP plugin writes (`accelerate.utils.fsdp_utils.save_fsdp_model`, FSDP1
-    and FSDP2, the manual loop's `save_state` and the Trainer's checkpoints): SHARDED_STATE_DICT is a DCP
-    folder, FULL_STATE_DICT one state dict torch.save'd by rank 0. Only the first model (index 0) is read;
-None when neither is there."""
-    from hf_scale.train.checkpoint import layout
-
-    if (path / layout.ACCELERATE_FSDP_SHARDED / ".metadata").is_file():
-        return _dcp_source(path / layout.ACCELERATE_FSDP_SHARDED, "FSDP shards of accelerate's plugin")
-    if (path / layout.ACCELERATE_FSDP_FULL).is_file():
-        return _torch_file_source(path / layout.ACCELERATE_FSDP_FULL)
-    per_rank = sorted(p.name for p in path.glob(f"{layout.ACCELERATE_FSDP_PREFIX}*_rank*.bin"))
-    if per_rank:
-        # LOCAL_STATE_DICT (FSDP1's flat parameters) or SHARDED_STATE_DICT saved without DCP: each rank's
-        # slices, which only the same FSDP wrapping on the same world size reads back.
-        raise UserError(
-            f"CHECKPOINT_DIR {path}: holds accelerate's per-rank FSDP files ({per_rank[0]}, {len(per_rank)} in "
-            f"all), which only the same FSDP setup reads back; export needs {layout.ACCELERATE_FSDP_SHARDED}/ "
-            f"(fsdp state_dict_type sharded, saved with DCP) or {layout.ACCELERATE_FSDP_FULL} (state_dict_type full)"
-        )
-    return None
-
-
-def _torch_file_source(file: Path) -> Source:
-    """A torch.save'd state dict, memory-mapped (tensors are read from disk when used), never unpickling code."""
-    import torch
-
-    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UserError(f"CHECKPOINT_DIR {file.parent}: {file.name} is not a state dict (name -> tensor)")
-    saved = {_module_name(name): name for name in state}
-    return Source(f"full FSDP state dict in {file.name}", list(saved), lambda ns: {n: state[saved[n]] for n in ns})
-
-
-def _safetensors_source(file: Path) -> Source:
-    from safetensors import safe_open
-
-    handle = safe_open(str(file), framework="pt")
-    saved = {_module_name(name): name for name in handle.keys()}  # noqa: SIM118 (not a dict)
-    return Source(f"full weights in {file.name}", list(saved), lambda ns: {n: handle.get_tensor(saved[n]) for n in ns})
-
-
-# Module names wrappers insert into saved tensor names: torch.compile's (a --torch_compile run saves
-# `_orig_mod.model...`), FSDP1's and activation checkpointing's (the ones torch's own
-# torch.distributed.fsdp._common_utils.clean_tensor_name removes; FSDP state dicts normally have them removed).
-_WRAPPER_MODULES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-
-
-def _module_name(saved: str) -> str:
-    """The model's own name of a saved tensor: without the wrappers' parts."""
-    return ".".join(part for part in saved.split(".") if part not in _WRAPPER_MODULES)
-
-
-def _with_adapter_names(source: Source, model) -> Source:
-    """`source` with peft's adapter name put back into the adapter's tensor names the model does not know.
-
-    peft's adapter-only state dict (`get_peft_model_state_dict`: the Trainer's FSDP checkpoints, whose
-    `save_fsdp_model(adapter_only=True)` uses it with a sharded state dict) drops the adapter name
-    (`lora_A.weight` for the model's `lora_A.default.weight`); peft's own loader puts it back with this helper.
-    """
-    from peft.utils.save_and_load import _insert_adapter_name_into_state_dict
-
-    known = dict(model.named_parameters(remove_duplicate=False))
-    unknown = {n: n for n in source.names if n not in known}
-    if not unknown:
-        return source
-    renamed = _insert_adapter_name_into_state_dict(unknown, model.active_adapter, model.base_model.prefix)
-    saved = {n: n for n in source.names if n in known} | renamed  # the model's name -> the saved one
-
-    def read(names):
-        found = source.read([saved[n] for n in names])
-        return {n: found[saved[n]] for n in names}
-
-    return Source(source.description, list(saved), read)
 
 
 def _build_model(checkpoint_dir: Path, torch_dtype, is_lora: bool):
