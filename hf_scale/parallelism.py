@@ -342,7 +342,7 @@ def train_refusal(layout: Layout, where: str, *, loop: str | None, gpu_present: 
                 "accelerate's sp backend needs DeepSpeed's sequence-parallel groups and a CUDA device "
                 "(hf_scale has not proven it over gloo); set sp to 1, or run it from your own script on GPUs")
     if layout.cp > 1:
-        why = ("context parallelism waits for a GPU run: benchmarks/gpu.py --only cp" if gpu_present
+        why = ("hf_scale proves cp only with benchmarks/gpu_cp.py on GPUs so far" if gpu_present
                else _NEEDS_GPU["cp"])
         return f"{where}: cp={layout.cp}: train.py does not run context parallelism ({why}); set cp to 1"
     if layout.tp <= 1:

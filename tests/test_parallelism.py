@@ -224,5 +224,5 @@ def test_train_runs_tp_in_the_manual_loop_only_and_refuses_cp_sp():
     assert "use --loop accelerate" in parallelism.train_refusal(tp, "x", loop="trainer", gpu_present=False)
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in parallelism.train_refusal(
         cp, "x", loop="accelerate", gpu_present=False)
-    assert "benchmarks/gpu.py" in parallelism.train_refusal(cp, "x", loop="accelerate", gpu_present=True)
+    assert "benchmarks/gpu_cp.py" in parallelism.train_refusal(cp, "x", loop="accelerate", gpu_present=True)
     assert "Ulysses" in parallelism.train_refusal(sp, "x", loop="accelerate", gpu_present=True)
