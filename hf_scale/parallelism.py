@@ -332,16 +332,30 @@ def node_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
     return support
 
 
-def train_refusal(layout: Layout, where: str) -> str | None:
-    """Why train.py refuses this layout, or None. train.py does not build models on a TP/CP/SP mesh yet: without
-    the refusal accelerate would fail after loading ("Model should undergo tensor parallel") or, for SP, train
-    each rank on its own data. HSDP (dp_replicate x dp_shard) is FSDP2's hybrid sharding, which train.py runs."""
-    used = [f"{name}={getattr(layout, name)}" for name in ("tp", "cp", "sp") if getattr(layout, name) > 1]
-    if not used:
+def train_refusal(layout: Layout, where: str, *, loop: str | None, gpu_present: bool) -> str | None:
+    """Why train.py refuses this layout, or None. ``loop`` is None for a layout from `accelerate launch`'s
+    PARALLELISM_CONFIG_* (before the loop is known). train.py runs TP (alone, or under FSDP2's dp_shard /
+    dp_replicate) in the manual loop, the model built on the mesh by transformers (train/model/parallel.py);
+    HSDP (dp_replicate x dp_shard) is FSDP2's hybrid sharding, which it runs too."""
+    if layout.sp > 1:
+        return (f"{where}: sp={layout.sp}: train.py does not run DeepSpeed Ulysses/ALST sequence parallelism: "
+                "accelerate's sp backend needs DeepSpeed's sequence-parallel groups and a CUDA device "
+                "(hf_scale has not proven it over gloo); set sp to 1, or run it from your own script on GPUs")
+    if layout.cp > 1:
+        why = ("hf_scale proves cp only with benchmarks/gpu_cp.py on GPUs so far" if gpu_present
+               else _NEEDS_GPU["cp"])
+        return f"{where}: cp={layout.cp}: train.py does not run context parallelism ({why}); set cp to 1"
+    if layout.tp <= 1:
         return None
-    return (f"{where}: {', '.join(used)}: train.py does not build models on a tensor/context/sequence-parallel "
-            "mesh yet; `hf-scale generate`, `check` and `plan` handle these sizes for your own training script "
-            "(set them to 1 for train.py)")
+    if loop is None:
+        return (f"{where}: tp={layout.tp}: under `accelerate launch` accelerate builds its own ParallelismConfig, "
+                "which accelerate 1.15 refuses without GPUs (DistributedType.MULTI_CPU); train.py runs TP from "
+                "--hf_scale_config under torchrun with --loop accelerate")
+    if loop != "accelerate":
+        return (f"{where}: tp={layout.tp} with --loop {loop}: the Trainer hands a tensor-parallel model to accelerate "
+                "with a ParallelismConfig, which accelerate 1.15 refuses without GPUs (DistributedType.MULTI_CPU) "
+                "and hf_scale has not proven with them; use --loop accelerate")
+    return None
 
 
 def launch_layout(environ: dict[str, str]) -> Layout:

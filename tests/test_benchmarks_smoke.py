@@ -218,3 +218,21 @@ def test_train_help_benchmark_times_every_command(tmp_path):
     assert set(data["environment"]) >= ENVIRONMENT_KEYS
     assert set(data["results"]) == {"python", "import_torch", "help", "help_live_parser"}
     assert all(r["median_s"] > 0 for r in data["results"].values())
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script is the CP proof itself")
+def test_gpu_cp_script_reproduces_why_train_refuses_cp_on_cpu(tmp_path):
+    """benchmarks/gpu_cp.py (cp=2 against one process, for a GPU) on CPU hits the failure train.py's refusal names:
+    when torch learns to shard the CPU SDPA kernel this fails, and the refusal should go."""
+    from train_helpers import child_env, torchrun
+
+    from hf_scale import parallelism
+
+    output = tmp_path / "cp.json"
+    result = subprocess.run(torchrun(BENCH / "gpu_cp.py", "--output", output), cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env=child_env())
+    assert result.returncode != 0
+    data = json.loads(output.read_text())
+    assert "cp_loss" not in data and data["one_process_loss"] > 0
+    kernel = "aten._scaled_dot_product_flash_attention_for_cpu"
+    assert kernel in data["cp_error"] and "sharding strategy" in data["cp_error"]
+    assert kernel in parallelism.train_refusal(parallelism.Layout(dp_shard=2, cp=2), "x", loop="accelerate",
+                                               gpu_present=False)

@@ -206,7 +206,23 @@ def test_train_refuses_tp_cp_sp_sizes_from_accelerate_launch_in_one_line(monkeyp
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
-    with pytest.raises(UserError, match="parallelism_config: cp=2: train.py does not build models"):
+    with pytest.raises(UserError, match="parallelism_config: cp=2: train.py does not run context parallelism"):
         detect_launch(None)
-    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "1")  # HSDP / plain dp_shard: FSDP2, which train.py runs
-    assert parallelism.train_refusal(parallelism.launch_layout(dict(os.environ)), "x") is None
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "1")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    with pytest.raises(UserError, match="parallelism_config: tp=2: under `accelerate launch` accelerate builds"):
+        detect_launch(None)
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")  # HSDP / plain dp_shard: FSDP2, which train.py runs
+    assert parallelism.train_refusal(parallelism.launch_layout(dict(os.environ)), "x", loop=None,
+                                     gpu_present=False) is None
+
+
+def test_train_runs_tp_in_the_manual_loop_only_and_refuses_cp_sp():
+    """What train.py runs of each kind (the reasons are measured facts: see parallelism.train_refusal)."""
+    tp, cp, sp = parallelism.Layout(tp=2), parallelism.Layout(dp_shard=2, cp=2), parallelism.Layout(sp=2)
+    assert parallelism.train_refusal(tp, "x", loop="accelerate", gpu_present=False) is None
+    assert "use --loop accelerate" in parallelism.train_refusal(tp, "x", loop="trainer", gpu_present=False)
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in parallelism.train_refusal(
+        cp, "x", loop="accelerate", gpu_present=False)
+    assert "benchmarks/gpu_cp.py" in parallelism.train_refusal(cp, "x", loop="accelerate", gpu_present=True)
+    assert "Ulysses" in parallelism.train_refusal(sp, "x", loop="accelerate", gpu_present=True)

@@ -34,7 +34,7 @@ from hf_scale.train.data.batches import make_collator
 from hf_scale.train.data.packing import maybe_pack
 from hf_scale.train.loops import evaluation
 from hf_scale.train.loops.metrics import flops_per_token, matmul_parameters, mean_example_length
-from hf_scale.train.model import attention
+from hf_scale.train.model import attention, parallel
 from hf_scale.train.model.liger import check_liger
 from hf_scale.train.model.load import (
     load_model,
@@ -111,7 +111,8 @@ def build(run: Run) -> Built | None:
         pad_to=data_args.max_seq_length if attention.compiles(model_args.attn_implementation, run.args) else None,
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
-    model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing)
+    model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing,
+                       on_mesh=parallel.load_kwargs(run.spec.layout, run.spec.fsdp_settings))
     if run.spec.fp8_backend and run.state.is_main_process:  # which layers accelerate will convert: said once
         from hf_scale.train.model import fp8
 

@@ -272,10 +272,21 @@ CASES: dict[str, Case] = {
     "hf-scale-config-world-size": Case(
         ["--hf_scale_config", "{d}/c.yaml"], "world_size=2",
         files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2}})}),
-    "hf-scale-config-tensor-parallel": Case(
-        ["--hf_scale_config", "{d}/c.yaml"], "parallelism: tp=2: train.py does not build models on a tensor",
+    "hf-scale-config-tensor-parallel-trainer": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "trainer"],
+        "parallelism: tp=2 with --loop trainer: the Trainer hands a tensor-parallel model to accelerate",
         files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2},
                                          "parallelism": {"tp": 2}})}),
+    "hf-scale-config-context-parallel-on-cpu": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
+        "parallelism: cp=2: train.py does not run context parallelism (torch's context_parallel has no sharding",
+        files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 4},
+                                         "parallelism": {"cp": 2}})}),
+    "hf-scale-config-sequence-parallel": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
+        "parallelism: sp=2: train.py does not run DeepSpeed Ulysses/ALST sequence parallelism",
+        files={"c.yaml": yaml.safe_dump({"strategy": "deepspeed", "topology": {"processes_per_machine": 2},
+                                         "parallelism": {"sp": 2}})}),
     "hf-scale-config-conflicting-micro": Case(
         ["--hf_scale_config", "{d}/c.yaml", "--per_device_train_batch_size", "3"],
         "batch.micro_batch_size=4 but --per_device_train_batch_size=3",

@@ -41,14 +41,18 @@ from hf_scale.train.checkpoint.layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MA
 _FULL_STATES = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
 
 
-def _state_layout(strategy: str, zero_stage: int | None) -> str:
-    """How a strategy lays out the saved training state (what must match to resume)."""
+def _state_layout(strategy: str, zero_stage: int | None, tp: int = 1) -> str:
+    """How a strategy lays out the saved training state (what must match to resume). FSDP2 and tensor-parallel
+    runs save DCP shards, which DCP reshards on load to any other mesh (tp=2 -> dp_shard=2, 4 -> 2 processes)."""
+    if strategy == "fsdp" or tp > 1:
+        return "DCP shards (FSDP2 / tensor parallel)"
     if strategy == "deepspeed":
         return f"DeepSpeed ZeRO-{zero_stage}"
     return _FULL_STATES.get(strategy, strategy)
 
 
-def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, zero_stage: int | None) -> dict:
+def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, zero_stage: int | None,
+                    tp: int = 1) -> dict:
     """The saved `hf_scale_state.json` if this run can resume `path`; a one-line UserError otherwise.
 
     Runs before the model is built, so a refusal costs nothing.
@@ -64,7 +68,8 @@ def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, ze
             f"--resume_from_checkpoint={path}: written by --loop {saved_loop}, resumed with --loop {loop}; "
             f"the two loops keep different checkpoint layouts: resume with --loop {saved_loop}, {convert}"
         )
-    saved, wanted = _state_layout(state["strategy"], state.get("zero_stage")), _state_layout(strategy, zero_stage)
+    saved = _state_layout(state["strategy"], state.get("zero_stage"), state.get("parallelism", {}).get("tp", 1))
+    wanted = _state_layout(strategy, zero_stage, tp)
     if saved != wanted:
         raise UserError(
             f"--resume_from_checkpoint={path}: saved with {saved}, resumed with {wanted}; "

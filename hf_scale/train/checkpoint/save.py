@@ -58,12 +58,13 @@ def save_with_accelerator(accelerator, model, tokenizer, output_dir: str) -> Non
 
 def _gathered_state_dict(accelerator, model) -> dict:
     """The full state dict; a collective under ZeRO-3 and FSDP (every rank calls it)."""
-    from torch.distributed.fsdp import FSDPModule
+    from hf_scale.train.model.parallel import has_dtensors
 
-    if isinstance(model, FSDPModule) and accelerator.distributed_type.name != "FSDP":
+    if has_dtensors(model) and accelerator.distributed_type.name != "FSDP":
         from hf_scale.train.model.fsdp import full_state_dict
 
-        return full_state_dict(model)  # sharded by hf_scale.train.model.fsdp.shard_on_cpu; accelerate can't gather it
+        # Sharded by fsdp.shard_on_cpu or built on a TP mesh (parallel.py): accelerate can't gather it.
+        return full_state_dict(model)
     return accelerator.get_state_dict(model)
 
 

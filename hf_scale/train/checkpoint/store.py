@@ -220,6 +220,7 @@ def write_state(path: Path, *, step: int, spec, **position) -> None:
         "seed": spec.seed,
         "data_seed": spec.data_seed,
         "loop": spec.loop,
+        "parallelism": spec.layout.sizes(),
     }
     (path / STATE).write_text(json.dumps(state, indent=2) + "\n")
 

@@ -104,12 +104,13 @@ def rank_batches(num_examples: int, batch_size: int, rank: int, world_size: int)
 
 @torch.no_grad()
 def evaluate(model, dataset, collator, accelerator, *, batch_size: int, num_workers: int = 0,
-             inputs=model_inputs, progress_bar: bool = True) -> EvalResult:
+             inputs=model_inputs, progress_bar: bool = True, model_parallel: int = 1) -> EvalResult:
     """Every rank must call this (collective). `model` is the prepared (wrapped) model; `inputs` turns a
     collated batch into the model's keyword arguments, as the training step does; `progress_bar`: false for
-    --disable_tqdm."""
+    --disable_tqdm; `model_parallel`: the ranks of one TP group (neighbours), which evaluate the same batches."""
     start = time.perf_counter()
-    plan = rank_batches(len(dataset), batch_size, accelerator.process_index, accelerator.num_processes)
+    plan = rank_batches(len(dataset), batch_size, accelerator.process_index // model_parallel,
+                        accelerator.num_processes // model_parallel)
     loader = DataLoader(dataset, batch_sampler=[indices for indices, _ in plan], collate_fn=collator,
                         num_workers=num_workers)
     device = accelerator.device
@@ -132,5 +133,5 @@ def evaluate(model, dataset, collator, accelerator, *, batch_size: int, num_work
     finally:
         if was_training:
             model.train()
-    loss_sum, tokens = accelerator.reduce(totals, reduction="sum").tolist()
+    loss_sum, tokens = (accelerator.reduce(totals, reduction="sum") / model_parallel).tolist()
     return EvalResult(loss=loss_sum / tokens, tokens=int(tokens), seconds=time.perf_counter() - start)

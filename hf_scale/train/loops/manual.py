@@ -3,8 +3,9 @@
 Gradient accumulation follows the same rule as the transformers Trainer so both loops train
 identically: each optimizer step takes `gradient_accumulation_steps` micro-batches per rank, counts
 the target tokens of the whole window on all ranks, and every micro-batch's summed token loss is
-divided by that global count (and multiplied by the world size, because DDP and ZeRO average
-gradients over ranks). Micro 2 x accumulation 4 therefore equals micro 8, and 2 ranks equal 1 rank.
+divided by that global count (and multiplied by the data-parallel size, because DDP, ZeRO and FSDP average
+gradients over ranks; the ranks of one tensor-parallel group share a batch and count it once). Micro 2 x
+accumulation 4 therefore equals micro 8, and 2 ranks equal 1 rank.
 Gradient sync is skipped on all but the last micro-batch of a window.
 """
 
@@ -20,8 +21,8 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler
-from transformers import Trainer, TrainingArguments, get_scheduler
+from accelerate.utils import DataLoaderConfiguration
+from transformers import TrainingArguments
 
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import ownership, resume
@@ -31,7 +32,8 @@ from hf_scale.train.data.packing import model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.manual_checkpoints import CheckpointSaver
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
-from hf_scale.train.model import fsdp
+from hf_scale.train.loops.optimizer import optimizer_and_scheduler
+from hf_scale.train.model import fsdp, parallel
 from hf_scale.train.model.fp8 import fp8_handlers
 from hf_scale.train.model.liger import apply_liger
 from hf_scale.train.setup import guard
@@ -61,49 +63,6 @@ def _take(iterator, n: int) -> list:
     return window
 
 
-def _optimizer_and_scheduler(model, args: TrainingArguments, ds_config: dict | None, total_steps: int):
-    """The Trainer's optimizer and scheduler choices, so both loops train identically.
-
-    Mirrors transformers' `create_optimizer` / `deepspeed_optim_sched`: DeepSpeed's own optimizer when
-    the JSON has an `optimizer` block (so optimizer offload runs its CPU Adam), otherwise --optim with weight
-    decay off for biases and norms; DeepSpeed's scheduler when the JSON has a `scheduler` block, otherwise
-    the torch scheduler of --lr_scheduler_type.
-    """
-
-    def make_scheduler(optimizer):
-        return get_scheduler(
-            args.lr_scheduler_type,
-            optimizer=optimizer,
-            num_warmup_steps=args.get_warmup_steps(total_steps),
-            num_training_steps=total_steps,
-            scheduler_specific_kwargs=args.lr_scheduler_kwargs,
-        )
-
-    # A `scheduler` block runs DeepSpeed's scheduler, as in the Trainer (a callable would win over it).
-    ds_scheduler = ds_config is not None and "scheduler" in ds_config
-    if ds_config is not None and "optimizer" in ds_config:
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = DummyOptim(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-        callable_ = None if ds_scheduler else make_scheduler
-        return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=callable_)
-
-    # get_decay_parameter_names does not use the Trainer instance; calling it unbound avoids building one.
-    decay = set(Trainer.get_decay_parameter_names(None, model))
-    groups = [
-        {
-            "params": [p for n, p in model.named_parameters() if p.requires_grad and n in decay],
-            "weight_decay": args.weight_decay,
-        },
-        {
-            "params": [p for n, p in model.named_parameters() if p.requires_grad and n not in decay],
-            "weight_decay": 0.0,
-        },
-    ]
-    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
-    return optimizer, DummyScheduler(optimizer) if ds_scheduler else make_scheduler(optimizer)
-
-
 def run(
     *,
     args: TrainingArguments,
@@ -124,8 +83,9 @@ def run(
     `eval_dataset`: evaluated by --eval_strategy/--eval_steps/--eval_on_start and at the end (--do_eval).
     """
     ds_plugin = getattr(args, "deepspeed_plugin", None)
-    # FSDP2 on CPU (from --hf_scale_config): torch's fully_shard, since accelerate cannot (see fsdp.py).
-    shard_ourselves = spec.fsdp_settings is not None and not has_gpu()
+    # FSDP2 on CPU (from --hf_scale_config): torch's fully_shard, since accelerate cannot (see fsdp.py); a TP
+    # model comes sharded from from_pretrained (parallel.py). accelerate then prepares only loader and scheduler.
+    shard_ourselves = (spec.fsdp_settings is not None and not has_gpu()) or parallel.sharded_at_load(spec.layout)
     accelerator = _accelerator(args, spec, model, ds_plugin, shard_ourselves)
     dataloader = make_train_dataloader(
         train_dataset,
@@ -137,12 +97,12 @@ def run(
         prefetch_factor=args.dataloader_prefetch_factor,
         persistent_workers=args.dataloader_persistent_workers,
     )
-    length = _Length.of(len(dataloader), accelerator.num_processes, spec.gradient_accumulation_steps, args)
+    length = _Length.of(len(dataloader), spec.data_parallel_size, spec.gradient_accumulation_steps, args)
     model, optimizer, dataloader, scheduler = _prepare(accelerator, args, spec, model, dataloader, length.total_steps,
                                                        ds_plugin=ds_plugin, shard_ourselves=shard_ourselves)
     guard.verify_runtime(
         spec.expected,
-        guard.observe(accelerator, model, micro_batch_per_rank(dataloader, accelerator.num_processes),
+        guard.observe(accelerator, model, micro_batch_per_rank(dataloader, spec.data_parallel_size),
                       loaded_partitioned=loaded_partitioned),
     )
     if accelerator.log_with:
@@ -241,13 +201,14 @@ def _prepare(accelerator, args, spec: RunSpec, model, dataloader, total_steps: i
         hf_ds_config.trainer_config_finalize(args, model, total_steps)
         ds_config = hf_ds_config.config
     apply_liger(model, args)  # as the Trainer does in train(): before the model is wrapped
-    if shard_ourselves:
+    if shard_ourselves and not parallel.sharded_at_load(spec.layout):
         model = fsdp.shard_on_cpu(model, spec.fsdp_settings)
-    optimizer, scheduler = _optimizer_and_scheduler(model, args, ds_config, total_steps)
+    optimizer, scheduler = optimizer_and_scheduler(model, args, ds_config, total_steps)
     if shard_ourselves:
         # accelerate would wrap the sharded model in DDP (MULTI_CPU) and save the sharded optimizer state
         # of rank 0 only; both stay with torch (fsdp.save_sharded / load_sharded).
-        dataloader, scheduler = accelerator.prepare(dataloader, scheduler)
+        dataloader = parallel.prepare_data(accelerator, dataloader, spec.layout)  # split by data-parallel rank
+        scheduler = accelerator.prepare(scheduler)
     else:
         model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
     return model, optimizer, dataloader, scheduler
@@ -354,21 +315,23 @@ class _Loop:
         rate it used, the gradient norm)."""
         accelerator = self.accelerator
         local_targets = torch.tensor(sum(count_target_tokens(b) for b in window), device=accelerator.device)
-        global_targets = accelerator.reduce(local_targets, reduction="sum")
+        # The ranks of one TP group hold the same batch: count each data-parallel rank's tokens once.
+        model_parallel = self.spec.layout.model_parallel_size
+        global_targets = accelerator.reduce(local_targets, reduction="sum") // model_parallel
         local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this update (read before the scheduler moves)
         loss_sum = torch.zeros((), device=accelerator.device)
         for i, batch in enumerate(window):
             loss_sum += self._forward_backward(batch, global_targets, last=i == len(window) - 1)
         # DeepSpeed clips inside its step and reports the norm; otherwise clip here (inf = only measure).
-        grad_norm = accelerator.clip_grad_norm_(
-            self.model.parameters(), self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
-        )
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
+        grad_norm = (parallel.clip_grad_norm(self.model, max_norm) if parallel.sharded_at_load(self.spec.layout)
+                     else accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad()
-        step_loss = accelerator.reduce(loss_sum, reduction="sum").item()
-        tokens = int(accelerator.reduce(local_tokens, reduction="sum").item())
+        step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / model_parallel
+        tokens = int(accelerator.reduce(local_tokens, reduction="sum").item()) // model_parallel
         return step_loss, tokens, lr, grad_norm
 
     def _forward_backward(self, batch, global_targets, *, last: bool):
@@ -377,23 +340,23 @@ class _Loop:
         # Same mechanism as transformers' Trainer: tell accelerate (and through it DeepSpeed's
         # accumulation boundary) whether this micro-batch ends the window.
         accelerator.gradient_state._set_sync_gradients(last)
-        if self.shard_ourselves:
+        if self.shard_ourselves and self.spec.data_parallel_size > 1:
             fsdp.set_gradient_sync(model, last)
         no_sync_needed = not (last or self.is_deepspeed or self.shard_ourselves)
         sync_context = accelerator.no_sync(model) if no_sync_needed else contextlib.nullcontext()
         with sync_context:
             outputs = model(**model_inputs(batch), num_items_in_batch=global_targets)
-            # The model's loss is sum(token losses) / global_targets; gradients are averaged over ranks.
-            loss = outputs.loss * accelerator.num_processes
+            # The model's loss is sum(token losses) / global_targets; gradients are averaged over data-parallel ranks.
+            loss = outputs.loss * self.spec.data_parallel_size
             backward_kwargs = {"scale_wrt_gas": False} if self.is_deepspeed else {}
             accelerator.backward(loss, **backward_kwargs)
-        return loss.detach() / accelerator.num_processes
+        return loss.detach() / self.spec.data_parallel_size
 
     def evaluate(self, epoch_now: float) -> None:
         result = evaluation.evaluate(
             self.model, self.eval_dataset, self.collator, self.accelerator,
             batch_size=self.args.per_device_eval_batch_size, num_workers=self.args.dataloader_num_workers,
-            progress_bar=not self.args.disable_tqdm,
+            progress_bar=not self.args.disable_tqdm, model_parallel=self.spec.layout.model_parallel_size,
         )
         self._log(self.metrics.log_eval(step=self.step, epoch=epoch_now, result=result))
 

@@ -54,7 +54,7 @@ class CheckpointSaver:
         if self.shard_ourselves:
             fsdp.save_sharded(self.model, self.optimizer, tmp / checkpoint_layout.DCP_DIR)
         if accelerator.is_main_process:
-            samples_per_batch_row = self.spec.micro_batch_size * self.spec.world_size
+            samples_per_batch_row = self.spec.micro_batch_size * self.spec.data_parallel_size
             checkpoint.write_state(
                 tmp,
                 step=step,
@@ -75,12 +75,12 @@ class CheckpointSaver:
         refused what cannot resume); returns (step, epoch, micro-batches per rank to skip in that epoch)."""
         state = checkpoint.read_state(path)
         world = self.spec.world_size
-        samples_per_batch_row = self.spec.micro_batch_size * world
+        samples_per_batch_row = self.spec.micro_batch_size * self.spec.data_parallel_size
         if state["samples_consumed_in_epoch"] % samples_per_batch_row:
             raise UserError(
                 f"--resume_from_checkpoint={path}: {state['samples_consumed_in_epoch']} samples of epoch "
                 f"{state['epoch']} were consumed, not a whole number of micro-batches of "
-                f"{self.spec.micro_batch_size} x {world} processes"
+                f"{self.spec.micro_batch_size} x {self.spec.data_parallel_size} data-parallel processes"
             )
         self.publisher.verified.add(path.resolve())  # verified before the resume (checkpoint.resolve_resume)
         with checkpoint.load_errors_reported(path):

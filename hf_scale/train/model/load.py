@@ -92,10 +92,14 @@ def _weights_error(error: BaseException) -> str | None:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
 
-def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
+def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, on_mesh: dict | None = None):
     """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
-    and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve)."""
+    and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve). `on_mesh`: the
+    arguments that build it on a tensor-parallel mesh (hf_scale.train.model.parallel.load_kwargs)."""
     path = resolve_model_path(model_args)
+    if on_mesh and model_args.lora_r > 0:
+        raise UserError(f"--lora_r={model_args.lora_r} with tensor parallelism: hf_scale has not proven peft's "
+                        "LoRA layers on DTensor weights; train all weights (--lora_r 0) or set parallelism.tp to 1")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path,
@@ -103,6 +107,7 @@ def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
             attn_implementation=model_args.attn_implementation,
             trust_remote_code=model_args.trust_remote_code,
             output_loading_info=True,
+            **(on_mesh or {}),
         )
     except Exception as error:
         described = _weights_error(error)

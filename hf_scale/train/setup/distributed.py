@@ -54,6 +54,8 @@ class LaunchRequest:
     """The `fsdp` section of a `--hf_scale_config` when it (not accelerate's YAML) asks for FSDP."""
     deepspeed_inline: InlineDeepSpeed | None = None
     """DeepSpeed from an accelerate YAML's inline `deepspeed_config` (no JSON file): see inline_deepspeed."""
+    layout: parallelism.Layout = parallelism.Layout()
+    """The mesh sizes (tp, dp_shard, ...) of a `--hf_scale_config`; one data-parallel dimension otherwise."""
     fp8_backend: str | None = None
     """FP8 training's backend (torchao | te | msamp: the config's fp8.backend) when the YAML's mixed_precision or
     the --hf_scale_config asks for fp8; None otherwise."""
@@ -90,7 +92,7 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     by_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
     refusal = parallelism.train_refusal(parallelism.launch_layout(dict(os.environ)), "the accelerate config's "
-                                        "parallelism_config")
+                                        "parallelism_config", loop=None, gpu_present=has_gpu())
     if refusal:
         raise UserError(refusal)
     if by_accelerate:

@@ -34,6 +34,8 @@ class Expected:
     zero_stage: int | None = None
     zero3_init: bool = False
     """ZeRO-3 should have built the model partitioned (HfDeepSpeedConfig alive before from_pretrained)."""
+    tp: int = 1
+    """Tensor-parallel size: the model's weights must be DTensors split tp ways (transformers' tp_size)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class Observed:
     zero3_partitioned: bool | None = None
     single_process_cpu_launch: bool = False
     """accelerate's simple launcher started 1 process although num_processes > 1 was asked (use_cpu)."""
+    tp: int = 1
+    """The model's tensor-parallel size (transformers' tp_size; 1 when not built on a mesh)."""
 
 
 def deepspeed_engine_facts(engine) -> dict:
@@ -121,6 +125,7 @@ def observe(
         deepspeed=deepspeed,
         zero3_partitioned=loaded_partitioned,
         single_process_cpu_launch=single_cpu_launch,
+        tp=getattr(model, "tp_size", None) or 1,
     )
 
 
@@ -155,11 +160,15 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"FSDP was requested but the model is not sharded (accelerate runs {observed.distributed_type}, "
                 f"model wrapper {observed.wrapper!r}); FSDP through accelerate needs GPUs"
             )
-    elif wanted == "ddp" and observed.wrapper != "ddp":
+    elif wanted == "ddp" and observed.wrapper != "ddp" and expected.tp == 1:  # tp = world: no DDP (tp check below)
         problems.append(
             f"DDP over {expected.world_size} processes was requested but the model is wrapped as "
             f"{observed.wrapper!r} (accelerate runs {observed.distributed_type}): gradients would not be synced"
         )
+
+    if observed.tp != expected.tp:
+        problems.append(f"tensor parallelism of {expected.tp} was requested but the model is built with tp_size "
+                        f"{observed.tp}")
 
     ds = observed.deepspeed
     if ds is not None:

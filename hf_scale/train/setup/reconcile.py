@@ -69,9 +69,10 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
 
     cfg = load_config(path)
     where = f"--hf_scale_config={path}"
-    refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism")
+    refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism", loop=ns.loop, gpu_present=has_gpu())
     if refusal:
         raise UserError(refusal)
+    request = dataclasses.replace(request, layout=cfg.layout)
 
     if cfg.world_size != request.world_size:
         raise UserError(

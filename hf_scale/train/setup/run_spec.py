@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hf_scale import rules
+from hf_scale.parallelism import Layout
 from hf_scale.train.setup import guard
 
 
@@ -29,7 +30,8 @@ class RunSpec:
     """Rows per rank per forward pass (--per_device_train_batch_size)."""
     gradient_accumulation_steps: int
     global_batch_size: int
-    """Rows per optimizer step over the whole job: micro x accumulation x world size."""
+    """Rows per optimizer step over the whole job: micro x accumulation x data-parallel size (the world size
+    unless ranks of a TP group share their batches)."""
     precision: str
     """no | bf16 | fp16 (--bf16 / --fp16, after the launcher's config is followed)."""
     seed: int
@@ -43,6 +45,9 @@ class RunSpec:
     """The `fsdp` section of a --hf_scale_config when it (not accelerate's YAML) asks for FSDP."""
     fp8_backend: str | None = None
     """FP8 training (precision stays bf16: the autocast outside the fp8 matmuls) with this backend, or None."""
+    layout: Layout = Layout()
+    """The mesh: dp_replicate x dp_shard x tp x cp x sp (hf_scale.parallelism); data parallel only unless a
+    --hf_scale_config says otherwise."""
     final_save_is_checkpoint: bool = False
     """ZeRO-3 without 16-bit gathering on save: the run ends with the final step's checkpoint, not a safetensors
     model (hf_scale.train.checkpoint.final_checkpoint)."""
@@ -50,9 +55,17 @@ class RunSpec:
     def __post_init__(self):
         # Built from validated flags: a violation here is a bug in hf_scale, not bad input.
         assert self.world_size >= 1 and self.micro_batch_size >= 1 and self.gradient_accumulation_steps >= 1, self
+        assert self.layout.model_parallel_size == 1 or self.layout.world_size == self.world_size, self
         assert self.global_batch_size == rules.global_batch_size(self.micro_batch_size,
-                                                                 self.gradient_accumulation_steps, self.world_size)
+                                                                 self.gradient_accumulation_steps,
+                                                                 self.data_parallel_size)
         assert self.precision in rules.PRECISIONS, self.precision
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data (the batch arithmetic, the loss's token count and the data position count
+        these only): the world size divided by the ranks of one TP/CP/SP group, which share their batches."""
+        return self.world_size // self.layout.model_parallel_size
 
     @property
     def expected(self) -> guard.Expected:
@@ -65,6 +78,7 @@ class RunSpec:
             precision=rules.FP8 if self.fp8_backend else self.precision,  # accelerate's mixed_precision
             zero_stage=self.zero_stage,
             zero3_init=self.zero3_init,
+            tp=self.layout.tp,
         )
 
     @property
@@ -75,6 +89,8 @@ class RunSpec:
     def describe(self) -> str:
         """The one line train.py logs at the start."""
         engine = f"deepspeed ZeRO-{self.zero_stage}" if self.strategy == "deepspeed" else self.strategy
+        if self.layout.model_parallel_size > 1:
+            engine += f" ({self.layout.describe()})"
         return (
             f"{engine} on {self.world_size} process(es) ({self.launcher}), {self.loop} loop: global batch size "
             f"{self.global_batch_size}, gradient accumulation steps {self.gradient_accumulation_steps}, local batch "
@@ -88,7 +104,8 @@ def build(request, args, *, loop: str, packing: bool) -> RunSpec:
     """The run spec from the launch request and the final `TrainingArguments`: the batch arithmetic in this one
     block."""
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    global_batch = rules.global_batch_size(micro, accumulation, request.world_size)
+    global_batch = rules.global_batch_size(micro, accumulation,
+                                           request.world_size // request.layout.model_parallel_size)
     plugin = getattr(args, "deepspeed_plugin", None)
     return RunSpec(
         launcher=request.launcher,
@@ -106,6 +123,7 @@ def build(request, args, *, loop: str, packing: bool) -> RunSpec:
         zero3_init=request.zero_stage == 3 and bool(plugin) and bool(plugin.zero3_init_flag),
         fsdp_settings=request.fsdp_settings,
         fp8_backend=request.fp8_backend,
+        layout=request.layout,
         # The config as DeepSpeed will run it ("auto" filled by accelerate's plugin).
         final_save_is_checkpoint=rules.zero3_without_gathering(plugin.deepspeed_config if plugin else None),
     )

@@ -87,3 +87,13 @@ def test_every_problem_is_named_in_one_line():
                                                          (False, False, "no")])
 def test_expected_precision_is_the_rule(bf16, fp16, precision):
     assert guard.expected_precision(bf16, fp16) == precision
+
+
+def test_tensor_parallel_run_needs_a_model_built_with_that_tp_size():
+    """tp = world under strategy ddp: no DDP wrapper is right (one TP group); a model not built on the mesh is not."""
+    expected = Expected("ddp", 2, 4, 2, "no", tp=2)
+    built = Observed(2, "MULTI_CPU", 2, "none", micro_batch_size=4, mixed_precision="no", tp=2)
+    assert find_problems(expected, built) == []
+    not_built = Observed(2, "MULTI_CPU", 2, "none", micro_batch_size=4, mixed_precision="no")
+    assert find_problems(expected, not_built) == [
+        "tensor parallelism of 2 was requested but the model is built with tp_size 1"]

@@ -88,8 +88,20 @@ def test_the_checkpoint_state_is_written_from_the_run_spec(loop, tmp_path):
     assert checkpoint.read_state(tmp_path) == {
         "step": 5, **position, "world_size": 4, "strategy": "deepspeed", "zero_stage": 2, "micro_batch_size": 2,
         "gradient_accumulation_steps": 3, "global_batch_size": 24, "precision": "no", "seed": 7, "data_seed": 9,
-        "loop": loop,
+        "loop": loop, "parallelism": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "cp": 1, "sp": 1},
     }
+
+
+def test_tensor_parallel_ranks_count_once_in_the_batch_arithmetic(tmp_path):
+    """dp_shard=2 x tp=2 on 4 processes: 2 data-parallel ranks; the global batch, the guard's expectation and the
+    checkpoint's layout say so."""
+    from hf_scale.parallelism import Layout
+
+    args = _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    spec = run_spec.build(_request(strategy="fsdp", layout=Layout(dp_shard=2, tp=2)), args, loop="accelerate",
+                          packing=False)
+    assert (spec.data_parallel_size, spec.global_batch_size, spec.expected.tp) == (2, 12, 2)
+    assert spec.describe().startswith("fsdp (dp_shard=2 x tp=2) on 4 process(es)")
 
 
 def test_one_line_says_global_accumulation_and_local_batch(tmp_path):

@@ -1,0 +1,135 @@
+"""Tensor parallelism in train.py's manual loop, real processes on CPU (gloo): the tiny Llama built on the mesh by
+transformers (DTensor weights; train.py's runtime guard checks the model's tp_size), each data-parallel group
+on its own data, the ranks of one TP group on the same batches.
+
+Every run trains 5 steps of a global batch of 8 (one process: micro 8; tp=2: micro 4 x accumulation 2 on one
+data-parallel rank; dp_shard=2 x tp=2: micro 2 x accumulation 2 on two) and must give the one-process per-step
+losses, token counts and eval losses (rtol 1e-4), pass train.py's own save check and save a model with the
+one-process model's logits. The tp=2 run saves checkpoint-3, which must resume at tp=2 bit-identically, resume
+at dp_shard=2 (FSDP2, DCP resharding) with the uninterrupted losses, and export to Hub safetensors.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from train_helpers import (
+    PROBE_IDS,
+    REPO,
+    assert_saved_model_verified,
+    child_env,
+    launcher_command,
+    logits,
+    read_eval_metrics,
+    read_metrics,
+    run_ok,
+)
+from transformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 5
+MIXTURE = REPO / "tests" / "data" / "mixture"
+COMMON = ["--max_steps", str(STEPS), "--learning_rate", "1e-3", "--seed", "11", "--warmup_ratio", "0",
+          "--lr_scheduler_type", "linear", "--max_grad_norm", "1.0", "--loop", "accelerate",
+          "--train_file", str(MIXTURE / "qa.jsonl"), str(MIXTURE / "chat.jsonl"), "--mixture_weights", "0.75", "0.25",
+          "--validation_file", str(MIXTURE / "validation.jsonl"), "--eval_strategy", "steps", "--eval_steps", "3"]
+PACKED = ["--packing", "--max_seq_length", "128"]
+TP2 = "strategy: ddp\nprecision: 'no'\ntopology: {processes_per_machine: 2}\nparallelism: {tp: 2}\n" \
+      "batch: {micro_batch_size: 4, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
+FSDP2 = "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 2}\n" \
+        "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
+FSDP2_TP2 = "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 4}\nparallelism: {tp: 2}\n" \
+            "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
+
+
+def _train(out, flags: list[str], *, nproc: int = 1, config: str | None = None) -> subprocess.CompletedProcess:
+    command = launcher_command("python") if nproc == 1 else launcher_command("torchrun", nproc=nproc)
+    if config is not None:
+        path = out.parent / f"{out.name}-config.yaml"
+        path.write_text(config)
+        flags = flags + ["--hf_scale_config", str(path)]
+    return run_ok(command + COMMON + flags + ["--output_dir", str(out)], env=child_env(), timeout=600)
+
+
+def _assert_same_run(out, reference_dir) -> None:
+    got, want = read_metrics(out), read_metrics(reference_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]  # each data-parallel rank's rows once
+    got_eval, want_eval = read_eval_metrics(out), read_eval_metrics(reference_dir)
+    assert [r["eval_tokens"] for r in got_eval] == [r["eval_tokens"] for r in want_eval]
+    assert [r["eval_loss"] for r in got_eval] == pytest.approx([r["eval_loss"] for r in want_eval], rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "reference"
+    _train(out, ["--per_device_train_batch_size", "8"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_dir(tmp_path_factory):
+    """tp=2 on 2 processes, checkpoint-3 kept (--save_steps 3)."""
+    out = tmp_path_factory.mktemp("tp") / "tp2"
+    result = _train(out, ["--save_steps", "3"], nproc=2, config=TP2)
+    assert "ddp (tp=2) on 2 process(es)" in result.stderr
+    return out
+
+
+def test_tp2_equals_one_process(tp_dir, reference_dir):
+    _assert_same_run(tp_dir, reference_dir)
+    assert_saved_model_verified(tp_dir, like=reference_dir)
+
+
+def test_dp_shard2_x_tp2_on_four_processes_equals_one_process(reference_dir, tmp_path):
+    """FSDP2 over dp_shard=2 and TP over tp=2 on one mesh (transformers applies both at load)."""
+    out = tmp_path / "fsdp2_tp2"
+    result = _train(out, [], nproc=4, config=FSDP2_TP2)
+    assert "fsdp (dp_shard=2 x tp=2) on 4 process(es)" in result.stderr
+    _assert_same_run(out, reference_dir)
+    assert_saved_model_verified(out, like=reference_dir)
+
+
+def test_tp2_packed_equals_one_packed_process(tmp_path):
+    reference, out = tmp_path / "packed_reference", tmp_path / "packed_tp2"
+    _train(reference, PACKED + ["--per_device_train_batch_size", "8"])
+    _train(out, PACKED, nproc=2, config=TP2)
+    _assert_same_run(out, reference)
+
+
+def _resume(tp_dir, out, config: str) -> list[dict]:
+    out.mkdir()
+    shutil.copytree(tp_dir / "checkpoint-3", out / "checkpoint-3")
+    result = _train(out, ["--resume_from_checkpoint", "auto"], nproc=2, config=config)
+    assert f"resuming from {out / 'checkpoint-3'}" in result.stderr
+    return read_metrics(out)
+
+
+def test_tp2_checkpoint_resumes_exactly_and_at_dp_shard2(tp_dir, tmp_path):
+    """Same layout: bit-identical continuation. tp=2 -> dp_shard=2 (FSDP2): DCP reshards the DTensor shards; the
+    uninterrupted losses to rtol 1e-4 (another reduction order) and the same samples."""
+    want = {r["step"]: r for r in read_metrics(tp_dir)}
+    same = _resume(tp_dir, tmp_path / "same", TP2)
+    assert [r["step"] for r in same] == [4, 5]
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in same] == [
+        (want[s]["loss"], want[s]["grad_norm"], want[s]["lr"]) for s in (4, 5)]
+    other = _resume(tp_dir, tmp_path / "fsdp2", FSDP2)
+    assert [r["step"] for r in other] == [4, 5]
+    for record in other:
+        assert record["loss"] == pytest.approx(want[record["step"]]["loss"], rel=1e-4)
+        assert record["tokens"] == want[record["step"]]["tokens"]
+
+
+def test_export_of_a_tp2_checkpoint_loads_with_the_trained_logits(tp_dir, tmp_path):
+    out = tmp_path / "exported"
+    run_ok([sys.executable, "-m", "hf_scale.cli", "export", str(tp_dir), str(out)], timeout=180)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        got = model(input_ids=PROBE_IDS).logits.float()
+    torch.testing.assert_close(got, logits(tp_dir), rtol=1e-5, atol=1e-5)
