@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from hf_scale.errors import UserError
+from hf_scale.inputs import not_a_regular_file
 from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
 
 EPILOG = """\
@@ -240,9 +241,10 @@ DEFAULT_OPS = ("cpu_adam", "fused_adam", "async_io")
 
 def _read_file(path: str) -> tuple[Path, str]:
     file = Path(path)
-    if not file.is_file():
-        raise UserError(f"--config {path}: file not found (expected a DistributedConfig YAML, an accelerate YAML "
-                        "or a DeepSpeed JSON)")
+    problem = not_a_regular_file(file)
+    if problem is not None:
+        raise UserError(f"--config {path}: {problem}; expected a DistributedConfig YAML, an accelerate YAML "
+                        "or a DeepSpeed JSON")
     try:
         return file, file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:

@@ -151,7 +151,7 @@ def _config_from_file(path: Path, model: str) -> PretrainedConfig:
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise UserError(f'MODEL {model!r}: {path} has no "model_type" (expected a transformers config.json)')
     model_type = data.pop("model_type")
-    _check_dimensions(data, model)  # before transformers builds anything from them
+    check_dimensions(data, f"MODEL {model!r}")  # before transformers builds anything from them
     from transformers import CONFIG_MAPPING, AutoConfig
 
     if model_type not in CONFIG_MAPPING:
@@ -184,6 +184,7 @@ DIMENSION_BOUNDS = {
     "num_attention_heads": 2_048,
     "num_key_value_heads": 2_048,
     "head_dim": 4_096,
+    "max_position_embeddings": 2**30,  # 0 would train, with positions no model has (Llama 4 Scout: 10M)
     "num_local_experts": 1_024,  # Mixtral
     "num_experts": 1_024,  # Qwen-MoE
     "n_routed_experts": 1_024,  # DeepSeek
@@ -192,21 +193,22 @@ MAX_EXPERT_LAYERS = 65_536
 """Layers x experts: one module each (DeepSeek-V3: 61 x 256)."""
 
 
-def _check_dimensions(config: dict[str, Any], model: str) -> None:
-    """Every size the planner builds from is a positive integer within DIMENSION_BOUNDS (nested text configs
-    of multimodal models included); one line naming the first that is not."""
+def check_dimensions(config: dict[str, Any], where: str) -> None:
+    """Every size a model is built from is a positive integer within DIMENSION_BOUNDS (nested text configs
+    of multimodal models included); one line, starting with ``where``, naming the first that is not. The one
+    rule for `hf-scale plan` and train.py: transformers would raise a TypeError or ZeroDivisionError."""
     for section in (config, *(v for v in config.values() if isinstance(v, dict))):
         for name, bound in DIMENSION_BOUNDS.items():
             value = section.get(name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
-                raise UserError(f"MODEL {model!r}: {name}={value!r} is invalid: allowed an integer from 1 to {bound}")
+                raise UserError(f"{where}: {name}={value!r} is invalid: allowed an integer from 1 to {bound}")
         experts = max((section.get(k) or 1) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
         if (section.get("num_hidden_layers") or 1) * experts > MAX_EXPERT_LAYERS:
             raise UserError(
-                f"MODEL {model!r}: num_hidden_layers x experts = {section['num_hidden_layers']} x {experts} is more "
-                f"than the {MAX_EXPERT_LAYERS} the planner builds"
+                f"{where}: num_hidden_layers x experts = {section['num_hidden_layers']} x {experts} is more "
+                f"than the {MAX_EXPERT_LAYERS} allowed"
             )
 
 
@@ -218,7 +220,7 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
 
     name = name or (model if isinstance(model, str) else config.model_type)
     try:
-        _check_dimensions(config.to_dict(), name)  # a Hub config too
+        check_dimensions(config.to_dict(), f"MODEL {name!r}")  # a Hub config too
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(config)
     except ValueError as error:

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from hf_scale.errors import UserError
+from hf_scale.inputs import not_a_regular_file
 from hf_scale.train.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
@@ -57,8 +58,9 @@ class LaunchRequest:
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:
     file = Path(path)
-    if not file.is_file():
-        raise UserError(f"{flag}={path}: file not found (expected a DeepSpeed JSON config)")
+    problem = not_a_regular_file(file)
+    if problem is not None:
+        raise UserError(f"{flag}={path}: {problem}; expected a DeepSpeed JSON config file")
     try:
         config = json.loads(file.read_text())
     except json.JSONDecodeError as error:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import warnings
@@ -32,6 +31,7 @@ from hf_scale.train import (
     distributed,
     evaluation,
     final_checkpoint,
+    flag_values,
     guard,
     loop_flags,
     output_lock,
@@ -66,8 +66,6 @@ from hf_scale.train.run_spec import RunSpec
 from hf_scale.train.save import failure_message, save_with_accelerator, verify_saved_model
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
-MAX_LEARNING_RATE = 10.0
-"""Above any rate that trains (SGD rarely exceeds 1, Adam 1e-2): a larger one is a typo (1e30 for 1e-3)."""
 
 
 class _OneLineParser(GroupedHelp, HfArgumentParser):
@@ -89,6 +87,7 @@ def build_parser() -> HfArgumentParser:
         "accelerate launch or deepspeed. All flags can come from a recipe file: python train.py recipe.yaml "
         "[flags that override it].",
     )
+    parser._negative_number_matcher = flag_values.NEGATIVE_NUMBER  # -1e-8 is a value, not a flag
     add_config_flag(parser)
     parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1,
                         dataloader_num_workers=None)
@@ -96,8 +95,9 @@ def build_parser() -> HfArgumentParser:
         "Processes that collate micro-batches ahead of the step. Default: 2 per GPU process when the cores "
         "allow, 0 without a GPU."
     )
-    # HfArgumentParser types this dict flag as `dict`, which cannot parse a command-line string.
-    parser._option_string_actions["--liger_kernel_config"].type = _json_object
+    # HfArgumentParser types these dict flags as `dict` or `str`: neither parses (or checks) a JSON object.
+    for name in ("--liger_kernel_config", "--lr_scheduler_kwargs", "--activation_checkpointing_kwargs"):
+        parser._option_string_actions[name].type = _json_object
     return parser
 
 
@@ -111,25 +111,8 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _validate_numbers(ns) -> None:
-    """Every float flag finite; the optimizer's numbers in the ranges where they mean something."""
-    for name, value in vars(ns).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"--{name}={value}: must be a finite number")
-    if not 0 <= ns.learning_rate <= MAX_LEARNING_RATE:
-        raise UserError(f"--learning_rate={ns.learning_rate}: must be in [0, {MAX_LEARNING_RATE:g}]")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(ns, name) < 1:
-            raise UserError(f"--{name}={getattr(ns, name)}: must be in [0, 1)")
-    for name in ("weight_decay", "adam_epsilon", "max_grad_norm"):
-        if getattr(ns, name) < 0:
-            raise UserError(f"--{name}={getattr(ns, name)}: must be >= 0")
-    if not 0 <= ns.max_bad_row_fraction <= 1:
-        raise UserError(f"--max_bad_row_fraction={ns.max_bad_row_fraction}: must be in [0, 1]")
-
-
 def _validate_flags(ns) -> None:
-    _validate_numbers(ns)
+    flag_values.check(ns)
     check_lora_flags(ns)
     if ns.bf16 and ns.fp16:
         raise UserError(rules.BOTH_PRECISIONS)
