@@ -207,7 +207,7 @@ def allreduce_bandwidth(nprocs: int, *, backend: str, size_bytes: int = ALLREDUC
 
     import torch.multiprocessing as mp
 
-    from hf_scale.train.distributed import _free_port
+    from hf_scale.train.setup.distributed import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")

@@ -17,14 +17,14 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 from transformers import AutoTokenizer
 
-from hf_scale.train.data import (
+from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.data.pipeline import (
     DataArguments,
     load_raw_datasets,
     make_collator,
     make_train_dataloader,
     tokenize_dataset,
 )
-from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
 
 
 def sample_ids(batch, tokenizer) -> list[int]:

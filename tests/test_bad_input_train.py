@@ -24,8 +24,9 @@ import yaml
 from safetensors.torch import load_file, save_file
 from train_helpers import REPO, TRAIN_PY, run, run_in_process, tree
 
-from hf_scale.train import checkpoint, output_lock
-from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.checkpoint import output_lock
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
 
@@ -214,7 +215,7 @@ CASES: dict[str, Case] = {
     "save-strategy-unknown": Case(["--save_strategy", "sometimes"], "--save_strategy"),
     "save-strategy-epoch-in-manual-loop": Case(["--loop", "accelerate", "--save_strategy", "epoch"],
                                                "--save_strategy=epoch"),
-    # --- flags the manual loop does not apply (hf_scale.train.loop_flags): refused, not ignored ------------
+    # --- flags the manual loop does not apply (hf_scale.train.setup.loop_flags): refused, not ignored ------------
     "manual-loop-group-by-length": Case(["--loop", "accelerate", "--train_sampling_strategy", "group_by_length"],
                                         "--train_sampling_strategy=group_by_length: applied only by --loop trainer; "
                                         "use --loop trainer or drop the flag"),

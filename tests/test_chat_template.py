@@ -13,11 +13,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_scale.errors import UserError
-from hf_scale.train.chat_template import read_chat_template
-from hf_scale.train.data import IGNORE_INDEX, DataArguments
-from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.data.chat_template import read_chat_template
+from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.data.pipeline import IGNORE_INDEX, DataArguments
+from hf_scale.train.data.sources import SourceArguments, prepare_datasets
 from hf_scale.train.main import main as train_main
-from hf_scale.train.sources import SourceArguments, prepare_datasets
 
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'A: ' }}{% generation %}{{ m['content'] }}"

@@ -15,7 +15,8 @@ import psutil
 import pytest
 from train_helpers import REPO, TRAIN_PY, child_env, generate_config, launcher_command, read_metrics, run_ok
 
-from hf_scale.train import checkpoint, checkpoint_layout
+from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import store as checkpoint
 
 pytestmark = pytest.mark.multiprocess
 

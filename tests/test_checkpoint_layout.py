@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint
-from hf_scale.train import checkpoint_layout as layout
+from hf_scale.train.checkpoint import layout
+from hf_scale.train.checkpoint import store as checkpoint
 
 
 def _checkpoint(root: Path, step: int, files: dict[str, str], *, state: dict | None = None, sealed=True) -> Path:
@@ -207,8 +207,8 @@ def test_a_push_of_the_run_directory_leaves_out_exactly_the_training_state():
     upload_folder matches them (filter_repo_objects on the files' relative paths)."""
     from huggingface_hub.utils import filter_repo_objects
 
-    from hf_scale.train import output_lock
-    from hf_scale.train.save import REPORT_FILE
+    from hf_scale.train.checkpoint import output_lock
+    from hf_scale.train.checkpoint.save import REPORT_FILE
 
     state = [f"{layout.checkpoint_name(2)}/{layout.MODEL_WEIGHTS}", f"{layout.checkpoint_name(2)}/{layout.MANIFEST}",
              f"{layout.checkpoint_name(1)}.kept-1/{layout.MODEL_WEIGHTS}", f"{layout.TMP_PREFIX}3/{layout.STATE}",

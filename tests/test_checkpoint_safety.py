@@ -32,8 +32,10 @@ from train_helpers import (
 )
 
 from hf_scale.errors import UserError
-from hf_scale.train import checkpoint, checkpoint_layout, integrity, output_lock
-from hf_scale.train.metrics import continue_metrics_file
+from hf_scale.train.checkpoint import integrity, output_lock
+from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.loops.metrics import continue_metrics_file
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
 DIVERGING = ["--optim", "sgd", "--learning_rate", "10", "--max_grad_norm", "0", "--lr_scheduler_type", "constant",
@@ -135,7 +137,7 @@ def test_the_lock_names_its_holder_and_leaves_nothing_behind(tmp_path):
 
 def _lock_holder(directory: Path) -> subprocess.Popen:
     """A real process holding `directory`'s lock (as a live train.py would) until it is killed."""
-    code = ("import sys, time; from hf_scale.train.output_lock import OutputDirLock; "
+    code = ("import sys, time; from hf_scale.train.checkpoint.output_lock import OutputDirLock; "
             "OutputDirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(directory)], env=child_env(),
                               stdout=subprocess.PIPE, text=True)

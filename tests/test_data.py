@@ -18,7 +18,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainingArguments
 
 from hf_scale.errors import UserError
-from hf_scale.train.data import (
+from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
+from hf_scale.train.data.pipeline import (
     IGNORE_INDEX,
     DataArguments,
     check_max_seq_length,
@@ -29,7 +30,6 @@ from hf_scale.train.data import (
     make_train_dataloader,
     tokenize_dataset,
 )
-from hf_scale.train.embedded import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -223,7 +223,7 @@ def test_truncation_cuts_to_max_seq_length_and_drops_examples_left_without_targe
         {"prompt": "x" * 40, "response": "never seen"},  # the prompt alone fills the window
         {"prompt": "ab", "response": "a response longer than the window"},
     ]
-    with caplog.at_level(logging.WARNING, logger="hf_scale.train.data"):
+    with caplog.at_level(logging.WARNING, logger="hf_scale.train.data.pipeline"):
         ds = tokenized(tokenizer, write_rows(tmp_path / "d.jsonl", rows), max_seq_length=16)
     assert len(ds) == 2
     assert [len(example["input_ids"]) for example in ds] == [1 + 5 + 4 + 1, 16]

@@ -16,9 +16,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_scale.errors import UserError
-from hf_scale.train.data import IGNORE_INDEX, DataArguments
-from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
-from hf_scale.train.sources import SourceArguments, data_sources, describe, prepare_datasets
+from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.data.pipeline import IGNORE_INDEX, DataArguments
+from hf_scale.train.data.sources import SourceArguments, data_sources, describe, prepare_datasets
 
 
 @pytest.fixture(autouse=True)

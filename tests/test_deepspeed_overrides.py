@@ -81,7 +81,7 @@ def test_manual_loop_takes_optimizer_and_scheduler_from_the_same_place_as_the_tr
     from accelerate.utils import DummyOptim, DummyScheduler
     from transformers import TrainingArguments
 
-    from hf_scale.train.loop import _optimizer_and_scheduler
+    from hf_scale.train.loops.manual import _optimizer_and_scheduler
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_scale.train.embedded import (
+from hf_scale.train.data.embedded import (
     EMBEDDED_DATA_FILE,
     EMBEDDED_MODEL_DIR,
     build_tiny_llama,

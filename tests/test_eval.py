@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from train_helpers import TRAIN_PY, read_eval_metrics, read_metrics, run_ok
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_scale.train.data import DataArguments, make_collator
-from hf_scale.train.embedded import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
-from hf_scale.train.evaluation import EvalSchedule, evaluate, rank_batches
+from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
+from hf_scale.train.data.pipeline import DataArguments, make_collator
+from hf_scale.train.data.sources import SourceArguments, prepare_datasets
+from hf_scale.train.loops.evaluation import EvalSchedule, evaluate, rank_batches
 from hf_scale.train.main import main as train_main
-from hf_scale.train.sources import SourceArguments, prepare_datasets
 
 
 @pytest.mark.parametrize(("examples", "batch", "world"), [(21, 2, 2), (8, 8, 2), (5, 2, 4), (1, 3, 3), (16, 4, 2)])

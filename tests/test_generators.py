@@ -648,7 +648,7 @@ mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "")
 if "--wait-for-usr1" in sys.argv:
     def stop(signum, frame):
         (out / f"checkpoint-{rank}").write_text("saved")
-        from hf_scale.train.preemption import mark_preempted  # what train.py does after saving
+        from hf_scale.train.checkpoint.preemption import mark_preempted  # what train.py does after saving
 
         mark_preempted()
         sys.exit(75)
@@ -784,7 +784,7 @@ SLURM_STANDINS = {
 }
 EXIT_75_PROBE = """\
 import os, pathlib, signal, sys, psutil
-from hf_scale.train.preemption import mark_preempted
+from hf_scale.train.checkpoint.preemption import mark_preempted
 pathlib.Path(os.environ["PROBE_OUT"], "argv").write_text(" ".join(sys.argv[1:]))
 # What SLURM's --signal=USR1 does to the job step (the srun task's processes): the step's shell hears it,
 # train.py saves a checkpoint, marks it and exits 75.

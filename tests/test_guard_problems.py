@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from hf_scale.train import guard
-from hf_scale.train.guard import Expected, Observed, find_problems
+from hf_scale.train.setup import guard
+from hf_scale.train.setup.guard import Expected, Observed, find_problems
 
 ENGINE = {"zero_stage": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "train_batch_size": 16,
           "precision": "bf16"}

@@ -23,7 +23,7 @@ import pytest
 from train_helpers import assert_live_values, child_env, free_port
 
 from hf_scale.cli import main
-from hf_scale.train import checkpoint
+from hf_scale.train.checkpoint import store as checkpoint
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,4 +1,4 @@
-"""hf_scale.train.loop_flags: the table of the TrainingArguments flags the manual loop applies cannot drift from
+"""hf_scale.train.setup.loop_flags: the table of the TrainingArguments flags the manual loop applies cannot drift from
 the code (an AST scan of the manual loop's path), and `--loop accelerate` refuses the others (the bad-input
 cases are in tests/test_bad_input_train.py)."""
 
@@ -13,19 +13,19 @@ from pathlib import Path
 import pytest
 from transformers import Trainer, TrainingArguments
 
-from hf_scale.train import loop_flags
 from hf_scale.train.main import _validate_flags, build_parser
+from hf_scale.train.setup import loop_flags
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
-ROOTS = ("hf_scale.train.loop", "hf_scale.train.main")
+ROOTS = ("hf_scale.train.loops.manual", "hf_scale.train.main")
 NOT_ON_THE_PATH = {
-    "hf_scale.train.trainer": "the Trainer's path (main imports it for --loop trainer only)",
-    "hf_scale.train.loop_flags": "the table itself",
+    "hf_scale.train.loops.trainer": "the Trainer's path (main imports it for --loop trainer only)",
+    "hf_scale.train.setup.loop_flags": "the table itself",
     # They compare the flags with the launcher's configs and fill them; they apply no flag themselves.
-    "hf_scale.train.reconcile": "", "hf_scale.launch_values": "", "hf_scale.train.inline_deepspeed": "",
+    "hf_scale.train.setup.reconcile": "", "hf_scale.launch_values": "", "hf_scale.train.setup.inline_deepspeed": "",
     "hf_scale.deepspeed_overrides": "", "hf_scale.config": "", "hf_scale.generators.deepspeed_json": "",
-    "hf_scale.train.flag_values": "checks each flag's range (both loops); applies none",
+    "hf_scale.train.setup.flag_values": "checks each flag's range (both loops); applies none",
 }
 RECEIVERS = {"args", "ns", "parsed"}
 """Names the flags go by on the path: `args.X`, `self.args.X`, `run.args.X`, `ns.X`, `getattr(args, "X")`."""
@@ -95,8 +95,9 @@ def names_called(tree: ast.AST) -> set[str]:
 @pytest.fixture(scope="module")
 def path():
     trees = manual_loop_path()
-    assert {"hf_scale.train.loop", "hf_scale.train.evaluation", "hf_scale.train.metrics", "hf_scale.train.data",
-            "hf_scale.train.model", "hf_scale.train.liger", "hf_scale.train.checkpoint", "hf_scale.hub"} <= trees.keys()
+    assert {"hf_scale.train.loops.manual", "hf_scale.train.loops.evaluation", "hf_scale.train.loops.metrics",
+            "hf_scale.train.data.pipeline", "hf_scale.train.model.load", "hf_scale.train.model.liger",
+            "hf_scale.train.checkpoint.store", "hf_scale.hub"} <= trees.keys()
     return trees
 
 
@@ -170,7 +171,7 @@ def test_the_ddp_flags_given_reach_accelerates_ddp_wrapper_and_none_keeps_its_de
     hands what was given to accelerate's DistributedDataParallelKwargs, as the Trainer does."""
     from accelerate.utils import DistributedDataParallelKwargs
 
-    from hf_scale.train.loop import ddp_kwargs_handlers
+    from hf_scale.train.loops.manual import ddp_kwargs_handlers
 
     args = _parsed("--loop", "accelerate", "--ddp_find_unused_parameters", "false", "--ddp_bucket_cap_mb", "50",
                    "--ddp_static_graph", "true")
@@ -187,7 +188,7 @@ def test_fractional_epochs_count_as_in_the_trainer():
     from types import SimpleNamespace
 
     from hf_scale import launch_values
-    from hf_scale.train.loop import _Length
+    from hf_scale.train.loops.manual import _Length
 
     args = SimpleNamespace(max_steps=-1, num_train_epochs=0.5)
     length = _Length.of(loader_batches=20, num_processes=2, accumulation=2, args=args)

@@ -1,5 +1,5 @@
-"""Packing to a token budget (hf_scale.train.packing), attention selection and the varlen attention function
-(hf_scale.train.attention), the --use_liger_kernel preflight (hf_scale.train.liger).
+"""Packing to a token budget (hf_scale.train.data.packing), attention selection and the varlen attention function
+(hf_scale.train.model.attention), the --use_liger_kernel preflight (hf_scale.train.model.liger).
 
 The per-token loss of packed rows is proven against separate forward passes of the same examples with every
 attention implementation that runs on a CPU: sdpa and eager (forward and backward), flex_attention (forward
@@ -27,12 +27,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.errors import UserError
-from hf_scale.train import attention
-from hf_scale.train.data import IGNORE_INDEX, DataArguments, load_raw_datasets, make_collator, tokenize_dataset
-from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
-from hf_scale.train.liger import liger_problem
-from hf_scale.train.metrics import count_real_tokens
-from hf_scale.train.packing import (
+from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.data.packing import (
     REAL_TOKENS,
     SEQ_LENGTHS,
     PackedCollator,
@@ -42,6 +38,10 @@ from hf_scale.train.packing import (
     pack_dataset,
     packing_summary,
 )
+from hf_scale.train.data.pipeline import IGNORE_INDEX, DataArguments, load_raw_datasets, make_collator, tokenize_dataset
+from hf_scale.train.loops.metrics import count_real_tokens
+from hf_scale.train.model import attention
+from hf_scale.train.model.liger import liger_problem
 
 
 @pytest.fixture(autouse=True)
@@ -299,7 +299,7 @@ def packed_rows():
 def _model(attn_implementation: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR, attn_implementation=attn_implementation)
-    model.config.use_cache = False  # as in training (hf_scale.train.model.load_model)
+    model.config.use_cache = False  # as in training (hf_scale.train.model.load.load_model)
     return model.eval()
 
 
@@ -550,7 +550,7 @@ def test_both_loops_apply_liger_with_the_same_configuration(loop, config, expect
     from accelerate import Accelerator
     from transformers import Trainer, TrainerCallback
 
-    from hf_scale.train import loop as manual_loop
+    from hf_scale.train.loops import manual as manual_loop
 
     args = _liger_arguments(config, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR)

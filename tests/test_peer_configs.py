@@ -22,9 +22,9 @@ import yaml
 from hf_scale import check
 from hf_scale.cli import main
 from hf_scale.errors import UserError
-from hf_scale.train import distributed, inline_deepspeed
 from hf_scale.train.main import build_parser
-from hf_scale.train.reconcile import filled
+from hf_scale.train.setup import distributed, inline_deepspeed
+from hf_scale.train.setup.reconcile import filled
 
 CORPUS = Path(__file__).parent / "data" / "peer_configs"
 CASES = yaml.safe_load((CORPUS / "index.yaml").read_text())["cases"]
@@ -194,7 +194,7 @@ def test_an_unreadable_inline_value_is_a_one_line_error(monkeypatch):
 )
 def test_hf_scale_config_next_to_an_inline_yaml_must_agree_with_it(config, error, monkeypatch, tmp_path):
     """--hf_scale_config may not silently replace the YAML's DeepSpeed settings (nor generate its own JSON)."""
-    from hf_scale.train.reconcile import apply_hf_scale_config
+    from hf_scale.train.setup.reconcile import apply_hf_scale_config
 
     path = tmp_path / "run.yaml"
     path.write_text("strategy: deepspeed\ntopology: {processes_per_machine: 8}\n"

@@ -18,8 +18,8 @@ from hf_scale.errors import UserError
 from hf_scale.presets import load_preset
 from hf_scale.train.main import build_parser
 from hf_scale.train.main import main as train_main
-from hf_scale.train.recipe import expand_recipe
-from hf_scale.train.reconcile import checkpointing_flag
+from hf_scale.train.setup.recipe import expand_recipe
+from hf_scale.train.setup.reconcile import checkpointing_flag
 
 
 def _write(path, data) -> str:

@@ -1,4 +1,4 @@
-"""`--hf_scale_config` (hf_scale.train.reconcile): every DistributedConfig field the launch scripts deliver
+"""`--hf_scale_config` (hf_scale.train.setup.reconcile): every DistributedConfig field the launch scripts deliver
 through it fills the train.py flag left unset, is accepted when the flag says the same, and is refused in
 one line naming the field, both values, when the flag says otherwise. In process, on train.py's own parser.
 """
@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from hf_scale.errors import UserError
-from hf_scale.train.distributed import LaunchRequest
 from hf_scale.train.main import build_parser
-from hf_scale.train.reconcile import apply_hf_scale_config, checkpointing_flag, filled, typed_flags
+from hf_scale.train.setup.distributed import LaunchRequest
+from hf_scale.train.setup.reconcile import apply_hf_scale_config, checkpointing_flag, filled, typed_flags
 
 # Non-default values everywhere (the defaults would hide a field that is never applied).
 CONFIG = {
@@ -186,7 +186,7 @@ def test_a_resolved_deepspeed_json_agrees_with_the_flags_or_is_refused_in_one_li
 
     from hf_scale.config import validate_config
     from hf_scale.generators.deepspeed_json import deepspeed_config
-    from hf_scale.train.reconcile import follow_launcher_config
+    from hf_scale.train.setup.reconcile import follow_launcher_config
 
     config = {**CONFIG, "strategy": "deepspeed", "deepspeed": {"zero_stage": 2, "torch_adam": True},
               "topology": {"processes_per_machine": 1}}  # one process: what TrainingArguments sees here
@@ -251,10 +251,10 @@ def test_fsdp_activation_checkpointing_must_be_what_the_fsdp_plugin_applies(laun
 
 def test_reconciling_returns_fills_and_never_changes_the_parsed_namespace(tmp_path):
     """Each step reads train.py's parsed flags and returns the values to fill; the namespace it was given stays as
-    it is (hf_scale.train.reconcile is pure), the filled flags are a new namespace."""
+    it is (hf_scale.train.setup.reconcile is pure), the filled flags are a new namespace."""
     import copy
 
-    from hf_scale.train.reconcile import checkpointing_spelling, follow_launcher_config
+    from hf_scale.train.setup.reconcile import checkpointing_spelling, follow_launcher_config
 
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({**CONFIG, "strategy": "deepspeed", "deepspeed": {"zero_stage": 2}}))

@@ -13,7 +13,7 @@ import pytest
 from checkpoint_runs import COMMON, launcher, strategy_args, trained
 from train_helpers import TRAIN_PY, launcher_command, read_metrics, run, run_ok, training_traceback_frames
 
-from hf_scale.train import checkpoint_layout
+from hf_scale.train.checkpoint import layout as checkpoint_layout
 
 pytestmark = pytest.mark.multiprocess
 

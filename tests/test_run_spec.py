@@ -1,4 +1,4 @@
-"""The run spec (hf_scale.train.run_spec) built once from the launch request and the final TrainingArguments,
+"""The run spec (hf_scale.train.setup.run_spec) built once from the launch request and the final TrainingArguments,
 train.py's TrainingArguments built without touching the parsed flags, and the per-rank micro batch read from
 accelerate's prepared loader. In-process, real TrainingArguments / accelerate objects."""
 
@@ -15,10 +15,11 @@ from torch.utils.data import DataLoader
 from transformers import TrainingArguments
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from hf_scale.train import guard, main, run_spec
-from hf_scale.train.data import micro_batch_per_rank
-from hf_scale.train.distributed import LaunchRequest
-from hf_scale.train.run_spec import RunSpec
+from hf_scale.train import main
+from hf_scale.train.data.pipeline import micro_batch_per_rank
+from hf_scale.train.setup import guard, run_spec
+from hf_scale.train.setup.distributed import LaunchRequest
+from hf_scale.train.setup.run_spec import RunSpec
 
 
 def _request(**fields) -> LaunchRequest:
@@ -76,7 +77,7 @@ def test_zero3_init_follows_the_deepspeed_plugin_transformers_builds(tmp_path):
 def test_the_checkpoint_state_is_written_from_the_run_spec(loop, tmp_path):
     """hf_scale_state.json (both loops' savers call checkpoint.write_state with the run's spec): every batch fact
     is the spec's, and the file reads back (checkpoint.read_state, what a resume and export read)."""
-    from hf_scale.train import checkpoint
+    from hf_scale.train.checkpoint import store as checkpoint
 
     args = _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, seed=7, data_seed=9)
     spec = run_spec.build(_request(strategy="deepspeed", zero_stage=2, launcher="accelerate"), args, loop=loop,

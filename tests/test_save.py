@@ -1,8 +1,8 @@
-"""The save check (hf_scale/train/save.py): written safetensors vs the trained tensors, exactly, one tensor at a
+"""The save check (train/checkpoint/save.py): written safetensors vs the trained tensors, exactly, one tensor at a
 time. Saves are broken on purpose (missing, empty, `_orig_mod.`-prefixed, wrong values, empty adapter) and the
 check must name each defect; correct saves in fp32, bf16, sharded, tied and LoRA form must pass bit-exactly.
 The end-to-end case is a real ZeRO-3 run without 16-bit gathering, which saves its final step as a checkpoint
-instead (hf_scale/train/final_checkpoint.py)."""
+instead (hf_scale/train/checkpoint/final_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from train_helpers import REPO, generate_config, logits, run, run_ok
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_scale import rules
-from hf_scale.train import checkpoint, checkpoint_layout, final_checkpoint
-from hf_scale.train.save import (
+from hf_scale.train.checkpoint import final_checkpoint
+from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint.save import (
     ADAPTER_FILE,
     MODEL_FILE,
     MODEL_INDEX,

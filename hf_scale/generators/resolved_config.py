@@ -4,7 +4,7 @@ triple worked out), for train.py's `--hf_scale_config`.
 The accelerate YAML and an "auto" DeepSpeed JSON cannot carry the batch, clipping, optimizer values and
 activation checkpointing (the HF Trainer fills "auto" from train.py's flags, and accelerate's YAML has no
 such keys for DDP), so the launch scripts hand train.py this file and train.py takes those values from it,
-refusing any flag that contradicts it (hf_scale.train.reconcile).
+refusing any flag that contradicts it (hf_scale.train.setup.reconcile).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """train.py as four stages, read top to bottom in :func:`train`:
 
 - prepare: flags (recipe, command line) checked and reconciled with the launcher, TrainingArguments and the
-  run spec (hf_scale.train.run_spec) built once, the process group, the output directory locked;
+  run spec (hf_scale.train.setup.run_spec) built once, the process group, the output directory locked;
 - build: tokenizer, data, collator, model;
-- fit: the HF Trainer or the manual Accelerator loop (hf_scale.train.loop);
+- fit: the HF Trainer or the manual Accelerator loop (hf_scale.train.loops.manual);
 - finish: save, prove the save, summary, shut down, push.
 """
 
@@ -24,53 +24,43 @@ from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from hf_scale import deepspeed_ops, hub, launch_values, rules
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train import (
-    attention,
-    checkpoint,
-    checkpoint_layout,
-    distributed,
-    evaluation,
-    final_checkpoint,
-    flag_values,
-    guard,
-    loop_flags,
-    output_lock,
-    preemption,
-    reconcile,
-    reshard,
-    run_spec,
-    sources,
-)
-from hf_scale.train.args import ModelArguments, ScaleArguments
-from hf_scale.train.chat_template import read_chat_template
-from hf_scale.train.data import (
+from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, reshard
+from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint.save import failure_message, save_with_accelerator, verify_saved_model
+from hf_scale.train.data import sources
+from hf_scale.train.data.chat_template import read_chat_template
+from hf_scale.train.data.packing import maybe_pack
+from hf_scale.train.data.pipeline import (
     DEFAULT_MAX_SEQ_LENGTH,
     DataArguments,
     check_max_seq_length,
     default_dataloader_workers,
     make_collator,
 )
-from hf_scale.train.help import GroupedHelp
-from hf_scale.train.liger import check_liger
-from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
-from hf_scale.train.model import (
+from hf_scale.train.loops import evaluation
+from hf_scale.train.loops.metrics import flops_per_token, matmul_parameters, mean_example_length
+from hf_scale.train.model import attention
+from hf_scale.train.model.liger import check_liger
+from hf_scale.train.model.load import (
     check_lora_flags,
     load_model,
     load_pretrained_config,
     load_tokenizer,
     resolve_model_path,
 )
-from hf_scale.train.packing import maybe_pack
-from hf_scale.train.recipe import add_config_flag, expand_recipe
-from hf_scale.train.run_spec import RunSpec
-from hf_scale.train.save import failure_message, save_with_accelerator, verify_saved_model
+from hf_scale.train.setup import distributed, flag_values, guard, loop_flags, reconcile, run_spec
+from hf_scale.train.setup.args import ModelArguments, ScaleArguments
+from hf_scale.train.setup.help import GroupedHelp
+from hf_scale.train.setup.recipe import add_config_flag, expand_recipe
+from hf_scale.train.setup.run_spec import RunSpec
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
 
 
 class _OneLineParser(GroupedHelp, HfArgumentParser):
     """argparse prints usage and exits; hf_scale reports bad flags as one line (exit 2) instead. --help leads
-    with hf_scale's own flags (hf_scale.train.help)."""
+    with hf_scale's own flags (hf_scale.train.setup.help)."""
 
     def error(self, message):
         raise UserError(message)
@@ -167,7 +157,7 @@ def _dataclass_from(namespace, cls, **own):
 
 @dataclass(frozen=True)
 class Launch:
-    """What the launcher asks for, once the flags are reconciled with it (hf_scale.train.reconcile)."""
+    """What the launcher asks for, once the flags are reconciled with it (hf_scale.train.setup.reconcile)."""
 
     request: distributed.LaunchRequest
     deepspeed_config: dict | None
@@ -224,7 +214,7 @@ class Fitted:
     preempted: bool
     save_model: Callable[[str], None]
     final_checkpoint: Callable[[], Path]
-    """ZeRO-3 without 16-bit gathering: the checkpoint that is the final model (hf_scale.train.final_checkpoint)."""
+    """ZeRO-3 without 16-bit gathering: the checkpoint that is the final model (checkpoint/final_checkpoint.py)."""
 
 
 def train(argv: list[str] | None = None) -> int:
@@ -295,7 +285,7 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, argv: list[str]) -> Lau
     if request.deepspeed_inline is not None:
         # accelerate launch with the DeepSpeed settings inline in the YAML: accelerate's plugin builds the
         # config a JSON would hold; the YAML's accumulation/clipping/precision fill (or must match) the flags.
-        from hf_scale.train.inline_deepspeed import apply_to_flags
+        from hf_scale.train.setup.inline_deepspeed import apply_to_flags
 
         from_yaml = apply_to_flags(request.deepspeed_inline, parsed, argv)
         fills.update(from_yaml.fills)
@@ -463,7 +453,7 @@ def fit(run: Run, built: Built) -> Fitted:
 
 
 def _fit_manual_loop(run: Run, built: Built) -> Fitted:
-    from hf_scale.train import loop
+    from hf_scale.train.loops import manual as loop
 
     with reconcile.deepspeed_mismatch_as_user_error():
         result = loop.run(
@@ -489,7 +479,7 @@ def _fit_manual_loop(run: Run, built: Built) -> Fitted:
 
 
 def _fit_trainer(run: Run, built: Built) -> Fitted:
-    from hf_scale.train.trainer import CheckpointCallback, GuardAndMetricsCallback, HfScaleTrainer
+    from hf_scale.train.loops.trainer import CheckpointCallback, GuardAndMetricsCallback, HfScaleTrainer
 
     trainer = HfScaleTrainer(
         model=built.model,
