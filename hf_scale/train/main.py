@@ -233,6 +233,7 @@ def prepare(argv: list[str] | None) -> Run:
     _validate_flags(parsed)
     chat_template, hub_target = _checked_extras(parsed)
     launch = _reconcile_with_launcher(parsed, argv)
+    guard.refuse_before_prepare(launch.request, has_gpu=distributed.has_gpu())  # before accelerate can fail
     ns = launch.flags  # the parsed flags with what the launcher's config (and --hf_scale_config) filled
     if hub_target is not None:  # first whether there will be a model to push, then the token
         final_checkpoint.refuse_push(launch.deepspeed_config, hub_target.repo_id, ns.output_dir)
