@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,11 @@ MAX_CONFIG_BYTES = 4 * 2**20
 MAX_YAML_ALIASES = 100
 MAX_YAML_NODES = 100_000
 """A config has a few hundred nodes: these bound what a document may expand to (alias bombs)."""
+
+NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$|^-(?:inf|infinity|nan)$", re.IGNORECASE)
+"""What argparse must read as a negative number, not as a flag (set as a parser's ``_negative_number_matcher``):
+Python 3.11's own pattern misses exponents, so `--adam_epsilon -1e-8` was "expected one argument". Read as a
+value, the flag's own range check answers."""
 
 _FILE_KINDS = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),

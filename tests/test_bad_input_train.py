@@ -476,10 +476,10 @@ CASES: dict[str, Case] = {
                                                             reseal=True)),
     # --- issue 21: what answered with a traceback, was accepted or was noisy -------------------------------
     "model-config-hidden-size-word": Case(["--model_name_or_path", "{model}"],
-                                          "config.json: hidden_size='big' is invalid: allowed an integer from 1 to",
+                                          "hidden_size='big' is invalid: allowed an integer from 1 to",
                                           prepare=model(edit_config(hidden_size="big"))),
     "model-config-heads-zero": Case(["--model_name_or_path", "{model}"],
-                                    "config.json: num_attention_heads=0 is invalid: allowed an integer from 1 to",
+                                    "num_attention_heads=0 is invalid: allowed an integer from 1 to",
                                     prepare=model(edit_config(num_attention_heads=0))),
     "seed-negative": Case(["--seed", "-1"], "--seed=-1: must be an integer from 0 to 4294967295"),
     "dataloader-workers-negative": Case(["--dataloader_num_workers", "-1"],

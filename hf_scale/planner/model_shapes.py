@@ -8,6 +8,7 @@ norms and any architecture quirk included.
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,7 @@ def load_model_config(model: str) -> PretrainedConfig:
     if path.exists() and not path.is_dir():  # a file; a FIFO or device is refused when it is read
         return _config_from_file(path, model)
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):  # one that is not a regular file is refused when read
             raise UserError(f"MODEL {model!r}: directory has no config.json (pass a model directory or a config.json)")
         return _config_from_file(path / "config.json", model)
     local = _local_path_reason(model)
@@ -146,12 +147,22 @@ def _hub_config_json(model: str) -> Path:
     raise UserError(f"MODEL {model!r}: cannot get its config.json: {reason}")
 
 
-def _config_from_file(path: Path, model: str) -> PretrainedConfig:
-    data: Any = load_json(read_text(path, "MODEL config"), f"MODEL {model!r}: {path}")
+def read_config_json(path: Path, owner: str) -> dict[str, Any]:
+    """A local config.json as a dict: read strictly (hf_scale.inputs: a FIFO or device refused without blocking,
+    UTF-8, no NaN, no duplicate keys), an object with a model_type, every dimension checked (check_dimensions).
+    The one reading of a model's config.json for `hf-scale plan`, train.py and `hf-scale export`; ``owner`` (the
+    flag or argument that named the model) starts each one-line error."""
+    text = read_text(path, f"{owner}:", expected="a transformers config.json")
+    data: Any = load_json(text, f"{owner}: {path}")
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise UserError(f'MODEL {model!r}: {path} has no "model_type" (expected a transformers config.json)')
+        raise UserError(f'{owner}: {path} has no "model_type" (expected a transformers config.json)')
+    check_dimensions(data, owner)  # before transformers builds anything from them
+    return data
+
+
+def _config_from_file(path: Path, model: str) -> PretrainedConfig:
+    data = read_config_json(path, f"MODEL {model!r}")
     model_type = data.pop("model_type")
-    check_dimensions(data, f"MODEL {model!r}")  # before transformers builds anything from them
     from transformers import CONFIG_MAPPING, AutoConfig
 
     if model_type not in CONFIG_MAPPING:

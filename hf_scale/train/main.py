@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from hf_scale import deepspeed_ops, hub, launch_values, rules
+from hf_scale import deepspeed_ops, hub, inputs, launch_values, rules
 from hf_scale.errors import UserError, exit_with_user_error
 from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, reshard
 from hf_scale.train.checkpoint import layout as checkpoint_layout
@@ -77,7 +77,7 @@ def build_parser() -> HfArgumentParser:
         "accelerate launch or deepspeed. All flags can come from a recipe file: python train.py recipe.yaml "
         "[flags that override it].",
     )
-    parser._negative_number_matcher = flag_values.NEGATIVE_NUMBER  # -1e-8 is a value, not a flag
+    parser._negative_number_matcher = inputs.NEGATIVE_NUMBER  # -1e-8 is a value, not a flag
     add_config_flag(parser)
     parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1,
                         dataloader_num_workers=None)

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from hf_scale import rules
 from hf_scale.errors import UserError
-from hf_scale.inputs import load_json, not_a_regular_file, read_text
+from hf_scale.inputs import not_a_regular_file
 from hf_scale.train.setup.args import ModelArguments
 
 
@@ -42,7 +42,7 @@ def load_pretrained_config(model_path: str, trust_remote_code: bool):
     from hf_scale.planner.model_shapes import CONFIG_ERRORS, check_dimensions
 
     where = f"--model_name_or_path={model_path}"
-    check_dimensions(_config_values(model_path, where), f"{where}: config.json")
+    check_dimensions(_config_values(model_path, where), where)  # a Hub model's too
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (*CONFIG_ERRORS, OSError) as error:  # typed config fields, then the architecture's own checks
@@ -51,8 +51,8 @@ def load_pretrained_config(model_path: str, trust_remote_code: bool):
 
 
 def _config_values(model_path: str, where: str) -> dict:
-    """config.json as a dict: a local one read strictly (hf_scale.inputs: a FIFO or device refused, no NaN, no
-    duplicate keys), a Hub model's through transformers."""
+    """config.json as a dict: a local one read strictly and checked (hf_scale.planner.model_shapes.read_config_json),
+    a Hub model's through transformers."""
     path = Path(model_path)
     if path.exists() and not path.is_dir():
         kind = (not_a_regular_file(path) or "is a file").split(",")[0]
@@ -61,16 +61,16 @@ def _config_values(model_path: str, where: str) -> dict:
         raise UserError(f"{where}: local directory without a valid config.json (it has none); pass a local model "
                         "directory or a reachable Hub id")
     if path.is_dir():
-        values = load_json(read_text(path / "config.json", f"{where}:", expected="a transformers config.json"),
-                           f"{where}: config.json")
-    else:
-        try:
-            values = PretrainedConfig.get_config_dict(model_path)[0]
-        except (OSError, ValueError) as error:
-            looks_local = path.exists() or model_path.startswith((".", "/", "~"))
-            what = "local directory without a valid config.json" if looks_local else "Hub id that could not be loaded"
-            raise UserError(f"{where}: {what} ({str(error).splitlines()[0][:160]}); pass a local model directory "
-                            "or a reachable Hub id") from None
+        from hf_scale.planner.model_shapes import read_config_json
+
+        return read_config_json(path / "config.json", where)
+    try:
+        values = PretrainedConfig.get_config_dict(model_path)[0]
+    except (OSError, ValueError) as error:
+        looks_local = path.exists() or model_path.startswith((".", "/", "~"))
+        what = "local directory without a valid config.json" if looks_local else "Hub id that could not be loaded"
+        raise UserError(f"{where}: {what} ({str(error).splitlines()[0][:160]}); pass a local model directory "
+                        "or a reachable Hub id") from None
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise UserError(f'{where}: config.json has no "model_type" (expected a transformers config.json object)')
     return values

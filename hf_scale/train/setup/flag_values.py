@@ -8,7 +8,6 @@ saves every step in the manual loop). Each refusal is one line naming the flag, 
 from __future__ import annotations
 
 import math
-import re
 
 from hf_scale.errors import UserError
 
@@ -17,9 +16,6 @@ MAX_LEARNING_RATE = 10.0
 MAX_SEED = 2**32 - 1
 """numpy's legacy seeding (transformers' set_seed) takes 0 .. 2**32-1."""
 
-NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$|^-(?:inf|infinity|nan)$", re.IGNORECASE)
-"""What argparse must read as a negative number, not as a flag: Python 3.11's own pattern misses exponents
-(`--adam_epsilon -1e-8` would be "expected one argument"). Read as a value, the range checks below answer."""
 
 _AT_LEAST = {"dataloader_num_workers": 0, "per_device_eval_batch_size": 1, "eval_accumulation_steps": 1,
              "dataloader_prefetch_factor": 1, "save_total_limit": 1, "ddp_timeout": 1}
