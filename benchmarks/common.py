@@ -188,7 +188,8 @@ def token_lengths(model_dir: Path, data_file: Path, max_seq_length: int) -> list
     """Tokenised lengths exactly as train.py sees them (same tokenizer, format detection and truncation)."""
     from transformers import AutoTokenizer
 
-    from hf_scale.train.data.pipeline import DataArguments, load_raw_datasets, tokenize_dataset
+    from hf_scale.train.data.arguments import DataArguments
+    from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data_args = DataArguments(train_file=str(data_file), max_seq_length=max_seq_length)

@@ -129,7 +129,8 @@ def flops_per_token(config: dict, mean_attended: float) -> tuple[float, int]:
 def _tokenized(ns: argparse.Namespace):
     from transformers import AutoTokenizer
 
-    from hf_scale.train.data.pipeline import DataArguments, load_raw_datasets, tokenize_dataset
+    from hf_scale.train.data.arguments import DataArguments
+    from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(ns.model)
     data_args = DataArguments(train_file=ns.data, max_seq_length=ns.seq_len)

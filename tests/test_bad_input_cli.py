@@ -451,7 +451,7 @@ EXPORT = [
                 "CHECKPOINT_DIR ck: cannot be read (SafetensorError"),
     export_case("empty-safetensors", {"ck": CHECKPOINT, "ck/model.safetensors": ""},
                 "CHECKPOINT_DIR ck: cannot be read"),
-    export_case("config-not-json", {"ck": CHECKPOINT, "ck/config.json": "{"}, "ck/config.json: not valid JSON at line 1"),
+    export_case("config-not-json", {"ck": CHECKPOINT, "ck/config.json": "{"}, "ck/config.json: not valid JSON at"),
     export_case("config-not-utf8", {"ck": CHECKPOINT, "ck/config.json": b"\xff"}, "ck/config.json: not UTF-8 text"),
     export_case("latest-dangling", {"ck": CHECKPOINT, "ck/latest": "global_step9"},
                 "CHECKPOINT_DIR ck: 'latest' names global_step9, which is not a directory in it"),

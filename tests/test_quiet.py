@@ -16,11 +16,11 @@ from transformers import TrainingArguments
 
 from hf_scale import quiet
 from hf_scale.cli import COMMANDS, main
-from hf_scale.train.data.pipeline import DataArguments
+from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.sources import SourceArguments
-from hf_scale.train.main import build_parser
 from hf_scale.train.setup import help as train_help
 from hf_scale.train.setup.args import ModelArguments, ScaleArguments
+from hf_scale.train.setup.parser import build_parser
 
 HEAVY = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "matplotlib")
 

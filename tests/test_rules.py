@@ -10,7 +10,7 @@ from hf_scale import rules
 
 @pytest.fixture(scope="module")
 def train_py_parser():
-    from hf_scale.train.main import build_parser
+    from hf_scale.train.setup.parser import build_parser
 
     return build_parser()
 

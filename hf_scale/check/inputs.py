@@ -155,12 +155,12 @@ class _TrainingArgs:
 
 
 def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
-    """Parse exactly as train.py does, with train.py's own parser (hf_scale.train.main.build_parser: every
+    """Parse exactly as train.py does, with train.py's own parser (hf_scale.train.setup.parser.build_parser: every
     TrainingArguments flag plus train.py's model/data/hf_scale flags, no abbreviations, an unknown flag refused,
     a recipe file expanded before the flags), without constructing TrainingArguments (its __post_init__ touches
     devices). Returns the parsed values and the flags as train.py sees them (the recipe's first). ``--loop
     accelerate`` changes nothing here: train.py resolves "auto" like the Trainer."""
-    from hf_scale.train.main import build_parser
+    from hf_scale.train.setup.parser import build_parser
     from hf_scale.train.setup.recipe import expand_recipe
 
     parser = build_parser()

@@ -45,7 +45,7 @@ from hf_scale.train.checkpoint.layout import (
     read_manifest,
     size_problem,
     staging_dir,
-    step_of,  # noqa: F401 - still imported from here by tests/test_launch_signals.py
+    step_of,  # noqa: F401 - still imported from here by tests/generators/test_launch_signals.py
 )
 
 _ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)

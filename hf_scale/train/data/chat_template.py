@@ -6,7 +6,7 @@ renders with, `{% generation %}` included) before anything is loaded, then set a
 `tokenizer.chat_template` before tokenization. `save_pretrained` writes it as `chat_template.jinja`
 with the tokenizer, so the final model and every checkpoint (hence `hf-scale export`) carry it.
 Whether completion-only loss finds its `{% generation %}` markers is checked with the data
-(hf_scale.train.data.pipeline), which knows whether the rows are chats.
+(hf_scale.train.data.formats), which knows whether the rows are chats.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 With no model or data arguments, train.py fine-tunes :data:`EMBEDDED_MODEL_DIR` on
 :data:`EMBEDDED_DATA_FILE` on CPU in seconds, fully offline. Both are *generated* by this module,
-deterministically, so the shipped files can be checked for drift (tests/test_embedded.py) and
+deterministically, so the shipped files can be checked for drift (tests/train/data/test_embedded.py) and
 regenerated with::
 
     python -m hf_scale.train.data.embedded

@@ -30,8 +30,9 @@ from typing import Any, Literal
 import datasets
 
 from hf_scale.errors import UserError
+from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE
-from hf_scale.train.data.pipeline import DataArguments, _load_file, load_raw_datasets, tokenize_dataset
+from hf_scale.train.data.pipeline import _load_file, load_raw_datasets, tokenize_dataset
 
 SOURCE_COLUMN = "__hf_scale_source"
 

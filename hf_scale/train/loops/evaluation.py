@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from hf_scale.errors import UserError
+from hf_scale.train.data.batches import count_target_tokens
 from hf_scale.train.data.packing import model_inputs
-from hf_scale.train.data.pipeline import count_target_tokens
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,12 @@ from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import reshard
 from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.data.batches import count_target_tokens, make_train_dataloader, micro_batch_per_rank
 from hf_scale.train.data.packing import model_inputs
-from hf_scale.train.data.pipeline import count_target_tokens, make_train_dataloader, micro_batch_per_rank
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.model import fsdp
+from hf_scale.train.model.fp8 import fp8_handlers
 from hf_scale.train.model.liger import apply_liger
 from hf_scale.train.setup import guard
 from hf_scale.train.setup.distributed import has_gpu
@@ -180,7 +181,7 @@ def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard
     return Accelerator(
         deepspeed_plugin=ds_plugin,
         fsdp_plugin=fsdp_plugin,
-        mixed_precision=spec.precision,
+        mixed_precision="fp8" if spec.fp8_backend else spec.precision,
         # This loop does the accumulation (like the Trainer), so accelerate must not divide the loss again.
         gradient_accumulation_steps=spec.gradient_accumulation_steps if ds_plugin else 1,
         # Every rank shuffles with the same seed (the Trainer's choice too: --data_seed, else --seed).
@@ -191,7 +192,7 @@ def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard
         log_with=[r for r in args.report_to if r != "none"] or None,
         project_dir=args.output_dir,
         dynamo_plugin=_dynamo_plugin(args),
-        kwargs_handlers=ddp_kwargs_handlers(args),
+        kwargs_handlers=ddp_kwargs_handlers(args) + fp8_handlers(spec),
     )
 
 

@@ -19,10 +19,11 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from hf_scale.train.checkpoint import integrity
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
-from hf_scale.train.data.pipeline import micro_batch_per_rank
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
+from hf_scale.train.model.fp8 import fp8_handlers
 from hf_scale.train.setup import guard
 from hf_scale.train.setup.run_spec import RunSpec
 
@@ -32,9 +33,9 @@ class HfScaleTrainer(Trainer):
     checkpoints appear complete (sealed with hf_scale's manifest) or not at all."""
 
     def __init__(self, *args, spec: RunSpec, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.spec = spec
+        self.spec = spec  # before the Trainer builds its Accelerator (_build_accelerator_args reads it)
         """The run's facts (train/setup/run_spec.py): its checkpoints' hf_scale_state.json is written from them."""
+        super().__init__(*args, **kwargs)
         self.window_loss = 0.0
         self.window_tokens = 0
         self.window_data_wait_s = 0.0
@@ -44,6 +45,14 @@ class HfScaleTrainer(Trainer):
         self._saving_step: int | None = None
         self.last_saved_step: int | None = None
         """The step of the last checkpoint this run published."""
+
+    def _build_accelerator_args(self, **kwargs):
+        # FP8: accelerate's fp8 mode with hf_scale's recipe (train/model/fp8.py); TrainingArguments knows only bf16.
+        args = super()._build_accelerator_args(**kwargs)
+        if self.spec.fp8_backend:
+            args["mixed_precision"] = "fp8"
+            args["kwargs_handlers"] = [*args.get("kwargs_handlers", []), *fp8_handlers(self.spec)]
+        return args
 
     def _set_signature_columns_if_needed(self):
         # Packed rows carry their examples' lengths (SEQ_LENGTHS), which the collator needs but the model's

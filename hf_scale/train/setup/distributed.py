@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from hf_scale import parallelism
 from hf_scale.errors import UserError
 from hf_scale.inputs import not_a_regular_file
 from hf_scale.train.setup.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
@@ -57,6 +58,9 @@ class LaunchRequest:
     """The `fsdp` section of a `--hf_scale_config` when it (not accelerate's YAML) asks for FSDP."""
     deepspeed_inline: InlineDeepSpeed | None = None
     """DeepSpeed from an accelerate YAML's inline `deepspeed_config` (no JSON file): see inline_deepspeed."""
+    fp8_backend: str | None = None
+    """FP8 training's backend (torchao | te | msamp: the config's fp8.backend) when the YAML's mixed_precision or
+    the --hf_scale_config asks for fp8; None otherwise."""
 
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:
@@ -90,6 +94,10 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
     """Read the launcher's request from the environment and `--deepspeed`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     by_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
+    refusal = parallelism.train_refusal(parallelism.launch_layout(dict(os.environ)), "the accelerate config's "
+                                        "parallelism_config")
+    if refusal:
+        raise UserError(refusal)
     if by_accelerate:
         launcher = "accelerate"
     elif "CROSS_RANK" in os.environ:  # set by deepspeed/launcher/launch.py only
@@ -143,7 +151,18 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         zero_stage=zero_stage,
         mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION") if by_accelerate else None,
         deepspeed_inline=inline,
+        fp8_backend=_fp8_backend_from_env() if by_accelerate else None,
     )
+
+
+def _fp8_backend_from_env() -> str | None:
+    """The backend `accelerate launch` exports for a YAML with mixed_precision fp8 (its fp8_config.backend); without
+    one accelerate picks torchao first, as here."""
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") != "fp8":
+        return None
+    from hf_scale.train.model.fp8 import BACKEND_OF_ACCELERATE
+
+    return BACKEND_OF_ACCELERATE.get(os.environ.get("ACCELERATE_FP8_BACKEND", "").upper(), "torchao")
 
 
 def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backend: str | None):

@@ -1,7 +1,7 @@
 """Runtime guard: before the first optimizer step, prove that what runs is what was asked for.
 
 accelerate, DeepSpeed and the launchers fall back silently in several ways (each one is built for real in
-tests/test_guard.py): N processes that each train alone (`DistributedType.NO`), a
+tests/train/setup/test_guard.py): N processes that each train alone (`DistributedType.NO`), a
 `--cpu` launch that starts one process instead of N, FSDP quietly replaced by DDP or by nothing,
 a DeepSpeed config whose batch or precision disagrees with the flags. :func:`observe` reads the
 live objects; :func:`find_problems` compares them with :class:`Expected`; :func:`verify_runtime`
@@ -184,7 +184,7 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"DeepSpeed train_batch_size={ds['train_batch_size']} but micro {expected.micro_batch_size} x "
                 f"accumulation {expected.gradient_accumulation_steps} x world size {expected.world_size} = {implied}"
             )
-        if ds["precision"] != expected.precision:
+        if ds["precision"] != rules.compute_precision(expected.precision):  # fp8 runs on DeepSpeed's bf16
             problems.append(
                 f"DeepSpeed runs precision {ds['precision']} but the flags ask for {expected.precision}"
             )

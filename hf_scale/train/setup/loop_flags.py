@@ -7,7 +7,7 @@ other than its default: ``--NAME=VALUE: applied only by --loop trainer; use --lo
 
 The one table, :data:`APPLIED`, was built by reading the manual loop's code path (hf_scale.train.main's
 stages, loop, evaluation, metrics, checkpoint, data, model, liger, run_spec, distributed, hub).
-tests/test_loop_flags.py keeps it true: every field it names is read on that path (or by the transformers
+tests/train/setup/test_loop_flags.py keeps it true: every field it names is read on that path (or by the transformers
 function it names, which that path calls), and every TrainingArguments field read on that path is in it.
 """
 

@@ -18,7 +18,7 @@ every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scal
 
 Pure: every function here reads train.py's parsed flags (an argparse namespace) and returns the values to fill
 (flag name -> value); none writes into the namespace it is given. train.py's prepare stage builds the filled
-namespace, a new one, from the parsed flags and these fills (hf_scale.train.main._filled).
+namespace, a new one, from the parsed flags and these fills (hf_scale.train.prepare).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from hf_scale import launch_values
+from hf_scale import launch_values, parallelism
 from hf_scale.errors import UserError
-from hf_scale.rules import flag_given, precision_from_flags
+from hf_scale.rules import compute_precision, flag_given, precision_from_flags
 from hf_scale.train.setup.distributed import LaunchRequest, has_gpu
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
@@ -69,6 +69,9 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_config(path)
     where = f"--hf_scale_config={path}"
+    refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism")
+    if refusal:
+        raise UserError(refusal)
 
     if cfg.world_size != request.world_size:
         raise UserError(
@@ -114,6 +117,11 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
             f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
         )
 
+    if cfg.precision == "fp8":
+        if request.fp8_backend not in (None, cfg.fp8.backend):
+            raise UserError(f"{where}: fp8.backend={cfg.fp8.backend} but the accelerate config's fp8_config asks for "
+                            f"{request.fp8_backend}")
+        request = dataclasses.replace(request, fp8_backend=cfg.fp8.backend)
     flags = fill_flags_from_config(cfg, ns, argv, where)
     if flags.contradictions:
         raise UserError("; ".join(flags.contradictions))
@@ -194,10 +202,11 @@ def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> FlagFills:
     else:
         fills[flag] = cfg.activation_checkpointing
     flags_precision = precision_from_flags(ns.bf16, ns.fp16)
-    if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != cfg.precision:
+    computes_in = compute_precision(cfg.precision)  # fp8 runs with --bf16 (bf16 outside the fp8 matmuls)
+    if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != computes_in:
         contradictions.append(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
     else:
-        fills.update(bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16")
+        fills.update(bf16=computes_in == "bf16", fp16=computes_in == "fp16")
     return FlagFills(fills, tuple(contradictions))
 
 

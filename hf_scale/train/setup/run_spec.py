@@ -41,6 +41,8 @@ class RunSpec:
     """ZeRO-3 builds the model partitioned (the DeepSpeed config is registered before from_pretrained)."""
     fsdp_settings: dict | None = field(default=None, compare=False)
     """The `fsdp` section of a --hf_scale_config when it (not accelerate's YAML) asks for FSDP."""
+    fp8_backend: str | None = None
+    """FP8 training (precision stays bf16: the autocast outside the fp8 matmuls) with this backend, or None."""
     final_save_is_checkpoint: bool = False
     """ZeRO-3 without 16-bit gathering on save: the run ends with the final step's checkpoint, not a safetensors
     model (hf_scale.train.checkpoint.final_checkpoint)."""
@@ -60,7 +62,7 @@ class RunSpec:
             world_size=self.world_size,
             micro_batch_size=self.micro_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
-            precision=self.precision,
+            precision=rules.FP8 if self.fp8_backend else self.precision,  # accelerate's mixed_precision
             zero_stage=self.zero_stage,
             zero3_init=self.zero3_init,
         )
@@ -76,7 +78,9 @@ class RunSpec:
         return (
             f"{engine} on {self.world_size} process(es) ({self.launcher}), {self.loop} loop: global batch size "
             f"{self.global_batch_size}, gradient accumulation steps {self.gradient_accumulation_steps}, local batch "
-            f"size {self.micro_batch_size}; precision {self.precision}" + (", packing" if self.packing else "")
+            f"size {self.micro_batch_size}; precision {self.precision}"
+            + (f" with fp8 matmuls ({self.fp8_backend})" if self.fp8_backend else "")
+            + (", packing" if self.packing else "")
         )
 
 
@@ -101,6 +105,7 @@ def build(request, args, *, loop: str, packing: bool) -> RunSpec:
         zero_stage=request.zero_stage,
         zero3_init=request.zero_stage == 3 and bool(plugin) and bool(plugin.zero3_init_flag),
         fsdp_settings=request.fsdp_settings,
+        fp8_backend=request.fp8_backend,
         # The config as DeepSpeed will run it ("auto" filled by accelerate's plugin).
         final_save_is_checkpoint=rules.zero3_without_gathering(plugin.deepspeed_config if plugin else None),
     )
