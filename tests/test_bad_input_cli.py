@@ -522,6 +522,13 @@ ISSUE_21 = [
     plan_case("machines-negative", ["--num-machines", "-2"], "--num-machines -2 is invalid"),
     plan_case("micro-negative", ["--micro-batch-size", "-1"], "--micro-batch-size -1 is invalid"),
     plan_case("seq-exponent-not-int", ["--seq-len", "-1e3"], "argument --seq-len: invalid int value: '-1e3'"),
+    check_case("training-arg-negative-epsilon", {"acc.yaml": yaml_text(DDP_YAML)}, "training args: "
+               "--adam_epsilon=-1e-08: must be >= 0 (train.py refuses them the same way)",
+               ["--", "--adam_epsilon", "-1e-8"]),
+    check_case("training-arg-save-steps-zero", {"acc.yaml": yaml_text(DDP_YAML)}, "--save_steps=0: must be a whole",
+               ["--", "--save_steps", "0"]),
+    check_case("training-arg-seed-negative", {"acc.yaml": yaml_text(DDP_YAML)}, "--seed=-1: must be an integer",
+               ["--", "--seed", "-1"]),
     Case("check-yaml-dev-zero", ["check", "--accelerate-config", "/dev/zero"], "/dev/zero: is a character device"),
     Case("check-json-dev-zero", ["check", "--accelerate-config", "acc.yaml", "--deepspeed-config", "/dev/zero"],
          "/dev/zero: is a character device", {"acc.yaml": yaml_text(DDP_YAML)}),
