@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from hf_scale import __version__, quiet
 from hf_scale.errors import EXIT_BAD_INPUT, run_or_exit
+from hf_scale.inputs import NEGATIVE_NUMBER
 
 COMMANDS = {
     # command: (module whose register() adds it, one-line summary for `hf-scale --help`)
@@ -39,6 +40,10 @@ COMMANDS = {
 class OneLineErrorParser(argparse.ArgumentParser):
     """Usage errors as one line (`hf-scale generate: error: ...`) and exit 2, like every other bad input;
     the usage is one `--help` away. Sub-parsers inherit the class from the top-level parser."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER  # `--safety-margin -1e-2` is a value, not a flag
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)

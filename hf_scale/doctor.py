@@ -27,6 +27,7 @@ from pathlib import Path
 
 from hf_scale import parallelism, rules
 from hf_scale.errors import UserError
+from hf_scale.inputs import read_text
 from hf_scale.precision_rules import fp8_backends
 from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
 
@@ -242,14 +243,9 @@ DEFAULT_OPS = ("cpu_adam", "fused_adam", "async_io")
 
 
 def _read_file(path: str) -> tuple[Path, str]:
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"--config {path}: file not found (expected a DistributedConfig YAML, an accelerate YAML "
-                        "or a DeepSpeed JSON)")
-    try:
-        return file, file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"--config {path}: cannot be read ({error})") from None
+    """The file's text (hf_scale.inputs: a FIFO or device refused without blocking, UTF-8, size bounded)."""
+    return Path(path), read_text(path, "--config", expected="a DistributedConfig YAML, an accelerate YAML or a "
+                                 "DeepSpeed JSON")
 
 
 def _json_object(text: str, where: str) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,11 @@ MAX_YAML_ALIASES = 100
 MAX_YAML_NODES = 100_000
 """A config has a few hundred nodes: these bound what a document may expand to (alias bombs)."""
 
+NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$|^-(?:inf|infinity|nan)$", re.IGNORECASE)
+"""What argparse must read as a negative number, not as a flag (set as a parser's ``_negative_number_matcher``):
+Python 3.11's own pattern misses exponents, so `--adam_epsilon -1e-8` was "expected one argument". Read as a
+value, the flag's own range check answers."""
+
 _FILE_KINDS = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
     (stat.S_ISSOCK, "a socket"),
@@ -33,22 +39,42 @@ _FILE_KINDS = (
 )
 
 
-def read_bytes(path: str | Path, what: str, *, max_bytes: int = MAX_CONFIG_BYTES) -> bytes:
-    """The content of a regular file. Opened without blocking, so a FIFO is refused, not waited on."""
+def _kind(mode: int) -> str | None:
+    """What a file of this mode is, when it is not a regular file (None when it is)."""
+    return "a directory" if stat.S_ISDIR(mode) else next((k for test, k in _FILE_KINDS if test(mode)), None)
+
+
+def not_a_regular_file(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as a file ("no such file", "is a directory, not a regular file", "is a
+    character device, not a regular file", ...), or None for a regular file (links followed). For inputs that
+    a library opens itself (datasets, transformers): /dev/zero or a FIFO would make it read forever."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as error:
+        return f"cannot be opened ({error.strerror or error})"
+    kind = _kind(mode)
+    return None if kind is None else f"is {kind}, not a regular file"
+
+
+def read_bytes(path: str | Path, what: str, *, max_bytes: int = MAX_CONFIG_BYTES, expected: str = "") -> bytes:
+    """The content of a regular file. Opened without blocking, so a FIFO is refused, not waited on.
+    ``expected`` (e.g. "a DeepSpeed JSON config") ends the line when the path is missing or not a file."""
     path = Path(path)
+    allowed = f"; expected {expected}" if expected else ""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise UserError(f"{what} {path}: not found") from None
+        raise UserError(f"{what} {path}: not found{allowed}") from None
     except PermissionError:
         raise UserError(f"{what} {path}: permission denied (cannot read it)") from None
     except OSError as error:
         raise UserError(f"{what} {path}: cannot be opened ({error.strerror or error})") from None
-    mode = os.fstat(fd).st_mode
-    kind = "a directory" if stat.S_ISDIR(mode) else next((k for test, k in _FILE_KINDS if test(mode)), None)
+    kind = _kind(os.fstat(fd).st_mode)
     if kind is not None:
         os.close(fd)
-        raise UserError(f"{what} {path}: is {kind}, not a regular file")
+        raise UserError(f"{what} {path}: is {kind}, not a regular file{allowed}")
     with os.fdopen(fd, "rb") as handle:
         try:
             data = handle.read(max_bytes + 1)
@@ -70,9 +96,9 @@ def decode_utf8(data: bytes, where: str) -> str:
         ) from None
 
 
-def read_text(path: str | Path, what: str, *, max_bytes: int = MAX_CONFIG_BYTES) -> str:
+def read_text(path: str | Path, what: str, *, max_bytes: int = MAX_CONFIG_BYTES, expected: str = "") -> str:
     """A regular UTF-8 text file's content, or a one-line UserError that says what is wrong with it."""
-    return decode_utf8(read_bytes(path, what, max_bytes=max_bytes), f"{what} {path}")
+    return decode_utf8(read_bytes(path, what, max_bytes=max_bytes, expected=expected), f"{what} {path}")
 
 
 # --- YAML ------------------------------------------------------------------------------------------------

@@ -319,7 +319,8 @@ PLAN = [
     plan_case("model-missing", [], "MODEL './none.json': no such file", model="./none.json"),
     plan_case("model-fifo", [], "m.json: is a FIFO", {"m.json": FIFO}),
     plan_case("model-dir-without-config", [], "directory has no config.json", {"d/x": "x"}, model="d"),
-    plan_case("model-dir-config-is-dir", [], "directory has no config.json", {"d/config.json/x": "x"}, model="d"),
+    plan_case("model-dir-config-is-dir", [], "d/config.json: is a directory, not a regular file",
+              {"d/config.json/x": "x"}, model="d"),
     plan_case("model-not-utf8", [], "m.json: not UTF-8", {"m.json": b'{"model_type": "ll\xffama"}'}),
     plan_case("model-syntax", [], "not valid JSON at line 1", {"m.json": '{"model_type": "llama",}'}),
     plan_case("model-nan", [], "hidden_size=NaN is not a finite number", {"m.json": '{"hidden_size": NaN}'}),
@@ -450,8 +451,8 @@ EXPORT = [
                 "CHECKPOINT_DIR ck: cannot be read (SafetensorError"),
     export_case("empty-safetensors", {"ck": CHECKPOINT, "ck/model.safetensors": ""},
                 "CHECKPOINT_DIR ck: cannot be read"),
-    export_case("config-not-json", {"ck": CHECKPOINT, "ck/config.json": "{"}, "CHECKPOINT_DIR ck: cannot be read"),
-    export_case("config-not-utf8", {"ck": CHECKPOINT, "ck/config.json": b"\xff"}, "CHECKPOINT_DIR ck: cannot be read"),
+    export_case("config-not-json", {"ck": CHECKPOINT, "ck/config.json": "{"}, "ck/config.json: not valid JSON at"),
+    export_case("config-not-utf8", {"ck": CHECKPOINT, "ck/config.json": b"\xff"}, "ck/config.json: not UTF-8 text"),
     export_case("latest-dangling", {"ck": CHECKPOINT, "ck/latest": "global_step9"},
                 "CHECKPOINT_DIR ck: 'latest' names global_step9, which is not a directory in it"),
     export_case("no-weights", {"ck/config.json": model_config(), "ck": CHECKPOINT, "ck/model.safetensors": None},
@@ -484,7 +485,71 @@ OTHER = [
     Case("unknown-global-flag", ["--quiet", "presets"], "unrecognized arguments: --quiet"),
 ]
 
-CASES = [*GENERATE, *CHECK, *PLAN, *PLOT, *EXPORT, *OTHER]
+# --- issue 21: devices, FIFOs and directories named as what they are; negative numbers read as values; a model
+# config.json refused by the one rule train.py shares (hf_scale.planner.model_shapes.check_dimensions) -----------
+
+DOCTOR_EXPECTS = "expected a DistributedConfig YAML, an accelerate YAML or a DeepSpeed JSON"
+
+ISSUE_21 = [
+    Case("doctor-config-dev-zero", ["doctor", "--config", "/dev/zero"],
+         f"--config /dev/zero: is a character device, not a regular file; {DOCTOR_EXPECTS}"),
+    Case("doctor-config-fifo", ["doctor", "--config", "p.yaml"], "--config p.yaml: is a FIFO (named pipe), not a "
+         "regular file", {"p.yaml": FIFO}),
+    Case("doctor-config-directory", ["doctor", "--config", "d"], f"--config d: is a directory, not a regular file; "
+         f"{DOCTOR_EXPECTS}", {"d/x": "x"}),
+    Case("doctor-config-missing", ["doctor", "--config", "nope.yaml"],
+         f"--config nope.yaml: not found; {DOCTOR_EXPECTS}"),
+    Case("doctor-config-not-utf8", ["doctor", "--config", "c.yaml"], "--config c.yaml: not UTF-8 text (byte 0xff at "
+         "line 1)", {"c.yaml": b"x: \xff\n"}),
+    Case("doctor-config-unreadable", ["doctor", "--config", "c.yaml"], "--config c.yaml", {"c.yaml": UNREADABLE}),
+    Case("plan-model-dev-zero", ["plan", "/dev/zero"], "/dev/zero: is a character device, not a regular file"),
+    Case("plan-model-config-fifo", ["plan", "d"], "d/config.json: is a FIFO (named pipe)", {"d/config.json": FIFO}),
+    plan_case("hidden-word", [], "MODEL 'm.json': hidden_size='big' is invalid: allowed an integer from 1 to",
+              {"m.json": model_config(hidden_size="big")}),
+    plan_case("heads-zero", [], "MODEL 'm.json': num_attention_heads=0 is invalid: allowed an integer from 1 to",
+              {"m.json": model_config(num_attention_heads=0)}),
+    plan_case("positions-zero", [], "max_position_embeddings=0 is invalid: allowed an integer from 1 to",
+              {"m.json": model_config(max_position_embeddings=0)}),
+    plan_case("positions-word", [], "max_position_embeddings='x' is invalid",
+              {"m.json": model_config(max_position_embeddings="x")}),
+    plan_case("kv-heads-negative", [], "num_key_value_heads=-2 is invalid",
+              {"m.json": model_config(num_key_value_heads=-2)}),
+    plan_case("head-dim-zero", [], "head_dim=0 is invalid", {"m.json": model_config(head_dim=0)}),
+    plan_case("margin-negative-exponent", ["--safety-margin", "-1e-2"], "--safety-margin -0.01 is invalid: allowed 0"),
+    plan_case("margin-minus-inf", ["--safety-margin", "-inf"], "--safety-margin -inf is invalid"),
+    plan_case("seq-negative", ["--seq-len", "-5"], "--seq-len -5 is invalid: allowed an integer from 1"),
+    plan_case("gpus-negative", ["--gpus-per-machine", "-1"], "--gpus-per-machine -1 is invalid"),
+    plan_case("machines-negative", ["--num-machines", "-2"], "--num-machines -2 is invalid"),
+    plan_case("micro-negative", ["--micro-batch-size", "-1"], "--micro-batch-size -1 is invalid"),
+    plan_case("seq-exponent-not-int", ["--seq-len", "-1e3"], "argument --seq-len: invalid int value: '-1e3'"),
+    check_case("training-arg-negative-epsilon", {"acc.yaml": yaml_text(DDP_YAML)}, "training args: "
+               "--adam_epsilon=-1e-08: must be >= 0 (train.py refuses them the same way)",
+               ["--", "--adam_epsilon", "-1e-8"]),
+    check_case("training-arg-save-steps-zero", {"acc.yaml": yaml_text(DDP_YAML)}, "--save_steps=0: must be a whole",
+               ["--", "--save_steps", "0"]),
+    check_case("training-arg-seed-negative", {"acc.yaml": yaml_text(DDP_YAML)}, "--seed=-1: must be an integer",
+               ["--", "--seed", "-1"]),
+    Case("check-yaml-dev-zero", ["check", "--accelerate-config", "/dev/zero"], "/dev/zero: is a character device"),
+    Case("check-json-dev-zero", ["check", "--accelerate-config", "acc.yaml", "--deepspeed-config", "/dev/zero"],
+         "/dev/zero: is a character device", {"acc.yaml": yaml_text(DDP_YAML)}),
+    Case("generate-file-dev-zero", ["generate", "/dev/zero"], "/dev/zero: is a character device, not a regular file"),
+    Case("plot-dev-zero", ["plot", "/dev/zero", "-o", "p.png"], "/dev/zero: is a character device, not a regular file"),
+    Case("plot-results-fifo", ["plot", "results.json", "-o", "p.png"], "results.json: is a FIFO (named pipe)",
+         {"results.json": FIFO}),
+    Case("export-dev-zero", ["export", "/dev/zero", "out"], "CHECKPOINT_DIR /dev/zero: is not a directory"),
+    export_case("config-fifo", {"ck": CHECKPOINT, "ck/config.json": FIFO}, "config.json: is a FIFO (named pipe)"),
+    export_case("config-hidden-word", {"ck": CHECKPOINT, "ck/config.json": model_config(hidden_size="big")},
+                "hidden_size='big' is invalid: allowed an integer from 1 to"),
+    export_case("config-heads-zero", {"ck": CHECKPOINT, "ck/config.json": model_config(num_attention_heads=0)},
+                "num_attention_heads=0 is invalid: allowed an integer from 1 to"),
+    export_case("shard-size-negative-spaced", {"ck": CHECKPOINT}, "--max-shard-size '-5e3'", ["--max-shard-size",
+                                                                                            "-5e3"]),
+    Case("demo-steps-negative-exponent", ["demo", "--max-steps", "-1e3"], "argument --max-steps: invalid int value: "
+         "'-1e3'"),
+    Case("demo-steps-minus-one-spaced", ["demo", "--max-steps", "-1"], "--max-steps=-1: must be >= 1"),
+]
+
+CASES = [*GENERATE, *CHECK, *PLAN, *PLOT, *EXPORT, *OTHER, *ISSUE_21]
 # Cases that print to stdout before the error line (the demo echoes its first command).
 STDOUT_ALLOWED = {"demo-output-is-file"}
 
@@ -509,6 +574,7 @@ def materialize(root: Path, files: dict[str, object]) -> None:
         if content is None:
             path.unlink(missing_ok=True)
         elif content is FIFO:
+            path.unlink(missing_ok=True)  # in place of a checkpoint's file too
             os.mkfifo(path)
         elif content is DIRECTORY:
             path.mkdir()

@@ -149,7 +149,7 @@ def doctor_fix(op: str) -> str:
 @pytest.mark.parametrize(
     ("content", "name", "message"),
     [
-        (None, "missing.yaml", "file not found"),
+        (None, "missing.yaml", "missing.yaml: not found; expected a DistributedConfig YAML"),
         ("{not json", "bad.json", "not valid JSON"),
         ("a: [1,", "bad.yaml", "not valid YAML"),
         ("strategy: deepspeed\ndeepspeed: {zero_stage: 7}\n", "cfg.yaml", "deepspeed.zero_stage=7 is invalid"),

@@ -160,6 +160,7 @@ def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
     a recipe file expanded before the flags), without constructing TrainingArguments (its __post_init__ touches
     devices). Returns the parsed values and the flags as train.py sees them (the recipe's first). ``--loop
     accelerate`` changes nothing here: train.py resolves "auto" like the Trainer."""
+    from hf_scale.train.setup import flag_values
     from hf_scale.train.setup.parser import build_parser
     from hf_scale.train.setup.recipe import expand_recipe
 
@@ -168,6 +169,8 @@ def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
         with _environment_kept():  # a recipe's `env:` is for the training processes, not for this check
             argv, _ = expand_recipe(parser, list(argv))
         namespace, unknown = parser.parse_known_args(argv)
+        if not unknown:
+            flag_values.check(namespace)  # each value in its range, as train.py checks it first
     except UserError as error:
         raise UserError(f"training args: {error} (train.py refuses them the same way)") from None
     if unknown:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, NoReturn
 from hf_scale import rules
 from hf_scale.errors import UserError
 from hf_scale.export.sources import Source, find_source, with_adapter_names
+from hf_scale.planner.model_shapes import CONFIG_ERRORS, read_config_json
 
 if TYPE_CHECKING:
     from hf_scale.train.checkpoint.layout import Layout
@@ -236,8 +236,8 @@ def _resolve_dtype(dtype: str, checkpoint_dir: Path):
         name = rules.torch_dtype_name(dtype, "--dtype")
     except ValueError as error:
         raise UserError(str(error)) from None
+    config = read_config_json(checkpoint_dir / "config.json", f"CHECKPOINT_DIR {checkpoint_dir}")  # any --dtype
     if name == rules.AUTO_DTYPE:
-        config = json.loads((checkpoint_dir / "config.json").read_text())
         saved = str(config.get("dtype") or config.get("torch_dtype") or "float32")
         name = rules.TORCH_DTYPE_OF.get(saved, saved)  # a saved "bf16" too; any other torch dtype as saved
     found = getattr(torch, name, None)
@@ -319,14 +319,12 @@ def _load_tokenizer(checkpoint_dir: Path):
 
 def _read_errors() -> tuple[type[BaseException], ...]:
     """What the readers of a checkpoint (json, safetensors, torch.load, DeepSpeed's zero_to_fp32, torch DCP,
-    transformers' configs and tokenizers) raise on a damaged or foreign file."""
+    transformers' configs, model classes and tokenizers) raise on a damaged or foreign file."""
     import pickle
 
-    from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
-    return (OSError, ValueError, KeyError, EOFError, RuntimeError, AssertionError, pickle.UnpicklingError,
-            SafetensorError, StrictDataclassError)
+    return (*CONFIG_ERRORS, OSError, EOFError, pickle.UnpicklingError, SafetensorError)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ norms and any architecture quirk included.
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,7 @@ def load_model_config(model: str) -> PretrainedConfig:
     if path.exists() and not path.is_dir():  # a file; a FIFO or device is refused when it is read
         return _config_from_file(path, model)
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):  # one that is not a regular file is refused when read
             raise UserError(f"MODEL {model!r}: directory has no config.json (pass a model directory or a config.json)")
         return _config_from_file(path / "config.json", model)
     local = _local_path_reason(model)
@@ -146,12 +147,22 @@ def _hub_config_json(model: str) -> Path:
     raise UserError(f"MODEL {model!r}: cannot get its config.json: {reason}")
 
 
-def _config_from_file(path: Path, model: str) -> PretrainedConfig:
-    data: Any = load_json(read_text(path, "MODEL config"), f"MODEL {model!r}: {path}")
+def read_config_json(path: Path, owner: str) -> dict[str, Any]:
+    """A local config.json as a dict: read strictly (hf_scale.inputs: a FIFO or device refused without blocking,
+    UTF-8, no NaN, no duplicate keys), an object with a model_type, every dimension checked (check_dimensions).
+    The one reading of a model's config.json for `hf-scale plan`, train.py and `hf-scale export`; ``owner`` (the
+    flag or argument that named the model) starts each one-line error."""
+    text = read_text(path, f"{owner}:", expected="a transformers config.json")
+    data: Any = load_json(text, f"{owner}: {path}")
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise UserError(f'MODEL {model!r}: {path} has no "model_type" (expected a transformers config.json)')
+        raise UserError(f'{owner}: {path} has no "model_type" (expected a transformers config.json)')
+    check_dimensions(data, owner)  # before transformers builds anything from them
+    return data
+
+
+def _config_from_file(path: Path, model: str) -> PretrainedConfig:
+    data = read_config_json(path, f"MODEL {model!r}")
     model_type = data.pop("model_type")
-    _check_dimensions(data, model)  # before transformers builds anything from them
     from transformers import CONFIG_MAPPING, AutoConfig
 
     if model_type not in CONFIG_MAPPING:
@@ -184,6 +195,7 @@ DIMENSION_BOUNDS = {
     "num_attention_heads": 2_048,
     "num_key_value_heads": 2_048,
     "head_dim": 4_096,
+    "max_position_embeddings": 2**30,  # 0 would train, with positions no model has (Llama 4 Scout: 10M)
     "num_local_experts": 1_024,  # Mixtral
     "num_experts": 1_024,  # Qwen-MoE
     "n_routed_experts": 1_024,  # DeepSeek
@@ -192,21 +204,22 @@ MAX_EXPERT_LAYERS = 65_536
 """Layers x experts: one module each (DeepSeek-V3: 61 x 256)."""
 
 
-def _check_dimensions(config: dict[str, Any], model: str) -> None:
-    """Every size the planner builds from is a positive integer within DIMENSION_BOUNDS (nested text configs
-    of multimodal models included); one line naming the first that is not."""
+def check_dimensions(config: dict[str, Any], where: str) -> None:
+    """Every size a model is built from is a positive integer within DIMENSION_BOUNDS (nested text configs
+    of multimodal models included); one line, starting with ``where``, naming the first that is not. The one
+    rule for `hf-scale plan` and train.py: transformers would raise a TypeError or ZeroDivisionError."""
     for section in (config, *(v for v in config.values() if isinstance(v, dict))):
         for name, bound in DIMENSION_BOUNDS.items():
             value = section.get(name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
-                raise UserError(f"MODEL {model!r}: {name}={value!r} is invalid: allowed an integer from 1 to {bound}")
+                raise UserError(f"{where}: {name}={value!r} is invalid: allowed an integer from 1 to {bound}")
         experts = max((section.get(k) or 1) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
         if (section.get("num_hidden_layers") or 1) * experts > MAX_EXPERT_LAYERS:
             raise UserError(
-                f"MODEL {model!r}: num_hidden_layers x experts = {section['num_hidden_layers']} x {experts} is more "
-                f"than the {MAX_EXPERT_LAYERS} the planner builds"
+                f"{where}: num_hidden_layers x experts = {section['num_hidden_layers']} x {experts} is more "
+                f"than the {MAX_EXPERT_LAYERS} allowed"
             )
 
 
@@ -218,7 +231,7 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
 
     name = name or (model if isinstance(model, str) else config.model_type)
     try:
-        _check_dimensions(config.to_dict(), name)  # a Hub config too
+        check_dimensions(config.to_dict(), f"MODEL {name!r}")  # a Hub config too
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(config)
     except ValueError as error:

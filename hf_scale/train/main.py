@@ -327,12 +327,15 @@ def _close_progress_bars() -> None:
 def main(argv: list[str] | None = None) -> None:
     try:
         code = train(argv)
-    except UserError as error:
+    except Exception as error:
+        reported = error if isinstance(error, UserError) else distributed.lost_peer(error)  # a rank died: one line
+        if reported is None:
+            raise
         # Tear the group down without a barrier (other ranks may be gone): a live gloo group aborts the
         # interpreter at exit and would turn exit code 2 into SIGABRT.
         distributed.shutdown(barrier=False)
         _close_progress_bars()
-        exit_with_user_error("train.py", error)
+        exit_with_user_error("train.py", reported)
     finally:
         output_lock.release()
     sys.exit(code)

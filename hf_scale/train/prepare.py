@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 from collections.abc import Set
@@ -28,34 +27,14 @@ from hf_scale.train.data.chat_template import read_chat_template
 from hf_scale.train.loops import evaluation
 from hf_scale.train.model.arguments import ModelArguments
 from hf_scale.train.model.load import check_lora_flags
-from hf_scale.train.setup import distributed, loop_flags, reconcile, run_spec
+from hf_scale.train.setup import distributed, flag_values, guard, loop_flags, reconcile, run_spec
 from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.recipe import expand_recipe
 from hf_scale.train.setup.run_spec import RunSpec
 
-MAX_LEARNING_RATE = 10.0
-"""Above any rate that trains (SGD rarely exceeds 1, Adam 1e-2): a larger one is a typo (1e30 for 1e-3)."""
-
-
-def _validate_numbers(ns) -> None:
-    """Every float flag finite; the optimizer's numbers in the ranges where they mean something."""
-    for name, value in vars(ns).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"--{name}={value}: must be a finite number")
-    if not 0 <= ns.learning_rate <= MAX_LEARNING_RATE:
-        raise UserError(f"--learning_rate={ns.learning_rate}: must be in [0, {MAX_LEARNING_RATE:g}]")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(ns, name) < 1:
-            raise UserError(f"--{name}={getattr(ns, name)}: must be in [0, 1)")
-    for name in ("weight_decay", "adam_epsilon", "max_grad_norm"):
-        if getattr(ns, name) < 0:
-            raise UserError(f"--{name}={getattr(ns, name)}: must be >= 0")
-    if not 0 <= ns.max_bad_row_fraction <= 1:
-        raise UserError(f"--max_bad_row_fraction={ns.max_bad_row_fraction}: must be in [0, 1]")
-
 
 def _validate_flags(ns) -> None:
-    _validate_numbers(ns)
+    flag_values.check(ns)
     check_lora_flags(ns)
     if ns.bf16 and ns.fp16:
         raise UserError(rules.BOTH_PRECISIONS)
@@ -146,6 +125,7 @@ def prepare(argv: list[str] | None) -> Run:
     _validate_flags(parsed)
     chat_template, hub_target = _checked_extras(parsed)
     launch = _reconcile_with_launcher(parsed, given)
+    guard.refuse_before_prepare(launch.request, has_gpu=distributed.has_gpu())  # before accelerate can fail
     if launch.request.fp8_backend is not None:  # before the process group and the model: one line, exit 2
         from hf_scale.train.model import fp8
 

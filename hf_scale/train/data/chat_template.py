@@ -11,11 +11,12 @@ Whether completion-only loss finds its `{% generation %}` markers is checked wit
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hf_scale.errors import UserError
+from hf_scale.inputs import read_text
 
 FLAG = "--chat_template_path"
+MAX_TEMPLATE_BYTES = 2**20
+"""Chat templates are a few KiB (the largest public ones ~20 KiB); a larger file is not one."""
 
 
 def read_chat_template(path: str) -> str:
@@ -23,13 +24,7 @@ def read_chat_template(path: str) -> str:
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"{FLAG} {path}: no such file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"{FLAG} {path}: cannot be read ({error})") from None
+    text = read_text(path, FLAG, max_bytes=MAX_TEMPLATE_BYTES, expected="a Jinja chat template file")
     if not text.strip():
         raise UserError(f"{FLAG} {path}: the file is empty; it must hold a Jinja chat template")
     try:

@@ -27,6 +27,7 @@ import datasets
 import jinja2
 
 from hf_scale.errors import UserError
+from hf_scale.inputs import not_a_regular_file
 from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE
 from hf_scale.train.data.formats import (
@@ -61,10 +62,10 @@ def _csv_text_features(path: Path) -> datasets.Features:
 
 def _load_file(flag: str, path_str: str) -> datasets.Dataset:
     path = Path(path_str)
-    if path.is_dir():
-        raise UserError(f"--{flag} {path_str}: is a directory; pass a data file (or the directory as --dataset_name)")
-    if not path.is_file():
-        raise UserError(f"--{flag} {path_str}: no such file")
+    problem = not_a_regular_file(path)
+    if problem is not None:
+        also = " (or the directory as --dataset_name)" if path.is_dir() else ""
+        raise UserError(f"--{flag} {path_str}: {problem}; expected a data file ({', '.join(FILE_BUILDERS)}){also}")
     builder = FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise UserError(

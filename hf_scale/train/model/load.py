@@ -8,15 +8,19 @@ materialises the full weights.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
 import pickle
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from hf_scale import rules
 from hf_scale.errors import UserError
+from hf_scale.inputs import not_a_regular_file
 from hf_scale.train.model.arguments import ModelArguments
 
 
@@ -33,19 +37,43 @@ def resolve_model_path(model_args: ModelArguments) -> str:
 
 
 def load_pretrained_config(model_path: str, trust_remote_code: bool):
+    """The model's config; one line for a config.json that is missing, unreadable, or holds values the model
+    cannot be built from (the planner's rule, hf_scale.planner.model_shapes, then transformers' own checks)."""
+    from hf_scale.planner.model_shapes import CONFIG_ERRORS, check_dimensions
+
+    where = f"--model_name_or_path={model_path}"
+    check_dimensions(_config_values(model_path, where), where)  # a Hub model's too
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (*CONFIG_ERRORS, OSError) as error:  # typed config fields, then the architecture's own checks
+        detail = " ".join(str(error).split())[:200]
+        raise UserError(f"{where}: transformers cannot build a model from its config.json ({detail})") from None
+
+
+def _config_values(model_path: str, where: str) -> dict:
+    """config.json as a dict: a local one read strictly and checked (hf_scale.planner.model_shapes.read_config_json),
+    a Hub model's through transformers."""
+    path = Path(model_path)
+    if path.exists() and not path.is_dir():
+        kind = (not_a_regular_file(path) or "is a file").split(",")[0]
+        raise UserError(f"{where}: {kind}; expected a model directory (with config.json) or a Hub id")
+    if path.is_dir() and not os.path.lexists(path / "config.json"):
+        raise UserError(f"{where}: local directory without a valid config.json (it has none); pass a local model "
+                        "directory or a reachable Hub id")
+    if path.is_dir():
+        from hf_scale.planner.model_shapes import read_config_json
+
+        return read_config_json(path / "config.json", where)
+    try:
+        values = PretrainedConfig.get_config_dict(model_path)[0]
     except (OSError, ValueError) as error:
-        looks_local = Path(model_path).exists() or model_path.startswith((".", "/", "~"))
-        what = (
-            "local directory without a valid config.json"
-            if looks_local
-            else "Hub id that could not be loaded"
-        )
-        raise UserError(
-            f"--model_name_or_path={model_path}: {what} ({str(error).splitlines()[0][:160]}); "
-            "pass a local model directory or a reachable Hub id"
-        ) from None
+        looks_local = path.exists() or model_path.startswith((".", "/", "~"))
+        what = "local directory without a valid config.json" if looks_local else "Hub id that could not be loaded"
+        raise UserError(f"{where}: {what} ({str(error).splitlines()[0][:160]}); pass a local model directory "
+                        "or a reachable Hub id") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise UserError(f'{where}: config.json has no "model_type" (expected a transformers config.json object)')
+    return values
 
 
 def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
@@ -92,6 +120,72 @@ def _weights_error(error: BaseException) -> str | None:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
 
+_BUILD_ERRORS = (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError, AssertionError, ValueError)
+"""What an architecture's constructor raises on config values it cannot use (RuntimeError is left out: out of
+memory, DeepSpeed's partitioning)."""
+
+
+def _from_pretrained(path: str, model_args: ModelArguments, on_mesh: dict | None):
+    """The model, or one line: weights that cannot be read, that lack tensors of the model, or whose shapes are
+    not the config's (asked for with ignore_mismatched_sizes, so that they are named here, not in a table)."""
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=load_dtype(model_args.torch_dtype),
+            attn_implementation=model_args.attn_implementation,
+            trust_remote_code=model_args.trust_remote_code,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            **(on_mesh or {}),
+        )
+    except Exception as error:
+        described = _weights_error(error)
+        if described is not None:
+            raise UserError(f"--model_name_or_path={path}: the weights cannot be loaded ({described})") from None
+        if not isinstance(error, _BUILD_ERRORS):
+            raise
+        # The architecture's code ran on config.json's values (e.g. an unknown hidden_act).
+        detail = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        raise UserError(f"--model_name_or_path={path}: transformers cannot build the model from its config.json "
+                        f"({detail})") from None
+    if info.get("mismatched_keys"):
+        name, in_weights, in_model = sorted(info["mismatched_keys"])[0]
+        raise UserError(f"--model_name_or_path={path}: config.json does not match the weights: "
+                        f"{len(info['mismatched_keys'])} tensors have other shapes (first: {name} is "
+                        f"{list(in_weights)} in the weights, {list(in_model)} by config.json); use the config.json "
+                        "the weights were saved with")
+    if info.get("missing_keys"):
+        # transformers would initialise them randomly and train a model that is not the one asked for.
+        missing = sorted(info["missing_keys"])
+        raise UserError(f"--model_name_or_path={path}: the weights lack {len(missing)} tensors of the model "
+                        f"(first: {missing[0]}); they would be trained from random values")
+    return model
+
+
+@contextlib.contextmanager
+def _load_report_held():
+    """transformers logs its load report (a table of every missing or mismatched tensor) before hf_scale judges
+    the load: held back here, shown as usual when the load is accepted, dropped when hf_scale refuses it in one
+    line that names the first problem."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    logger.addFilter(hold)
+    try:
+        yield
+    except UserError:
+        held.clear()
+        raise
+    finally:
+        logger.removeFilter(hold)
+        for record in held:
+            logger.handle(record)
+
+
 def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, on_mesh: dict | None = None):
     """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
     and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve). `on_mesh`: the
@@ -100,25 +194,8 @@ def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, on_m
     if on_mesh and model_args.lora_r > 0:
         raise UserError(f"--lora_r={model_args.lora_r} with tensor parallelism: hf_scale has not proven peft's "
                         "LoRA layers on DTensor weights; train all weights (--lora_r 0) or set parallelism.tp to 1")
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=load_dtype(model_args.torch_dtype),
-            attn_implementation=model_args.attn_implementation,
-            trust_remote_code=model_args.trust_remote_code,
-            output_loading_info=True,
-            **(on_mesh or {}),
-        )
-    except Exception as error:
-        described = _weights_error(error)
-        if described is None:
-            raise
-        raise UserError(f"--model_name_or_path={path}: the weights cannot be loaded ({described})") from None
-    if info.get("missing_keys"):
-        # transformers would initialise them randomly and train a model that is not the one asked for.
-        missing = sorted(info["missing_keys"])
-        raise UserError(f"--model_name_or_path={path}: the weights lack {len(missing)} tensors of the model "
-                        f"(first: {missing[0]}); they would be trained from random values")
+    with _load_report_held():
+        model = _from_pretrained(path, model_args, on_mesh)
     # Training never needs the KV cache, and with it on transformers ignores packed position_ids: packed
     # examples would silently attend to each other.
     model.config.use_cache = False

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +25,7 @@ import torch
 
 from hf_scale import parallelism
 from hf_scale.errors import UserError
+from hf_scale.inputs import not_a_regular_file
 from hf_scale.train.setup.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
@@ -63,8 +67,9 @@ class LaunchRequest:
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:
     file = Path(path)
-    if not file.is_file():
-        raise UserError(f"{flag}={path}: file not found (expected a DeepSpeed JSON config)")
+    problem = not_a_regular_file(file)
+    if problem is not None:
+        raise UserError(f"{flag}={path}: {problem}; expected a DeepSpeed JSON config file")
     try:
         config = json.loads(file.read_text())
     except json.JSONDecodeError as error:
@@ -191,7 +196,77 @@ def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backen
             kwargs["backend"] = "gloo"
     elif ddp_backend:
         kwargs["backend"] = ddp_backend
-    return PartialState(**kwargs)
+    state = PartialState(**kwargs)
+    _register_peers()
+    return state
+
+
+class PeerLost(UserError):
+    """Another rank's process died mid-run: the survivors stop with one line naming it (exit 1, a failed run as
+    before, not bad input)."""
+
+    exit_code = 1
+
+
+_PEERS: list[dict] = []
+"""Every rank's host, pid and log file (None: the launcher's console), gathered once at start (gloo runs)."""
+PEER_EXIT_WAIT_S = 3.0
+"""How long a survivor waits for a peer whose connection closed to show as exited on this machine."""
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crashing|Broken pipe")
+"""What gloo raises in a collective whose peer process is gone."""
+
+
+def _register_peers() -> None:
+    """Gather who every rank is, while all are alive: once a rank dies, the others can name it. gloo only: that is
+    where a dead peer surfaces as a connection error (NCCL has its own watchdog)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 or \
+            dist.get_backend() != "gloo":
+        return
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # torchrun's per-rank folder; with --log-dir and
+    log = Path(error_file).parent / "stderr.log" if error_file else None  # --redirects/--tee it holds the log
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "log": str(log) if log and log.exists() else None}
+    peers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, me)
+    _PEERS[:] = peers
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (on this machine) still runs; a zombie (killed, not yet reaped) does not."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def lost_peer(error: BaseException) -> PeerLost | None:
+    """The one line for a collective that failed because another rank's process is gone, naming the dead ranks and
+    where each one's output is; None for any other error."""
+    chain, cause = [], error
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    found = next((m for e in chain if (m := _PEER_GONE.search(str(e)))), None)
+    if found is None or not _PEERS:
+        return None
+    me, host = int(os.environ.get("RANK", "0")), socket.gethostname()
+    deadline = time.monotonic() + PEER_EXIT_WAIT_S
+    while True:  # the connection closes as the peer's process exits, slightly before it is a zombie
+        dead = [r for r, p in enumerate(_PEERS) if r != me and p["host"] == host and not _alive(p["pid"])]
+        if dead or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    elsewhere = sorted({p["host"] for p in _PEERS if p["host"] != host})
+    if not dead:
+        where = f"on {', '.join(elsewhere)}" if elsewhere else "that dropped its connection"
+        return PeerLost(f"rank {me}: a collective failed because another rank is gone (gloo: {found.group(0)}): a "
+                        f"rank {where}; its log, and the launcher's summary, say why")
+    logs = "; ".join(f"rank {r} was pid {_PEERS[r]['pid']} on {host}, its log: "
+                     f"{_PEERS[r]['log'] or 'the launcher console (torchrun --log-dir DIR --tee 3 keeps a file)'}"
+                     for r in dead)
+    return PeerLost(f"rank {me}: rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died during the run, "
+                    f"so this rank's collective failed (gloo: {found.group(0)}); {logs}")
 
 
 def _free_port() -> int:

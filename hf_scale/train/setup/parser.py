@@ -9,6 +9,7 @@ import json
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_scale.errors import UserError
+from hf_scale.inputs import NEGATIVE_NUMBER
 from hf_scale.train.data import sources
 from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.model.arguments import ModelArguments
@@ -38,6 +39,7 @@ def build_parser() -> HfArgumentParser:
         "accelerate launch or deepspeed. All flags can come from a recipe file: python train.py recipe.yaml "
         "[flags that override it].",
     )
+    parser._negative_number_matcher = NEGATIVE_NUMBER  # -1e-8 is a value, not a flag
     add_config_flag(parser)
     parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1,
                         dataloader_num_workers=None)
@@ -45,8 +47,9 @@ def build_parser() -> HfArgumentParser:
         "Processes that collate micro-batches ahead of the step. Default: 2 per GPU process when the cores "
         "allow, 0 without a GPU."
     )
-    # HfArgumentParser types this dict flag as `dict`, which cannot parse a command-line string.
-    parser._option_string_actions["--liger_kernel_config"].type = _json_object
+    # HfArgumentParser types these dict flags as `dict` or `str`: neither parses (or checks) a JSON object.
+    for name in ("--liger_kernel_config", "--lr_scheduler_kwargs", "--activation_checkpointing_kwargs"):
+        parser._option_string_actions[name].type = _json_object
     return parser
 
 

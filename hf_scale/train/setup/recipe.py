@@ -72,7 +72,7 @@ def read_recipe(path: str) -> dict[str, Any]:
     from hf_scale.inputs import load_json, load_yaml, read_text
 
     where = f"recipe {path}"
-    text = read_text(path, "recipe")
+    text = read_text(path, "recipe", expected="a YAML or JSON mapping of train.py flags")
     data = load_json(text, where) if Path(path).suffix.lower() == ".json" else load_yaml(text, where)
     if data is None:
         return {}

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from train_helpers import REPO, TRAIN_PY, child_env, generate_config, launcher_command, read_metrics, run_ok
+from train_helpers import (
+    REPO,
+    TRAIN_PY,
+    child_env,
+    generate_config,
+    launcher_command,
+    read_metrics,
+    run_ok,
+    training_traceback_frames,
+)
 
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
@@ -190,9 +199,13 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_resumable(tmp_path)
 
 
 def test_a_dead_rank_makes_the_others_exit_instead_of_hanging(tmp_path):
+    """... with one line from the survivor naming the dead rank and its log (torchrun --log-dir --tee keeps one
+    file per rank), not gloo's traceback; the run still fails (torchrun reports the survivor's exit code 1)."""
     out = tmp_path / "run"
-    command = launcher_command("torchrun") + ["--max_steps", "100000", "--save_steps", "100000",
-                                              "--ddp_timeout", "60", "--loop", "accelerate", "--output_dir", str(out)]
+    command = launcher_command("torchrun")
+    command[-1:-1] = ["--log-dir", str(tmp_path / "logs"), "--tee", "3"]  # before train.py: torchrun's flags
+    command += ["--max_steps", "100000", "--save_steps", "100000", "--ddp_timeout", "60", "--loop", "accelerate",
+                "--output_dir", str(out)]
     start = time.monotonic()
     proc = subprocess.Popen(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -207,6 +220,13 @@ def test_a_dead_rank_makes_the_others_exit_instead_of_hanging(tmp_path):
     assert proc.returncode != 0
     assert time.monotonic() - start < 240
     assert "rank: 1" in stderr or "local_rank: 1" in stderr, stderr[-3000:]
+    assert training_traceback_frames(stderr) == [], stderr[-3000:]
+    line = next(line for line in stderr.splitlines() if "train.py: error:" in line)
+    log = next((tmp_path / "logs").glob("*/attempt_0/1/stderr.log"))
+    assert "rank 0: rank 1 died during the run, so this rank's collective failed (gloo: Connection" in line, line
+    assert f"rank 1 was pid {rank1.pid} on " in line and line.endswith(f"its log: {log}"), line
+    assert sum("train.py: error:" in line for line in stderr.splitlines()) == 1, stderr[-3000:]
+    assert "exitcode  : 1 (pid" in stderr, stderr[-3000:]  # the survivor's: a failed run, as before
 
 
 def test_save_total_limit_keeps_the_newest(tmp_path):

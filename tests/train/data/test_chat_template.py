@@ -54,11 +54,11 @@ def test_a_base_tokenizer_with_the_template_masks_all_but_the_assistant(tmp_path
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "--chat_template_path {p}: no such file"),
+        (None, "--chat_template_path {p}: not found; expected a Jinja chat template file"),
         ("", "--chat_template_path {p}: the file is empty"),
         ("{% for m in messages %}{{ m['content'] }", "--chat_template_path {p}: not a valid Jinja template: "),
         ("{% generation %}{{ x }}", "--chat_template_path {p}: not a valid Jinja template: "),  # no endgeneration
-        (b"\xff\xfe{{ x }}", "--chat_template_path {p}: cannot be read"),
+        (b"\xff\xfe{{ x }}", "--chat_template_path {p}: not UTF-8 text (byte 0xff at line 1)"),
     ],
     ids=["missing", "empty", "syntax-error", "unclosed-generation", "not-utf8"],
 )

@@ -355,7 +355,8 @@ def _error(fn, *args) -> str:
 
 def test_missing_file_is_a_one_line_error(tmp_path):
     message = _error(load_raw_datasets, DataArguments(train_file=str(tmp_path / "nope.jsonl")))
-    assert message == f"--train_file {tmp_path / 'nope.jsonl'}: no such file"
+    assert message == (f"--train_file {tmp_path / 'nope.jsonl'}: no such file; expected a data file (.json, .jsonl, "
+                       ".csv, .parquet, .txt)")
 
 
 def test_unsupported_extension_is_a_one_line_error_listing_the_allowed_ones(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from train_helpers import REPO, child_env, launcher_command, run, torchrun
+from train_helpers import REPO, child_env, launcher_command, run, torchrun, training_traceback_frames
 
 pytestmark = pytest.mark.multiprocess
 
@@ -70,13 +70,17 @@ def test_train_refuses_accelerate_cpu_launch_that_starts_one_process(tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-def test_train_refuses_fsdp_that_accelerate_cannot_run_on_cpu(tmp_path):
+@pytest.mark.parametrize(("version", "sync_module_states"), [(2, None), (1, True)])
+def test_train_refuses_fsdp_that_accelerate_cannot_run_on_cpu(tmp_path, version, sync_module_states):
+    # FSDP1 with fsdp_sync_module_states: accelerate's plugin would die in its own traceback ("no available
+    # devices") on every rank first; the guard speaks before it.
     config = tmp_path / "fsdp.yaml"
     _accelerate_yaml(
         config,
         distributed_type="FSDP",
         use_cpu=False,
-        fsdp_config={"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
+        fsdp_config={"fsdp_version": version, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                     **({"fsdp_sync_module_states": True} if sync_module_states else {})},
     )
     result = run(
         launcher_command("accelerate", config=config)
@@ -85,4 +89,5 @@ def test_train_refuses_fsdp_that_accelerate_cannot_run_on_cpu(tmp_path):
     )
     assert result.returncode != 0
     assert "runtime guard: " in result.stderr and "FSDP was requested" in result.stderr, result.stderr[-3000:]
-    assert not (tmp_path / "out" / "model.safetensors").exists()
+    assert training_traceback_frames(result.stderr) == [], result.stderr[-3000:]
+    assert not (tmp_path / "out").exists()

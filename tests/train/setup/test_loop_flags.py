@@ -26,6 +26,7 @@ NOT_ON_THE_PATH = {
     # They compare the flags with the launcher's configs and fill them; they apply no flag themselves.
     "hf_scale.train.setup.reconcile": "", "hf_scale.launch_values": "", "hf_scale.train.setup.inline_deepspeed": "",
     "hf_scale.deepspeed_overrides": "", "hf_scale.config": "", "hf_scale.generators.deepspeed_json": "",
+    "hf_scale.train.setup.flag_values": "checks each flag's range (both loops); applies none",
 }
 RECEIVERS = {"args", "ns", "parsed"}
 """Names the flags go by on the path: `args.X`, `self.args.X`, `run.args.X`, `ns.X`, `getattr(args, "X")`."""
