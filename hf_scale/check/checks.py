@@ -44,6 +44,7 @@ CHECKS: list[Check] = [
     topology.check_use_cpu_ignores_plugin,
     topology.check_fsdp_without_gpu,
     topology.check_processes_per_gpu,
+    topology.check_process_count,
     zero.check_offload_optimizer,
     zero.check_nvme_path,
     zero.check_zero3_save,

@@ -110,6 +110,44 @@ def check_processes_per_gpu(inp: CheckInputs) -> Iterator[Finding]:
     )
 
 
+def check_process_count(inp: CheckInputs) -> Iterator[Finding]:
+    """`processes-implausible`: `num_processes` (the total over all machines) or `num_machines` beyond what any
+    cluster has, e.g. `num_processes: 1000000000`: per machine at most hf_scale's own bound (the
+    `topology.processes_per_machine` limit of `hf-scale generate`), machines at most its `num_machines` limit.
+    (--gpus-per-machine N bounds it by the target's GPUs: `processes-exceed-gpus`.)"""
+    from hf_scale.config import MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
+
+    file, acc = inp.accelerate_file, inp.accelerate
+    processes, machines = acc.get("num_processes"), acc.get("num_machines", 1)
+    if not is_int(machines) or machines < 1:
+        return  # `accelerate-value-invalid`
+    if machines > MAX_MACHINES:
+        yield Finding(
+            ERROR, "processes-implausible", file, "num_machines",
+            f"num_machines={machines} is more machines than any cluster has (allowed: 1..{MAX_MACHINES}).",
+            f"{in_file(file)}set `num_machines` to the number of machines of the job (1..{MAX_MACHINES}).",
+            {f"{file}:num_machines": machines},
+        )
+        return
+    if not is_int(processes) or processes < 1 or processes % machines:
+        return  # `accelerate-value-invalid`, `processes-not-multiple-of-machines`
+    per_machine = processes // machines
+    if per_machine <= MAX_PROCESSES_PER_MACHINE or inp.gpus_per_machine is not None:
+        return
+    yield Finding(
+        ERROR,
+        "processes-implausible",
+        file,
+        "num_processes",
+        f"num_processes={processes} over num_machines={machines} is {per_machine} processes per machine: "
+        f"`accelerate launch` starts them all on each machine (one per GPU), and no machine has that many "
+        f"(allowed: 1..{MAX_PROCESSES_PER_MACHINE} per machine).",
+        f"{in_file(file)}set `num_processes` to GPUs per machine x num_machines (the total), e.g. "
+        f"{8 * machines} for {machines} machine(s) of 8 GPUs.",
+        {f"{file}:num_processes": processes, f"{file}:num_machines": machines},
+    )
+
+
 def check_multinode(inp: CheckInputs) -> Iterator[Finding]:
     """`multinode-no-main-ip`, `processes-not-multiple-of-machines`, `machine-rank-out-of-range`: the
     multi-node topology (`machine_rank` read as `accelerate launch` reads it: int() of the value)."""
