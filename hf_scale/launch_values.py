@@ -79,8 +79,8 @@ class Difference:
     flags: tuple[str, ...]
     """The TrainingArguments flag names it is compared with (two for the betas)."""
     flag_value: Any
-    """What the flags give (a list for the betas; the warmup in steps for ``warmup_num_steps``; the run's optimizer
-    steps for ``total_num_steps``)."""
+    """What the flags give (a list for the betas; the warmup in steps for ``warmup_num_steps``, 0 included, which
+    transformers compares as 1; the run's optimizer steps for ``total_num_steps``)."""
 
 
 @dataclass(frozen=True)
@@ -314,13 +314,16 @@ def _scheduler_steps(state: _State, ds: dict, num_training_steps: int | None) ->
     fraction = 0 < state.values.warmup_steps < 1
     if not _concrete(warmup) or (fraction and num_training_steps is None):
         return
-    ours = max(1, warmup_steps(state.values, num_training_steps or 0))
+    # transformers fills and compares max(1, warmup): DeepSpeed >= 0.19.6 refuses a warmup of 0 steps.
+    flags_give = warmup_steps(state.values, num_training_steps or 0)
+    ours = max(1, flags_give)
     if warmup == ours:
         return
     if "warmup_steps" in state.given or not _valid(warmup, "max_steps"):
-        state.differ("scheduler.params.warmup_num_steps", warmup, ("warmup_steps", "warmup_ratio"), ours)
+        state.differ("scheduler.params.warmup_num_steps", warmup, ("warmup_steps", "warmup_ratio"), flags_give)
+        compared = "" if ours == flags_give else f" (compared as {ours})"
         state.mismatches.append(
-            f"{state.source} scheduler.params.warmup_num_steps={warmup} but --warmup_steps gives {ours}"
+            f"{state.source} scheduler.params.warmup_num_steps={warmup} but --warmup_steps gives {flags_give}{compared}"
         )
     else:
         state.values = dataclasses.replace(state.values, warmup_steps=int(warmup))

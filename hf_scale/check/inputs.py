@@ -32,9 +32,10 @@ class CheckInputs:
     """Everything the checks look at, already read and parsed (the checks do no I/O)."""
 
     runner: str
-    accelerate_file: str
+    accelerate_file: str | None
+    """None when no accelerate YAML is checked (a DeepSpeed JSON or an hf_scale config alone)."""
     accelerate: dict[str, Any]
-    """The accelerate YAML as a plain mapping."""
+    """The accelerate YAML as a plain mapping (empty without one)."""
     accelerate_loader_error: str | None = None
     """The message of accelerate's own loader when it rejects the YAML."""
     deepspeed_file: str | None = None
@@ -303,7 +304,7 @@ def _display(path: Path, cwd: Path) -> str:
 
 
 def load_inputs(
-    accelerate_config: str,
+    accelerate_config: str | None,
     deepspeed_config: str | None = None,
     training_args: list[str] | tuple[str, ...] = (),
     runner: str = "trainer",
@@ -314,19 +315,19 @@ def load_inputs(
     if runner not in RUNNERS:
         raise UserError(f"--runner {runner!r} is not one of: {', '.join(RUNNERS)}")
     cwd = cwd or Path.cwd()
-    yaml_path = Path(accelerate_config)
-    accelerate = _read_mapping(yaml_path, "--accelerate-config", load_yaml)
+    accelerate: dict[str, Any] = {}
+    loader_error, launch_env, launch_error = None, None, None
+    if accelerate_config is not None:
+        yaml_path = Path(accelerate_config)
+        accelerate = _read_mapping(yaml_path, "--accelerate-config", load_yaml)
+        from accelerate.commands.config.config_args import load_config_from_file
 
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    loader_error = None
-    try:
-        load_config_from_file(str(yaml_path))
-    except (ValueError, TypeError, KeyError) as error:
-        loader_error = " ".join(str(error).split())
-    launch_env, launch_error = None, None
-    if loader_error is None:
-        launch_env, launch_error = _accelerate_launch_env(yaml_path, accelerate)
+        try:
+            load_config_from_file(str(yaml_path))
+        except (ValueError, TypeError, KeyError) as error:
+            loader_error = " ".join(str(error).split())
+        if loader_error is None:
+            launch_env, launch_error = _accelerate_launch_env(yaml_path, accelerate)
 
     parsed = _parse_training_args(list(training_args), cwd) if training_args else None
     training = parsed.values if parsed else None
@@ -338,8 +339,8 @@ def load_inputs(
         chosen = Path(deepspeed_config)
         refs.append(("--deepspeed-config", deepspeed_config, str(chosen.resolve())))
     written = get_path(accelerate, "deepspeed_config.deepspeed_config_file", None)
-    if isinstance(written, str) and written:
-        resolved, path_note = _resolve_yaml_reference(written, yaml_path.resolve().parent, cwd)
+    if accelerate_config is not None and isinstance(written, str) and written:
+        resolved, path_note = _resolve_yaml_reference(written, Path(accelerate_config).resolve().parent, cwd)
         refs.append(
             (f"{accelerate_config}:deepspeed_config.deepspeed_config_file", written, str(resolved.resolve()))
         )
@@ -369,5 +370,5 @@ def load_inputs(
         gpus_per_machine=gpus_per_machine,
         launch_env=launch_env,
         launch_error=launch_error,
-        inline_deepspeed=_inline_deepspeed(launch_env, accelerate_config),
+        inline_deepspeed=_inline_deepspeed(launch_env, accelerate_config or ""),
     )

@@ -160,7 +160,7 @@ def _mismatch_finding(inp: CheckInputs, file: str, difference: launch_values.Dif
     typed = any(flag_given(inp.training_argv, name) for name in difference.flags)
     flag_value = difference.flag_value
     if key == "scheduler.params.warmup_num_steps":
-        flag_value = f"{flag_value} steps"
+        flag_value = f"{flag_value} steps" + (" (the Trainer compares it as 1)" if flag_value < 1 else "")
     elif key == "scheduler.params.total_num_steps":
         flag_value = f"{flag_value} optimizer steps"
     elif isinstance(flag_value, list):

@@ -128,3 +128,25 @@ def _gathers_16bit_on_save(zero: dict[str, Any]) -> bool:
             return bool(DeepSpeedZeroConfig(**zero).gather_16bit_weights_on_model_save)
         except (pydantic.ValidationError, *PARSE_ERRORS):
             return any(zero.get(name) is True for name in GATHER_SPELLINGS)
+
+
+def check_autotuning(inp: CheckInputs) -> Iterator[Finding]:
+    """`autotuning-enabled`: `autotuning.enabled: true` in the DeepSpeed config: DeepSpeed's engine profiles a few
+    steps and then calls exit() (DeepSpeedEngine._autotuning_exit after `end_profile_step`): the training stops
+    partway with exit code 0 and nothing saved. Autotuning is for the `deepspeed --autotuning` launcher only."""
+    view = deepspeed_view(inp)
+    if view is None or get_path(view.config, "autotuning.enabled", False) is not True:
+        return
+    file, key = view.where("autotuning.enabled")
+    end = get_path(view.config, "autotuning.end_profile_step", 5)
+    yield Finding(
+        ERROR,
+        "autotuning-enabled",
+        file,
+        key,
+        f"DeepSpeed's autotuning profiles the first steps and then exits the training (after step {end!r}) with exit "
+        "code 0: nothing is trained further and nothing is saved.",
+        f"{in_file(file)}set `{key}` to false or remove the `autotuning` block (autotuning runs through "
+        "`deepspeed --autotuning tune`, not in a training job).",
+        {f"{file}:{key}": True},
+    )
