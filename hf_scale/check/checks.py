@@ -50,6 +50,7 @@ CHECKS: list[Check] = [
     zero.check_nvme_path,
     zero.check_zero3_save,
     zero.check_autotuning,
+    zero.check_zero_section,
     topology.check_multinode,
     topology.check_main_process_ip,
     accelerate_yaml.check_accelerate_values,

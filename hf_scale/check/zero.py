@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hf_scale import rules
-from hf_scale.check.findings import ERROR, WARNING, Finding, get_path, in_file
+from hf_scale.check.findings import ERROR, WARNING, Finding, get_path, in_file, is_int
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
 from hf_scale.check.knowledge import OFFLOAD_KEEPS_OPTIM, OFFLOAD_REPLACEMENT, PARSE_ERRORS, deepspeed_off_stdout
 
@@ -138,15 +138,38 @@ def check_autotuning(inp: CheckInputs) -> Iterator[Finding]:
     if view is None or get_path(view.config, "autotuning.enabled", False) is not True:
         return
     file, key = view.where("autotuning.enabled")
-    end = get_path(view.config, "autotuning.end_profile_step", 5)
+    with deepspeed_off_stdout():
+        from deepspeed.autotuning.constants import AUTOTUNING_END_PROFILE_STEP_DEFAULT
+
+    end = get_path(view.config, "autotuning.end_profile_step", AUTOTUNING_END_PROFILE_STEP_DEFAULT)
+    end = end + 1 if is_int(end) else end
     yield Finding(
         ERROR,
         "autotuning-enabled",
         file,
         key,
-        f"DeepSpeed's autotuning profiles the first steps and then exits the training (after step {end!r}) with exit "
+        f"DeepSpeed's autotuning profiles the first steps and then exits the training (at step {end!r}) with exit "
         "code 0: nothing is trained further and nothing is saved.",
         f"{in_file(file)}set `{key}` to false or remove the `autotuning` block (autotuning runs through "
         "`deepspeed --autotuning tune`, not in a training job).",
         {f"{file}:{key}": True},
+    )
+
+
+def check_zero_section(inp: CheckInputs) -> Iterator[Finding]:
+    """`zero-section-missing`: a DeepSpeed JSON without `zero_optimization` under the HF Trainer or an Accelerator
+    loop: accelerate's DeepSpeedPlugin raises at start ("Please specify the ZeRO optimization config"); raw
+    deepspeed.initialize runs it as stage 0."""
+    if inp.deepspeed is None or inp.runner == "deepspeed" or "zero_optimization" in inp.deepspeed:
+        return
+    file = inp.deepspeed_file or ""
+    yield Finding(
+        ERROR,
+        "zero-section-missing",
+        file,
+        "zero_optimization",
+        "No `zero_optimization` section: accelerate's DeepSpeedPlugin (the HF Trainer's and an Accelerator loop's) "
+        "refuses the config at start.",
+        f'{in_file(file)}add `"zero_optimization": {{"stage": 0}}` (or the ZeRO stage you want).',
+        {f"{file}:zero_optimization": None},
     )
