@@ -6,7 +6,7 @@ file + the manifest) and verified (`checkpoint.verify`), in one process, `--reps
 alone are timed on the same bytes in memory. The files are read back from the page cache (they were just
 written): on a real cluster a save reads them back the same way, while a resume reads from disk, where the
 disk's read bandwidth is the bound whatever the hash. Each rank hashes its own share of a checkpoint in
-parallel (hf_scale/train/integrity.py), so the per-rank cost is what this measures for `--size-mb`.
+parallel (hf_scale/train/checkpoint/integrity.py), so the per-rank cost is what this measures for `--size-mb`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size-mb, --files and --reps must be >= 1")
 
     sys.path.insert(0, str(common.REPO))
-    from hf_scale.train import checkpoint
+    from hf_scale.train.checkpoint import store as checkpoint
 
     environment = common.environment()
     data = os.urandom(args.size_mb << 20)

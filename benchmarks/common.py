@@ -120,7 +120,7 @@ def build_llama(config: dict, directory: Path, *, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
@@ -188,7 +188,8 @@ def token_lengths(model_dir: Path, data_file: Path, max_seq_length: int) -> list
     """Tokenised lengths exactly as train.py sees them (same tokenizer, format detection and truncation)."""
     from transformers import AutoTokenizer
 
-    from hf_scale.train.data import DataArguments, load_raw_datasets, tokenize_dataset
+    from hf_scale.train.data.arguments import DataArguments
+    from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data_args = DataArguments(train_file=str(data_file), max_seq_length=max_seq_length)

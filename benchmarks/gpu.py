@@ -34,7 +34,7 @@ Metrics, over the steps after --warmup (compilation and allocator warm-up):
 * MFU: tokens/s x (6N + 12·L·H·Q·T) / peak, N = parameters taking part in matmuls (all but the input embedding),
   L layers, H heads, Q head dim, T = token-weighted mean example length (each token attends within its own
   example). Padding, and attention computed across examples under a dense mask, count as waste, not useful FLOPs.
-  Peak: 989 TFLOP/s bf16 dense for H100/H200 (hf_scale.train.metrics knows A100, L40S, ...), or --peak-tflops.
+  Peak: 989 TFLOP/s bf16 dense for H100/H200 (hf_scale.train.loops.metrics knows A100, L40S, ...), or --peak-tflops.
 * peak memory: ``torch.cuda.max_memory_allocated``; mean loss of the measured steps (variants see different
   batches, so losses are comparable only in kind: per-token equality of packing is proven by the test suite).
 
@@ -129,7 +129,8 @@ def flops_per_token(config: dict, mean_attended: float) -> tuple[float, int]:
 def _tokenized(ns: argparse.Namespace):
     from transformers import AutoTokenizer
 
-    from hf_scale.train.data import DataArguments, load_raw_datasets, tokenize_dataset
+    from hf_scale.train.data.arguments import DataArguments
+    from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(ns.model)
     data_args = DataArguments(train_file=ns.data, max_seq_length=ns.seq_len)
@@ -239,7 +240,7 @@ def _torch_packed_worker(ns: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, set_seed
 
-    from hf_scale.train.profile import StepProfiler
+    from hf_scale.train.loops.profile import StepProfiler
 
     set_seed(0)
     tokenizer, dataset = _tokenized(ns)
@@ -464,7 +465,7 @@ def _profile(best: str, args, model_dir: Path, data_file: Path) -> dict:
         run_variant(best, short, model_dir, data_file, profile_dir=profile_dir)
     except VariantFailed as error:
         return {"variant": best, **_report_failure(f"{best} (profile)", error)}
-    from hf_scale.train.profile import TOP_KERNELS
+    from hf_scale.train.loops.profile import TOP_KERNELS
 
     table = (profile_dir / TOP_KERNELS).read_text()
     text_file = args.output.with_name(f"{args.output.stem}_profile.txt")
@@ -551,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         _not_run(args.output, environment, reason)
         print(f"gpu.py: error: {reason}; recorded 'not run' in {args.output}", file=sys.stderr)
         return 2
-    from hf_scale.train.metrics import device_peak_flops  # imports datasets: only once the run goes ahead
+    from hf_scale.train.loops.metrics import device_peak_flops  # imports datasets: only once the run goes ahead
 
     config = SMOKE_LLAMA if args.cpu_smoke else GPU_LLAMA
     if args.budget > config["max_position_embeddings"]:

@@ -70,7 +70,9 @@ def training_flags(args: argparse.Namespace) -> list[str]:
 def _load_data(model_dir: str, data_file: str, max_seq_length: int):
     from transformers import AutoTokenizer
 
-    from hf_scale.train.data import DataArguments, load_raw_datasets, make_collator, tokenize_dataset
+    from hf_scale.train.data.arguments import DataArguments
+    from hf_scale.train.data.batches import make_collator
+    from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data_args = DataArguments(train_file=data_file, max_seq_length=max_seq_length)

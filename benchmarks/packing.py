@@ -14,7 +14,8 @@ actual token-length statistics are written to the results), examples cut at 1,02
 Effective tokens/s = non-padding tokens (metrics.jsonl ``tokens``) / step time, over the steps after the warm-up;
 median over alternating runs. The two variants see different batches (a packed row holds ~7 examples of this
 data), so their per-step losses are not comparable; that packing leaves the per-token loss of the same examples
-unchanged is proven by tests/test_packing.py and tests/test_train_equivalence.py. Both mean step losses are
+unchanged is proven by tests/train/data/test_packing.py and
+tests/train/loops/test_train_equivalence.py. Both mean step losses are
 reported.
 """
 

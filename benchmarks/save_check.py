@@ -1,4 +1,4 @@
-"""Cost of train.py's save check (hf_scale/train/save.py) on a model with TinyLlama-1.1B's shapes, on CPU.
+"""Cost of train.py's save check (hf_scale/train/checkpoint/save.py) on a model with TinyLlama-1.1B's shapes, on CPU.
 
     python benchmarks/save_check.py                       # fp32 and bf16 saves, one file each
     python benchmarks/save_check.py --dtypes bf16 --max-shard-size 1GB
@@ -33,7 +33,7 @@ def _check_worker(dtype: str, out_dir: Path, max_shard_size: str, result_file: P
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_scale.train.save import verify_saved_model
+    from hf_scale.train.checkpoint.save import verify_saved_model
 
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -56,7 +56,7 @@ def _reload_worker(out_dir: Path, result_file: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_scale.train.save import _peak_rss
+    from hf_scale.train.checkpoint.save import _peak_rss
 
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)

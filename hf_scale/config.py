@@ -29,8 +29,10 @@ from pydantic import (
     model_validator,
 )
 
+from hf_scale import precision_rules
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_yaml, read_text
+from hf_scale.parallelism import Layout, ParallelismSettings, checked_layout, config_layout, layout_warnings
 from hf_scale.rules import global_batch_size
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
@@ -51,7 +53,7 @@ def _yaml_no_is_no(value: Any) -> Any:
     return "no" if value is False else value
 
 
-Precision = Annotated[Literal["no", "fp16", "bf16"], BeforeValidator(_yaml_no_is_no)]
+Precision = Annotated[Literal["no", "fp16", "bf16", "fp8"], BeforeValidator(_yaml_no_is_no)]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
@@ -167,7 +169,7 @@ class BatchConfig(_Section):
 
     global_batch_size: BatchSize | None = None
     """Samples per optimizer step, all processes together (= micro_batch_size x gradient_accumulation_steps
-    x world_size)."""
+    x data-parallel size, the world size divided by parallelism.tp x cp x sp)."""
     micro_batch_size: BatchSize | None = None
     """Samples per process per forward/backward pass (DeepSpeed's train_micro_batch_size_per_gpu, the
     Trainer's --per_device_train_batch_size)."""
@@ -281,13 +283,22 @@ class FSDPSettings(_Section):
     activation_checkpointing)."""
 
 
+class FP8Settings(_Section):
+    """FP8 training (used when precision is fp8): fp8 matmuls in the large linear layers, bf16 elsewhere."""
+
+    backend: Literal["torchao", "te", "msamp"] = "torchao"
+    """torchao (float8 linears, the default) | te (NVIDIA TransformerEngine) | msamp (MS-AMP). Needs a GPU of
+    compute capability >= 8.9 (Ada, Hopper) and the backend installed: `pip install hf-scale[fp8]` for torchao."""
+
+
 class DistributedConfig(_Section):
     """One typed description of a distributed fine-tuning run; every generated file derives from it."""
 
     strategy: Strategy = "single"
     """single (one process) | ddp (data parallel) | deepspeed (ZeRO) | fsdp (PyTorch FSDP via accelerate)."""
     precision: Precision = "bf16"
-    """Mixed precision: no | fp16 | bf16. Legacy shorthands `bf16: true` / `fp16: true` are accepted at the
+    """Mixed precision: no | fp16 | bf16 | fp8 (bf16 with fp8 matmuls in the large linear layers, see the fp8
+    section; GPUs of compute capability >= 8.9). Legacy shorthands `bf16: true` / `fp16: true` are accepted at the
     top level; both true, or one disagreeing with precision, is an error."""
     gradient_clipping: Annotated[Number, Field(gt=0)] | None = 1.0
     """Clip the global gradient norm to this value; null turns clipping off."""
@@ -298,11 +309,18 @@ class DistributedConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     deepspeed: DeepSpeedSettings = Field(default_factory=DeepSpeedSettings)
     fsdp: FSDPSettings = Field(default_factory=FSDPSettings)
+    fp8: FP8Settings = Field(default_factory=FP8Settings)
+    parallelism: ParallelismSettings = Field(default_factory=ParallelismSettings)
 
     @property
     def world_size(self) -> int:
         """Total processes: num_machines x processes_per_machine."""
         return self.topology.num_machines * self.topology.processes_per_machine
+
+    @property
+    def layout(self) -> Layout:
+        """The resolved dp_replicate x dp_shard x tp x cp x sp (validation already checked it)."""
+        return config_layout(self)
 
     @model_validator(mode="before")
     @classmethod
@@ -408,11 +426,18 @@ class DistributedConfig(_Section):
                     "fsdp.activation_checkpointing=true and activation_checkpointing=true together would "
                     "checkpoint every layer twice; set only one of them"
                 )
-        self.batch = _resolve_batch(self.batch, world)
+        if self.precision == "fp8":
+            fp8_problem = precision_rules.fp8_config_problem(self)
+            if fp8_problem:
+                raise ValueError(fp8_problem)
+        layout = checked_layout(self)
+        # The ranks of one TP/CP/SP group see the same batch: the batch triple counts data-parallel ranks only.
+        label = "world_size" if layout.model_parallel_size == 1 else "data_parallel_size"
+        self.batch = _resolve_batch(self.batch, layout.data_parallel_size, label)
         return self
 
 
-def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
+def _resolve_batch(batch: BatchConfig, world: int, label: str = "world_size") -> BatchConfig:
     """Fill the batch triple from any two of its members (missing micro/accumulation default to 1)."""
     glob, micro, accum = batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps
     if glob is None:
@@ -420,7 +445,7 @@ def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
         glob = global_batch_size(micro, accum, world)
         if glob > MAX_BATCH:
             raise ValueError(
-                f"batch.micro_batch_size({micro}) x batch.gradient_accumulation_steps({accum}) x world_size({world}) "
+                f"batch.micro_batch_size({micro}) x batch.gradient_accumulation_steps({accum}) x {label}({world}) "
                 f"= {glob} samples per optimizer step; allowed at most {MAX_BATCH}"
             )
         return BatchConfig(global_batch_size=glob, micro_batch_size=micro, gradient_accumulation_steps=accum)
@@ -431,7 +456,7 @@ def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
     known = global_batch_size(micro or 1, accum or 1, world)
     arithmetic = (
         f"batch.global_batch_size={glob} is not micro_batch_size({shown_micro}) x "
-        f"gradient_accumulation_steps({shown_accum}) x world_size({world})"
+        f"gradient_accumulation_steps({shown_accum}) x {label}({world})"
     )
     if micro is not None and accum is not None:
         if glob != known:
@@ -453,7 +478,7 @@ def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
 
 def config_warnings(cfg: DistributedConfig) -> list[str]:
     """Risky-but-legal choices, one line each (``hf-scale generate`` prints them to stderr)."""
-    warnings: list[str] = []
+    warnings = layout_warnings(cfg)
     ds = cfg.deepspeed
     if cfg.strategy == "deepspeed" and ds.zero_stage == 3:
         if cfg.precision == "fp16" and (ds.offload_optimizer != "none" or ds.offload_params != "none"):
@@ -472,7 +497,7 @@ def config_warnings(cfg: DistributedConfig) -> list[str]:
                 "deepspeed.zero3_init=false with ZeRO-3: every process loads the whole model before it is "
                 "partitioned (CPU RAM x processes_per_machine)"
             )
-    return warnings
+    return warnings + precision_rules.fp8_config_warnings(cfg)
 
 
 # --- loading -----------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 It reports the GPUs (name, memory, compute capability, bf16/fp8), the torch/CUDA/NCCL versions, whether the
 DeepSpeed ops a config needs can load (prebuilt, or a JIT build: compiler, ninja, nvcc, a
-TORCH_CUDA_ARCH_LIST DeepSpeed can parse), which attention and fused kernels are usable, the NCCL/network
+TORCH_CUDA_ARCH_LIST DeepSpeed can parse), which attention and fused kernels are usable, which of tensor, context
+and sequence parallelism and HSDP the installed versions (and GPUs) support, the NCCL/network
 environment variables that matter, the free disk at the output directory and, with two or more GPUs, the
 all-reduce bus bandwidth against the GPU link's figure. With ``--config FILE`` (a DistributedConfig YAML, an
 accelerate YAML or a DeepSpeed JSON) it exits 1 when that config cannot run on this node and says why.
@@ -24,7 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from hf_scale import parallelism, rules
 from hf_scale.errors import UserError
+from hf_scale.precision_rules import fp8_backends
 from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
 
 EPILOG = """\
@@ -91,7 +94,7 @@ def gpus() -> list[dict]:
             "memory_bytes": props.total_memory,
             "compute_capability": f"{props.major}.{props.minor}",
             "bf16": props.major >= 8,  # Ampere and newer
-            "fp8": (props.major, props.minor) >= (8, 9),  # Ada and Hopper tensor cores
+            "fp8": (props.major, props.minor) >= rules.FP8_MIN_COMPUTE_CAPABILITY,  # Ada and Hopper tensor cores
         })  # fmt: skip
     return listed
 
@@ -206,7 +209,7 @@ def allreduce_bandwidth(nprocs: int, *, backend: str, size_bytes: int = ALLREDUC
 
     import torch.multiprocessing as mp
 
-    from hf_scale.train.distributed import _free_port
+    from hf_scale.train.setup.distributed import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -386,9 +389,11 @@ def build_report(*, config: str | None, output_dir: str, allreduce: bool) -> dic
         "gpus": gpu_list,
         "build": build_tools(ops),
         "kernels": kernels(gpu_list),
+        "parallelism": parallelism.node_support(bool(gpu_list)),
         "environment": network_env(),
         "disk": disk(output_dir),
         "allreduce": allreduce_report(gpu_list, enabled=allreduce),
+        "fp8": {"gpu": any(g["fp8"] for g in gpu_list), "backends": fp8_backends()},
     }
     if requirements:
         problems, warnings = config_verdict(requirements, gpu_list, report["build"]["deepspeed_ops"], os.environ)
@@ -420,8 +425,15 @@ def format_text(report: dict) -> str:
           + (f" (missing: {', '.join(s['missing'])})" if s.get("missing") else "")
           for op, s in b["deepspeed_ops"].items()],
     ])
+    f8 = report["fp8"]
+    need = ".".join(map(str, rules.FP8_MIN_COMPUTE_CAPABILITY))
+    lines += _block("fp8", [
+        f"GPU: {'yes' if f8['gpu'] else 'no'} (compute capability >= {need} needed); backends: "
+        + ", ".join(f"{name} {version or 'not installed'}" for name, version in f8["backends"].items())])
     lines += _block("kernels", [f"{name}: {'yes' if k['usable'] else 'no'} ({k['why']})"
                                 for name, k in report["kernels"].items()])
+    lines += _block("parallelism", [f"{kind}: {'yes' if k['usable'] else 'no'} ({k['why']})"
+                                    for kind, k in report["parallelism"].items()])
     lines += _block("network", [f"{k}={val}" for k, val in report["environment"].items()] or ["no NCCL/rendezvous "
                                                                                             "variables set"])
     d = report["disk"]

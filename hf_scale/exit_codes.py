@@ -14,4 +14,4 @@ the generated SLURM script requeues the job on it."""
 PREEMPTED_MARKER_ENV = "HF_SCALE_PREEMPTED_MARKER"
 """Every launcher reports a training process's exit code 75 as its own failure (torchrun and accelerate: 1),
 so the generated launch scripts point this variable at a file that train.py creates after saving the
-checkpoint on a stop request (hf_scale.train.preemption); the script then exits EXIT_PREEMPTED."""
+checkpoint on a stop request (hf_scale.train.checkpoint.preemption); the script then exits EXIT_PREEMPTED."""

@@ -33,7 +33,7 @@ from hf_scale import rules
 from hf_scale.errors import UserError
 
 if TYPE_CHECKING:
-    from hf_scale.train.checkpoint_layout import Layout
+    from hf_scale.train.checkpoint.layout import Layout
 
 DTYPES = rules.DTYPE_CHOICES
 LORA_MODES = ("adapter", "merged")
@@ -111,7 +111,7 @@ def run_export(args) -> int:
         max_shard_size=args.max_shard_size,
     )
     if target is not None:
-        from hf_scale.train.checkpoint_layout import TRAINING_STATE_GLOBS
+        from hf_scale.train.checkpoint.layout import TRAINING_STATE_GLOBS
 
         hub.push_folder(out_dir, target, "--push-to-hub", message=f"hf-scale export of {args.checkpoint_dir}",
                         ignore=TRAINING_STATE_GLOBS)
@@ -135,7 +135,7 @@ class Source:
 def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: str | None = None,
            max_shard_size: str = "5GB") -> Path:
     """Write the Hugging Face directory for `checkpoint_dir` to `out_dir` (atomically); returns out_dir."""
-    from hf_scale.train.checkpoint_layout import ADAPTER_CONFIG
+    from hf_scale.train.checkpoint.layout import ADAPTER_CONFIG
 
     _validate_shard_size(max_shard_size)
     found = _checkpoint_of(checkpoint_dir)
@@ -190,7 +190,7 @@ def _checkpoint_of(path: Path) -> Layout:
     """The complete checkpoint to export: `path` itself, or for a training
     output directory (OUTPUT_DIR holding checkpoint-STEP folders) its newest complete checkpoint, said in one
     line on stderr. Everything else is refused in one line saying what `path` is."""
-    from hf_scale.train import checkpoint_layout as layout
+    from hf_scale.train.checkpoint import layout
 
     with _reading(path):
         found = layout.detect_layout(path)
@@ -207,7 +207,7 @@ def _checkpoint_of(path: Path) -> Layout:
 
 def _refuse(found: Layout) -> NoReturn:
     """Why the directory `detect_layout` described cannot be exported, in one line."""
-    from hf_scale.train import checkpoint_layout as layout
+    from hf_scale.train.checkpoint import layout
 
     path = found.path
     if found.kind == layout.UNKNOWN and found.problem in ("not a directory", "no such directory"):
@@ -257,7 +257,7 @@ def _resolve_dtype(dtype: str, checkpoint_dir: Path):
 
 def _find_source(found: Layout) -> Source:
     """The reader of the weights of the complete checkpoint `found`."""
-    from hf_scale.train import checkpoint_layout as layout
+    from hf_scale.train.checkpoint import layout
 
     path = found.path
     if found.weights == layout.FSDP_DCP:
@@ -283,7 +283,7 @@ def _deepspeed_source(path: Path, tag: str | None) -> Source:
     """DeepSpeed's own consolidation, lazily: ZeRO-3 tensors are gathered from the partitions one at a time."""
     import torch
 
-    from hf_scale.train import checkpoint_layout as layout
+    from hf_scale.train.checkpoint import layout
 
     if not tag or not (path / tag).is_dir():
         raise UserError(f"CHECKPOINT_DIR {path}: '{layout.DEEPSPEED_LATEST}' names {tag or 'nothing'}, which is not "
@@ -329,7 +329,7 @@ def _accelerate_fsdp_source(path: Path) -> Source | None:
     and FSDP2, the manual loop's `save_state` and the Trainer's checkpoints): SHARDED_STATE_DICT is a DCP
     folder, FULL_STATE_DICT one state dict torch.save'd by rank 0. Only the first model (index 0) is read;
 None when neither is there."""
-    from hf_scale.train import checkpoint_layout as layout
+    from hf_scale.train.checkpoint import layout
 
     if (path / layout.ACCELERATE_FSDP_SHARDED / ".metadata").is_file():
         return _dcp_source(path / layout.ACCELERATE_FSDP_SHARDED, "FSDP shards of accelerate's plugin")

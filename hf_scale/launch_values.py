@@ -174,13 +174,15 @@ def _precision(state: _State, ds: dict, accelerate: str | None) -> None:
             allowed &= {p for p in PRECISIONS if (p == dtype) == on}
             fixed_by.append(f"{state.source} {block}.enabled={str(on).lower()}")
     if accelerate and accelerate != "no":
-        if accelerate not in PRECISIONS:
+        # fp8 trains under bf16 autocast (hf_scale.rules.FP8_AUTOCAST): its flags are --bf16.
+        computes_in = rules.compute_precision(accelerate)
+        if computes_in not in PRECISIONS:
             state.mismatches.append(
                 f"the accelerate config's mixed_precision={accelerate} is not supported by train.py (allowed: no, "
                 "bf16, fp16)"
             )
             return
-        allowed &= {accelerate}
+        allowed &= {computes_in}
         fixed_by.append(f"the accelerate config's mixed_precision={accelerate}")
     if not allowed:
         state.mismatches.append(f"{' and '.join(fixed_by)} disagree about the precision")

@@ -7,6 +7,12 @@ What is filtered, and why it is noise:
   (they read and write files), so it is dropped there; in train.py it is dropped only where the machine has
   no GPU device at all (``/dev/nvidiactl``, ``/dev/kfd``), since on a GPU machine it is real news: CUDA
   is broken there.
+- torchao's ``Failed to load .../_C_*.so`` (its CUDA kernels, which cannot load where there is no GPU) and
+  bitsandbytes' ``Failed to load CPU gemm_4bit_forward from kernels-community`` (the optional `kernels` package;
+  it falls back to its own CPU path): transformers imports torchao whenever it is installed, peft imports
+  bitsandbytes. Dropped where the machine has no GPU (hf_scale's commands: always, they use no kernel).
+- torch's ``<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile``,
+  logged for torchao's enums on import: a deprecation inside torchao, nothing a user can act on.
 - torch's DataLoader ``'pin_memory' argument is set as true but no accelerator is found`` (the Trainer's
   default ``--dataloader_pin_memory`` on a CPU-only machine: pinning is simply skipped).
 - On every process but the first of a multi-process run (``RANK`` > 0), the libraries follow their own
@@ -33,6 +39,9 @@ _TRUE = ("1", "true", "yes", "on")
 
 DEEPSPEED_LOGGER = "DeepSpeed"
 DEEPSPEED_NO_GPU = "Setting accelerator to CPU"
+TORCHAO_LOGGER, TORCHAO_NO_KERNEL = "torchao", "Failed to load "
+BNB_CPU_LOGGER, BNB_NO_KERNELS = "bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"
+PYTREE_LOGGER, PYTREE_ENUM = "torch.utils._pytree", "%s is an Enum subclass"
 PIN_MEMORY_ON_CPU = r"'pin_memory' argument is set as true but no accelerator is found"
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
 """Device nodes of the NVIDIA and AMD (ROCm) kernel drivers: present on any machine with a usable GPU."""
@@ -97,12 +106,21 @@ def is_replica(environ=os.environ) -> bool:
 def quiet_command() -> None:
     """For `hf-scale` commands: they never need a GPU, so DeepSpeed's "no GPU" notice is never news."""
     _add_filter(DEEPSPEED_LOGGER, prefixes=(DEEPSPEED_NO_GPU,))
+    _add_filter(PYTREE_LOGGER, prefixes=(PYTREE_ENUM,))
+    _quiet_kernels()
+
+
+def _quiet_kernels() -> None:
+    _add_filter(TORCHAO_LOGGER, prefixes=(TORCHAO_NO_KERNEL,))
+    _add_filter(BNB_CPU_LOGGER, prefixes=(BNB_NO_KERNELS,))
 
 
 def quiet_training(*, replica: bool | None = None) -> None:
     """For train.py, before the libraries are imported (their import-time notices included)."""
+    _add_filter(PYTREE_LOGGER, prefixes=(PYTREE_ENUM,))
     if not gpu_device_present():
         _add_filter(DEEPSPEED_LOGGER, prefixes=(DEEPSPEED_NO_GPU,))
+        _quiet_kernels()
         warnings.filterwarnings("ignore", message=PIN_MEMORY_ON_CPU, category=UserWarning)
     if is_replica() if replica is None else replica:
         for name, value in _REPLICA_ENV.items():

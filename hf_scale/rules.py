@@ -30,6 +30,25 @@ PRECISIONS = ("no", "bf16", "fp16")
 BOTH_PRECISIONS = "--bf16 and --fp16 are both set; choose one precision"
 
 
+FP8 = "fp8"
+FP8_AUTOCAST = "bf16"
+"""accelerate trains fp8 on top of bf16 autocast (Accelerator: native_amp for fp8; DeepSpeedPlugin.set_mixed_precision
+enables DeepSpeed's bf16 block; FSDP's mixed-precision map sends fp8 to bfloat16): the precision of everything that
+is not an fp8 matmul, the flags' --bf16."""
+FP8_BACKENDS = {"torchao": "AO", "te": "TE", "msamp": "MSAMP"}
+"""The config's `fp8.backend` -> accelerate's FP8BackendType value (the YAML's fp8_config.backend,
+ACCELERATE_FP8_BACKEND)."""
+FP8_BACKEND_MODULES = {"torchao": "torchao", "te": "transformer_engine", "msamp": "msamp"}
+"""The module each FP8 backend imports as (what `doctor` and train.py's refusal look for)."""
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+"""FP8 tensor cores: Ada (8.9) and Hopper (9.0) and later; torch._scaled_mm refuses anything older."""
+
+
+def compute_precision(mixed_precision: str) -> str:
+    """The 16-bit precision a mixed precision computes in outside fp8 matmuls: fp8 -> bf16, the rest unchanged."""
+    return FP8_AUTOCAST if mixed_precision == FP8 else mixed_precision
+
+
 def global_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, world_size: int) -> int:
     """Samples per optimizer step: micro batch per process x accumulation x processes (DeepSpeed's
     `train_batch_size`, the Trainer's `train_batch_size` computed in HfTrainerDeepSpeedConfig)."""
@@ -101,7 +120,7 @@ def is_half_dtype(spelling: str) -> bool:
 # accelerate's DeepSpeedPlugin.__post_init__ (`plugin_to_config_mapping`, accelerate/utils/dataclasses.py):
 # the YAML's `deepspeed_config` keys and the DeepSpeed JSON paths they set. One table for both directions:
 # :func:`deepspeed_config_from_yaml` writes with it, :func:`yaml_key_of` reads it back.
-# tests/test_check_knowledge.py proves every pair against accelerate's source.
+# tests/check/test_check_knowledge.py proves every pair against accelerate's source.
 ACCELERATE_YAML_TO_DEEPSPEED = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "gradient_clipping": "gradient_clipping",
@@ -156,7 +175,7 @@ def yaml_key_of(deepspeed_path: str) -> str | None:
 
 
 # Which "auto" values each runner fills in. Hand-listed because the libraries fill them inline (no importable
-# list); tests/test_check_knowledge.py checks every entry against the libraries' source, tests/test_rules.py
+# list); tests/check/test_check_knowledge.py checks every entry against the libraries' source, tests/test_rules.py
 # that the generated JSON writes "auto" only there.
 # Filled by accelerate's DeepSpeedPlugin.__post_init__, for both the Trainer and an Accelerator loop:
 PLUGIN_FILLED = frozenset(ACCELERATE_YAML_TO_DEEPSPEED.values())

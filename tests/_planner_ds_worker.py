@@ -1,4 +1,4 @@
-"""2-process DeepSpeed worker for tests/test_planner_deepspeed.py (run with `torchrun --nproc_per_node 2`).
+"""2-process DeepSpeed worker for tests/planner/test_planner_deepspeed.py (run with `torchrun --nproc_per_node 2`).
 
 Builds the tiny Llama, initialises the real DeepSpeed engine over gloo with the DeepSpeed JSON that
 ``hf-scale generate --deepspeed-mode resolved`` writes for the given ZeRO stage (fp32, torch AdamW), takes one

@@ -1,4 +1,4 @@
-"""Run by tests/test_data.py under ``torchrun --nproc_per_node 2``: records the samples each rank sees.
+"""Run by tests/train/data/test_data.py under ``torchrun --nproc_per_node 2``: records the samples each rank sees.
 
 Every rank builds the real data pipeline (load, tokenize, collate, shuffle) and the real
 ``accelerator.prepare``, iterates two epochs and writes ``OUT/rank<N>.json`` with, per epoch, the
@@ -17,14 +17,10 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 from transformers import AutoTokenizer
 
-from hf_scale.train.data import (
-    DataArguments,
-    load_raw_datasets,
-    make_collator,
-    make_train_dataloader,
-    tokenize_dataset,
-)
-from hf_scale.train.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.data.arguments import DataArguments
+from hf_scale.train.data.batches import make_collator, make_train_dataloader
+from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
 
 def sample_ids(batch, tokenizer) -> list[int]:

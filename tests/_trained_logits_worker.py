@@ -1,7 +1,8 @@
 """`python train.py FLAGS` that also records the trained model's logits on train_helpers.PROBE_IDS: computed by the
 live (still sharded) model after the last optimizer step, right before train.py's final save. What a model made
 later from the run's checkpoint (`hf-scale export`) must reproduce when train.py itself writes no safetensors
-(ZeRO-3 without 16-bit gathering, tests/test_save.py). train.py's own code runs unchanged, exit code included.
+(ZeRO-3 without 16-bit gathering, tests/train/checkpoint/test_save.py). train.py's own code runs unchanged,
+exit code included.
 
 Usage: python tests/_trained_logits_worker.py LOGITS_FILE [train.py flags...]
 """

@@ -1,4 +1,4 @@
-"""Shared configs and helpers of the `hf-scale check` tests (tests/test_check_*.py, one file per family of
+"""Shared configs and helpers of the `hf-scale check` tests (tests/check/test_check_*.py, one file per family of
 checks in hf_scale/check/). Most tests run the real CLI in-process (``hf_scale.cli.main``); a few run it as a
 subprocess to prove the exit codes and that no traceback escapes. Nothing from accelerate, DeepSpeed or
 transformers is mocked."""

@@ -1,4 +1,4 @@
-"""Real training runs that leave checkpoints, shared by tests/test_export.py and tests/test_reshard.py.
+"""Real training runs that leave checkpoints, shared by tests/test_export.py and tests/train/checkpoint/test_reshard.py.
 
 Every run trains 4 optimizer steps and saves `checkpoint-2` and `checkpoint-4` (the global batch is 8 in
 all of them: 2 processes x micro 2 x accumulation 2, or 1 process x micro 2 x accumulation 4). Runs are

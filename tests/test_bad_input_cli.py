@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from hf_scale.cli import main
-from hf_scale.train import checkpoint
+from hf_scale.train.checkpoint import store as checkpoint
 
 ASSETS = Path(__file__).resolve().parents[1] / "hf_scale" / "assets" / "tiny-llama"
 TINY_CONFIG = json.loads((ASSETS / "config.json").read_text())

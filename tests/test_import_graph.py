@@ -115,8 +115,8 @@ def layer(module: str) -> int:
 def test_the_graph_sees_lazy_imports_and_the_commands_the_cli_loads_by_name():
     graph = import_graph()
     assert "hf_scale.config" in graph["hf_scale.presets"]
-    assert "hf_scale.train.packing" in graph["hf_scale.train.data"]  # imported inside a function
-    assert "hf_scale.train.checkpoint_layout" in graph["hf_scale.export"]  # `from hf_scale.train import x` inside one
+    assert "hf_scale.train.data.packing" in graph["hf_scale.train.data.batches"]  # imported inside a function
+    assert "hf_scale.train.checkpoint.layout" in graph["hf_scale.export"]  # `from hf_scale.train import x` inside one
     assert {"hf_scale.demo", "hf_scale.export", "hf_scale.generate"} <= graph["hf_scale.cli"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

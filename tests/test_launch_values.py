@@ -66,7 +66,9 @@ def test_an_explicit_conflicting_precision_flag_is_one_mismatch():
         ("no", (), {}, "no", None),  # what accelerate writes when the YAML says nothing: fixes nothing
         ("no", ("bf16",), {"bf16": True}, "bf16", None),
         ("bf16", ("fp16",), {"fp16": True}, None, "--fp16 conflicts with the accelerate config's mixed_precision=bf16"),
-        ("fp8", (), {}, None, "mixed_precision=fp8 is not supported by train.py"),
+        ("fp8", (), {}, "bf16", None),  # fp8 matmuls under bf16 autocast: --bf16
+        ("fp8", ("fp16",), {"fp16": True}, None, "--fp16 conflicts with the accelerate config's mixed_precision=fp8"),
+        ("fp4", (), {}, None, "mixed_precision=fp4 is not supported by train.py"),
     ],
 )
 def test_accelerate_mixed_precision_is_followed_or_conflicts(accelerate, given, flags, want, problem):

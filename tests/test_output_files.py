@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hf_scale.cli import main
-from hf_scale.train import checkpoint
+from hf_scale.train.checkpoint import store as checkpoint
 
 ASSETS = Path(__file__).resolve().parents[1] / "hf_scale" / "assets" / "tiny-llama"
 

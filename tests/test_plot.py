@@ -11,7 +11,7 @@ import pytest
 
 from hf_scale.cli import main
 from hf_scale.plot import load_plot_data
-from hf_scale.train.metrics import StepMetrics
+from hf_scale.train.loops.metrics import StepMetrics
 
 LOSSES = [5.5, 5.1, 4.8, 4.6, 4.5]
 TOKENS = [1000, 1200, 800, 1000, 900]

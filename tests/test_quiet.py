@@ -1,5 +1,5 @@
 """Quiet by default (hf_scale.quiet), fast help (hf_scale.cli imports only the command being run), and
-train.py's grouped --help (hf_scale.train.help). In-process, except the one fresh interpreter that proves
+train.py's grouped --help (hf_scale.train.setup.help). In-process, except the one fresh interpreter that proves
 what `--help` imports."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from transformers import TrainingArguments
 
 from hf_scale import quiet
 from hf_scale.cli import COMMANDS, main
-from hf_scale.train import help as train_help
-from hf_scale.train.args import ModelArguments, ScaleArguments
-from hf_scale.train.data import DataArguments
-from hf_scale.train.main import build_parser
-from hf_scale.train.sources import SourceArguments
+from hf_scale.train.data.arguments import DataArguments
+from hf_scale.train.data.sources import SourceArguments
+from hf_scale.train.setup import help as train_help
+from hf_scale.train.setup.args import ModelArguments, ScaleArguments
+from hf_scale.train.setup.parser import build_parser
 
 HEAVY = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "matplotlib")
 

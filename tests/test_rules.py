@@ -10,7 +10,7 @@ from hf_scale import rules
 
 @pytest.fixture(scope="module")
 def train_py_parser():
-    from hf_scale.train.main import build_parser
+    from hf_scale.train.setup.parser import build_parser
 
     return build_parser()
 
@@ -119,7 +119,7 @@ def test_every_command_takes_the_dtype_spellings_of_the_one_table(train_py_parse
 
     from hf_scale.export import register as register_export
     from hf_scale.plan import add_plan_arguments
-    from hf_scale.train.model import load_dtype
+    from hf_scale.train.model.load import load_dtype
 
     assert tuple(train_py_parser._option_string_actions["--torch_dtype"].choices) == rules.DTYPE_CHOICES
     export_parser = argparse.ArgumentParser()

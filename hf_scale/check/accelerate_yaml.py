@@ -137,7 +137,7 @@ def range_problem(value: Any, low: float | None, high: float | None) -> str | No
 
 # What `accelerate launch` needs of these numbers (torchrun gets num_processes // num_machines processes
 # per node; a port is 1-65535); ZeRO stages and offload devices are DeepSpeed's ZeroStageEnum and
-# OffloadDeviceEnum (tests/test_check_knowledge.py proves them against DeepSpeed).
+# OffloadDeviceEnum (tests/check/test_check_knowledge.py proves them against DeepSpeed).
 ACCELERATE_RANGES = {
     "num_processes": (1, None),
     "num_machines": (1, None),

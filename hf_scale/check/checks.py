@@ -13,6 +13,8 @@ from hf_scale.check import (
     batch,
     deepspeed_file,
     deepspeed_json,
+    fp8,
+    parallelism,
     precision,
     topology,
     trainer_values,
@@ -35,6 +37,7 @@ CHECKS: list[Check] = [
     batch.check_train_batch_size,
     precision.check_precision,
     precision.check_fp16_and_bf16,
+    fp8.check_fp8_speed,
     deepspeed_json.check_auto_values,
     trainer_values.check_hf_scale_config_flags,
     trainer_values.check_deepspeed_overrides_flags,
@@ -54,6 +57,8 @@ CHECKS: list[Check] = [
     topology.check_multinode,
     topology.check_main_process_ip,
     accelerate_yaml.check_accelerate_values,
+    parallelism.check_parallelism_block,
+    parallelism.check_parallelism_layout,
     deepspeed_json.check_deepspeed_values,
 ]
 

@@ -66,7 +66,7 @@ class CheckInputs:
     """Why accelerate's launch code refuses the YAML (a value it cannot use), if it does."""
     inline_deepspeed: dict[str, Any] | None = None
     """For a DeepSpeed YAML without ``deepspeed_config_file``: the DeepSpeed config accelerate's
-    DeepSpeedPlugin builds from it, exactly as train.py builds it (hf_scale.train.inline_deepspeed)."""
+    DeepSpeedPlugin builds from it, exactly as train.py builds it (hf_scale.train.setup.inline_deepspeed)."""
 
 
 def world_size_of(inp: CheckInputs) -> int | None:
@@ -121,7 +121,7 @@ def training_source(inp: CheckInputs, name: str) -> Source | None:
 def only_a_default_flag_differs(inp: CheckInputs, sources: list[Source], flags: tuple[str, ...]) -> bool:
     """The values written in the DeepSpeed settings (a JSON, or an inline DeepSpeed YAML) agree, and only a
     training flag left at its default differs: train.py then takes the file's value (hf_scale.launch_values,
-    hf_scale.train.inline_deepspeed), a plain HF Trainer script stops."""
+    hf_scale.train.setup.inline_deepspeed), a plain HF Trainer script stops."""
     written = [s for s in sources if s.file != TRAINING_ARGS]
     defaults = [s for s in sources if s.file == TRAINING_ARGS]
     return (
@@ -156,13 +156,13 @@ class _TrainingArgs:
 
 
 def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
-    """Parse exactly as train.py does, with train.py's own parser (hf_scale.train.main.build_parser: every
+    """Parse exactly as train.py does, with train.py's own parser (hf_scale.train.setup.parser.build_parser: every
     TrainingArguments flag plus train.py's model/data/hf_scale flags, no abbreviations, an unknown flag refused,
     a recipe file expanded before the flags), without constructing TrainingArguments (its __post_init__ touches
     devices). Returns the parsed values and the flags as train.py sees them (the recipe's first). ``--loop
     accelerate`` changes nothing here: train.py resolves "auto" like the Trainer."""
-    from hf_scale.train.main import build_parser
-    from hf_scale.train.recipe import expand_recipe
+    from hf_scale.train.setup.parser import build_parser
+    from hf_scale.train.setup.recipe import expand_recipe
 
     parser = build_parser()
     try:
@@ -181,9 +181,14 @@ def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
 
 def _apply_hf_scale_config(namespace: Any, argv: list[str], cwd: Path) -> _TrainingArgs:
     """``--hf_scale_config FILE`` fills the flags as train.py fills them (the same function,
-    hf_scale.train.reconcile.fill_flags_from_config); the filled flags then count as typed, as in train.py."""
+    hf_scale.train.setup.reconcile.fill_flags_from_config); the filled flags then count as typed, as in train.py."""
     from hf_scale.config import load_config
-    from hf_scale.train.reconcile import FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag, fill_flags_from_config, filled
+    from hf_scale.train.setup.reconcile import (
+        FIXED_BY_HF_SCALE_CONFIG,
+        checkpointing_flag,
+        fill_flags_from_config,
+        filled,
+    )
 
     written = namespace.hf_scale_config
     path = Path(written).expanduser()
@@ -282,7 +287,7 @@ def _accelerate_launch_env(yaml_path: Path, raw: dict[str, Any]) -> tuple[dict[s
 
 def _inline_deepspeed(env: dict[str, str] | None, yaml_file: str) -> dict[str, Any] | None:
     """The DeepSpeed config train.py builds for a YAML with inline `deepspeed_config` (the same function)."""
-    from hf_scale.train import inline_deepspeed
+    from hf_scale.train.setup import inline_deepspeed
 
     if env is None or not inline_deepspeed.is_inline(env):
         return None

@@ -34,7 +34,7 @@ YAML_TO_DS_PATH = rules.ACCELERATE_YAML_TO_DEEPSPEED
 # accelerate's DeepSpeedPlugin._deepspeed_config_checks (accelerate/utils/dataclasses.py) raises at launch
 # when the YAML sets one of these next to `deepspeed_config_file` (it derives them from a hard-coded list
 # of ACCELERATE_* variable names inside the method, so there is nothing to import);
-# tests/test_check_knowledge.py proves the list against the real DeepSpeedPlugin.
+# tests/check/test_check_knowledge.py proves the list against the real DeepSpeedPlugin.
 DS_FILE_CONFLICTING_YAML_KEYS = (*YAML_TO_DS_PATH, "mixed_precision")
 
 
@@ -51,9 +51,11 @@ def _launch_option_groups() -> dict[str, frozenset[str]]:
 
 @functools.cache
 def known_section_keys(section: str) -> frozenset[str]:
-    """Keys accelerate acts on under the YAML's ``deepspeed_config`` / ``fsdp_config``."""
+    """Keys accelerate acts on under the YAML's ``deepspeed_config`` / ``fsdp_config`` / ``parallelism_config``."""
     if section == "deepspeed_config":
         return _launch_option_groups()["DeepSpeed Arguments"]
+    if section == "parallelism_config":
+        return _launch_option_groups()["ParallelismConfig Arguments"]
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     # prepare_multi_gpu_env also reads some fsdp_* attributes that have no launch option

@@ -52,15 +52,17 @@ def check_precision(inp: CheckInputs) -> Iterator[Finding]:
     untyped = training is not None and not any(flag_given(inp.training_argv, f) for f in ("bf16", "fp16"))
     # Flags left out are not compared: train.py follows the launcher's config (hf_scale.launch_values).
     compared = [s for s in wanted if s is not training] if untyped else wanted
-    yield from disagreement(
-        "precision-mismatch",
-        "mixed precision",
-        compared,
-        agree_fix(compared, " (one precision: no, fp16 or bf16)") if len(compared) > 1 else "",
-    )
+    # fp8 computes in bf16 outside its matmuls and runs with --bf16 (hf_scale.rules.compute_precision).
+    if len({rules.compute_precision(str(s.value)) for s in compared}) > 1:
+        yield from disagreement(
+            "precision-mismatch",
+            "mixed precision",
+            compared,
+            agree_fix(compared, " (one precision: no, fp16 or bf16; fp8 runs with --bf16)"),
+        )
     for source in compared:
         # accelerate runs fp8 on top of DeepSpeed's bf16 (DeepSpeedPlugin.set_mixed_precision).
-        asked = "bf16" if source.value == "fp8" else source.value
+        asked = rules.compute_precision(source.value)
         for dtype, ds in explicit.items():
             if ds.value != (asked == dtype):
                 yield Finding(

@@ -51,7 +51,7 @@ def check_hf_scale_config_flags(inp: CheckInputs) -> Iterator[Finding]:
     """`hf-scale-config-mismatch`: a training flag contradicts the DistributedConfig of `--hf_scale_config`
     (e.g. its batch.micro_batch_size=2 and `--per_device_train_batch_size 4`), or the accelerate YAML launches
     another world size, engine or ZeRO stage; train.py stops on it with this message. The config's values fill the
-    flags left unset (hf_scale.train.reconcile.fill_flags_from_config)."""
+    flags left unset (hf_scale.train.setup.reconcile.fill_flags_from_config)."""
     file = inp.hf_scale_config_file or ""
     where = f"--hf_scale_config={file}: "
     name = Path(file).name

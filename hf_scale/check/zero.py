@@ -88,7 +88,7 @@ def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
     """`zero3-no-16bit-save` (warning): ZeRO-3 without 16-bit weights gathered on save, in any spelling
     DeepSpeed reads (`stage3_gather_16bit_weights_on_model_save`, `gather_16bit_weights_on_model_save`, the
     deprecated fp16 name; asked from DeepSpeed's own ZeRO model): train.py's final save is the last step's
-    checkpoint, not safetensors (hf_scale.train.final_checkpoint)."""
+    checkpoint, not safetensors (hf_scale.train.checkpoint.final_checkpoint)."""
     view = deepspeed_view(inp)
     zero = get_path(view.config, "zero_optimization", None) if view is not None else None
     if not isinstance(zero, dict) or zero.get("stage") != 3 or _gathers_16bit_on_save(zero):

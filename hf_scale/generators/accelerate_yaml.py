@@ -8,9 +8,13 @@ accelerate 1.x needs to be told explicitly:
   it: with a config file, accelerate raises at launch on ``gradient_accumulation_steps``,
   ``gradient_clipping``, ``zero_stage``, ``offload_*``, ``zero3_save_16bit_model`` in ``deepspeed_config``
   and on a top-level ``mixed_precision`` (``DeepSpeedPlugin._deepspeed_config_checks``); the precision
-  comes from the JSON's bf16/fp16 blocks.
+  comes from the JSON's bf16/fp16 blocks (fp8: bf16, as accelerate runs it; train.py takes the fp8 recipe from
+  --hf_scale_config).
+* precision fp8 (without DeepSpeed): ``mixed_precision: fp8`` and an ``fp8_config`` in the keys ``accelerate
+  launch`` reads (hf_scale.precision_rules).
 * FSDP hybrid sharding under FSDP2 is a 2-D device mesh: accelerate builds it from
-  ``parallelism_config`` (dp_replicate = machines, dp_shard = processes per machine).
+  ``parallelism_config`` (dp_replicate = machines, dp_shard = processes per machine); so are TP, CP and SP
+  (``hf_scale.parallelism.yaml_block``: the keys ``accelerate config`` writes).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from typing import Any
 import yaml
 
 from hf_scale.config import DistributedConfig
+from hf_scale.parallelism import yaml_block
+from hf_scale.precision_rules import fp8_accelerate_section
+from hf_scale.rules import FP8
 
 _DISTRIBUTED_TYPE = {"single": "NO", "ddp": "MULTI_GPU", "deepspeed": "DEEPSPEED", "fsdp": "FSDP"}
 _FSDP1_SHARDING = {
@@ -53,6 +60,8 @@ def accelerate_config(cfg: DistributedConfig, *, deepspeed_config_file: str | No
     }
     if cfg.strategy != "deepspeed":
         config["mixed_precision"] = cfg.precision
+        if cfg.precision == FP8:
+            config["fp8_config"] = fp8_accelerate_section(cfg)
     if cfg.strategy != "single":
         config["main_process_port"] = topo.main_process_port
     if topo.num_machines > 1:
@@ -61,11 +70,8 @@ def accelerate_config(cfg: DistributedConfig, *, deepspeed_config_file: str | No
         config["deepspeed_config"] = _deepspeed_section(cfg, deepspeed_config_file)
     if cfg.strategy == "fsdp":
         config["fsdp_config"] = _fsdp_section(cfg)
-        if cfg.fsdp.version == 2 and cfg.fsdp.sharding == "hybrid_shard":
-            config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": topo.num_machines,
-                "parallelism_config_dp_shard_size": topo.processes_per_machine,
-            }
+    if cfg.layout.active:
+        config["parallelism_config"] = yaml_block(cfg.layout, cp_comm_strategy=cfg.parallelism.cp_comm_strategy)
     return config
 
 

@@ -29,6 +29,7 @@ import json
 from typing import Any, Literal
 
 from hf_scale.config import DistributedConfig
+from hf_scale.rules import compute_precision
 
 Mode = Literal["auto", "resolved"]
 MODES: tuple[Mode, ...] = ("auto", "resolved")
@@ -58,7 +59,8 @@ def deepspeed_config(cfg: DistributedConfig, mode: Mode) -> dict[str, Any]:
         "gradient_accumulation_steps": pick(batch.gradient_accumulation_steps),
         # 0.0 switches clipping off explicitly: an absent key means DeepSpeed's default of 1.0.
         "gradient_clipping": pick(cfg.gradient_clipping or 0.0),
-        "bf16": {"enabled": cfg.precision == "bf16"},
+        # fp8 runs on DeepSpeed's bf16 (accelerate's DeepSpeedPlugin.set_mixed_precision does the same).
+        "bf16": {"enabled": compute_precision(cfg.precision) == "bf16"},
         "fp16": _fp16_block(cfg.precision == "fp16"),
     }
     if needs_optimizer_block(cfg):

@@ -31,7 +31,7 @@ def starter_recipe(cfg: DistributedConfig, name: str, *, header: str) -> str:
             ("chat_template_path", None, "Jinja chat template for a base model without one (chat data)"),
             ("lora_r", 0, "LoRA rank; 0 trains all weights"),
         ]),
-        ("data (see the README's Data section)", [
+        ("data (see docs/data.md)", [
             ("train_file", None, "file(s) .jsonl/.json/.csv/.parquet/.txt; a list of several is a mixture"),
             ("mixture_weights", None, "with several train_file/dataset_name: each one's share, e.g. [0.7, 0.3]"),
             ("dataset_name", None, "Hub id or dataset directory (instead of train_file)"),

@@ -4,7 +4,7 @@ triple worked out), for train.py's `--hf_scale_config`.
 The accelerate YAML and an "auto" DeepSpeed JSON cannot carry the batch, clipping, optimizer values and
 activation checkpointing (the HF Trainer fills "auto" from train.py's flags, and accelerate's YAML has no
 such keys for DDP), so the launch scripts hand train.py this file and train.py takes those values from it,
-refusing any flag that contradicts it (hf_scale.train.reconcile).
+refusing any flag that contradicts it (hf_scale.train.setup.reconcile).
 """
 
 from __future__ import annotations
@@ -12,11 +12,17 @@ from __future__ import annotations
 import yaml
 
 from hf_scale.config import DistributedConfig
+from hf_scale.parallelism import ParallelismSettings
 
 
 def resolved_config(cfg: DistributedConfig) -> dict:
-    """Every field, in the schema's order; `load_config` on it gives `cfg` back."""
-    return cfg.model_dump(mode="json")
+    """Every field, in the schema's order; `load_config` on it gives `cfg` back. The parallelism section only
+    when it says something: its left-out sizes are derived from the topology (`DistributedConfig.layout`), so a
+    file without TP/CP/SP stays valid when the topology is overridden."""
+    data = cfg.model_dump(mode="json")
+    if cfg.parallelism == ParallelismSettings():
+        del data["parallelism"]
+    return data
 
 
 def resolved_config_yaml(cfg: DistributedConfig, *, header: str) -> str:

@@ -1,18 +1,17 @@
 """train.py as four stages, read top to bottom in :func:`train`:
 
-- prepare: flags (recipe, command line) checked and reconciled with the launcher, TrainingArguments and the
-  run spec (hf_scale.train.run_spec) built once, the process group, the output directory locked;
+- prepare (hf_scale.train.prepare): flags (recipe, command line) checked and reconciled with the launcher,
+  TrainingArguments and the run spec (hf_scale.train.setup.run_spec) built once, the process group, the output
+  directory locked;
 - build: tokenizer, data, collator, model;
-- fit: the HF Trainer or the manual Accelerator loop (hf_scale.train.loop);
+- fit: the HF Trainer or the manual Accelerator loop (hf_scale.train.loops.manual);
 - finish: save, prove the save, summary, shut down, push.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import warnings
@@ -21,198 +20,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import HfArgumentParser, TrainingArguments, set_seed
+from transformers import set_seed
 
-from hf_scale import deepspeed_ops, hub, launch_values, rules
+from hf_scale import hub, launch_values, rules
 from hf_scale.errors import UserError, exit_with_user_error
-from hf_scale.train import (
-    attention,
-    checkpoint,
-    checkpoint_layout,
-    distributed,
-    evaluation,
-    final_checkpoint,
-    guard,
-    loop_flags,
-    output_lock,
-    preemption,
-    reconcile,
-    reshard,
-    run_spec,
-    sources,
-)
-from hf_scale.train.args import ModelArguments, ScaleArguments
-from hf_scale.train.chat_template import read_chat_template
-from hf_scale.train.data import (
-    DEFAULT_MAX_SEQ_LENGTH,
-    DataArguments,
-    check_max_seq_length,
-    default_dataloader_workers,
-    make_collator,
-)
-from hf_scale.train.help import GroupedHelp
-from hf_scale.train.liger import check_liger
-from hf_scale.train.metrics import flops_per_token, matmul_parameters, mean_example_length
-from hf_scale.train.model import (
-    check_lora_flags,
+from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption
+from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint.save import failure_message, save_with_accelerator, verify_saved_model
+from hf_scale.train.data import sources
+from hf_scale.train.data.arguments import DEFAULT_MAX_SEQ_LENGTH, check_max_seq_length
+from hf_scale.train.data.batches import make_collator
+from hf_scale.train.data.packing import maybe_pack
+from hf_scale.train.loops import evaluation
+from hf_scale.train.loops.metrics import flops_per_token, matmul_parameters, mean_example_length
+from hf_scale.train.model import attention
+from hf_scale.train.model.liger import check_liger
+from hf_scale.train.model.load import (
     load_model,
     load_pretrained_config,
     load_tokenizer,
     resolve_model_path,
 )
-from hf_scale.train.packing import maybe_pack
-from hf_scale.train.recipe import add_config_flag, expand_recipe
-from hf_scale.train.run_spec import RunSpec
-from hf_scale.train.save import failure_message, save_with_accelerator, verify_saved_model
+from hf_scale.train.prepare import Run, prepare
+from hf_scale.train.setup import distributed, guard, reconcile
 
-DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
-MAX_LEARNING_RATE = 10.0
-"""Above any rate that trains (SGD rarely exceeds 1, Adam 1e-2): a larger one is a typo (1e30 for 1e-3)."""
-
-
-class _OneLineParser(GroupedHelp, HfArgumentParser):
-    """argparse prints usage and exits; hf_scale reports bad flags as one line (exit 2) instead. --help leads
-    with hf_scale's own flags (hf_scale.train.help)."""
-
-    def error(self, message):
-        raise UserError(message)
-
-
-def build_parser() -> HfArgumentParser:
-    parser = _OneLineParser(
-        (ModelArguments, DataArguments, sources.SourceArguments, ScaleArguments, TrainingArguments),
-        allow_abbrev=False,  # a typo like --learning_rat must not silently mean --learning_rate
-        description="Fine-tune a causal LM with the HF Trainer or hf_scale's Accelerator loop. Every "
-        "TrainingArguments flag works with the Trainer (--loop accelerate refuses those it does not apply). "
-        "With no model/data flags it fine-tunes the tiny Llama shipped with "
-        "hf_scale on its sample dataset (CPU, seconds). Launch unchanged with python, torchrun, "
-        "accelerate launch or deepspeed. All flags can come from a recipe file: python train.py recipe.yaml "
-        "[flags that override it].",
-    )
-    add_config_flag(parser)
-    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1,
-                        dataloader_num_workers=None)
-    parser._option_string_actions["--dataloader_num_workers"].help = (
-        "Processes that collate micro-batches ahead of the step. Default: 2 per GPU process when the cores "
-        "allow, 0 without a GPU."
-    )
-    # HfArgumentParser types this dict flag as `dict`, which cannot parse a command-line string.
-    parser._option_string_actions["--liger_kernel_config"].type = _json_object
-    return parser
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON ({error.msg})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("not a JSON object")
-    return value
-
-
-def _validate_numbers(ns) -> None:
-    """Every float flag finite; the optimizer's numbers in the ranges where they mean something."""
-    for name, value in vars(ns).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"--{name}={value}: must be a finite number")
-    if not 0 <= ns.learning_rate <= MAX_LEARNING_RATE:
-        raise UserError(f"--learning_rate={ns.learning_rate}: must be in [0, {MAX_LEARNING_RATE:g}]")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(ns, name) < 1:
-            raise UserError(f"--{name}={getattr(ns, name)}: must be in [0, 1)")
-    for name in ("weight_decay", "adam_epsilon", "max_grad_norm"):
-        if getattr(ns, name) < 0:
-            raise UserError(f"--{name}={getattr(ns, name)}: must be >= 0")
-    if not 0 <= ns.max_bad_row_fraction <= 1:
-        raise UserError(f"--max_bad_row_fraction={ns.max_bad_row_fraction}: must be in [0, 1]")
-
-
-def _validate_flags(ns) -> None:
-    _validate_numbers(ns)
-    check_lora_flags(ns)
-    if ns.bf16 and ns.fp16:
-        raise UserError(rules.BOTH_PRECISIONS)
-    if ns.gradient_accumulation_steps < 1:
-        raise UserError(f"--gradient_accumulation_steps={ns.gradient_accumulation_steps}: must be >= 1")
-    if ns.per_device_train_batch_size < 1:
-        raise UserError(f"--per_device_train_batch_size={ns.per_device_train_batch_size}: must be >= 1")
-    if ns.max_steps <= 0 and ns.num_train_epochs <= 0:
-        raise UserError(f"--num_train_epochs={ns.num_train_epochs}: must be > 0 (or set --max_steps)")
-    if ns.warmup_ratio is not None:
-        if not 0 <= ns.warmup_ratio < 1:
-            raise UserError(f"--warmup_ratio={ns.warmup_ratio}: must be in [0, 1)")
-        if ns.warmup_steps:
-            raise UserError(
-                f"--warmup_ratio={ns.warmup_ratio} and --warmup_steps={ns.warmup_steps}: set only one"
-            )
-    evaluation.check_flags(ns)
-    loop_flags.check(ns, build_parser())  # --loop accelerate: a flag it would ignore is refused
-
-
-def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
-    """The data flags checked, the chat template's text and the Hub target (checked once the DeepSpeed config is
-    known): before anything is launched or loaded."""
-    sources.data_sources(_dataclass_from(ns, DataArguments), _dataclass_from(ns, sources.SourceArguments),
-                         evaluation.requested_by(ns))  # the data flags, before anything is launched
-    chat_template = read_chat_template(ns.chat_template_path) if ns.chat_template_path else None
-    return chat_template, hub.training_target(ns, ns.output_dir)
-
-
-def _deepspeed_overrides(deepspeed, ns, argv: list[str]) -> str | None:
-    """The DeepSpeed config's optimizer/scheduler blocks replace --optim / --lr_scheduler_type in both loops:
-    refuse when such a flag was given explicitly, else return the warning line (None without such blocks)."""
-    from hf_scale import deepspeed_overrides
-
-    config = distributed.deepspeed_config_dict(deepspeed)
-    found = deepspeed_overrides.find_overrides(config, argv) if config else []
-    where = "the DeepSpeed config"
-    refusal = deepspeed_overrides.refusal(found, vars(ns), where)
-    if refusal:
-        raise UserError(refusal)
-    return deepspeed_overrides.startup_message(found, vars(ns), where) if found else None
-
-
-def _dataclass_from(namespace, cls, **own):
-    """`cls` from the flags it takes, with `own` values in place of the flags' (the namespace stays as it is)."""
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    return cls(**{**{k: v for k, v in vars(namespace).items() if k in names}, **own})
-
-
-# --- the stages of train(): prepare -> build -> fit -> finish ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the launcher asks for, once the flags are reconciled with it (hf_scale.train.reconcile)."""
-
-    request: distributed.LaunchRequest
-    deepspeed_config: dict | None
-    """The DeepSpeed config that will run (None without DeepSpeed)."""
-    given: set[str]
-    """The launch_values flags the user typed (or --hf_scale_config fixed)."""
-    flags: argparse.Namespace
-    """The flags as reconciled; read only from here on (a late comparison with the DeepSpeed scheduler)."""
-    overrides_warning: str | None = None
-
-
-@dataclass(frozen=True)
-class Run:
-    """What prepare() decided, before anything is loaded: every later stage reads it and changes none of it."""
-
-    spec: RunSpec
-    args: TrainingArguments
-    model_args: ModelArguments
-    data_args: DataArguments
-    source_args: sources.SourceArguments
-    launch: Launch
-    state: Any
-    """accelerate's PartialState: the live process group."""
-    stop: checkpoint.StopRequest
-    resume_dir: Path | None
-    chat_template: str | None
-    hub_target: hub.HubTarget | None
-    recipe_path: str | None
+# --- the stages of train() after prepare(): build -> fit -> finish -------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -241,7 +74,7 @@ class Fitted:
     preempted: bool
     save_model: Callable[[str], None]
     final_checkpoint: Callable[[], Path]
-    """ZeRO-3 without 16-bit gathering: the checkpoint that is the final model (hf_scale.train.final_checkpoint)."""
+    """ZeRO-3 without 16-bit gathering: the checkpoint that is the final model (checkpoint/final_checkpoint.py)."""
 
 
 def train(argv: list[str] | None = None) -> int:
@@ -251,148 +84,6 @@ def train(argv: list[str] | None = None) -> int:
     built = build(run)
     fitted = fit(run, built)
     return finish(run, built, fitted)
-
-
-def prepare(argv: list[str] | None) -> Run:
-    """Flags (recipe, command line) checked and reconciled with the launcher, the run spec built once, a process
-    group that really delivers it, the output directory locked and the checkpoint to resume from found."""
-    parsed, argv, recipe_path = _parse(argv)
-    _validate_flags(parsed)
-    chat_template, hub_target = _checked_extras(parsed)
-    launch = _reconcile_with_launcher(parsed, argv)
-    ns = launch.flags  # the parsed flags with what the launcher's config (and --hf_scale_config) filled
-    if hub_target is not None:  # first whether there will be a model to push, then the token
-        final_checkpoint.refuse_push(launch.deepspeed_config, hub_target.repo_id, ns.output_dir)
-        hub.check_target(hub_target, "--push_to_hub")
-    state = distributed.init_process_state(launch.request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
-    if launch.overrides_warning and state.is_main_process:
-        print(f"hf_scale: warning: {launch.overrides_warning}", file=sys.stderr, flush=True)
-    # From here on SIGTERM/SIGUSR1 mean "checkpoint after the current optimizer step and exit 75".
-    stop = checkpoint.StopRequest()
-    stop.install()
-    args = _training_arguments(ns)
-    data_args = _dataclass_from(ns, DataArguments)
-    spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing)
-    if state.is_main_process:
-        print(f"hf_scale: run: {spec.describe()}", file=sys.stderr, flush=True)
-        if spec.final_save_is_checkpoint:
-            print(f"hf_scale: {final_checkpoint.startup_notice(args.output_dir)}", file=sys.stderr, flush=True)
-    resume_dir = _claim_output_dir(args, spec, state, hub_target)
-    return Run(
-        spec=spec, args=args, model_args=_dataclass_from(ns, ModelArguments), data_args=data_args,
-        source_args=_dataclass_from(ns, sources.SourceArguments), launch=launch, state=state, stop=stop,
-        resume_dir=resume_dir, chat_template=chat_template, hub_target=hub_target, recipe_path=recipe_path,
-    )
-
-
-def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], str | None]:
-    """The flags, the argv that says which were given (the recipe's values count) and the recipe's path."""
-    parser = build_parser()
-    # A recipe's values become flags before the command line's (which override them), so "given" covers both.
-    argv, recipe_path = expand_recipe(parser, sys.argv[1:] if argv is None else list(argv))
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
-    if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.train.entry) saw only the command line
-        from hf_scale import quiet
-
-        quiet.undo()
-    # One spelling of activation checkpointing from here on.
-    return reconcile.filled(ns, reconcile.checkpointing_spelling(ns)), argv, recipe_path
-
-
-def _reconcile_with_launcher(parsed: argparse.Namespace, argv: list[str]) -> Launch:
-    """What the launcher asks for; the flags it leaves open filled from its config (and --hf_scale_config), a
-    conflict one line now (transformers would raise its traceback after the model loads). ``parsed`` stays as
-    it is: each step returns its fills, and the flags of the run (``Launch.flags``) are a new namespace."""
-    request = distributed.detect_launch(parsed.deepspeed)
-    fills: dict[str, Any] = {}
-    if parsed.warmup_ratio is not None:  # transformers 4's flag; transformers 5 takes the fraction in --warmup_steps
-        fills["warmup_steps"] = parsed.warmup_ratio
-    if request.deepspeed_inline is not None:
-        # accelerate launch with the DeepSpeed settings inline in the YAML: accelerate's plugin builds the
-        # config a JSON would hold; the YAML's accumulation/clipping/precision fill (or must match) the flags.
-        from hf_scale.train.inline_deepspeed import apply_to_flags
-
-        from_yaml = apply_to_flags(request.deepspeed_inline, parsed, argv)
-        fills.update(from_yaml.fills)
-        argv = [*argv, *from_yaml.words]  # what the YAML decided counts as given for --hf_scale_config below
-    if parsed.hf_scale_config:
-        from_config = reconcile.apply_hf_scale_config(parsed.hf_scale_config, request,
-                                                      reconcile.filled(parsed, fills), argv)
-        request = from_config.request
-        fills.update(from_config.fills)
-    elif request.deepspeed_config_file and not parsed.deepspeed:
-        # accelerate launch with a DeepSpeed YAML: the Trainer's resolver fills the JSON's "auto" values.
-        fills["deepspeed"] = request.deepspeed_config_file
-    ns = reconcile.filled(parsed, fills)
-    overrides_warning = _deepspeed_overrides(ns.deepspeed, ns, argv)
-    # Precision, batch, clipping and optimizer values the launcher's config fixes: followed when no flag says
-    # otherwise.
-    ds_config = distributed.deepspeed_config_dict(ns.deepspeed)
-    given = reconcile.typed_flags(ns, argv)
-    fills.update(reconcile.follow_launcher_config(ns, given, request, ds_config,
-                                                  num_training_steps=ns.max_steps if ns.max_steps > 0 else None))
-    ns = reconcile.filled(parsed, fills)
-    if ds_config is not None:  # before DeepSpeed loads any compiled op (on CPU the process group does)
-        problems = deepspeed_ops.check_config_ops(ds_config, request.deepspeed_config_file or "--hf_scale_config",
-                                                  gpu=distributed.has_gpu())
-        if problems:
-            raise UserError("; ".join(problems))
-    return Launch(request=request, deepspeed_config=ds_config, given=given, flags=ns,
-                  overrides_warning=overrides_warning)
-
-
-def _training_arguments(ns) -> TrainingArguments:
-    """TrainingArguments, built once from the reconciled flags and train.py's own choices below (it validates)."""
-    own = {
-        # The Trainer reuses the process group of distributed.init_process_state.
-        "accelerator_config": {"use_configured_state": True},
-        "push_to_hub": False,  # hf_scale pushes once, after the save check, in both loops (not the Trainer)
-    }
-    if ns.bf16 and not distributed.has_gpu():
-        # TrainingArguments allows bf16 without a GPU only so (CPU bf16 autocast; DeepSpeed's bf16).
-        own["use_cpu"] = True
-    if ns.dataloader_num_workers is None:
-        import torch
-
-        own["dataloader_num_workers"] = default_dataloader_workers(
-            torch.cuda.is_available(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), os.cpu_count()
-        )
-    # Non-reentrant checkpointing (works with LoRA's frozen inputs and ZeRO-3 hooks); the flag was
-    # renamed activation_checkpointing_kwargs in transformers 5.
-    ckpt_kwargs = (
-        "activation_checkpointing_kwargs"
-        if hasattr(ns, "activation_checkpointing_kwargs")
-        else "gradient_checkpointing_kwargs"
-    )
-    if getattr(ns, ckpt_kwargs) is None:
-        own[ckpt_kwargs] = {"use_reentrant": False}
-    try:
-        # Creating TrainingArguments with --deepspeed registers the DeepSpeed config globally, so that
-        # from_pretrained builds a ZeRO-3 model already partitioned.
-        return _dataclass_from(ns, TrainingArguments, **own)
-    except (ValueError, TypeError) as error:
-        raise UserError(f"training arguments: {' '.join(str(error).split())}") from None
-
-
-def _claim_output_dir(args, spec: RunSpec, state, hub_target) -> Path | None:
-    """One run per output_dir, locked before anything in it is touched; the checkpoint to resume from. hf_scale's
-    own interrupted saves are removed (nothing else ever is); `auto` takes the newest checkpoint that verifies."""
-    output_lock.acquire(args.output_dir, state)
-    if state.is_main_process:
-        for path in checkpoint.remove_interrupted(args.output_dir):
-            print(f"hf_scale: removed interrupted save {path}", file=sys.stderr)
-        if hub_target is not None:  # as the Trainer does: a refused token stops the run before training
-            hub.create_repo(hub_target, "--push_to_hub")
-    state.wait_for_everyone()
-    resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir, state)
-    if resume_dir is not None:  # refuse what cannot resume (another loop, strategy, or world size for the Trainer)
-        reshard.check_resumable(resume_dir, loop=spec.loop, world_size=spec.world_size,
-                                strategy=spec.strategy, zero_stage=spec.zero_stage)
-        if state.is_main_process:
-            print(f"hf_scale: resuming from {resume_dir}", file=sys.stderr)
-    return resume_dir
 
 
 def build(run: Run) -> Built:
@@ -416,6 +107,10 @@ def build(run: Run) -> Built:
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
     model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing)
+    if run.spec.fp8_backend and run.state.is_main_process:  # which layers accelerate will convert: said once
+        from hf_scale.train.model import fp8
+
+        print(f"hf_scale: {fp8.describe(fp8.plan(model, run.spec.fp8_backend))}", file=sys.stderr, flush=True)
     return Built(
         tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset, data_manifest=data_manifest,
         collator=collator, model=model,
@@ -480,7 +175,7 @@ def fit(run: Run, built: Built) -> Fitted:
 
 
 def _fit_manual_loop(run: Run, built: Built) -> Fitted:
-    from hf_scale.train import loop
+    from hf_scale.train.loops import manual as loop
 
     with reconcile.deepspeed_mismatch_as_user_error():
         result = loop.run(
@@ -506,7 +201,7 @@ def _fit_manual_loop(run: Run, built: Built) -> Fitted:
 
 
 def _fit_trainer(run: Run, built: Built) -> Fitted:
-    from hf_scale.train.trainer import CheckpointCallback, GuardAndMetricsCallback, HfScaleTrainer
+    from hf_scale.train.loops.trainer import CheckpointCallback, GuardAndMetricsCallback, HfScaleTrainer
 
     trainer = HfScaleTrainer(
         model=built.model,

@@ -1,0 +1,95 @@
+"""Checks of FP8 training: where it will run slower than bf16. (Where it cannot run at all, the config refuses it
+(hf_scale.precision_rules) and train.py stops before the model loads (hf_scale.train.model.fp8).)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from hf_scale.check.findings import TRAINING_ARGS, WARNING, Finding, Source, get_path
+from hf_scale.check.inputs import CheckInputs, deepspeed_view
+
+
+def _fp8_source(inp: CheckInputs) -> tuple[str, str, str] | None:
+    """(file, key, backend) of whatever asks for fp8: the accelerate YAML or the --hf_scale_config."""
+    if inp.accelerate.get("mixed_precision") == "fp8":
+        from hf_scale.train.model.fp8 import BACKEND_OF_ACCELERATE
+
+        backend = (inp.accelerate.get("fp8_config") or {}).get("backend", "AO")
+        return inp.accelerate_file, "mixed_precision", BACKEND_OF_ACCELERATE.get(str(backend).upper(), "torchao")
+    cfg = inp.hf_scale_config
+    if cfg is not None and cfg.precision == "fp8":
+        return inp.hf_scale_config_file or "", "precision", cfg.fp8.backend
+    return None
+
+
+def _offloaded(inp: CheckInputs) -> Source | None:
+    """Where the run offloads (DeepSpeed's offload devices, FSDP's offload_params), if it does."""
+    view = deepspeed_view(inp)
+    for block in ("offload_optimizer", "offload_param"):
+        path = f"zero_optimization.{block}.device"
+        device = get_path(view.config, path, "none") if view else "none"
+        if device not in ("none", None):
+            return Source(*view.where(path), device)
+    if str(get_path(inp.accelerate, "fsdp_config.fsdp_offload_params", False)).lower() == "true":
+        return Source(inp.accelerate_file, "fsdp_config.fsdp_offload_params", True)
+    return None
+
+
+def check_fp8_speed(inp: CheckInputs) -> Iterator[Finding]:
+    """`fp8-no-compile`, `fp8-offload`, `fp8-small-layers` (warnings): fp8 asked for where it is usually slower than
+    bf16: without --torch_compile (the scaling casts then run as separate kernels), with offload (host transfers
+    dominate), or on a model whose linear layers are all below the backend's size threshold (nothing is converted)."""
+    source = _fp8_source(inp)
+    if source is None:
+        return
+    file, key, backend = source
+    asked = Source(file, key, "fp8")
+    use_bf16 = f"set `{key}` to bf16 in {Path(file).name}"
+    if inp.training is not None and not inp.training.get("torch_compile"):
+        yield Finding(WARNING, "fp8-no-compile", TRAINING_ARGS, "--torch_compile",
+                      f"{asked.label}='fp8' without --torch_compile: the casts and scalings run as separate kernels "
+                      "and the step is usually slower than bf16 (torchao's speedups are measured compiled).",
+                      f"Add --torch_compile to the training args, or {use_bf16}.",
+                      {f"{TRAINING_ARGS}:--torch_compile": False, asked.where: "fp8"})
+    offload = _offloaded(inp)
+    if offload:
+        yield Finding(WARNING, "fp8-offload", offload.file, offload.key,
+                      f"{asked.label}='fp8' with {offload.label}={offload.value!r}: the host transfers dominate the "
+                      "step, so the faster matmuls rarely show.",
+                      f"Drop the offload (`{offload.key}` in {Path(offload.file).name}), or {use_bf16}.",
+                      {offload.where: offload.value, asked.where: "fp8"})
+    plan = _model_plan(inp, backend)
+    if plan is not None and not plan.converted:
+        yield Finding(WARNING, "fp8-small-layers", file, key,
+                      f"{asked.label}='fp8' but no linear layer of this model is large enough for fp8 "
+                      f"({len(plan.kept)} stay in bf16): the run pays fp8's casts and gains nothing.",
+                      f"{use_bf16[0].upper()}{use_bf16[1:]} for this model (fp8 pays off from ~8B parameters).",
+                      {asked.where: "fp8"})
+
+
+def _model_plan(inp: CheckInputs, backend: str):
+    """Which layers would be converted, for a model whose config is readable here (a local directory or the embedded
+    demo model; a Hub id is not fetched): built on the meta device, nothing allocated. None when unknown."""
+    if inp.training is None or backend != "torchao":
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.train.model import fp8
+
+    path = inp.training.get("model_name_or_path") or str(EMBEDDED_MODEL_DIR)
+    if not (Path(path) / "config.json").is_file():
+        return None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    except (OSError, ValueError):
+        return None  # not a causal LM transformers can build: the training would say so
+    return fp8.plan(model, backend)

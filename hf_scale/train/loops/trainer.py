@@ -1,0 +1,311 @@
+"""The HF Trainer path (`--loop trainer`).
+
+The stock Trainer already normalises the loss by the target tokens of the whole accumulation window
+across ranks (`average_tokens_across_devices`). hf_scale adds the runtime guard before the first
+step and the same per-step `metrics.jsonl` as the manual loop, with unrounded losses (the Trainer's
+own log rounds to 4 digits), and evaluates with hf_scale.train.loops.evaluation, as the manual loop does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINING_ARGS_NAME
+
+from hf_scale.train.checkpoint import integrity
+from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.data.batches import micro_batch_per_rank
+from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
+from hf_scale.train.loops import divergence, evaluation, live
+from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
+from hf_scale.train.model.fp8 import fp8_handlers
+from hf_scale.train.setup import guard
+from hf_scale.train.setup.run_spec import RunSpec
+
+
+class HfScaleTrainer(Trainer):
+    """A Trainer that remembers each optimizer step's loss, token count and gradient norm, and whose
+    checkpoints appear complete (sealed with hf_scale's manifest) or not at all."""
+
+    def __init__(self, *args, spec: RunSpec, **kwargs):
+        self.spec = spec  # before the Trainer builds its Accelerator (_build_accelerator_args reads it)
+        """The run's facts (train/setup/run_spec.py): its checkpoints' hf_scale_state.json is written from them."""
+        super().__init__(*args, **kwargs)
+        self.window_loss = 0.0
+        self.window_tokens = 0
+        self.window_data_wait_s = 0.0
+        self.live_window = live.Window()  # what this rank's training steps saw in the current optimizer step
+        self.last_grad_norm = None
+        self.last_eval: evaluation.EvalResult | None = None
+        self._saving_step: int | None = None
+        self.last_saved_step: int | None = None
+        """The step of the last checkpoint this run published."""
+
+    def _build_accelerator_args(self, **kwargs):
+        # FP8: accelerate's fp8 mode with hf_scale's recipe (train/model/fp8.py); TrainingArguments knows only bf16.
+        args = super()._build_accelerator_args(**kwargs)
+        if self.spec.fp8_backend:
+            args["mixed_precision"] = "fp8"
+            args["kwargs_handlers"] = [*args.get("kwargs_handlers", []), *fp8_handlers(self.spec)]
+        return args
+
+    def _set_signature_columns_if_needed(self):
+        # Packed rows carry their examples' lengths (SEQ_LENGTHS), which the collator needs but the model's
+        # forward does not take: without this the Trainer would drop the column (TRL's SFTTrainer does the same).
+        super()._set_signature_columns_if_needed()
+        if SEQ_LENGTHS not in self._signature_columns:
+            self._signature_columns.append(SEQ_LENGTHS)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # The whole accumulation window is fetched here: the time the step waited for data.
+        waited = time.perf_counter()
+        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.window_data_wait_s = time.perf_counter() - waited
+        return batches
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        return super().compute_loss(model, model_inputs(inputs), *args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled:
+            # The Trainer accumulates itself and hands accelerate num_steps=1; with DeepSpeed accelerate's prepare
+            # then warns "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config
+            # has N" and takes DeepSpeed's N. Taking it now leaves the same state without the false alarm.
+            self.accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.window_tokens += count_real_tokens(inputs)
+        self.live_window.add(inputs)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # With token-normalised accumulation the returned loss is sum(token losses) * world / global targets.
+        self.window_loss += float(loss) / self.accelerator.num_processes
+        return loss
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """hf_scale's exact token-weighted eval loss (the Trainer's own averages per-batch means over
+        samples, and pads the last batches with repeated samples); logged and passed to the callbacks
+        (best-model tracking, metrics.jsonl) like the Trainer's."""
+        result = evaluation.evaluate(
+            self.model_wrapped,
+            self.eval_dataset if eval_dataset is None else eval_dataset,
+            self.data_collator,
+            self.accelerator,
+            batch_size=self.args.per_device_eval_batch_size,
+            num_workers=self.args.dataloader_num_workers,
+            progress_bar=not self.args.disable_tqdm,
+        )
+        self.last_eval = result
+        metrics = {k: v for k, v in result.metrics(metric_key_prefix).items() if v is not None}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Private Trainer hook (transformers 5): the only place the step's gradient norm is visible.
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.last_grad_norm = grad_norm
+        return grad_norm
+
+    # --- checkpoints: written under hf_scale's temporary name, sealed, then renamed into place -------------
+
+    def _get_output_dir(self, trial):
+        # Private Trainer hook (transformers 5): where _save_checkpoint puts `checkpoint-STEP`. While saving it
+        # is `.tmp-checkpoint-STEP/`, so an interrupted save is hf_scale's own temporary directory (removed at
+        # the next start), never a checkpoint-STEP without a manifest; the Trainer's own rotation, which would
+        # delete any checkpoint-* (also foreign ones), only sees that directory.
+        if self._saving_step is not None:
+            return str(checkpoint_layout.staging_dir(self.args.output_dir, self._saving_step))
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        step, output_dir = self.state.global_step, self.args.output_dir
+        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), output_dir):
+            self._write_sealed_checkpoint(model, trial, step, Path(output_dir))
+
+    def _write_sealed_checkpoint(self, model, trial, step: int, output_dir: Path) -> None:
+        accelerator, is_main = self.accelerator, self.accelerator.is_main_process
+        staging = checkpoint_layout.staging_dir(output_dir, step)
+        written = checkpoint_layout.checkpoint_dir(staging, step)  # the Trainer appends checkpoint-STEP
+        if is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        self._saving_step = step
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._saving_step = None
+        accelerator.wait_for_everyone()  # every rank's shards are on disk
+        final = checkpoint_layout.checkpoint_dir(output_dir, step)
+        if is_main:
+            checkpoint.write_state(written, step=step, spec=self.spec)
+            if not (written / checkpoint_layout.MODEL_CONFIG).is_file():
+                # The Trainer saves no config or tokenizer with FSDP's SHARDED_STATE_DICT (its save_model
+                # writes only a full state dict); `hf-scale export` needs them beside the shards.
+                checkpoint.write_model_files(written, accelerator.unwrap_model(model), self.processing_class)
+            if self.state.best_model_checkpoint == str(written):  # the Trainer recorded the temporary name
+                self.state.best_model_checkpoint = str(final)
+                self.state.save_to_json(str(written / checkpoint_layout.TRAINER_STATE))
+        checkpoint.seal(written, step, accelerator)
+        if is_main:
+            checkpoint.publish(written, output_dir, step)
+            checkpoint.rotate(output_dir, self.args.save_total_limit, protect=self.state.best_model_checkpoint)
+        accelerator.wait_for_everyone()
+        self.last_saved_step = step
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if (_internal_call and self.spec.final_save_is_checkpoint and not self.args.save_only_model
+                and not getattr(self.model, "peft_config", None)):
+            # ZeRO-3 without gathering: transformers' save_model (inside _save_checkpoint) writes the config and
+            # tokenizer with an empty weights file it then deletes, and falls back to the engine's whole checkpoint,
+            # which _save_checkpoint writes again right after (_save_optimizer_and_scheduler): at 70B about 1 TB twice.
+            # Here the files beside the engine's checkpoint only; it is written once. (With LoRA transformers gathers
+            # the adapter instead: no fallback, nothing written twice.)
+            if self.args.should_save:
+                Path(output_dir).mkdir(parents=True, exist_ok=True)
+                checkpoint.write_model_files(Path(output_dir), self.accelerator.unwrap_model(self.model),
+                                             self.processing_class)
+                torch.save(self.args, Path(output_dir, TRAINING_ARGS_NAME))
+            return
+        super().save_model(output_dir, _internal_call)
+
+    def final_checkpoint(self) -> Path:
+        """ZeRO-3 without gathering (checkpoint/final_checkpoint.py): the checkpoint that is the final model. The
+        best one when --load_best_model_at_end loaded it; else the last step's: the one saved at that step (the end
+        save of --save_strategy steps, or epoch), or written now (--save_strategy no or best), sealed and rotated
+        like every other. A collective."""
+        best = self.state.best_model_checkpoint
+        if self.args.load_best_model_at_end and best:
+            return Path(best)
+        step = self.state.global_step
+        final = checkpoint_layout.checkpoint_dir(self.args.output_dir, step)
+        # transformers' end of training deletes every checkpoint but the best one under --save_total_limit 1.
+        is_main = self.accelerator.is_main_process
+        present = integrity.broadcast(self.accelerator, checkpoint_layout.is_complete(final) if is_main else None)
+        if self.last_saved_step != step or not present:
+            self._save_checkpoint(self.model_wrapped, trial=None)
+        return final
+
+    # A checkpoint that verified but does not load is one line, not a traceback (private hooks, transformers 5).
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        with checkpoint.load_errors_reported(Path(resume_from_checkpoint)):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir):
+        with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
+            super()._load_optimizer_and_scheduler(checkpoint_dir)
+
+    def _load_rng_state(self, checkpoint_dir):
+        with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
+            super()._load_rng_state(checkpoint_dir)
+
+
+class GuardAndMetricsCallback(TrainerCallback):
+    """Runs the runtime guard once the model is wrapped and writes metrics.jsonl per optimizer step."""
+
+    def __init__(
+        self,
+        trainer: HfScaleTrainer,
+        spec: RunSpec,
+        loaded_partitioned: bool | None,
+        flops_per_token: float | None,
+    ):
+        self.trainer = trainer
+        self.spec = spec
+        self.loaded_partitioned = loaded_partitioned
+        self.flops_per_token = flops_per_token
+        self.metrics: StepMetrics | None = None
+        self.lr = 0.0
+        self.live_recorded = False
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        trainer = self.trainer
+        micro = micro_batch_per_rank(train_dataloader, trainer.accelerator.num_processes)
+        guard.verify_runtime(
+            self.spec.expected,
+            guard.observe(
+                trainer.accelerator, trainer.model_wrapped, micro, loaded_partitioned=self.loaded_partitioned
+            ),
+        )
+        self.metrics = StepMetrics(
+            args.output_dir,
+            is_main=state.is_world_process_zero,
+            total_steps=state.max_steps,
+            world_size=trainer.accelerator.num_processes,
+            flops_per_token=self.flops_per_token,
+            progress_bar=False,  # the Trainer draws its own
+            track_compilations=args.torch_compile,
+            first_step=state.global_step,  # restored from the checkpoint when resuming
+        )
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.lr = optimizer.param_groups[0]["lr"]  # the rate this update uses
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        device = trainer.accelerator.device
+        totals = torch.tensor(
+            [trainer.window_loss, float(trainer.window_tokens)], dtype=torch.float64, device=device
+        )
+        loss, tokens = trainer.accelerator.reduce(totals, reduction="sum").tolist()
+        grad_norm = trainer.last_grad_norm
+        record = self.metrics.log_step(
+            step=state.global_step,
+            loss=loss,
+            lr=self.lr,
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            tokens=int(tokens),
+            epoch=state.epoch or 0.0,
+            data_wait_s=trainer.window_data_wait_s,
+        )
+        if state.global_step >= state.max_steps:
+            _finish_progress_bar(trainer)
+        trainer.window_loss = 0.0
+        trainer.window_tokens = 0
+        if not self.live_recorded:  # the values the run really uses, once it has made a step
+            self.live_recorded = True
+            live.write(args.output_dir, live.read(trainer.accelerator, trainer.model_wrapped, trainer.optimizer,
+                                                  trainer.live_window, max_grad_norm=args.max_grad_norm,
+                                                  loop="trainer", step=state.global_step), trainer.accelerator)
+        trainer.live_window = live.Window()
+        # Before the Trainer's _maybe_log_save_evaluate: a diverged step is never saved.
+        divergence.check_step(state.global_step, loss, record["grad_norm"],
+                              loss_scaling=self.spec.loss_scaling, output_dir=args.output_dir)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.metrics.log_eval(step=state.global_step, epoch=state.epoch or 0.0, result=self.trainer.last_eval)
+
+
+class CheckpointCallback(TrainerCallback):
+    """A checkpoint at the end of the run (the full state, not only the final model), and stop-on-signal.
+    (The manifest and the atomic rename are HfScaleTrainer._save_checkpoint's.)"""
+
+    def __init__(self, trainer: HfScaleTrainer, stop: checkpoint.StopRequest):
+        self.trainer = trainer
+        self.stop = stop
+        self.preempted = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop.agreed(self.trainer.accelerator):
+            self.preempted = True
+            control.should_save = True
+            control.should_training_stop = True
+        elif str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps" and (
+            state.global_step == state.max_steps
+        ):
+            control.should_save = True  # the full state at the end, not only the final model
+
+
+def _finish_progress_bar(trainer: Trainer) -> None:
+    """Close the Trainer's progress bar at the last step. The Trainer saves the last checkpoint before it closes
+    the bar (on_train_end): the save's own bars would print below it, and the finished bar once more after them."""
+    from transformers.trainer_callback import ProgressCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+            callback.training_bar.close()

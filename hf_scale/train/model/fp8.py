@@ -1,0 +1,129 @@
+"""FP8 training: whether this machine can run it, which linear layers run their matmuls in fp8, and the recipe
+accelerate applies (both loops hand :func:`recipe_handler` to their Accelerator).
+
+Which modules are converted is decided here and nowhere else: torchao's own auto filter for its default
+(tensorwise) recipe, which keeps layers whose dimensions are not multiples of 16 (an fp8 GEMM requirement) or
+too small to gain (torchao's H100 thresholds) in bf16, plus the LM head, kept in bf16 for accuracy as torchtitan
+and accelerate do. The decision is logged once (:func:`describe`). TransformerEngine and MS-AMP convert by their
+own rules inside accelerate (no filter can be handed to them); :func:`plan` reports what accelerate's TE
+conversion swaps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hf_scale.errors import UserError
+from hf_scale.rules import FP8_BACKEND_MODULES, FP8_BACKENDS, FP8_MIN_COMPUTE_CAPABILITY
+
+KEEP_IN_BF16 = ("lm_head",)
+"""Kept in bf16 whatever their size: the output head's logits are where fp8's rounding costs the loss most."""
+TORCHAO_RECIPE = "tensorwise"
+"""torchao's Float8LinearConfig() default scaling (dynamic, per tensor): what accelerate's AORecipeKwargs builds."""
+BACKEND_OF_ACCELERATE = {value: name for name, value in FP8_BACKENDS.items()}
+"""accelerate's ACCELERATE_FP8_BACKEND value -> the config's fp8.backend."""
+
+
+def refusal(backend: str, *, capability: tuple[int, int] | None, importable: bool) -> str | None:
+    """Why FP8 with ``backend`` cannot run here (None when it can). ``capability``: the GPU's compute capability,
+    None without a GPU."""
+    need = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
+    if capability is None:
+        return (f"precision=fp8 needs a GPU of compute capability >= {need} (Ada, Hopper or later); this machine has "
+                "none: use precision=bf16")
+    if tuple(capability) < FP8_MIN_COMPUTE_CAPABILITY:
+        return (f"precision=fp8 needs a GPU of compute capability >= {need} (Ada, Hopper or later); this GPU has "
+                f"{capability[0]}.{capability[1]}: use precision=bf16")
+    if not importable:
+        return (f"fp8.backend={backend}: the module {FP8_BACKEND_MODULES[backend]} is not importable; install it "
+                "(torchao: pip install hf-scale[fp8]) or choose another fp8.backend")
+    return None
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
+def backend_importable(backend: str) -> bool:
+    return importlib.util.find_spec(FP8_BACKEND_MODULES[backend]) is not None
+
+
+def check_can_run(backend: str) -> None:
+    """A one-line UserError (exit 2) when this machine cannot train in FP8: called before the model loads."""
+    problem = refusal(backend, capability=gpu_capability(), importable=backend_importable(backend))
+    if problem:
+        raise UserError(problem)
+
+
+def module_filter(backend: str = "torchao") -> Callable:
+    """torchao's `module_filter_fn(module, fqn) -> bool`: True converts the linear layer to fp8."""
+    if backend != "torchao":
+        raise ValueError(f"only torchao takes a module filter, not {backend}")
+    from torchao.float8 import _auto_filter_for_recipe
+
+    return _auto_filter_for_recipe(TORCHAO_RECIPE, filter_fqns=list(KEEP_IN_BF16))
+
+
+@dataclass(frozen=True)
+class Plan:
+    backend: str
+    converted: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    """Linear layers left in bf16 -> why."""
+
+
+def _why_kept(name: str, module) -> str:
+    out_features, in_features = module.weight.shape
+    if any(keep in name for keep in KEEP_IN_BF16):
+        return "output head"
+    if in_features % 16 or out_features % 16:
+        return "dimensions not multiples of 16"
+    return "below the backend's size threshold"
+
+
+def plan(model, backend: str) -> Plan:
+    """Which linear layers of ``model`` the backend runs in fp8 and which stay in bf16 (nothing is changed)."""
+    import torch
+
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    if backend == "torchao":
+        keep = module_filter("torchao")
+        converts = {name: keep(module, name) for name, module in linears}
+    else:
+        # accelerate.utils.transformer_engine.convert_model swaps every nn.Linear whose dimensions are multiples
+        # of 16 (the head included); MS-AMP casts every linear weight.
+        converts = {name: backend == "msamp" or not any(d % 16 for d in m.weight.shape) for name, m in linears}
+    by_name = dict(linears)
+    return Plan(backend=backend, converted=[n for n, c in converts.items() if c],
+                kept={n: _why_kept(n, by_name[n]) for n, c in converts.items() if not c})
+
+
+def describe(fp8_plan: Plan) -> str:
+    """The one line train.py logs: how many linear layers run in fp8, which stay in bf16 and why."""
+    reasons: dict[str, list[str]] = {}
+    for name, why in fp8_plan.kept.items():
+        reasons.setdefault(why, []).append(name)
+    total = len(fp8_plan.converted) + len(fp8_plan.kept)
+    kept = "; ".join(f"{why}: {len(names)} ({names[0]}{', ...' if len(names) > 1 else ''})"
+                     for why, names in reasons.items())
+    line = f"fp8 ({fp8_plan.backend}): {len(fp8_plan.converted)} of {total} linear layers in fp8"
+    return line + (f"; kept in bf16: {kept}" if kept else "")
+
+
+def fp8_handlers(spec) -> list:
+    """The Accelerator's kwargs handlers for the run's FP8 recipe: none without fp8."""
+    return [recipe_handler(spec.fp8_backend)] if spec.fp8_backend else []
+
+
+def recipe_handler(backend: str):
+    """accelerate's recipe kwargs for the backend (the Accelerator converts the model in `prepare`); the launch
+    environment (ACCELERATE_FP8_*, from the YAML's fp8_config) fills what is not given here."""
+    from accelerate.utils import AORecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+
+    if backend == "torchao":
+        return AORecipeKwargs(module_filter_func=module_filter("torchao"))
+    return TERecipeKwargs() if backend == "te" else MSAMPRecipeKwargs()

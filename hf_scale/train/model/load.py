@@ -1,0 +1,161 @@
+"""Loading the model and tokenizer, and LoRA. (The final Hugging Face save is `save.py`'s.)
+
+The model is always created with `AutoModelForCausalLM.from_pretrained`. Under ZeRO-3 the caller has
+already built `TrainingArguments(deepspeed=...)`, whose `HfTrainerDeepSpeedConfig` registers itself
+globally; `from_pretrained` sees it and builds the model inside `deepspeed.zero.Init`, so no process
+materialises the full weights.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from hf_scale import rules
+from hf_scale.errors import UserError
+from hf_scale.train.setup.args import ModelArguments
+
+
+def load_dtype(spelling: str):
+    """`--torch_dtype` (either spelling, see hf_scale.rules) as transformers' `dtype`: a torch.dtype or "auto"."""
+    name = rules.torch_dtype_name(spelling, "--torch_dtype")
+    return name if name == rules.AUTO_DTYPE else getattr(torch, name)
+
+
+def resolve_model_path(model_args: ModelArguments) -> str:
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+
+    return model_args.model_name_or_path or str(EMBEDDED_MODEL_DIR)
+
+
+def load_pretrained_config(model_path: str, trust_remote_code: bool):
+    try:
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        looks_local = Path(model_path).exists() or model_path.startswith((".", "/", "~"))
+        what = (
+            "local directory without a valid config.json"
+            if looks_local
+            else "Hub id that could not be loaded"
+        )
+        raise UserError(
+            f"--model_name_or_path={model_path}: {what} ({str(error).splitlines()[0][:160]}); "
+            "pass a local model directory or a reachable Hub id"
+        ) from None
+
+
+def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
+    name = model_args.tokenizer_name_or_path or resolve_model_path(model_args)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise UserError(
+            f"--tokenizer_name_or_path={name}: no tokenizer could be loaded ({str(error).splitlines()[0][:160]})"
+        ) from None
+    if tokenizer.pad_token is None:
+        # Llama-family tokenizers ship without a pad token; padding positions are masked out of the loss.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_lora_flags(model_args) -> None:
+    """Each LoRA flag in its range, named by itself (before anything is loaded)."""
+    if model_args.lora_r < 0:
+        raise UserError(f"--lora_r={model_args.lora_r}: must be >= 0 (0 trains all weights, > 0 is the LoRA rank)")
+    if model_args.lora_r == 0:
+        return
+    if model_args.lora_alpha <= 0:
+        raise UserError(f"--lora_alpha={model_args.lora_alpha}: must be > 0 (the LoRA scaling is alpha / r)")
+    if not (math.isfinite(model_args.lora_dropout) and 0 <= model_args.lora_dropout < 1):
+        raise UserError(f"--lora_dropout={model_args.lora_dropout}: must be in [0, 1)")
+    if not model_args.lora_target_modules.strip(" ,"):
+        raise UserError("--lora_target_modules is empty: name modules (comma-separated) or use all-linear")
+
+
+def _weights_error(error: BaseException) -> str | None:
+    """`error` from from_pretrained described in one line when the weight files are the problem, else None."""
+    import torch
+
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return None
+    unreadable = isinstance(error, (OSError, EOFError, ValueError, pickle.UnpicklingError)) or (
+        type(error).__name__ == "SafetensorError")
+    # transformers raises RuntimeError for shapes that do not fit the config; torch for a broken zip (.bin).
+    mismatch = isinstance(error, RuntimeError) and any(
+        k in str(error) for k in ("ignore_mismatched_sizes", "size mismatch", "PytorchStreamReader"))
+    if not (unreadable or mismatch):
+        return None
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+
+
+def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
+    """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
+    and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve)."""
+    path = resolve_model_path(model_args)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=load_dtype(model_args.torch_dtype),
+            attn_implementation=model_args.attn_implementation,
+            trust_remote_code=model_args.trust_remote_code,
+            output_loading_info=True,
+        )
+    except Exception as error:
+        described = _weights_error(error)
+        if described is None:
+            raise
+        raise UserError(f"--model_name_or_path={path}: the weights cannot be loaded ({described})") from None
+    if info.get("missing_keys"):
+        # transformers would initialise them randomly and train a model that is not the one asked for.
+        missing = sorted(info["missing_keys"])
+        raise UserError(f"--model_name_or_path={path}: the weights lack {len(missing)} tensors of the model "
+                        f"(first: {missing[0]}); they would be trained from random values")
+    # Training never needs the KV cache, and with it on transformers ignores packed position_ids: packed
+    # examples would silently attend to each other.
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and with ZeRO-3's parameter hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if model_args.lora_r > 0:
+        model = apply_lora(model, model_args, gradient_checkpointing=gradient_checkpointing)
+    return model
+
+
+def apply_lora(model, model_args: ModelArguments, *, gradient_checkpointing: bool):
+    from peft import LoraConfig, get_peft_model
+
+    targets = model_args.lora_target_modules
+    target_modules = (
+        targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    )
+    config = LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as error:
+        raise UserError(f"--lora_target_modules={targets}: {str(error).splitlines()[0][:200]}") from None
+    if gradient_checkpointing:
+        # Checkpointed blocks need an input that requires grad; with frozen embeddings nothing would.
+        model.enable_input_require_grads()
+    return model
+
+
+def decoder_layer_classes(model) -> list[str]:
+    """The model's own block class names (what FSDP wraps), from `_no_split_modules`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = list(getattr(base, "_no_split_modules", None) or [])
+    if not names:
+        raise UserError(
+            f"model class {type(base).__name__} declares no _no_split_modules; set "
+            "fsdp.transformer_layer_cls_to_wrap in the hf_scale config"
+        )
+    return names

@@ -1,0 +1,59 @@
+"""train.py's parser: every flag it takes (hf_scale's own, the data flags, every TrainingArguments flag, --config
+for a recipe), bad flags reported in one line, --help led by hf_scale's own flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from transformers import HfArgumentParser, TrainingArguments
+
+from hf_scale.errors import UserError
+from hf_scale.train.data import sources
+from hf_scale.train.data.arguments import DataArguments
+from hf_scale.train.setup.args import ModelArguments, ScaleArguments
+from hf_scale.train.setup.help import GroupedHelp
+from hf_scale.train.setup.recipe import add_config_flag
+
+DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
+
+
+class _OneLineParser(GroupedHelp, HfArgumentParser):
+    """argparse prints usage and exits; hf_scale reports bad flags as one line (exit 2) instead. --help leads
+    with hf_scale's own flags (hf_scale.train.setup.help)."""
+
+    def error(self, message):
+        raise UserError(message)
+
+
+def build_parser() -> HfArgumentParser:
+    parser = _OneLineParser(
+        (ModelArguments, DataArguments, sources.SourceArguments, ScaleArguments, TrainingArguments),
+        allow_abbrev=False,  # a typo like --learning_rat must not silently mean --learning_rate
+        description="Fine-tune a causal LM with the HF Trainer or hf_scale's Accelerator loop. Every "
+        "TrainingArguments flag works with the Trainer (--loop accelerate refuses those it does not apply). "
+        "With no model/data flags it fine-tunes the tiny Llama shipped with "
+        "hf_scale on its sample dataset (CPU, seconds). Launch unchanged with python, torchrun, "
+        "accelerate launch or deepspeed. All flags can come from a recipe file: python train.py recipe.yaml "
+        "[flags that override it].",
+    )
+    add_config_flag(parser)
+    parser.set_defaults(output_dir=DEFAULT_OUTPUT_DIR, report_to="none", logging_steps=1,
+                        dataloader_num_workers=None)
+    parser._option_string_actions["--dataloader_num_workers"].help = (
+        "Processes that collate micro-batches ahead of the step. Default: 2 per GPU process when the cores "
+        "allow, 0 without a GPU."
+    )
+    # HfArgumentParser types this dict flag as `dict`, which cannot parse a command-line string.
+    parser._option_string_actions["--liger_kernel_config"].type = _json_object
+    return parser
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value

@@ -1,0 +1,302 @@
+"""`--hf_scale_config`: a DistributedConfig supplies what the launcher and the flags leave open, and
+anything it disagrees with is an error — never a silent override.
+
+- world size: the config's num_machines x processes_per_machine must equal the launcher's WORLD_SIZE;
+- strategy: an engine chosen by the launcher (accelerate's YAML, `--deepspeed`) must be the config's;
+  under plain `torchrun`/`python` a `deepspeed` config supplies the DeepSpeed JSON itself ("auto" mode,
+  resolved by the Trainer's resolver from the flags below);
+- ZeRO stage of a launcher-supplied JSON must be the config's;
+- micro batch, gradient accumulation, precision, gradient clipping, activation checkpointing and the AdamW
+  values (lr, betas, eps, weight decay) fill the flags left unset and must match the flags that were given
+  (a recipe's values count as given); the global batch is micro x accumulation x WORLD_SIZE, each checked;
+- what train.py cannot deliver is refused: --auto_find_batch_size (it would change the micro batch at run
+  time), an --optim that ignores the betas/eps, FSDP's own activation checkpointing where train.py shards
+  with torch's fully_shard (no GPU).
+
+:func:`follow_launcher_config` does the same for the launcher's own config (accelerate YAML precision,
+every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scale.launch_values.
+
+Pure: every function here reads train.py's parsed flags (an argparse namespace) and returns the values to fill
+(flag name -> value); none writes into the namespace it is given. train.py's prepare stage builds the filled
+namespace, a new one, from the parsed flags and these fills (hf_scale.train.prepare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from hf_scale import launch_values, parallelism
+from hf_scale.errors import UserError
+from hf_scale.rules import compute_precision, flag_given, precision_from_flags
+from hf_scale.train.setup.distributed import LaunchRequest, has_gpu
+
+# Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
+FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",
+                            "fp16", "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
+"""And activation checkpointing, under the name checkpointing_flag() gives."""
+
+
+def filled(ns, fills: Mapping[str, Any]) -> argparse.Namespace:
+    """A new namespace: the flags of ``ns`` with ``fills`` in place of theirs (``ns`` stays as it is)."""
+    return argparse.Namespace(**{**vars(ns), **fills})
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFills:
+    """What `--hf_scale_config` decides: the (possibly completed) launch request and the flag values to fill
+    (`deepspeed` among them where the config supplies or confirms the DeepSpeed config)."""
+
+    request: LaunchRequest
+    fills: Mapping[str, Any]
+
+    @property
+    def deepspeed(self):
+        """The value for `--deepspeed` (what the flags held, if the config leaves it)."""
+        return self.fills["deepspeed"]
+
+
+def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str] | None = None) -> ConfigFills:
+    """The launch request completed by the config and the flag values it fills (``ns`` is only read)."""
+    from hf_scale.config import load_config
+    from hf_scale.generators.deepspeed_json import deepspeed_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = load_config(path)
+    where = f"--hf_scale_config={path}"
+    refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism")
+    if refusal:
+        raise UserError(refusal)
+
+    if cfg.world_size != request.world_size:
+        raise UserError(
+            f"{where}: world_size={cfg.world_size} ({cfg.topology.num_machines} machines x "
+            f"{cfg.topology.processes_per_machine} processes_per_machine) but the {request.launcher} launcher "
+            f"started WORLD_SIZE={request.world_size}"
+        )
+
+    launcher_chose_engine = request.strategy in ("deepspeed", "fsdp")
+    wanted = cfg.strategy
+    deepspeed_value = ns.deepspeed
+    if launcher_chose_engine and request.strategy != wanted:
+        raise UserError(
+            f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
+        )
+    if not launcher_chose_engine and wanted == "fsdp":
+        if ns.loop != "accelerate":
+            raise UserError(
+                f"{where}: strategy=fsdp under {request.launcher} runs in the manual loop only; add --loop "
+                "accelerate, or launch the Trainer with `accelerate launch --config_file accelerate_configs/NAME.yaml`"
+            )
+        request = dataclasses.replace(request, strategy="fsdp", fsdp_settings=cfg.fsdp.model_dump())
+    inline = request.deepspeed_inline  # DeepSpeed settings inline in the accelerate YAML (already in ns.deepspeed)
+    if wanted == "deepspeed":
+        source = request.deepspeed_config_file or "the accelerate config's deepspeed_config"
+        if request.deepspeed_config_file is None and inline is None:
+            deepspeed_value = deepspeed_config(cfg, "auto")
+            request = dataclasses.replace(request, strategy="deepspeed", zero_stage=cfg.deepspeed.zero_stage)
+        elif request.zero_stage != cfg.deepspeed.zero_stage:
+            raise UserError(
+                f"{where}: deepspeed.zero_stage={cfg.deepspeed.zero_stage} but {source} "
+                f"has zero_optimization.stage={request.zero_stage}"
+            )
+        elif inline is not None and inline.mixed_precision != cfg.precision:
+            raise UserError(
+                f"{where}: precision={cfg.precision} but the accelerate config has mixed_precision="
+                f"{inline.mixed_precision}"
+            )
+        else:
+            deepspeed_value = request.deepspeed_config_file or ns.deepspeed
+    elif wanted in ("ddp", "single") and request.strategy != ("ddp" if request.world_size > 1 else "single"):
+        raise UserError(
+            f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
+        )
+
+    if cfg.precision == "fp8":
+        if request.fp8_backend not in (None, cfg.fp8.backend):
+            raise UserError(f"{where}: fp8.backend={cfg.fp8.backend} but the accelerate config's fp8_config asks for "
+                            f"{request.fp8_backend}")
+        request = dataclasses.replace(request, fp8_backend=cfg.fp8.backend)
+    flags = fill_flags_from_config(cfg, ns, argv, where)
+    if flags.contradictions:
+        raise UserError("; ".join(flags.contradictions))
+    _launch_agrees(cfg, request, where)
+    return ConfigFills(request, {**flags.fills, "deepspeed": deepspeed_value})
+
+
+def checkpointing_flag(ns) -> str:
+    """The flag that turns activation checkpointing on: transformers 5 renamed --gradient_checkpointing to
+    --activation_checkpointing (older transformers have only the old name)."""
+    return "activation_checkpointing" if hasattr(ns, "activation_checkpointing") else "gradient_checkpointing"
+
+
+def checkpointing_spelling(ns) -> dict[str, Any]:
+    """The fills that move activation checkpointing to one spelling. transformers 5 keeps
+    --gradient_checkpointing as an alias that warns (FutureWarning) whenever it is set; its value moves to the
+    new name, so that the one TrainingArguments train.py builds warns about nothing. Idempotent."""
+    if checkpointing_flag(ns) == "gradient_checkpointing":
+        return {}
+    fills: dict[str, Any] = {}
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if getattr(ns, new, None) is None and getattr(ns, old, None) is not None:
+            fills[new] = getattr(ns, old)
+        if hasattr(ns, old):
+            fills[old] = None
+    return fills
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagFills:
+    """The flag values a DistributedConfig fills, and its contradictions with typed flags (one sentence each; a
+    contradicting flag keeps its typed value, every other value is filled)."""
+
+    fills: Mapping[str, Any]
+    contradictions: tuple[str, ...]
+
+
+def fill_flags_from_config(cfg, ns, argv: list[str], where: str) -> FlagFills:
+    """The config's batch, clipping, activation checkpointing, optimizer values and precision as flag values
+    (``ns``, train.py's parsed flags, only read; ``argv``: the flags typed). Pure: no launcher, no environment,
+    so that `hf-scale check` applies the same rule."""
+    batch, opt = cfg.batch, cfg.optimizer
+    fills = checkpointing_spelling(ns)
+    ns = filled(ns, fills)  # a view with one spelling of activation checkpointing
+    contradictions: list[str] = []
+    for flag, field, value in (
+        ("per_device_train_batch_size", "batch.micro_batch_size", batch.micro_batch_size),
+        ("gradient_accumulation_steps", "batch.gradient_accumulation_steps", batch.gradient_accumulation_steps),
+        ("max_grad_norm", "gradient_clipping", cfg.gradient_clipping or 0.0),
+        ("learning_rate", "optimizer.lr", opt.lr),
+        ("adam_beta1", "optimizer.betas[0]", opt.betas[0]),
+        ("adam_beta2", "optimizer.betas[1]", opt.betas[1]),
+        ("adam_epsilon", "optimizer.eps", opt.eps),
+        ("weight_decay", "optimizer.weight_decay", opt.weight_decay),
+    ):
+        contradictions += _fill_or_match(ns, argv, where, flag, field, value, fills)
+    if ns.auto_find_batch_size:
+        contradictions.append(f"{where}: --auto_find_batch_size would change batch.micro_batch_size="
+                              f"{batch.micro_batch_size} (global batch {batch.global_batch_size}) at run time; drop it")
+    optim = str(getattr(ns.optim, "value", ns.optim))
+    if flag_given(argv, "optim") and "adam" not in optim:
+        contradictions.append(f"{where}: optimizer.betas and optimizer.eps are AdamW's, but --optim={optim} does not "
+                              "use them; use an AdamW --optim (adamw_torch, adamw_torch_fused, adamw_8bit, ...) or "
+                              "leave it out")
+    # activation_checkpointing -> the Trainer's flag (the model's own checkpointing, in both loops); either
+    # spelling counts as typed.
+    flag = checkpointing_flag(ns)
+    typed = flag_given(argv, "gradient_checkpointing") or flag_given(argv, "activation_checkpointing")
+    if cfg.strategy == "fsdp" and cfg.fsdp.activation_checkpointing and typed and getattr(ns, flag):
+        contradictions.append(f"{where}: fsdp.activation_checkpointing=true checkpoints the decoder layers already; "
+                              "drop --gradient_checkpointing / --activation_checkpointing (the layers would be "
+                              "checkpointed twice)")
+    elif typed and bool(getattr(ns, flag)) != cfg.activation_checkpointing:
+        spelling = "gradient_checkpointing" if flag_given(argv, "gradient_checkpointing") else flag
+        contradictions.append(f"{where}: activation_checkpointing={_show(cfg.activation_checkpointing)} but "
+                              f"--{spelling}={_show(bool(getattr(ns, flag)))}")
+    else:
+        fills[flag] = cfg.activation_checkpointing
+    flags_precision = precision_from_flags(ns.bf16, ns.fp16)
+    computes_in = compute_precision(cfg.precision)  # fp8 runs with --bf16 (bf16 outside the fp8 matmuls)
+    if (flag_given(argv, "bf16") or flag_given(argv, "fp16")) and flags_precision != computes_in:
+        contradictions.append(f"{where}: precision={cfg.precision} but the flags ask for {flags_precision}")
+    else:
+        fills.update(bf16=computes_in == "bf16", fp16=computes_in == "fp16")
+    return FlagFills(fills, tuple(contradictions))
+
+
+def _launch_agrees(cfg, request: LaunchRequest, where: str) -> None:
+    """FSDP's fsdp.activation_checkpointing is applied by accelerate's FSDP plugin, which must then say the same;
+    the accelerate config's mixed_precision must be the config's precision."""
+    if cfg.strategy == "fsdp":
+        if request.launcher == "accelerate" and request.fsdp_settings is None:
+            yaml_value = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+            if yaml_value != cfg.fsdp.activation_checkpointing:
+                raise UserError(f"{where}: fsdp.activation_checkpointing={_show(cfg.fsdp.activation_checkpointing)} "
+                                f"but the accelerate config has fsdp_activation_checkpointing={_show(yaml_value)}")
+        elif cfg.fsdp.activation_checkpointing and not has_gpu():
+            raise UserError(f"{where}: fsdp.activation_checkpointing=true: without a GPU train.py shards with torch's "
+                            "fully_shard, which does not apply it; use activation_checkpointing: true instead (the "
+                            "same decoder layers are recomputed)")
+    if request.mixed_precision not in (None, cfg.precision) and request.strategy != "deepspeed":
+        raise UserError(
+            f"{where}: precision={cfg.precision} but the accelerate config has mixed_precision="
+            f"{request.mixed_precision}"
+        )
+
+
+def _fill_or_match(ns, argv: list[str], where: str, flag: str, field: str, value, fills: dict) -> list[str]:
+    if flag_given(argv, flag) and getattr(ns, flag) != value:
+        return [f"{where}: {field}={_show(value)} but --{flag}={_show(getattr(ns, flag))}"]
+    fills[flag] = value
+    return []
+
+
+def _show(value) -> str:
+    """As the config and the flags write it (true/false, not True/False)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def typed_flags(ns, argv: list[str] | None) -> set[str]:
+    """The launch_values flag names the user typed (or --hf_scale_config fixed)."""
+    argv = sys.argv[1:] if argv is None else argv
+    names = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} | {"num_train_epochs"}
+    given = {name for name in names if flag_given(argv, name)}
+    if flag_given(argv, "warmup_ratio"):
+        given.add("warmup_steps")
+    if ns.hf_scale_config:
+        given.update(FIXED_BY_HF_SCALE_CONFIG)
+    return given
+
+
+def training_values(ns, world_size: int) -> launch_values.TrainingValues:
+    fields = {f.name for f in dataclasses.fields(launch_values.TrainingValues)} - {"world_size"}
+    return launch_values.TrainingValues(world_size=world_size, **{name: getattr(ns, name) for name in fields})
+
+
+def follow_launcher_config(
+    ns, given: set[str], request: LaunchRequest, ds_config: dict | None, *, num_training_steps: int | None = None,
+    late: bool = False,
+) -> dict[str, Any]:
+    """The values of the flags the launcher's config fixes (to fill), or stop with one line naming every conflict.
+
+    `late`: called once the run is set up (a JSON scheduler compared with an epoch-based length): a value
+    that would still have to be followed is a conflict then."""
+    source = request.deepspeed_config_file or ("the DeepSpeed config of --hf_scale_config" if ds_config else "")
+    result = launch_values.reconcile(
+        training_values(ns, request.world_size),
+        given,
+        deepspeed_config=ds_config,
+        deepspeed_source=source,
+        accelerate_mixed_precision=request.mixed_precision if request.launcher == "accelerate" else None,
+        num_training_steps=num_training_steps,
+    )
+    mismatches = list(result.mismatches)
+    if late:
+        mismatches += [f"{why}={getattr(result.values, name)} but --{name}={getattr(ns, name)}; set it to \"auto\" "
+                       f"or pass --{name} {getattr(result.values, name)}" for name, why in result.followed.items()]
+    if mismatches:
+        raise UserError("; ".join(mismatches))
+    if result.followed and os.environ.get("RANK", "0") == "0":
+        said = ", ".join(f"{name}={getattr(result.values, name)} ({why})" for name, why in result.followed.items())
+        print(f"hf_scale: following the launcher's config: {said}", file=sys.stderr, flush=True)
+    return {name: getattr(result.values, name) for name in result.followed}
+
+
+@contextlib.contextmanager
+def deepspeed_mismatch_as_user_error():
+    """The safety net behind follow_launcher_config: should transformers still find a DeepSpeed value that
+    disagrees with TrainingArguments (a comparison added after 5.23), say it in one line, not a traceback."""
+    try:
+        yield
+    except ValueError as error:
+        text = str(error)
+        if "mismatch TrainingArguments" not in text:
+            raise
+        lines = [line.strip("- ").strip() for line in text.splitlines() if line.strip().startswith("- ds ")]
+        raise UserError("the DeepSpeed config disagrees with the flags: " + "; ".join(lines)) from None

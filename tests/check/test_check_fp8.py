@@ -1,0 +1,80 @@
+"""`hf-scale check`, FP8 (hf_scale.check.fp8): where fp8 is asked for but will be slower than bf16."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from check_cases import (
+    DDP_YAML,
+    DS_JSON,
+    DS_YAML,
+    assert_every_fix_names_where_the_value_is,
+    assert_reports_its_problem,
+    check_json,
+    codes,
+    merged,
+)
+
+pytest.importorskip("torchao")  # which layers are large enough is torchao's own filter
+
+FP8_YAML = merged(DDP_YAML, {"mixed_precision": "fp8", "fp8_config": {"backend": "AO"}})
+FP8_FSDP_OFFLOAD_YAML = merged(FP8_YAML, {"distributed_type": "FSDP",
+                                          "fsdp_config": {"fsdp_version": 2, "fsdp_offload_params": True}})
+
+# id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
+TRIGGERS = {
+    "fp8-without-compile": (FP8_YAML, None, ["--bf16"], None, [], "fp8-no-compile", "warning"),
+    "fp8-with-fsdp-offload": (FP8_FSDP_OFFLOAD_YAML, None, [], None, [], "fp8-offload", "warning"),
+    "fp8-on-a-small-model": (FP8_YAML, None, ["--torch_compile"], None, [], "fp8-small-layers", "warning"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRIGGERS))
+def test_each_check_reports_its_problem(case, tmp_path, monkeypatch, capsys):
+    assert_reports_its_problem(TRIGGERS[case], tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("case", sorted(TRIGGERS))
+def test_every_fix_names_the_file_and_key_that_hold_the_value(case, tmp_path, monkeypatch, capsys):
+    assert_every_fix_names_where_the_value_is(TRIGGERS[case], tmp_path, monkeypatch, capsys)
+
+
+def _llama_dir(tmp_path, hidden: int, intermediate: int):
+    from transformers import LlamaConfig
+
+    path = tmp_path / "model"
+    LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=32000).save_pretrained(path)
+    return str(path)
+
+
+def test_fp8_with_the_embedded_small_model_and_no_compile_warns_twice(tmp_path, monkeypatch, capsys):
+    code, payload = check_json(tmp_path, monkeypatch, capsys, FP8_YAML, train=["--bf16"])
+    assert code == 0 and codes(payload) == ["fp8-no-compile", "fp8-small-layers"]
+    assert all(f["severity"] == "warning" for f in payload["findings"])
+
+
+def test_a_large_model_with_torch_compile_is_clean(tmp_path, monkeypatch, capsys):
+    model = _llama_dir(tmp_path, 4096, 14336)
+    code, payload = check_json(tmp_path, monkeypatch, capsys, FP8_YAML,
+                               train=["--bf16", "--torch_compile", "--model_name_or_path", model])
+    assert code == 0 and codes(payload) == []
+
+
+def test_fp8_from_the_hf_scale_config_with_offload_warns(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cfg.yaml").write_text(
+        "strategy: deepspeed\nprecision: fp8\ntopology: {processes_per_machine: 2}\n"
+        "deepspeed: {zero_stage: 3, offload_params: cpu}\n")
+    ds = merged(DS_JSON, {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    model = _llama_dir(tmp_path, 4096, 14336)
+    code, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds,
+                               train=["--hf_scale_config", "cfg.yaml", "--torch_compile", "--model_name_or_path",
+                                      model])
+    assert "fp8-offload" in codes(payload), json.dumps(payload)[:2000]
+    assert "precision-mismatch" not in codes(payload)  # fp8 is DeepSpeed's bf16
+
+
+def test_bf16_is_not_looked_at(tmp_path, monkeypatch, capsys):
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DDP_YAML, train=["--bf16"])
+    assert not [c for c in codes(payload) if c.startswith("fp8")]

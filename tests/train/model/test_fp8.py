@@ -1,0 +1,182 @@
+"""precision: fp8 on CPU: the config, the generated files read by accelerate's and DeepSpeed's own code, which
+linear layers torchao converts (its real filter and conversion), the refusals before the model loads. The kernels
+themselves need an H100 (benchmarks/gpu.py --fp8)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from hf_scale import precision_rules
+from hf_scale.config import config_warnings, validate_config
+from hf_scale.errors import UserError
+from hf_scale.generators.accelerate_yaml import accelerate_yaml
+from hf_scale.generators.deepspeed_json import deepspeed_config
+from hf_scale.train.model import fp8
+
+torchao = pytest.importorskip("torchao")  # the test extra installs it; the kernels are never run here
+
+
+def _cfg(**data):
+    return validate_config({"precision": "fp8", **data})
+
+
+def _write_yaml(tmp_path, cfg):
+    path = tmp_path / "a.yaml"
+    path.write_text(accelerate_yaml(cfg, deepspeed_config_file=None, header="t"))
+    return path
+
+
+def _launch_env(path):
+    from hf_scale.check.inputs import _accelerate_launch_env
+
+    env, error = _accelerate_launch_env(path, yaml.safe_load(path.read_text()))
+    assert error is None and env is not None
+    return env
+
+
+def test_fp8_yaml_is_read_by_accelerate_launch_into_its_recipe(tmp_path, monkeypatch):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import AORecipeKwargs
+
+    path = _write_yaml(tmp_path, _cfg(strategy="ddp", topology={"processes_per_machine": 2}))
+    loaded = load_config_from_file(str(path))
+    assert loaded.mixed_precision == "fp8" and loaded.fp8_config["backend"] == "AO"
+    # Every key is one accelerate launch reads (fp8_<key>), or it would be dropped without a word.
+    dests = {action.dest for action in launch_command_parser()._actions}
+    assert {f"fp8_{key}" for key in loaded.fp8_config} <= dests
+    env = _launch_env(path)
+    assert env["ACCELERATE_MIXED_PRECISION"] == "fp8" and env["ACCELERATE_FP8_BACKEND"] == "AO"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    recipe = AORecipeKwargs()  # accelerate builds torchao's Float8LinearConfig from the launch environment
+    assert recipe.config.pad_inner_dim is True
+    assert recipe.config.enable_fsdp_float8_all_gather is False  # DDP: no FSDP2 all-gather to make fp8
+
+
+@pytest.mark.parametrize("backend", ["te", "msamp"])
+def test_other_backends_reach_accelerates_launch_environment(tmp_path, backend):
+    path = _write_yaml(tmp_path, _cfg(fp8={"backend": backend}))
+    env = _launch_env(path)
+    assert env["ACCELERATE_FP8_BACKEND"] == {"te": "TE", "msamp": "MSAMP"}[backend]
+    if backend == "te":
+        assert env["ACCELERATE_FP8_FORMAT"] == "HYBRID" and env["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == "1024"
+        assert env["ACCELERATE_FP8_AMAX_COMPUTE_ALGO"] == "most_recent"
+    else:
+        assert env["ACCELERATE_FP8_OPT_LEVEL"] == "O2"
+
+
+def test_fsdp2_yaml_asks_for_the_float8_all_gather():
+    cfg = _cfg(strategy="fsdp", topology={"processes_per_machine": 2}, fsdp={"cpu_ram_efficient_loading": False})
+    assert precision_rules.fp8_accelerate_section(cfg)["enable_fsdp_float8_all_gather"] is True
+
+
+def test_deepspeed_json_is_bf16_as_accelerate_makes_it_for_fp8():
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = _cfg(strategy="deepspeed", deepspeed={"zero_stage": 3})
+    config = deepspeed_config(cfg, "resolved")
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    DeepSpeedConfig(json.loads(json.dumps(config)))  # DeepSpeed's own parser takes it
+    plugin = DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(config)))
+    plugin.set_mixed_precision("fp8")  # accelerate's own fp8 handling agrees with the file (raises otherwise)
+    assert plugin.deepspeed_config["bf16"]["enabled"] is True
+    assert "mixed_precision" not in yaml.safe_load(accelerate_yaml(cfg, deepspeed_config_file="d.json", header=""))
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"strategy": "fsdp", "topology": {"processes_per_machine": 2}}, "fsdp.cpu_ram_efficient_loading=false"),
+        ({"strategy": "deepspeed", "fp8": {"backend": "msamp"}}, "fp8.backend=msamp with strategy=deepspeed"),
+        ({"fp8": {"backend": "cuda"}}, "fp8.backend='cuda' is invalid"),
+    ],
+)
+def test_config_refuses_what_accelerate_would_refuse(data, message):
+    with pytest.raises(UserError, match=message) as error:
+        _cfg(**data)
+    assert "\n" not in str(error.value)
+
+
+def test_offload_is_warned():
+    cfg = _cfg(strategy="deepspeed", deepspeed={"zero_stage": 3, "offload_params": "cpu"})
+    assert any("precision=fp8 with offload" in w for w in config_warnings(cfg))
+    assert not precision_rules.fp8_config_warnings(_cfg())
+
+
+def _llama(**sizes):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=1, vocab_size=128256, **sizes)
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        return LlamaForCausalLM(config)
+
+
+def test_which_layers_become_fp8_is_what_torchao_converts():
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = _llama(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
+    plan = fp8.plan(model, "torchao")
+    layer = "model.layers.0"
+    assert sorted(plan.converted) == sorted(
+        f"{layer}.{name}" for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                       "mlp.down_proj"))
+    assert plan.kept == {"lm_head": "output head", f"{layer}.self_attn.k_proj": "below the backend's size threshold",
+                         f"{layer}.self_attn.v_proj": "below the backend's size threshold"}
+    convert_to_float8_training(model, module_filter_fn=fp8.module_filter())
+    assert sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear)) == sorted(plan.converted)
+    line = fp8.describe(plan)
+    assert line == ("fp8 (torchao): 5 of 8 linear layers in fp8; kept in bf16: below the backend's size threshold: 2 "
+                    "(model.layers.0.self_attn.k_proj, ...); output head: 1 (lm_head)")
+
+
+def test_a_small_model_keeps_everything_in_bf16():
+    from transformers import AutoModelForCausalLM
+
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+
+    plan = fp8.plan(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), "torchao")
+    assert not plan.converted and "lm_head" in plan.kept
+
+
+def test_recipe_handler_carries_the_filter():
+    from accelerate.utils import AORecipeKwargs
+
+    handler = fp8.recipe_handler("torchao")
+    assert isinstance(handler, AORecipeKwargs) and handler.module_filter_func is not None
+    small = torch.nn.Linear(64, 64)
+    assert handler.module_filter_func(small, "model.layers.0.mlp.up_proj") is False
+
+
+@pytest.mark.parametrize(
+    ("capability", "importable", "expected"),
+    [
+        (None, True, "this machine has none"),
+        ((8, 0), True, "this GPU has 8.0"),
+        ((9, 0), False, "the module torchao is not importable"),
+        ((8, 9), True, None),
+    ],
+)
+def test_refusal(capability, importable, expected):
+    problem = fp8.refusal("torchao", capability=capability, importable=importable)
+    assert problem is None if expected is None else expected in problem
+
+
+def test_train_py_refuses_fp8_without_a_gpu_before_the_model_loads(tmp_path, capsys):
+    from tests.train_helpers import run_in_process
+
+    config = tmp_path / "fp8.yaml"
+    config.write_text("precision: fp8\n")
+    out = tmp_path / "out"
+    code = run_in_process(["--hf_scale_config", str(config), "--output_dir", str(out), "--max_steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == ("train.py: error: precision=fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper or "
+                       "later); this machine has none: use precision=bf16")
+    assert not out.exists()  # nothing locked, loaded or written

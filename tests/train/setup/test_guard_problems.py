@@ -1,0 +1,89 @@
+"""guard.find_problems, the pure comparison behind the runtime guard: every problem it can name, and none for
+a run that is what was asked for. In-process and fast (tests/train/setup/test_guard.py builds each fallback for
+real in 2 processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hf_scale.train.setup import guard
+from hf_scale.train.setup.guard import Expected, Observed, find_problems
+
+ENGINE = {"zero_stage": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "train_batch_size": 16,
+          "precision": "bf16"}
+HEALTHY = {
+    "ddp": (Expected("ddp", 2, 2, 4, "bf16"),
+            Observed(2, "MULTI_GPU", 2, "ddp", micro_batch_size=2, mixed_precision="bf16")),
+    "deepspeed": (Expected("deepspeed", 2, 2, 4, "bf16", zero_stage=3, zero3_init=True),
+                  Observed(2, "DEEPSPEED", 2, "deepspeed", micro_batch_size=2, mixed_precision="bf16",
+                           deepspeed=ENGINE, zero3_partitioned=True)),
+    "fsdp": (Expected("fsdp", 2, 2, 4, "bf16"),
+             Observed(2, "FSDP", 2, "fsdp2", micro_batch_size=2, mixed_precision="bf16")),
+    "single": (Expected("single", 1, 2, 4, "no"), Observed(1, "NO", 1, "none", micro_batch_size=2,
+                                                            mixed_precision="no")),
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(HEALTHY))
+def test_a_run_that_is_what_was_asked_for_has_no_problem(strategy):
+    assert find_problems(*HEALTHY[strategy]) == []
+    guard.verify_runtime(*HEALTHY[strategy])
+
+
+def _observed(strategy: str, **changes) -> tuple[Expected, Observed]:
+    expected, observed = HEALTHY[strategy]
+    return expected, dataclasses.replace(observed, **changes)
+
+
+CASES = {
+    "single-process-cpu-launch": (_observed("ddp", single_process_cpu_launch=True), "accelerate started ONE process"),
+    "world-size": (_observed("ddp", world_size=1, num_processes=1), "WORLD_SIZE=2 processes but the live process"),
+    "no-distributed-state": (_observed("ddp", distributed_type="NO"), "DistributedType.NO"),
+    "deepspeed-not-running": (_observed("deepspeed", distributed_type="MULTI_GPU", wrapper="ddp", deepspeed=None),
+                              "DeepSpeed was requested but accelerate runs MULTI_GPU"),
+    "fsdp-not-sharded": (_observed("fsdp", wrapper="ddp"), "FSDP was requested but the model is not sharded"),
+    "ddp-not-wrapped": (_observed("ddp", wrapper="none"), "DDP over 2 processes was requested"),
+    "zero-stage": (_observed("deepspeed", deepspeed={**ENGINE, "zero_stage": 2}),
+                   "ZeRO stage 3 was requested but the engine runs stage 2"),
+    "engine-micro-batch": (_observed("deepspeed", deepspeed={**ENGINE, "micro_batch_size": 1}),
+                           "DeepSpeed train_micro_batch_size_per_gpu=1 but --per_device_train_batch_size=2"),
+    "engine-accumulation": (_observed("deepspeed", deepspeed={**ENGINE, "gradient_accumulation_steps": 1}),
+                            "DeepSpeed gradient_accumulation_steps=1 but --gradient_accumulation_steps=4"),
+    "engine-global-batch": (_observed("deepspeed", deepspeed={**ENGINE, "train_batch_size": 32}),
+                            "train_batch_size=32 but micro 2 x accumulation 4 x world size 2 = 16"),
+    "engine-precision": (_observed("deepspeed", deepspeed={**ENGINE, "precision": "no"}),
+                         "DeepSpeed runs precision no but the flags ask for bf16"),
+    "zero3-built-full": (_observed("deepspeed", zero3_partitioned=False), "the model was built unpartitioned"),
+    "loader-micro-batch": (_observed("ddp", micro_batch_size=8),
+                           "micro-batches of 8 but --per_device_train_batch_size=2"),
+    "accelerate-precision": (_observed("ddp", mixed_precision="no"),
+                             "accelerate runs mixed_precision=no but the flags ask for bf16"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_silent_fallback_is_one_named_problem(case):
+    (expected, observed), fragment = CASES[case]
+    problems = find_problems(expected, observed)
+    assert len(problems) == 1 and fragment in problems[0], problems
+    with pytest.raises(guard.RuntimeGuardError, match="^runtime guard: "):
+        guard.verify_runtime(expected, observed)
+
+
+def test_every_problem_is_named_in_one_line():
+    expected, _ = HEALTHY["deepspeed"]
+    observed = dataclasses.replace(HEALTHY["deepspeed"][1], deepspeed={**ENGINE, "zero_stage": 1, "precision": "fp16"},
+                                   zero3_partitioned=False)
+    problems = find_problems(expected, observed)
+    assert len(problems) == 3
+    with pytest.raises(guard.RuntimeGuardError) as raised:
+        guard.verify_runtime(expected, observed)
+    assert "\n" not in str(raised.value) and all(problem in str(raised.value) for problem in problems)
+
+
+@pytest.mark.parametrize(("bf16", "fp16", "precision"), [(True, False, "bf16"), (False, True, "fp16"),
+                                                         (False, False, "no")])
+def test_expected_precision_is_the_rule(bf16, fp16, precision):
+    assert guard.expected_precision(bf16, fp16) == precision

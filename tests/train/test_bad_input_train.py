@@ -1,0 +1,595 @@
+"""train.py's bad-input corpus: every case exits 2 with exactly one line naming the field and the value,
+no traceback, and nothing written (--output_dir and any checkpoint it was given are left as they were).
+
+The cases run in this process (`train_helpers.run_in_process`: the ~6 s of imports are paid once); a few
+also run as real `python train.py` processes, to prove there is no traceback at the interpreter level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from train_helpers import REPO, TRAIN_PY, run, run_in_process, tree
+
+from hf_scale.train.checkpoint import output_lock
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+
+ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
+
+
+@dataclass
+class Case:
+    argv: list[str]
+    """`{d}`: the case's directory, `{out}` its --output_dir, `{model}` / `{ckpt}` what `prepare` built."""
+    fragment: str
+    """Must appear in the error line."""
+    files: dict | None = None
+    """Written under `{d}` before the run: {relative path: str | bytes}."""
+    prepare: object = None
+    """prepare(d, checkpoints) builds what `files` cannot (a damaged model or checkpoint, a held lock)."""
+
+
+def jsonl(*rows) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+GOOD_PR = {"prompt": "What is 2 plus 3?", "response": "5"}
+GOOD_CHAT = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+
+
+# --- preparers: damaged models -------------------------------------------------------------------------
+
+
+def model(mutate):
+    def prepare(d: Path, _):
+        shutil.copytree(EMBEDDED_MODEL_DIR, d / "model")
+        mutate(d / "model")
+    return prepare
+
+
+def rewrite_weights(change):
+    def mutate(path: Path):
+        weights = load_file(path / "model.safetensors")
+        change(weights)
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return mutate
+
+
+def edit_config(**changes):
+    def mutate(path: Path):
+        config = json.loads((path / "config.json").read_text())
+        config.update(changes)
+        (path / "config.json").write_text(json.dumps(config))
+    return mutate
+
+
+def write(name: str, content: str | bytes):
+    def mutate(path: Path):
+        target = path / name
+        target.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return mutate
+
+
+def truncate(name: str):
+    def mutate(path: Path):
+        data = (path / name).read_bytes()
+        (path / name).write_bytes(data[: len(data) // 2])
+    return mutate
+
+
+def remove(name: str):
+    return lambda path: (path / name).unlink()
+
+
+def sharded_index_with_a_missing_shard(path: Path):
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    weights = load_file(path / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {name: "model-00001-of-00002.safetensors" for name in weights}}
+    index["weight_map"]["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+# --- preparers: damaged checkpoints (copies of a real checkpoint-1 of each loop) -------------------------
+
+
+def ckpt(loop: str, *mutations, reseal: bool = False):
+    """A copy of the pristine `loop` checkpoint at {ckpt}, mutated; `reseal` records the damage in a fresh
+    manifest (checksums then pass, so the loaders' own checks are what must catch it)."""
+
+    def prepare(d: Path, checkpoints):
+        path = d / "ckpt" / "checkpoint-1"
+        shutil.copytree(checkpoints[loop], path)
+        for mutate in mutations:
+            mutate(path)
+        if reseal:
+            checkpoint.seal(path, 1, ONE_PROCESS)
+
+    return prepare
+
+
+def flip(name: str):
+    def mutate(path: Path):
+        data = bytearray((path / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size: only a checksum can tell
+        (path / name).write_bytes(bytes(data))
+    return mutate
+
+
+def torch_object(name: str, obj):
+    return lambda path: torch.save(obj, path / name)
+
+
+def edit_manifest(change):
+    def mutate(path: Path):
+        manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+        change(manifest)
+        (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    return mutate
+
+
+def hold_lock(d: Path, _):
+    lock = output_lock.OutputDirLock(d / "out")
+    lock.acquire()  # another open file description: flock refuses train.py's even in this process
+    HELD.append(lock)
+
+
+HELD: list[output_lock.OutputDirLock] = []
+CKPT = "{ckpt}/checkpoint-1"
+
+
+def dataset_dir(d: Path, _):
+    (d / "dataset").mkdir()
+    (d / "dataset" / "train.jsonl").write_text(jsonl(GOOD_PR))
+
+
+def template_without_generation_markers(path: Path):
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+
+
+CASES: dict[str, Case] = {
+    # --- the command line -------------------------------------------------------------------------------
+    "unknown-flag": Case(["--learning_rat", "1e-4"], "--learning_rat"),
+    "stray-positional": Case(["extra"], "unrecognized arguments: extra"),
+    "flag-without-value": Case(["--learning_rate"], "--learning_rate"),
+    "lr-not-a-number": Case(["--learning_rate", "fast"], "--learning_rate"),
+    "lr-nan": Case(["--learning_rate", "nan"], "--learning_rate=nan"),
+    "lr-inf": Case(["--learning_rate", "inf"], "--learning_rate=inf"),
+    "lr-negative": Case(["--learning_rate", "-1"], "--learning_rate=-1.0"),
+    "lr-1e30": Case(["--learning_rate", "1e30"], "--learning_rate=1e+30"),
+    "lr-above-bound": Case(["--learning_rate", "11"], "--learning_rate=11.0: must be in [0, 10]"),
+    "weight-decay-nan": Case(["--weight_decay", "nan"], "--weight_decay=nan"),
+    "weight-decay-negative": Case(["--weight_decay", "-0.1"], "--weight_decay=-0.1"),
+    "adam-beta1-above-1": Case(["--adam_beta1", "1.5"], "--adam_beta1=1.5"),
+    "adam-beta2-equal-1": Case(["--adam_beta2", "1"], "--adam_beta2=1.0"),
+    "adam-beta2-negative": Case(["--adam_beta2", "-0.5"], "--adam_beta2=-0.5"),
+    "adam-epsilon-inf": Case(["--adam_epsilon", "inf"], "--adam_epsilon=inf"),
+    "adam-epsilon-negative": Case(["--adam_epsilon=-1e-8"], "--adam_epsilon=-1e-08"),
+    "max-grad-norm-nan": Case(["--max_grad_norm", "nan"], "--max_grad_norm=nan"),
+    "max-grad-norm-negative": Case(["--max_grad_norm", "-1"], "--max_grad_norm=-1.0"),
+    "epochs-nan": Case(["--num_train_epochs", "nan"], "--num_train_epochs=nan"),
+    "epochs-zero-without-max-steps": Case(["--max_steps", "-1", "--num_train_epochs", "0"], "--num_train_epochs=0"),
+    "warmup-ratio-2": Case(["--warmup_ratio", "2"], "--warmup_ratio=2"),
+    "warmup-ratio-negative": Case(["--warmup_ratio", "-0.1"], "--warmup_ratio=-0.1"),
+    "warmup-ratio-nan": Case(["--warmup_ratio", "nan"], "--warmup_ratio=nan"),
+    "warmup-ratio-and-steps": Case(["--warmup_ratio", "0.1", "--warmup_steps", "5"], "set only one"),
+    "warmup-steps-inf": Case(["--warmup_steps", "inf"], "--warmup_steps=inf"),
+    "label-smoothing-nan": Case(["--label_smoothing_factor", "nan"], "--label_smoothing_factor=nan"),
+    "save-steps-nan": Case(["--save_steps", "nan"], "--save_steps=nan"),
+    "logging-steps-inf": Case(["--logging_steps", "inf"], "--logging_steps=inf"),
+    "accumulation-zero": Case(["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps=0"),
+    "accumulation-negative": Case(["--gradient_accumulation_steps", "-2"], "--gradient_accumulation_steps=-2"),
+    "accumulation-word": Case(["--gradient_accumulation_steps", "two"], "--gradient_accumulation_steps"),
+    "accumulation-fraction": Case(["--gradient_accumulation_steps", "1.5"], "--gradient_accumulation_steps"),
+    "micro-batch-zero": Case(["--per_device_train_batch_size", "0"], "--per_device_train_batch_size=0"),
+    "micro-batch-negative": Case(["--per_device_train_batch_size", "-4"], "--per_device_train_batch_size=-4"),
+    "max-steps-word": Case(["--max_steps", "ten"], "--max_steps"),
+    "seed-word": Case(["--seed", "lucky"], "--seed"),
+    "bf16-and-fp16": Case(["--bf16", "--fp16"], "--bf16 and --fp16"),
+    "loop-unknown": Case(["--loop", "keras"], "keras"),
+    "dtype-unknown": Case(["--torch_dtype", "float8"], "--torch_dtype"),
+    "attention-unknown": Case(["--attn_implementation", "flash"], "--attn_implementation"),
+    "completion-only-not-bool": Case(["--completion_only_loss", "maybe"], "--completion_only_loss"),
+    "packing-not-bool": Case(["--packing", "maybe"], "--packing"),
+    "scheduler-unknown": Case(["--lr_scheduler_type", "foo"], "--lr_scheduler_type"),
+    "optimizer-unknown": Case(["--optim", "foo"], "--optim"),
+    "save-strategy-unknown": Case(["--save_strategy", "sometimes"], "--save_strategy"),
+    "save-strategy-epoch-in-manual-loop": Case(["--loop", "accelerate", "--save_strategy", "epoch"],
+                                               "--save_strategy=epoch"),
+    # --- flags the manual loop does not apply (hf_scale.train.setup.loop_flags): refused, not ignored ------------
+    "manual-loop-group-by-length": Case(["--loop", "accelerate", "--train_sampling_strategy", "group_by_length"],
+                                        "--train_sampling_strategy=group_by_length: applied only by --loop trainer; "
+                                        "use --loop trainer or drop the flag"),
+    "manual-loop-label-smoothing": Case(["--loop", "accelerate", "--label_smoothing_factor", "0.1"],
+                                        "--label_smoothing_factor=0.1: applied only by --loop trainer"),
+    "manual-loop-empty-cache-steps": Case(["--loop", "accelerate", "--torch_empty_cache_steps", "4"],
+                                          "--torch_empty_cache_steps=4: applied only by --loop trainer"),
+    "manual-loop-load-best-model": Case(["--loop", "accelerate", "--load_best_model_at_end"],
+                                        "--load_best_model_at_end=true: applied only by --loop trainer"),
+    "manual-loop-drop-last": Case(["--loop", "accelerate", "--dataloader_drop_last", "true"],
+                                  "--dataloader_drop_last=true: applied only by --loop trainer"),
+    "manual-loop-plateau-scheduler": Case(["--loop", "accelerate", "--lr_scheduler_type", "reduce_lr_on_plateau"],
+                                          "--lr_scheduler_type=reduce_lr_on_plateau: this value is applied only by "
+                                          "--loop trainer"),
+    "manual-loop-neftune-from-recipe": Case(["{d}/recipe.yaml"], "--neftune_noise_alpha=5.0: applied only by --loop "
+                                            "trainer",
+                                            files={"recipe.yaml": "loop: accelerate\nneftune_noise_alpha: 5\n"}),
+    # --- LoRA: each flag named by itself ----------------------------------------------------------------
+    "lora-r-negative": Case(["--lora_r", "-1"], "--lora_r=-1"),
+    "lora-alpha-zero": Case(["--lora_r", "4", "--lora_alpha", "0"], "--lora_alpha=0"),
+    "lora-alpha-negative": Case(["--lora_r", "4", "--lora_alpha", "-16"], "--lora_alpha=-16"),
+    "lora-alpha-fraction": Case(["--lora_r", "4", "--lora_alpha", "0.5"], "--lora_alpha"),
+    "lora-dropout-5": Case(["--lora_r", "4", "--lora_dropout", "5"], "--lora_dropout=5.0"),
+    "lora-dropout-negative": Case(["--lora_r", "4", "--lora_dropout", "-0.1"], "--lora_dropout=-0.1"),
+    "lora-dropout-nan": Case(["--lora_r", "4", "--lora_dropout", "nan"], "--lora_dropout=nan"),
+    "lora-targets-empty": Case(["--lora_r", "4", "--lora_target_modules", " , "], "--lora_target_modules"),
+    "lora-targets-unknown": Case(["--lora_r", "4", "--lora_target_modules", "no_such_proj"],
+                                 "--lora_target_modules"),
+    # --- data flags -------------------------------------------------------------------------------------
+    "bad-row-fraction-above-1": Case(["--max_bad_row_fraction", "2"], "--max_bad_row_fraction=2.0"),
+    "bad-row-fraction-negative": Case(["--max_bad_row_fraction", "-0.1"], "--max_bad_row_fraction=-0.1"),
+    "bad-row-fraction-nan": Case(["--max_bad_row_fraction", "nan"], "--max_bad_row_fraction=nan"),
+    "max-train-samples-zero": Case(["--max_train_samples", "0"], "--max_train_samples 0"),
+    "max-train-samples-negative": Case(["--max_train_samples", "-5"], "--max_train_samples -5"),
+    "seq-len-zero": Case(["--max_seq_length", "0"], "--max_seq_length 0"),
+    "seq-len-negative": Case(["--max_seq_length", "-8"], "--max_seq_length -8"),
+    "seq-len-above-model": Case(["--max_seq_length", "100000"], "max_position_embeddings"),
+    "no-target-left-after-truncation": Case(["--train_file", "{d}/d.jsonl", "--max_seq_length", "4"],
+                                            "--max_seq_length 4", files={"d.jsonl": jsonl(GOOD_PR)}),
+    # --- launcher configs -------------------------------------------------------------------------------
+    "deepspeed-missing": Case(["--deepspeed", "/nonexistent/ds.json"], "--deepspeed=/nonexistent/ds.json"),
+    "deepspeed-not-json": Case(["--deepspeed", "{d}/ds.json"], "not valid JSON", files={"ds.json": "{not json"}),
+    "deepspeed-stage-7": Case(["--deepspeed", "{d}/ds.json"], "zero_optimization.stage=7",
+                              files={"ds.json": json.dumps({"zero_optimization": {"stage": 7}})}),
+    "deepspeed-array": Case(["--deepspeed", "{d}/ds.json"], "must be a JSON object", files={"ds.json": "[1, 2]"}),
+    "deepspeed-directory": Case(["--deepspeed", "{d}"], "file not found"),
+    "precision-flag-against-deepspeed-json": Case(["--deepspeed", str(REPO / "ds_configs" / "zero2.json"), "--fp16"],
+                                                  "--fp16 conflicts with"),
+    "micro-batch-flag-against-deepspeed-json": Case(
+        ["--deepspeed", "{d}/ds.json", "--per_device_train_batch_size", "2"],
+        "train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size=2",
+        files={"ds.json": json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}})}),
+    "push-to-hub-with-zero3-without-gathering": Case(
+        ["--deepspeed", "{d}/ds.json", "--push_to_hub", "--hub_model_id", "me/tiny"],
+        "--push_to_hub me/tiny: ZeRO-3 without 16-bit gathering on save",  # before the token (HF_HUB_OFFLINE here)
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})}),
+    "hf-scale-config-missing": Case(["--hf_scale_config", "/nonexistent/cfg.yaml"], "/nonexistent/cfg.yaml"),
+    "hf-scale-config-world-size": Case(
+        ["--hf_scale_config", "{d}/c.yaml"], "world_size=2",
+        files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2}})}),
+    "hf-scale-config-tensor-parallel": Case(
+        ["--hf_scale_config", "{d}/c.yaml"], "parallelism: tp=2: train.py does not build models on a tensor",
+        files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2},
+                                         "parallelism": {"tp": 2}})}),
+    "hf-scale-config-conflicting-micro": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--per_device_train_batch_size", "3"],
+        "batch.micro_batch_size=4 but --per_device_train_batch_size=3",
+        files={"c.yaml": yaml.safe_dump({"strategy": "single", "precision": "no", "batch": {"micro_batch_size": 4}})}),
+    # --- the output directory ---------------------------------------------------------------------------
+    "output-dir-is-a-file": Case(["--output_dir", "{d}/taken"], "exists and is not a directory", files={"taken": "x"}),
+    "output-dir-under-a-file": Case(["--output_dir", "{d}/taken/run"], "cannot be created", files={"taken": "x"}),
+    "output-dir-not-writable": Case(["--output_dir", "{d}/ro/run"], "cannot be created (Permission denied)",
+                                    prepare=lambda d, _: (d / "ro").mkdir(mode=0o500)),
+    "output-dir-existing-not-writable": Case(["--output_dir", "{d}/ro"], "not writable (Permission denied)",
+                                             prepare=lambda d, _: (d / "ro").mkdir(mode=0o500)),
+    "output-dir-in-use": Case([], "another run is using it (pid", prepare=hold_lock),
+    # --- data files -------------------------------------------------------------------------------------
+    "train-file-missing": Case(["--train_file", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl: no such file"),
+    "train-file-is-a-directory": Case(["--train_file", "{d}"], "is a directory"),
+    "train-file-extension": Case(["--train_file", "{d}/d.xml"], "unsupported extension '.xml'",
+                                 files={"d.xml": "<a/>"}),
+    "train-file-empty": Case(["--train_file", "{d}/d.jsonl"], "the dataset is empty", files={"d.jsonl": ""}),
+    "train-file-empty-array": Case(["--train_file", "{d}/d.json"], "the dataset is empty", files={"d.json": "[]"}),
+    "csv-header-only": Case(["--train_file", "{d}/d.csv"], "the dataset is empty",
+                            files={"d.csv": "prompt,response\n"}),
+    "jsonl-syntax": Case(["--train_file", "{d}/d.jsonl"], "could not be read as json",
+                         files={"d.jsonl": '{"text": \n'}),
+    "json-not-utf8": Case(["--train_file", "{d}/d.jsonl"], "row 0 of 'text' is not valid UTF-8",
+                          files={"d.jsonl": b'{"text": "\xff\xfe\xfa"}\n'}),
+    "csv-not-utf8": Case(["--train_file", "{d}/d.csv"], "could not be read as csv",
+                         files={"d.csv": b"prompt,response\n\xff\xfe,\xfa\n"}),
+    "parquet-garbage": Case(["--train_file", "{d}/d.parquet"], "could not be read as parquet",
+                            files={"d.parquet": b"PAR1 this is not parquet"}),
+    "train-file-unreadable": Case(["--train_file", "{d}/d.jsonl"], "cannot be read (Permission denied)",
+                                  files={"d.jsonl": jsonl({"text": "hello"})},
+                                  prepare=lambda d, _: (d / "d.jsonl").chmod(0)),
+    "validation-file-missing": Case(["--train_file", "{d}/d.jsonl", "--validation_file", "/nonexistent/v.jsonl"],
+                                    "--validation_file /nonexistent/v.jsonl", files={"d.jsonl": jsonl(GOOD_PR)}),
+    "validation-file-without-train-file": Case(["--validation_file", "{d}/d.jsonl"], "--validation_file needs",
+                                               files={"d.jsonl": jsonl(GOOD_PR)}),
+    "dataset-name-and-train-file": Case(["--dataset_name", "{d}", "--train_file", "{d}/d.jsonl"],
+                                        "mutually exclusive", files={"d.jsonl": jsonl(GOOD_PR)}),
+    "dataset-name-not-loadable": Case(["--dataset_name", "/nonexistent/dataset"], "--dataset_name /nonexistent"),
+    "dataset-split-unknown": Case(["--dataset_name", "{d}/dataset", "--train_split", "nope"], "--train_split nope",
+                                  prepare=dataset_dir),
+    # --- rows that cannot be used: counted, never replaced by empty text --------------------------------
+    "text-int": Case(["--train_file", "{d}/d.jsonl"], "'text' is int, not text", files={"d.jsonl": jsonl({"text": 5})}),
+    "text-mixed-types": Case(["--train_file", "{d}/d.jsonl"], "index 1, 'text' is int",
+                             files={"d.jsonl": jsonl({"text": "a"}, {"text": 5})}),
+    "text-null": Case(["--train_file", "{d}/d.jsonl"], "index 0, 'text' is missing",
+                      files={"d.jsonl": jsonl({"text": None}, {"text": "fine"})}),
+    "text-key-missing": Case(["--train_file", "{d}/d.jsonl"], "index 1, 'text' is missing",
+                             files={"d.jsonl": jsonl({"text": "a"}, {"body": "b"})}),
+    "text-empty": Case(["--train_file", "{d}/d.jsonl"], "'text' is empty",
+                       files={"d.jsonl": jsonl({"text": "a"}, {"text": ""})}),
+    "text-blank": Case(["--train_file", "{d}/d.jsonl"], "'text' is empty",
+                       files={"d.jsonl": jsonl({"text": "a"}, {"text": " \n\t"})}),
+    "text-list": Case(["--train_file", "{d}/d.jsonl"], "'text' is list", files={"d.jsonl": jsonl({"text": ["a"]})}),
+    "text-object": Case(["--train_file", "{d}/d.jsonl"], "'text' is dict",
+                        files={"d.jsonl": jsonl({"text": {"a": 1}})}),
+    "text-bool": Case(["--train_file", "{d}/d.jsonl"], "'text' is bool",
+                      files={"d.jsonl": jsonl({"text": "a"}, {"text": True})}),
+    "prompt-null": Case(["--train_file", "{d}/d.jsonl"], "'prompt' is missing",
+                        files={"d.jsonl": jsonl(GOOD_PR, {"prompt": None, "response": "x"})}),
+    "prompt-int": Case(["--train_file", "{d}/d.jsonl"], "'prompt' is int",
+                       files={"d.jsonl": jsonl(GOOD_PR, {"prompt": 7, "response": "x"})}),
+    "response-null": Case(["--train_file", "{d}/d.jsonl"], "'response' is missing",
+                          files={"d.jsonl": jsonl(GOOD_PR, {"prompt": "p", "response": None})}),
+    "response-empty": Case(["--train_file", "{d}/d.jsonl"], "'response' is empty",
+                           files={"d.jsonl": jsonl(GOOD_PR, {"prompt": "p", "response": ""})}),
+    "response-float": Case(["--train_file", "{d}/d.jsonl"], "index 1, 'response' is float",
+                           files={"d.jsonl": jsonl({"prompt": "p", "response": "r"},
+                                                   {"prompt": "p", "response": 2.5})}),
+    "csv-empty-response": Case(["--train_file", "{d}/d.csv"], "'response' is missing",
+                               files={"d.csv": "prompt,response\nhello,world\nhi,\n"}),
+    "messages-null": Case(["--train_file", "{d}/d.jsonl"], "'messages' is missing",
+                          files={"d.jsonl": jsonl(GOOD_CHAT, {"messages": None})}),
+    "messages-empty": Case(["--train_file", "{d}/d.jsonl"], "'messages' is empty",
+                           files={"d.jsonl": jsonl(GOOD_CHAT, {"messages": []})}),
+    "messages-string": Case(["--train_file", "{d}/d.jsonl"], "'messages' is str",
+                            files={"d.jsonl": jsonl(GOOD_CHAT, {"messages": "hi"})}),
+    "messages-of-strings": Case(["--train_file", "{d}/d.jsonl"], "message 0 of 'messages' is str",
+                                files={"d.jsonl": jsonl({"messages": ["hi", "there"]})}),
+    "message-without-role": Case(["--train_file", "{d}/d.jsonl"], "message 1 of 'messages' has null role",
+                                 files={"d.jsonl": jsonl({"messages": [{"role": "user", "content": "hi"},
+                                                                      {"content": "hello"}]})}),
+    "message-role-int": Case(["--train_file", "{d}/d.jsonl"], "has int role",
+                             files={"d.jsonl": jsonl(GOOD_CHAT, {"messages": [{"role": 1, "content": "x"}]})}),
+    "message-content-null": Case(["--train_file", "{d}/d.jsonl"], "has null content",
+                                 files={"d.jsonl": jsonl(GOOD_CHAT, {"messages": [{"role": "user",
+                                                                                    "content": None}]})}),
+    "message-content-list": Case(["--train_file", "{d}/d.jsonl"], "has list content",
+                                 files={"d.jsonl": jsonl(GOOD_CHAT, {"messages": [{"role": "user",
+                                                                                    "content": ["x"]}]})}),
+    "bad-rows-above-the-allowed-fraction": Case(
+        ["--train_file", "{d}/d.jsonl", "--max_bad_row_fraction", "0.25"], "--max_bad_row_fraction 0.5",
+        files={"d.jsonl": jsonl(GOOD_PR, {"prompt": None, "response": "x"}, GOOD_PR, {"prompt": "p"})}),
+    "every-row-bad-even-if-allowed": Case(["--train_file", "{d}/d.jsonl", "--max_bad_row_fraction", "1"],
+                                          "2 of 2 rows", files={"d.jsonl": jsonl({"text": 1}, {"text": 2})}),
+    # --- columns and formats ----------------------------------------------------------------------------
+    "unknown-column": Case(["--text_column", "body"], "--text_column body: no such column"),
+    "columns-of-two-formats": Case(["--train_file", "{d}/d.jsonl", "--text_column", "text", "--messages_column",
+                                    "messages"], "select different dataset formats",
+                                   files={"d.jsonl": jsonl({"text": "a", "messages": []})}),
+    "prompt-without-response-column": Case(["--train_file", "{d}/d.jsonl", "--prompt_column", "q"],
+                                           "--response_column is needed", files={"d.jsonl": jsonl({"q": "a"})}),
+    "undetectable-format": Case(["--train_file", "{d}/d.jsonl"], "cannot tell the dataset format",
+                                files={"d.jsonl": jsonl({"a": "x", "b": "y"})}),
+    "completion-only-on-plain-text": Case(["--train_file", "{d}/d.txt", "--completion_only_loss", "true"],
+                                          "--completion_only_loss true", files={"d.txt": "hello\nworld\n"}),
+    "chat-template-without-generation-markers": Case(
+        ["--model_name_or_path", "{model}", "--train_file", "{d}/d.jsonl"], "{% generation %}",
+        files={"d.jsonl": jsonl(GOOD_CHAT)}, prepare=model(template_without_generation_markers)),
+    # --- the model --------------------------------------------------------------------------------------
+    "model-path-missing": Case(["--model_name_or_path", "/nonexistent/model"], "--model_name_or_path=/nonexistent"),
+    "model-dir-without-config": Case(["--model_name_or_path", "{d}"], "without a valid config.json"),
+    "model-config-garbage": Case(["--model_name_or_path", "{model}"], "--model_name_or_path",
+                                 prepare=model(write("config.json", "{not json"))),
+    "model-weights-truncated": Case(["--model_name_or_path", "{model}"], "the weights cannot be loaded",
+                                    prepare=model(truncate("model.safetensors"))),
+    "model-weights-garbage": Case(["--model_name_or_path", "{model}"], "the weights cannot be loaded",
+                                  prepare=model(write("model.safetensors", os.urandom(4096)))),
+    "model-weights-missing": Case(["--model_name_or_path", "{model}"], "the weights cannot be loaded",
+                                  prepare=model(remove("model.safetensors"))),
+    "model-weights-other-shapes": Case(["--model_name_or_path", "{model}"], "the weights cannot be loaded",
+                                       prepare=model(edit_config(intermediate_size=96))),
+    "model-weights-lack-tensors": Case(["--model_name_or_path", "{model}"], "lack 1 tensors",
+                                       prepare=model(rewrite_weights(lambda w: w.pop("model.norm.weight")))),
+    "model-bin-garbage": Case(["--model_name_or_path", "{model}"], "the weights cannot be loaded",
+                              prepare=model(lambda p: (remove("model.safetensors")(p),
+                                                       write("pytorch_model.bin", os.urandom(2048))(p)))),
+    "model-index-names-a-missing-shard": Case(["--model_name_or_path", "{model}"], "--model_name_or_path",
+                                              prepare=model(sharded_index_with_a_missing_shard)),
+    "tokenizer-missing": Case(["--tokenizer_name_or_path", "/nonexistent/tok"], "--tokenizer_name_or_path"),
+    "tokenizer-garbage": Case(["--model_name_or_path", "{model}"], "--tokenizer_name_or_path",
+                              prepare=model(write("tokenizer.json", "{garbage"))),
+    # --- --resume_from_checkpoint: refused with the file named, the checkpoint left untouched -----------
+    "resume-missing": Case(["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], "no such directory"),
+    "resume-a-file": Case(["--resume_from_checkpoint", "{d}/f"], "no such directory", files={"f": "x"}),
+    "resume-without-manifest": Case(["--resume_from_checkpoint", CKPT], "no hf_scale_complete.json",
+                                    prepare=ckpt("accelerate", remove(checkpoint.MANIFEST))),
+    "resume-foreign-partial": Case(["--resume_from_checkpoint", "{d}/checkpoint-3"], "no hf_scale_complete.json",
+                                   files={"checkpoint-3/optimizer.bin": "partial"}),
+    "resume-manifest-garbage": Case(["--resume_from_checkpoint", CKPT], "hf_scale_complete.json is unreadable",
+                                    prepare=ckpt("accelerate", write(checkpoint.MANIFEST, "{"))),
+    "resume-manifest-escapes": Case(["--resume_from_checkpoint", CKPT], "hf_scale_complete.json is unreadable",
+                                    prepare=ckpt("accelerate", edit_manifest(
+                                        lambda m: m["files"].update({"../../etc/passwd": 1})))),
+    "resume-file-missing": Case(["--resume_from_checkpoint", CKPT], "optimizer.bin is missing",
+                                prepare=ckpt("accelerate", remove("optimizer.bin"))),
+    "resume-file-truncated": Case(["--resume_from_checkpoint", CKPT], "optimizer.bin has",
+                                  prepare=ckpt("accelerate", truncate("optimizer.bin"))),
+    "resume-weights-flipped": Case(["--resume_from_checkpoint", CKPT], "model.safetensors is corrupt",
+                                   prepare=ckpt("accelerate", flip("model.safetensors"))),
+    "resume-optimizer-flipped": Case(["--resume_from_checkpoint", CKPT], "optimizer.bin is corrupt",
+                                     prepare=ckpt("accelerate", flip("optimizer.bin"))),
+    "resume-rng-flipped": Case(["--resume_from_checkpoint", CKPT], "random_states_0.pkl is corrupt",
+                               prepare=ckpt("accelerate", flip("random_states_0.pkl"))),
+    "resume-scheduler-flipped": Case(["--resume_from_checkpoint", CKPT], "scheduler.bin is corrupt",
+                                     prepare=ckpt("accelerate", flip("scheduler.bin"))),
+    "resume-state-flipped": Case(["--resume_from_checkpoint", CKPT], "hf_scale_state.json is corrupt",
+                                 prepare=ckpt("accelerate", flip(checkpoint.STATE))),
+    "resume-trainer-state-flipped": Case(["--resume_from_checkpoint", CKPT], "trainer_state.json is corrupt",
+                                         prepare=ckpt("trainer", flip("trainer_state.json"))),
+    "resume-trainer-rng-flipped": Case(["--resume_from_checkpoint", CKPT], "rng_state.pth is corrupt",
+                                       prepare=ckpt("trainer", flip("rng_state.pth"))),
+    "resume-trainer-weights-flipped": Case(["--resume_from_checkpoint", CKPT], "model.safetensors is corrupt",
+                                           prepare=ckpt("trainer", flip("model.safetensors"))),
+    # ... and when the damage was sealed into a valid manifest, the loaders' own checks catch it.
+    "resealed-rng-garbage": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
+                                 "random_states_0.pkl cannot be loaded",
+                                 prepare=ckpt("accelerate", write("random_states_0.pkl", b"\x80garbage"), reseal=True)),
+    "resealed-rng-without-states": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
+                                        "random_states_0.pkl does not hold the states",
+                                        prepare=ckpt("accelerate", torch_object("random_states_0.pkl", {"step": 1}),
+                                                     reseal=True)),
+    "resealed-scheduler-garbage": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
+                                       "scheduler.bin cannot be loaded",
+                                       prepare=ckpt("accelerate", write("scheduler.bin", os.urandom(64)), reseal=True)),
+    "resealed-state-garbage": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
+                                   "hf_scale_state.json is not valid JSON",
+                                   prepare=ckpt("accelerate", write(checkpoint.STATE, "{,"), reseal=True)),
+    "resealed-state-wrong-types": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
+                                       "lacks a valid step",
+                                       prepare=ckpt("accelerate", write(checkpoint.STATE, json.dumps(
+                                           {"step": "one", "world_size": 1, "strategy": "single", "epoch": 0,
+                                            "samples_consumed_in_epoch": 0})), reseal=True)),
+    "resealed-trainer-state-garbage": Case(["--resume_from_checkpoint", CKPT], "trainer_state.json is not valid JSON",
+                                           prepare=ckpt("trainer", write("trainer_state.json", "nope"), reseal=True)),
+    "resealed-trainer-rng-garbage": Case(["--resume_from_checkpoint", CKPT], "rng_state.pth cannot be loaded",
+                                         prepare=ckpt("trainer", write("rng_state.pth", b"garbage"), reseal=True)),
+    "resealed-optimizer-garbage": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
+                                       "loading it failed",
+                                       prepare=ckpt("accelerate", write("optimizer.bin", os.urandom(1024)),
+                                                    reseal=True)),
+    "resealed-weights-garbage": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
+                                     "loading it failed",
+                                     prepare=ckpt("accelerate", write("model.safetensors", os.urandom(1024)),
+                                                  reseal=True)),
+    "resealed-trainer-optimizer-garbage": Case(["--resume_from_checkpoint", CKPT], "loading it failed",
+                                               prepare=ckpt("trainer", write("optimizer.pt", os.urandom(1024)),
+                                                            reseal=True)),
+    "resume-with-the-other-loop": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
+                                       "written by --loop trainer", prepare=ckpt("trainer")),
+}
+
+
+@contextlib.contextmanager
+def file_permissions_enforced():
+    """As root, drop CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH from this thread's effective set for the duration, so
+    that a mode-000 file or a read-only directory refuses root too (restored afterwards)."""
+    if os.geteuid() != 0:
+        yield
+        return
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    assert libc.capget(ctypes.byref(header), data) == 0
+    saved = data[0].effective
+    data[0].effective &= ~0b110  # CAP_DAC_OVERRIDE (1), CAP_DAC_READ_SEARCH (2)
+    assert libc.capset(ctypes.byref(header), data) == 0
+    try:
+        yield
+    finally:
+        data[0].effective = saved
+        assert libc.capset(ctypes.byref(header), data) == 0
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """checkpoint-1 of a real one-step run of each loop (made once, on first use)."""
+    made = {}
+
+    def get(loop: str) -> Path:
+        if loop not in made:
+            out = tmp_path_factory.mktemp(f"pristine-{loop}")
+            assert run_in_process(["--max_steps", "1", "--save_steps", "1", "--loop", loop,
+                                   "--output_dir", str(out)]) == 0
+            made[loop] = out / "checkpoint-1"
+        return made[loop]
+
+    return _Lazy(get)
+
+
+class _Lazy:
+    def __init__(self, get):
+        self.get = get
+
+    def __getitem__(self, loop: str) -> Path:
+        return self.get(loop)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def datasets_cache_in_tmp(tmp_path_factory):
+    saved = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = str(tmp_path_factory.mktemp("hf_datasets_cache"))
+    yield
+    datasets.config.HF_DATASETS_CACHE = saved
+
+
+def _materialise(case: Case, d: Path, checkpoints) -> list[str]:
+    for name, content in (case.files or {}).items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    if case.prepare is not None:
+        case.prepare(d, checkpoints)
+    argv = [a.format(d=d, out=d / "out", model=d / "model", ckpt=d / "ckpt") for a in case.argv]
+    if "--max_steps" not in argv:
+        argv = ["--max_steps", "1", *argv]
+    if "--output_dir" not in argv:
+        argv += ["--output_dir", str(d / "out")]
+    return argv
+
+
+def _error_line(stderr: str, fragment: str) -> str:
+    assert "Traceback" not in stderr, stderr[-4000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("train.py: error:")]
+    assert len(lines) == 1, stderr[-4000:]
+    assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(name, tmp_path, checkpoints, capfd):
+    case = CASES[name]
+    argv = _materialise(case, tmp_path, checkpoints)
+    out = Path(argv[argv.index("--output_dir") + 1])
+    before = {path: tree(path) for path in (out, tmp_path / "ckpt", tmp_path / "model")}
+    capfd.readouterr()
+    try:
+        with file_permissions_enforced():
+            code = run_in_process(argv)
+        stderr = capfd.readouterr().err
+        assert code == 2, stderr[-4000:]
+        _error_line(stderr, case.fragment)
+        for path, content in before.items():
+            assert tree(path) == content, f"{path} changed"
+    finally:
+        while HELD:
+            HELD.pop().release()
+
+
+SUBPROCESS_CASES = ["lr-nan", "text-int", "resume-weights-flipped"]
+
+
+@pytest.mark.parametrize("name", SUBPROCESS_CASES)
+def test_bad_input_in_a_real_process_has_no_traceback(name, tmp_path, checkpoints):
+    case = CASES[name]
+    argv = _materialise(case, tmp_path, checkpoints)
+    before = tree(tmp_path / "ckpt")
+    result = run([sys.executable, TRAIN_PY, *argv], timeout=300)
+    assert result.returncode == 2, result.stderr[-4000:]
+    _error_line(result.stderr, case.fragment)
+    assert not (tmp_path / "out").exists()
+    assert tree(tmp_path / "ckpt") == before
