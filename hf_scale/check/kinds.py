@@ -4,7 +4,7 @@
 - an accelerate config: a mapping with `distributed_type` or `compute_environment` (what `accelerate config`
   writes first; accelerate's loader needs them);
 - a DeepSpeed config: a mapping with a top-level key DeepSpeed's own parser reads (asked from DeepSpeedConfig);
-- an hf_scale config: a mapping whose keys are all DistributedConfig fields.
+- an hf_scale config: a mapping whose keys are all DistributedConfig fields, one of them not a DeepSpeed key.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def deepspeed_top_level_keys() -> frozenset[str]:
     with deepspeed_off_stdout():
         from deepspeed.runtime.config import DeepSpeedConfig
 
-        tracked = ReadTracker({"train_batch_size": 1})
+        # The optional blocks are read only when present (DeepSpeed tests `key in param_dict.keys()` first).
+        tracked = ReadTracker({"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {}},
+                               "scheduler": {"type": "WarmupLR", "params": {}}, "autotuning": {"enabled": False},
+                               "flops_profiler": {}, "activation_checkpointing": {}, "aio": {}})
         DeepSpeedConfig(tracked)
     return frozenset(key for key in tracked.read if isinstance(key, str))
 
@@ -52,12 +55,14 @@ def kind_of(data: Any) -> str | None:
     if not isinstance(data, dict) or not data:
         return None
     keys = {key for key in data if isinstance(key, str)}
+    deepspeed = deepspeed_top_level_keys()
     if keys & set(ACCELERATE_MARKS):
         return ACCELERATE
-    if keys & deepspeed_top_level_keys():
-        return DEEPSPEED
-    if keys <= _hf_scale_fields():
+    # Both read `optimizer` and `gradient_clipping`: a key only hf_scale has (strategy, topology, ...) decides.
+    if keys <= _hf_scale_fields() and keys - deepspeed:
         return HF_SCALE
+    if keys & deepspeed:
+        return DEEPSPEED
     return None
 
 

@@ -105,8 +105,9 @@ def check_fsdp_final_save(inp: CheckInputs) -> Iterator[Finding]:
         "(transformers saves a model there only for FULL_STATE_DICT) unless the script switches the plugin to "
         "FULL_STATE_DICT before saving; the checkpoint-STEP folders hold the shards.",
         f"{in_file(file)}set `fsdp_config.fsdp_state_dict_type: FULL_STATE_DICT` (the final save gathers the full "
-        "model on rank 0), or keep it and turn the last checkpoint into a model with `hf-scale export "
-        "OUTPUT_DIR/checkpoint-STEP OUT`.",
+        "model on rank 0)" + (" instead of FSDP2's default (`fsdp_version: 2`)" if key == "fsdp_version" else "")
+        + ", or keep it and turn the last checkpoint into a model with `hf-scale export OUTPUT_DIR/checkpoint-STEP "
+        "OUT`.",
         {f"{file}:fsdp_config.{key}": section.get(key)},
     )
 

@@ -140,7 +140,7 @@ def test_a_flag_is_given_in_every_spelling_train_py_takes_and_from_a_recipe(spel
 PRESETS = sorted(path.stem for path in (REPO / "hf_scale_configs").glob("*.yaml"))
 # A multinode preset ships a placeholder address: its launch scripts take MAIN_PROCESS_IP (a warning by design).
 _PLACEHOLDER_IP = {"ddp_multinode", "fsdp2_hybrid_multinode"}
-_SHARDED_FSDP = {"fsdp2_full_shard", "fsdp2_hybrid_multinode"}
+_SHARDED_FSDP = {"fsdp2_full_shard", "fsdp2_hybrid_multinode", "fsdp2_cp", "fsdp2_tp"}
 
 
 def _check_repo(monkeypatch, capsys, name: str, train: list[str]) -> tuple[int, dict]:

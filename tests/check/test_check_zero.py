@@ -87,6 +87,15 @@ TRIGGERS = {
         "autotuning-enabled",
         "error",
     ),
+    "no-zero-section": (
+        DS_YAML,
+        merged(DS_JSON, {"zero_optimization": None}),
+        [],
+        None,
+        [],
+        "zero-section-missing",
+        "error",
+    ),
     "zero3-yaml-without-16bit-save": (
         merged(YAML_ONLY_DS, {"deepspeed_config": {"zero3_save_16bit_model": False}}),
         None,
