@@ -135,7 +135,7 @@ def check_autotuning(inp: CheckInputs) -> Iterator[Finding]:
     steps and then calls exit() (DeepSpeedEngine._autotuning_exit after `end_profile_step`): the training stops
     partway with exit code 0 and nothing saved. Autotuning is for the `deepspeed --autotuning` launcher only."""
     view = deepspeed_view(inp)
-    if view is None or get_path(view.config, "autotuning.enabled", False) is not True:
+    if view is None or not rules.autotuning_enabled(view.config):
         return
     file, key = view.where("autotuning.enabled")
     with deepspeed_off_stdout():
@@ -148,8 +148,7 @@ def check_autotuning(inp: CheckInputs) -> Iterator[Finding]:
         "autotuning-enabled",
         file,
         key,
-        f"DeepSpeed's autotuning profiles the first steps and then exits the training (at step {end!r}) with exit "
-        "code 0: nothing is trained further and nothing is saved.",
+        f"{rules.AUTOTUNING_EXITS} (at step {end!r}); train.py refuses it.",
         f"{in_file(file)}set `{key}` to false or remove the `autotuning` block (autotuning runs through "
         "`deepspeed --autotuning tune`, not in a training job).",
         {f"{file}:{key}": True},
