@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from hf_scale import precision_rules
+from hf_scale.cluster_config import ClusterConfig
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_yaml, read_text
 from hf_scale.parallelism import Layout, ParallelismSettings, checked_layout, config_layout, layout_warnings
@@ -311,6 +312,8 @@ class DistributedConfig(_Section):
     fsdp: FSDPSettings = Field(default_factory=FSDPSettings)
     fp8: FP8Settings = Field(default_factory=FP8Settings)
     parallelism: ParallelismSettings = Field(default_factory=ParallelismSettings)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Kubernetes, SkyPilot, Ray and the container image (`hf-scale generate --targets`): hf_scale.cluster_config."""
 
     @property
     def world_size(self) -> int:

@@ -18,10 +18,13 @@ from hf_scale.parallelism import ParallelismSettings
 def resolved_config(cfg: DistributedConfig) -> dict:
     """Every field, in the schema's order; `load_config` on it gives `cfg` back. The parallelism section only
     when it says something: its left-out sizes are derived from the topology (`DistributedConfig.layout`), so a
-    file without TP/CP/SP stays valid when the topology is overridden."""
+    file without TP/CP/SP stays valid when the topology is overridden. The `cluster` section only when it differs
+    from its defaults (train.py does not read it; configs without cluster targets stay as they were)."""
     data = cfg.model_dump(mode="json")
     if cfg.parallelism == ParallelismSettings():
         del data["parallelism"]
+    if cfg.cluster == type(cfg.cluster)():
+        del data["cluster"]
     return data
 
 
