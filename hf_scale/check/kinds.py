@@ -4,7 +4,8 @@
 - an accelerate config: a mapping with `distributed_type` or `compute_environment` (what `accelerate config`
   writes first; accelerate's loader needs them);
 - a DeepSpeed config: a mapping with a top-level key DeepSpeed's own parser reads (asked from DeepSpeedConfig);
-- an hf_scale config: a mapping whose keys are all DistributedConfig fields, one of them not a DeepSpeed key.
+- an hf_scale config: a mapping whose keys are all DistributedConfig fields, one of them not a DeepSpeed key;
+- a job manifest (`--manifest`): a TrainJob, PyTorchJob or SkyPilot task (hf_scale.check.cluster.manifest_kind).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from typing import Any
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, load_yaml, read_text
 
-ACCELERATE, DEEPSPEED, HF_SCALE = "accelerate config", "DeepSpeed config", "hf_scale config"
+ACCELERATE, DEEPSPEED, HF_SCALE, MANIFEST = "accelerate config", "DeepSpeed config", "hf_scale config", "job manifest"
 ACCELERATE_MARKS = ("distributed_type", "compute_environment")
 
 WHAT_EACH_LOOKS_LIKE = (
     f"an {ACCELERATE} (YAML with {' or '.join(ACCELERATE_MARKS)}), a {DEEPSPEED} (JSON with zero_optimization, "
     f"train_batch_size, train_micro_batch_size_per_gpu, fp16/bf16, optimizer, ...) or an {HF_SCALE} (YAML with "
-    "strategy, precision, topology, batch, deepspeed, fsdp, ...)"
+    "strategy, precision, topology, batch, deepspeed, fsdp, ...), or a job manifest (a TrainJob or PyTorchJob with "
+    "kind:, a SkyPilot task with run: or num_nodes:)"
 )
 
 
@@ -50,6 +52,16 @@ def _hf_scale_fields() -> frozenset[str]:
     return frozenset(DistributedConfig.model_fields)
 
 
+def _is_manifest(data: dict) -> bool:
+    from hf_scale.check.cluster import manifest_kind
+
+    try:
+        manifest_kind(data)
+    except UserError:
+        return False
+    return True
+
+
 def kind_of(data: Any) -> str | None:
     """The kind of a parsed file, or None when it is none of the three."""
     if not isinstance(data, dict) or not data:
@@ -58,6 +70,8 @@ def kind_of(data: Any) -> str | None:
     deepspeed = deepspeed_top_level_keys()
     if keys & set(ACCELERATE_MARKS):
         return ACCELERATE
+    if _is_manifest(data):
+        return MANIFEST
     # Both read `optimizer` and `gradient_clipping`: a key only hf_scale has (strategy, topology, ...) decides.
     if keys <= _hf_scale_fields() and keys - deepspeed:
         return HF_SCALE
@@ -84,12 +98,14 @@ class Files:
     accelerate: str | None = None
     deepspeed: str | None = None
     hf_scale: str | None = None
+    manifests: tuple[str, ...] = ()
+    """Job manifests (`--manifest`): several allowed."""
 
 
 def sort_files(paths: Sequence[str], accelerate: str | None, deepspeed: str | None) -> Files:
     """The positional files by kind, with the ``--accelerate-config`` / ``--deepspeed-config`` flags; a kind given
     twice is one line."""
-    given: dict[str, list[tuple[str, str]]] = {ACCELERATE: [], DEEPSPEED: [], HF_SCALE: []}
+    given: dict[str, list[tuple[str, str]]] = {ACCELERATE: [], DEEPSPEED: [], HF_SCALE: [], MANIFEST: []}
     for flag, value, kind in (("--accelerate-config", accelerate, ACCELERATE),
                               ("--deepspeed-config", deepspeed, DEEPSPEED)):
         if value is not None:
@@ -97,9 +113,9 @@ def sort_files(paths: Sequence[str], accelerate: str | None, deepspeed: str | No
     for path in paths:
         given[file_kind(path)].append((path, path))
     for kind, named in given.items():
-        if len(named) > 1:
+        if len(named) > 1 and kind != MANIFEST:
             listing = ", ".join(label for label, _ in named)
             raise UserError(f"check: {len(named)} {kind}s given ({listing}); check one job at a time: one {kind} "
                             "at most")
     first = {kind: named[0][1] if named else None for kind, named in given.items()}
-    return Files(first[ACCELERATE], first[DEEPSPEED], first[HF_SCALE])
+    return Files(first[ACCELERATE], first[DEEPSPEED], first[HF_SCALE], tuple(path for path, _ in given[MANIFEST]))

@@ -183,15 +183,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_check, passthrough=[])
 
 
-def _manifest_findings(args: argparse.Namespace, accelerate: dict) -> list[Finding]:
+def _manifest_findings(manifests: list[str], checkpoint: str | None, accelerate: dict) -> list[Finding]:
     from pathlib import Path
 
     from hf_scale.check.cluster import check_manifest, measured_save_seconds
     from hf_scale.inputs import load_yaml, read_text
 
-    save = measured_save_seconds(Path(args.checkpoint)) if args.checkpoint else None
+    save = measured_save_seconds(Path(checkpoint)) if checkpoint else None
     findings: list[Finding] = []
-    for path in args.manifest:
+    for path in manifests:
         data = load_yaml(read_text(Path(path), "--manifest"), f"--manifest {path}")
         findings += check_manifest(path, data, accelerate, save_seconds=save)
     return findings
@@ -209,7 +209,7 @@ def run_check(args: argparse.Namespace) -> int:
             raise UserError(f"check: {files.hf_scale} and --hf_scale_config in the training args: give the hf_scale "
                             "config once")
         training += ["--hf_scale_config", files.hf_scale]  # what train.py reads it as
-    if files.accelerate is None and files.deepspeed is None and not training:
+    if files.accelerate is None and files.deepspeed is None and not training and not (args.manifest or files.manifests):
         raise UserError(f"check: no file to check: give {WHAT_EACH_LOOKS_LIKE} (hf-scale check FILE... [-- "
                         "TRAINING-ARGS])")
     inputs = load_inputs(
@@ -219,7 +219,8 @@ def run_check(args: argparse.Namespace) -> int:
         args.runner,
         gpus_per_machine=args.gpus_per_machine,
     )
-    findings = run_checks(inputs) + _manifest_findings(args, inputs.accelerate)
+    findings = run_checks(inputs) + _manifest_findings([*args.manifest, *files.manifests], args.checkpoint,
+                                                       inputs.accelerate if files.accelerate else None)
     summary = summarize(inputs, findings)
     if args.json:
         payload = {"findings": [{**asdict(f), "where": f.where} for f in findings], "summary": summary}

@@ -78,3 +78,20 @@ def test_a_deepspeed_json_or_an_hf_scale_config_alone(tmp_path, monkeypatch, cap
     code, out, _ = run_cli(["check", "--json", "run.yaml"], capsys)
     assert (code, json.loads(out)["findings"]) == (0, [])
     assert "run.yaml" in json.loads(out)["summary"]["checked"]
+
+
+def test_a_job_manifest_given_as_a_file_is_checked_as_with_manifest(tmp_path, monkeypatch, capsys):
+    """A SkyPilot task beside the accelerate YAML: checked as `--manifest` (several allowed); `num_processes: auto`
+    leaves the processes per node to torchrun, so nothing is compared with it (and nothing crashes)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump({**DDP_YAML, "num_processes": 8}))
+    (tmp_path / "task.yaml").write_text(yaml.safe_dump({"num_nodes": 2, "run": "bash launch.sh"}))
+    positional = run_cli(["check", "--json", "acc.yaml", "task.yaml"], capsys)
+    flagged = run_cli(["check", "--json", "acc.yaml", "--manifest", "task.yaml"], capsys)
+    assert json.loads(positional[1])["findings"] == json.loads(flagged[1])["findings"]
+    assert "manifest-nodes" in [f["code"] for f in json.loads(positional[1])["findings"]]
+    (tmp_path / "auto.yaml").write_text(yaml.safe_dump({**DDP_YAML, "num_processes": "auto"}))
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump({"num_nodes": 1, "run": "bash launch.sh"}))
+    code, out, err = run_cli(["check", "--json", "auto.yaml", "one.yaml"], capsys)
+    assert code in (0, 1), err
+    assert not [f for f in json.loads(out)["findings"] if f["code"] in ("manifest-processes", "manifest-gpus")]
