@@ -84,9 +84,23 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """The words before the first `--`, and those after it (None without one): a command that takes arguments for
+    another program (`check`'s training args) sets the default ``passthrough`` and receives them there."""
+    if "--" not in argv:
+        return argv, None
+    at = argv.index("--")
+    return argv[:at], argv[at + 1 :]
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    argv, passthrough = _split_passthrough(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if passthrough is not None:
+        if not hasattr(args, "passthrough"):
+            parser.error(f"unrecognized arguments: -- {' '.join(passthrough)}")
+        args.passthrough = passthrough
     if not (args.verbose or quiet.verbose_requested()):
         quiet.quiet_command()
     try:

@@ -28,6 +28,8 @@ REPLACED_FLAGS = {
 }
 # DeepSpeed's warmup schedulers whose warmup is logarithmic unless params.warmup_type says "linear".
 _LOG_WARMUP_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+# DeepSpeed's schedulers that never lower the learning rate after their warmup (deepspeed.runtime.lr_schedules).
+_NO_DECAY_SCHEDULERS = ("WarmupLR",)
 
 
 @dataclass(frozen=True)
@@ -104,9 +106,12 @@ def describe(override: Override, flag_values: Mapping[str, Any]) -> str:
     )
     what = "optimizer" if override.block == "optimizer" else "learning-rate scheduler"
     text = f"DeepSpeed's {what} {override.path}={override.ds_type!r} runs instead of {flags}"
+    notes = []
     if override.log_warmup:
-        text += " (its warmup is logarithmic unless params.warmup_type is \"linear\")"
-    return text
+        notes.append("its warmup is logarithmic unless params.warmup_type is \"linear\"")
+    if override.ds_type in _NO_DECAY_SCHEDULERS:
+        notes.append("after the warmup it stays at warmup_max_lr: no decay")
+    return text + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def startup_message(overrides: Sequence[Override], flag_values: Mapping[str, Any], where: str) -> str:

@@ -7,7 +7,8 @@ transformers compares the JSON with the flags in `HfTrainerDeepSpeedConfig.train
 `trainer_config_finalize` (every `fill_match` there) and raises a multi-line traceback on a mismatch,
 after the model has loaded. :func:`reconcile` applies the same comparisons first:
 
-- a JSON value of ``"auto"`` (or no such key) is filled from the flags, as the Trainer does;
+- a JSON value of ``"auto"`` (or no such key) is filled from the flags, as the Trainer does; but a missing
+  ``gradient_accumulation_steps`` is 1 (accelerate's DeepSpeedPlugin writes it before DeepSpeed starts);
 - a concrete value the user did not type a flag for is FOLLOWED: the flag takes the config's value (a
   user who generated a bf16 config does not repeat ``--bf16``);
 - a concrete value that differs from a flag the user typed is a MISMATCH (one line, exit 2 in train.py).
@@ -78,8 +79,8 @@ class Difference:
     flags: tuple[str, ...]
     """The TrainingArguments flag names it is compared with (two for the betas)."""
     flag_value: Any
-    """What the flags give (a list for the betas; the warmup in steps for ``warmup_num_steps``; the run's optimizer
-    steps for ``total_num_steps``)."""
+    """What the flags give (a list for the betas; the warmup in steps for ``warmup_num_steps``, 0 included, which
+    transformers compares as 1; the run's optimizer steps for ``total_num_steps``)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ def reconcile(
     _precision(state, ds, accelerate_mixed_precision)
     for key, flag in FLAG_KEYS:
         _fill_match(state, key, _get(ds, key), flag)
+    if deepspeed_config is not None and _get(ds, ACCUMULATION) is None:
+        _missing_accumulation(state)
     _train_batch_size(state, ds)
     _scheduler_steps(state, ds, num_training_steps)
     return Reconciled(state.values, state.followed, state.mismatches, state.differences)
@@ -221,6 +224,24 @@ def _fill_match(state: _State, key: str, ds_value: Any, flag: str | tuple[str, .
         state.mismatches.append(f"{state.source} {key}={ds_value!r} is not a valid value for {_flag(flag)}")
 
 
+ACCUMULATION = "gradient_accumulation_steps"
+MISSING_ACCUMULATION = 1
+"""What accelerate's DeepSpeedPlugin writes into a DeepSpeed config without `gradient_accumulation_steps` (both
+loops and the HF Trainer go through it): 1, not "auto". DeepSpeed then asserts on a train_batch_size the Trainer
+computed with the flag, or steps the optimizer on every micro-batch."""
+
+
+def _missing_accumulation(state: _State) -> None:
+    current = state.values.gradient_accumulation_steps
+    if current == MISSING_ACCUMULATION:
+        return
+    state.differ(ACCUMULATION, MISSING_ACCUMULATION, ACCUMULATION, current)
+    state.mismatches.append(
+        f"{state.source} has no {ACCUMULATION}, which accelerate's DeepSpeedPlugin sets to {MISSING_ACCUMULATION}, "
+        f'but --{ACCUMULATION}={current}; add "{ACCUMULATION}": "auto" to it (then it follows the flag)'
+    )
+
+
 def _same(ds_value: Any, current: Any) -> bool:
     if isinstance(current, list):
         return isinstance(ds_value, list | tuple) and list(ds_value) == current
@@ -250,10 +271,8 @@ def _train_batch_size(state: _State, ds: dict) -> None:
     implied = rules.global_batch_size(v.per_device_train_batch_size, v.gradient_accumulation_steps, v.world_size)
     if ds_value == implied:
         return
-    # DeepSpeed derives a missing accumulation from train_batch_size; so does train.py when no flag says it.
-    accumulation_free = not _concrete(_get(ds, "gradient_accumulation_steps")) and (
-        "gradient_accumulation_steps" not in state.given
-    )
+    # An "auto" accumulation follows train_batch_size when no flag says it (a missing one is 1: accelerate's).
+    accumulation_free = _get(ds, ACCUMULATION) == "auto" and ACCUMULATION not in state.given
     if accumulation_free and isinstance(ds_value, int) and ds_value > 0 and ds_value % per_step == 0:
         state.follow("gradient_accumulation_steps", ds_value // per_step, f"{state.source} train_batch_size")
         return
@@ -297,13 +316,16 @@ def _scheduler_steps(state: _State, ds: dict, num_training_steps: int | None) ->
     fraction = 0 < state.values.warmup_steps < 1
     if not _concrete(warmup) or (fraction and num_training_steps is None):
         return
-    ours = max(1, warmup_steps(state.values, num_training_steps or 0))
+    # transformers fills and compares max(1, warmup): DeepSpeed >= 0.19.6 refuses a warmup of 0 steps.
+    flags_give = warmup_steps(state.values, num_training_steps or 0)
+    ours = max(1, flags_give)
     if warmup == ours:
         return
     if "warmup_steps" in state.given or not _valid(warmup, "max_steps"):
-        state.differ("scheduler.params.warmup_num_steps", warmup, ("warmup_steps", "warmup_ratio"), ours)
+        state.differ("scheduler.params.warmup_num_steps", warmup, ("warmup_steps", "warmup_ratio"), flags_give)
+        compared = "" if ours == flags_give else f" (compared as {ours})"
         state.mismatches.append(
-            f"{state.source} scheduler.params.warmup_num_steps={warmup} but --warmup_steps gives {ours}"
+            f"{state.source} scheduler.params.warmup_num_steps={warmup} but --warmup_steps gives {flags_give}{compared}"
         )
     else:
         state.values = dataclasses.replace(state.values, warmup_steps=int(warmup))

@@ -236,3 +236,15 @@ ACCELERATOR_LOOP_FILLED = (
 def trainer_fills(path: str, zero_stage: int | None) -> bool:
     """Whether the HF Trainer (and train.py) fills an "auto" at this DeepSpeed path."""
     return path in TRAINER_FILLED or (path in TRAINER_FILLED_ZERO3_ONLY and zero_stage == 3)
+
+
+AUTOTUNING_EXITS = (
+    "DeepSpeed's autotuning profiles the first steps and then exits the training with exit code 0 "
+    "(DeepSpeedEngine._autotuning_exit): nothing is trained further and nothing is saved"
+)
+"""Why `autotuning.enabled: true` has no place in a training job (`hf-scale check` and train.py refuse it)."""
+
+
+def autotuning_enabled(ds_config: dict[str, Any] | None) -> bool:
+    autotuning = (ds_config or {}).get("autotuning")
+    return isinstance(autotuning, dict) and autotuning.get("enabled") is True

@@ -105,7 +105,7 @@ FSDP_YAML = {
         "fsdp_version": 2,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_state_dict_type": "FULL_STATE_DICT",  # SHARDED: `fsdp-sharded-final-save`
         "fsdp_cpu_ram_efficient_loading": True,
         "fsdp_sync_module_states": True,
         "reshard_after_forward": True,  # accelerate adds the fsdp_ prefix itself

@@ -303,7 +303,27 @@ CHECK = [
                ["--", "--per_device_train_batch_size", "four"]),
     check_case("training-arg-float", {"acc.yaml": yaml_text(DDP_YAML)}, "invalid float value: 'fast'",
                ["--", "--learning_rate", "fast"]),
-    Case("check-no-yaml-flag", ["check"], "--accelerate-config A.yaml is required"),
+    Case("check-no-file", ["check"], "check: no file to check: give an accelerate config (YAML with distributed_type"),
+    # `hf-scale check FILE...`: each file recognized by its content.
+    Case("check-file-missing", ["check", "my.yaml"], "check: my.yaml: not found"),
+    Case("check-file-directory", ["check", "d"], "check: d: is a directory", {"d/x": "x"}),
+    Case("check-file-fifo", ["check", "p.yaml"], "check: p.yaml: is a FIFO", {"p.yaml": FIFO}),
+    Case("check-file-of-no-kind", ["check", "recipe.yaml"], "check: recipe.yaml is not a file check reads: give an "
+         "accelerate config (YAML with distributed_type or compute_environment), a DeepSpeed config",
+         {"recipe.yaml": "model_name_or_path: gpt2\nlearning_rate: 1e-5\n"}),
+    Case("check-file-list", ["check", "l.json"], "check: l.json is not a file check reads", {"l.json": "[1, 2]"}),
+    Case("check-file-json-syntax", ["check", "ds.json"], "ds.json: not valid JSON at line 1",
+         {"ds.json": '{"train_batch_size": 8,}'}),
+    Case("check-two-yamls", ["check", "a.yaml", "b.yaml"], "check: 2 accelerate configs given (a.yaml, b.yaml)",
+         {"a.yaml": yaml_text(DDP_YAML), "b.yaml": yaml_text(DDP_YAML)}),
+    Case("check-file-and-flag", ["check", "a.yaml", "--accelerate-config", "b.yaml"],
+         "check: 2 accelerate configs given (--accelerate-config b.yaml, a.yaml)",
+         {"a.yaml": yaml_text(DDP_YAML), "b.yaml": yaml_text(DDP_YAML)}),
+    Case("check-hf-scale-config-twice", ["check", "c.yaml", "--", "--hf_scale_config", "c.yaml"],
+         "check: c.yaml and --hf_scale_config in the training args", {"c.yaml": "strategy: ddp\n"}),
+    Case("check-hf-scale-config-invalid", ["check", "c.yaml"], "topology.processes_per_machine=0 is invalid",
+         {"c.yaml": "strategy: ddp\ntopology: {processes_per_machine: 0}\n"}),
+    Case("passthrough-to-a-command-without-it", ["presets", "--", "x"], "unrecognized arguments: -- x"),
 ]
 
 # --- plan --------------------------------------------------------------------------------------------------

@@ -206,3 +206,25 @@ def test_transformers_agrees_with_the_rule(ds, flags, given, tmp_path, monkeypat
     finally:
         unset_hf_deepspeed_config()
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_a_missing_accumulation_is_1_as_accelerate_writes_it():
+    """train.py's rule: no gradient_accumulation_steps in the DeepSpeed config is accelerate's 1 (not "auto"), so a
+    typed --gradient_accumulation_steps 8 is a one-line mismatch (DeepSpeed would assert, or accumulate nothing), and
+    a concrete train_batch_size no longer derives the accumulation."""
+    ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "zero_optimization": {"stage": 2}}
+    result = run(ds, given={"gradient_accumulation_steps"}, gradient_accumulation_steps=8)
+    assert result.mismatches == ["ds.json has no gradient_accumulation_steps, which accelerate's DeepSpeedPlugin sets "
+                                 'to 1, but --gradient_accumulation_steps=8; add "gradient_accumulation_steps": '
+                                 '"auto" to it (then it follows the flag)']
+    assert run(ds, given=set()).mismatches == []
+    result = run({**ds, "train_batch_size": 32}, given={"per_device_train_batch_size"}, per_device_train_batch_size=2)
+    assert result.mismatches == ["ds.json train_batch_size=32 but micro batch 2 x accumulation 1 x world size 2 = 4"]
+
+
+def test_a_default_warmup_is_said_as_0_compared_as_1():
+    ds = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1000}}, "gradient_accumulation_steps": 1}
+    result = run(ds, given={"warmup_steps"})
+    assert result.mismatches == ["ds.json scheduler.params.warmup_num_steps=1000 but --warmup_steps gives 0 (compared "
+                                 "as 1)"]
+    assert result.differences[0].flag_value == 0

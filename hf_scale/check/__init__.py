@@ -7,8 +7,9 @@ its family (accelerate_yaml, deepspeed_file, batch, precision, deepspeed_json, t
 zero, parallelism); :mod:`hf_scale.check.checks` lists them in the order they run. Wherever a library already
 knows the answer the check asks it (:mod:`hf_scale.check.knowledge`): accelerate's config loader and ``accelerate
 launch`` parser, DeepSpeed's config parser, transformers' ``HfArgumentParser``. :mod:`~hf_scale.check.inputs`
-reads the files, :mod:`~hf_scale.check.report` prints and registers the command. The heavy libraries are
-imported lazily so that the other sub-commands of ``hf-scale`` start fast.
+reads the files (:mod:`~hf_scale.check.kinds` tells an accelerate YAML, a DeepSpeed JSON and an hf_scale config given
+as ``hf-scale check FILE...`` apart by their content), :mod:`~hf_scale.check.report` prints and registers the
+command. The heavy libraries are imported lazily so that the other sub-commands of ``hf-scale`` start fast.
 
 Exit codes: 0 clean (warnings alone are printed but do not fail), 1 at least one finding of severity
 ``error``, 2 unreadable or invalid input (one-line message).

@@ -168,6 +168,9 @@ def _accelerate_value_problems(inp: CheckInputs) -> Iterator[tuple[str, Any, str
     for key, value in inp.accelerate.items():
         if key in _OWN_CHECKS:
             continue
+        if key == "num_processes" and value == "auto":
+            yield key, value, _auto_processes_problem(inp.accelerate.get("num_machines", 1))
+            continue
         problem = value_problem(value, hints[key]) if key in hints else None
         yield key, value, problem or _option_problem(key, value, options.get(key))
     for section, prefix in (("deepspeed_config", ""), ("fsdp_config", "fsdp_")):
@@ -175,6 +178,14 @@ def _accelerate_value_problems(inp: CheckInputs) -> Iterator[tuple[str, Any, str
         for key, value in values.items() if isinstance(values, dict) else ():
             effective = key if key.startswith(prefix) else prefix + key
             yield f"{section}.{key}", value, _option_problem(f"{section}.{effective}", value, options.get(effective))
+
+
+def _auto_processes_problem(machines: Any) -> str | None:
+    """`num_processes: auto`: accelerate hands it to torchrun as `--nproc_per_node auto` (one process per GPU of
+    the machine) when there is one machine; with several it divides it by num_machines and fails."""
+    if machines in (None, 1, "1"):
+        return None
+    return "works on one machine only (accelerate divides num_processes by num_machines); write the total number"
 
 
 def _option_problem(key: str, value: Any, action: Any) -> str | None:

@@ -5,6 +5,7 @@ the YAML, the JSON and the training args.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from hf_scale import rules
@@ -17,12 +18,15 @@ from hf_scale.check.inputs import (
     world_size_of,
 )
 from hf_scale.check.knowledge import deepspeed_off_stdout
+from hf_scale.launch_values import ACCUMULATION, MISSING_ACCUMULATION
 
 
 def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:
     """`grad-accum-mismatch`: gradient accumulation differs between the YAML, the JSON and the training
     args (a warning when only a flag left at its default differs from the DeepSpeed settings: train.py takes
-    their value, a plain HF Trainer stops)."""
+    their value, a plain HF Trainer stops); a JSON without the key is 1 (accelerate's DeepSpeedPlugin writes it),
+    not "auto"."""
+    yield from _missing_accumulation(inp)
     sources = [
         Source(inp.accelerate_file, key, get_path(inp.accelerate, key))
         for key in ("deepspeed_config.gradient_accumulation_steps", "gradient_accumulation_steps")
@@ -47,6 +51,30 @@ def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:
         agree_fix(sources, hint) if len(sources) > 1 else "",
         WARNING if soft else ERROR,
         DEFAULT_FLAG_NOTE if soft else "",
+    )
+
+
+def _missing_accumulation(inp: CheckInputs) -> Iterator[Finding]:
+    """The JSON has no `gradient_accumulation_steps` and the training args ask for another accumulation: the HF
+    Trainer and train.py go through accelerate's DeepSpeedPlugin, which writes 1 there (raw DeepSpeed derives it
+    from train_batch_size instead: `train-batch-*`)."""
+    training = training_source(inp, ACCUMULATION)
+    if inp.deepspeed is None or ACCUMULATION in inp.deepspeed or inp.runner == "deepspeed" or training is None:
+        return
+    if training.value == MISSING_ACCUMULATION:
+        return
+    file = inp.deepspeed_file or ""
+    yield Finding(
+        ERROR,
+        "grad-accum-mismatch",
+        file,
+        ACCUMULATION,
+        f"{Path(file).name} has no {ACCUMULATION}: accelerate's DeepSpeedPlugin sets it to {MISSING_ACCUMULATION} "
+        f"(not \"auto\"), but {training.label}={training.value}: the HF Trainer stops at DeepSpeed's train_batch_size "
+        "assertion (or, without train_batch_size, accumulates 1 micro-batch); train.py stops at start.",
+        f'{in_file(file)}add `"{ACCUMULATION}": "auto"` (it then follows --{ACCUMULATION}), or drop '
+        f"--{ACCUMULATION} from the training args.",
+        {f"{file}:{ACCUMULATION}": None, training.where: training.value},
     )
 
 

@@ -136,6 +136,14 @@ def _facts(kind: str, data: dict) -> dict[str, Any]:
             "mounts": mounts}
 
 
+def _count(value: Any) -> int | None:
+    """A count as `accelerate launch` reads it (int()), None when it is none (`auto`, a word: other findings)."""
+    try:
+        return int(value) if not isinstance(value, bool) and value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
 def measured_save_seconds(checkpoint_dir: Path) -> float:
     """How long saving `checkpoint_dir` took: from its oldest file to its manifest (written last, hf_scale's)."""
     from hf_scale.train.checkpoint.layout import MANIFEST
@@ -158,19 +166,22 @@ def check_manifest(path: str, data: Any, accelerate: dict | None, *, save_second
     facts = _facts(kind, data)
     where = {"TrainJob": "spec.trainer", "PyTorchJob": "spec", "SkyPilot": "resources"}[kind]
     if accelerate is not None:
-        machines = int(accelerate.get("num_machines", 1) or 1)
-        per_machine = int(accelerate.get("num_processes", 1) or 1) // machines
+        machines = _count(accelerate.get("num_machines", 1)) or 1
+        # `num_processes: auto` (one per GPU, torchrun's choice) or a value the YAML checks report: nothing to compare.
+        processes = _count(accelerate.get("num_processes", 1))
+        per_machine = processes // machines if processes else None
         if facts["nodes"] != machines:
             yield Finding(ERROR, "manifest-nodes", path, "numNodes/replicas/num_nodes",
                           f"{kind} runs {facts['nodes']} node(s), the accelerate config num_machines={machines}",
                           "make them equal (world size = nodes x processes per node)",
                           {f"{path}:nodes": facts["nodes"], "accelerate:num_machines": machines})
-        if facts["procs"] is not None and facts["procs"] != per_machine:
+        if None not in (facts["procs"], per_machine) and facts["procs"] != per_machine:
             yield Finding(ERROR, "manifest-processes", path, f"{where} processes per node",
                           f"{kind} starts {facts['procs']} process(es) per node, the accelerate config "
                           f"{per_machine} (num_processes / num_machines)", "make them equal",
                           {f"{path}:processes": facts["procs"], "accelerate:per_machine": per_machine})
-        if facts["gpus"] is not None and facts["gpus"] != per_machine and accelerate.get("use_cpu") is not True:
+        if None not in (facts["gpus"], per_machine) and facts["gpus"] != per_machine and accelerate.get(
+                "use_cpu") is not True:
             yield Finding(ERROR, "manifest-gpus", path, f"{where} GPUs",
                           f"{kind} gives each node {facts['gpus']} GPU(s) for {per_machine} process(es)",
                           "one GPU per process: set the GPU count to the processes per machine",

@@ -82,7 +82,9 @@ def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:
 def check_deepspeed_unused(inp: CheckInputs) -> Iterator[Finding]:
     """`deepspeed-config-unused`: a DeepSpeed JSON is given but the launch never enables DeepSpeed."""
     trainer_flag = inp.training is not None and inp.training.get("deepspeed")
-    if inp.deepspeed is None or is_deepspeed_yaml(inp) or trainer_flag or inp.runner == "deepspeed":
+    if inp.accelerate_file is None or inp.deepspeed is None or is_deepspeed_yaml(inp) or trainer_flag:
+        return
+    if inp.runner == "deepspeed":
         return
     dtype = inp.accelerate.get("distributed_type")
     yield Finding(

@@ -12,6 +12,7 @@ from hf_scale.check.findings import ERROR, Finding, get_path, ignored_key_severi
 from hf_scale.check.inputs import CheckInputs
 from hf_scale.check.knowledge import (
     BATCH_KEYS,
+    CONTEXT_SECTIONS,
     PARSE_ERRORS,
     TRAINER_RESOLVED_ZERO3_ONLY,
     ReadTracker,
@@ -65,8 +66,10 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
     with deepspeed_off_stdout():
         from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
+        clean = [k for k in CONTEXT_SECTIONS if k in sample and section_errors(sample, k) == ([], None, None)]
+        context = {k: sample[k] for k in clean}
         for key in [k for k in sample if k not in BATCH_KEYS]:
-            items, model, message = section_errors(sample, key)
+            items, model, message = section_errors(sample, key, context)
             for item in items:
                 yield _schema_finding(file, inp.deepspeed, key, item, model)
             if message is not None:

@@ -32,9 +32,10 @@ class CheckInputs:
     """Everything the checks look at, already read and parsed (the checks do no I/O)."""
 
     runner: str
-    accelerate_file: str
+    accelerate_file: str | None
+    """None when no accelerate YAML is checked (a DeepSpeed JSON or an hf_scale config alone)."""
     accelerate: dict[str, Any]
-    """The accelerate YAML as a plain mapping."""
+    """The accelerate YAML as a plain mapping (empty without one)."""
     accelerate_loader_error: str | None = None
     """The message of accelerate's own loader when it rejects the YAML."""
     deepspeed_file: str | None = None
@@ -154,7 +155,7 @@ class _TrainingArgs:
     config: Any = None
 
 
-def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
+def _parse_training_args(argv: list[str], cwd: Path, hf_scale_file: str | None = None) -> _TrainingArgs:
     """Parse exactly as train.py does, with train.py's own parser (hf_scale.train.setup.parser.build_parser: every
     TrainingArguments flag plus train.py's model/data/hf_scale flags, no abbreviations, an unknown flag refused,
     a recipe file expanded before the flags), without constructing TrainingArguments (its __post_init__ touches
@@ -177,6 +178,11 @@ def _parse_training_args(argv: list[str], cwd: Path) -> _TrainingArgs:
         raise UserError(f"training args: unrecognized arguments: {' '.join(unknown)} (train.py refuses them; see "
                         "python train.py --help)")
     given = given_flags(argv, vars(namespace))  # the one reading of the flags, as in train.py's prepare stage
+    if hf_scale_file is not None:
+        if "hf_scale_config" in given:
+            raise UserError(f"check: {hf_scale_file} and --hf_scale_config in the training args: give the hf_scale "
+                            "config once")
+        namespace.hf_scale_config, given = hf_scale_file, given | {"hf_scale_config"}  # as train.py would read it
     if not namespace.hf_scale_config:
         return _TrainingArgs(vars(namespace), given)
     return _apply_hf_scale_config(namespace, given, cwd)
@@ -311,32 +317,35 @@ def _display(path: Path, cwd: Path) -> str:
 
 
 def load_inputs(
-    accelerate_config: str,
+    accelerate_config: str | None,
     deepspeed_config: str | None = None,
     training_args: list[str] | tuple[str, ...] = (),
     runner: str = "trainer",
     cwd: Path | None = None,
     gpus_per_machine: int | None = None,
+    hf_scale_file: str | None = None,
 ) -> CheckInputs:
-    """Read and parse every input; :class:`UserError` when one is unreadable or invalid."""
+    """Read and parse every input; :class:`UserError` when one is unreadable or invalid. ``hf_scale_file``: an
+    hf_scale config given as a file (`hf-scale check my_run.yaml`), read as train.py's --hf_scale_config."""
     if runner not in RUNNERS:
         raise UserError(f"--runner {runner!r} is not one of: {', '.join(RUNNERS)}")
     cwd = cwd or Path.cwd()
-    yaml_path = Path(accelerate_config)
-    accelerate = _read_mapping(yaml_path, "--accelerate-config", load_yaml)
+    accelerate: dict[str, Any] = {}
+    loader_error, launch_env, launch_error = None, None, None
+    if accelerate_config is not None:
+        yaml_path = Path(accelerate_config)
+        accelerate = _read_mapping(yaml_path, "--accelerate-config", load_yaml)
+        from accelerate.commands.config.config_args import load_config_from_file
 
-    from accelerate.commands.config.config_args import load_config_from_file
+        try:
+            load_config_from_file(str(yaml_path))
+        except (ValueError, TypeError, KeyError) as error:
+            loader_error = " ".join(str(error).split())
+        if loader_error is None:
+            launch_env, launch_error = _accelerate_launch_env(yaml_path, accelerate)
 
-    loader_error = None
-    try:
-        load_config_from_file(str(yaml_path))
-    except (ValueError, TypeError, KeyError) as error:
-        loader_error = " ".join(str(error).split())
-    launch_env, launch_error = None, None
-    if loader_error is None:
-        launch_env, launch_error = _accelerate_launch_env(yaml_path, accelerate)
-
-    parsed = _parse_training_args(list(training_args), cwd) if training_args else None
+    wanted = training_args or hf_scale_file is not None
+    parsed = _parse_training_args(list(training_args), cwd, hf_scale_file) if wanted else None
     training = parsed.values if parsed else None
 
     refs: list[tuple[str, str, str]] = []  # (file:key, as written, resolved)
@@ -346,8 +355,8 @@ def load_inputs(
         chosen = Path(deepspeed_config)
         refs.append(("--deepspeed-config", deepspeed_config, str(chosen.resolve())))
     written = get_path(accelerate, "deepspeed_config.deepspeed_config_file", None)
-    if isinstance(written, str) and written:
-        resolved, path_note = _resolve_yaml_reference(written, yaml_path.resolve().parent, cwd)
+    if accelerate_config is not None and isinstance(written, str) and written:
+        resolved, path_note = _resolve_yaml_reference(written, Path(accelerate_config).resolve().parent, cwd)
         refs.append(
             (f"{accelerate_config}:deepspeed_config.deepspeed_config_file", written, str(resolved.resolve()))
         )
@@ -377,5 +386,5 @@ def load_inputs(
         gpus_per_machine=gpus_per_machine,
         launch_env=launch_env,
         launch_error=launch_error,
-        inline_deepspeed=_inline_deepspeed(launch_env, accelerate_config),
+        inline_deepspeed=_inline_deepspeed(launch_env, accelerate_config or ""),
     )

@@ -185,13 +185,23 @@ def _deepspeed_models() -> dict[str, Any]:
     return found
 
 
-def section_errors(sample: dict[str, Any], key: str) -> tuple[list[dict[str, Any]], Any, str | None]:
-    """Parse one top-level section on its own with DeepSpeedConfig, so that an invalid key elsewhere cannot
-    hide it: (pydantic error items, the model that raised, or another parse error's message)."""
+# Sections DeepSpeedConfig's cross-section checks read while judging another one (_do_error_check: fp16/bf16
+# master weights need ZeRO stage 1-3, gradient_allreduce_op "sum" refuses ZeRO-3, ZenFlow and DeepCompile).
+CONTEXT_SECTIONS = ("zero_optimization", "compile")
+
+
+def section_errors(
+    sample: dict[str, Any], key: str, context: dict[str, Any] | None = None
+) -> tuple[list[dict[str, Any]], Any, str | None]:
+    """Parse one top-level section with DeepSpeedConfig, beside the batch keys and the ``context`` sections
+    (those of CONTEXT_SECTIONS that parse cleanly themselves) only, so that an invalid key elsewhere cannot hide
+    it while the checks that span sections still see what they read: (pydantic error items, the model that
+    raised, or another parse error's message)."""
     import pydantic
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
     alone = {k: sample[k] for k in BATCH_KEYS if k in sample} or {"train_batch_size": 1}
+    alone.update(context or {})
     alone[key] = sample[key]
     try:
         DeepSpeedConfig(alone)
@@ -203,6 +213,19 @@ def section_errors(sample: dict[str, Any], key: str) -> tuple[list[dict[str, Any
 
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+# Optimizer offload with no DeepSpeed `optimizer` block: accelerate's map_pytorch_optim_to_deepspeed
+# (accelerate/utils/deepspeed.py) builds DeepSpeed's CPU optimizer from the client optimizer's param_groups, so
+# every group's lr, betas, eps and weight_decay reach DeepSpeedCPUAdam's update. The algorithm is kept for the
+# classes it recognizes: torch.optim.AdamW (CPUAdam in AdamW mode), torch Adagrad (DeepSpeedCPUAdagrad), and
+# bitsandbytes' 32-bit AdamW and Lion. These --optim values build those classes (transformers'
+# _OPTIMIZER_HANDLERS; tests/test_check_zero.py proves the torch ones against both libraries). Every other
+# optimizer (SGD, Adafactor, 8-bit AdamW, ...) runs as OFFLOAD_REPLACEMENT instead.
+OFFLOAD_KEEPS_OPTIM = ("adamw_torch", "adamw_torch_fused", "adagrad", "paged_adamw_32bit", "lion_32bit",
+                       "paged_lion_32bit")
+OFFLOAD_REPLACEMENT = ("DeepSpeedCPUAdam in Adam mode (L2 weight decay; the parameter groups' lr and "
+                       "weight_decay, and betas/eps where the optimizer has them, carry over)")
 
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -26,7 +26,9 @@ def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source
     """(what the YAML / training args ask for, DeepSpeed's explicit ``enabled`` flags by dtype)."""
     wanted = []
     mixed = inp.accelerate.get("mixed_precision")
-    if isinstance(mixed, str):
+    # `no` is what accelerate writes when the YAML says nothing: the HF Trainer (and train.py) hand their own
+    # --bf16/--fp16 to the Accelerator, which wins over it. A hand-written Accelerator loop runs with it.
+    if isinstance(mixed, str) and not (mixed == "no" and inp.runner == "trainer"):
         wanted.append(Source(inp.accelerate_file, "mixed_precision", mixed))
     if inp.training is not None:
         flags = [name for name in ("bf16", "fp16") if inp.training[name]]

@@ -15,12 +15,13 @@ from typing import Any
 from hf_scale.check.checks import CHECKS, Check, run_checks
 from hf_scale.check.findings import ERROR, TRAINING_ARGS, Finding
 from hf_scale.check.inputs import RUNNERS, CheckInputs, load_inputs
+from hf_scale.check.kinds import WHAT_EACH_LOOKS_LIKE, sort_files
 from hf_scale.errors import UserError
 
 
 def summarize(inp: CheckInputs, findings: list[Finding]) -> dict[str, Any]:
     errors = sum(f.severity == ERROR for f in findings)
-    files = [inp.accelerate_file] + ([inp.deepspeed_file] if inp.deepspeed_file else [])
+    files = [name for name in (inp.accelerate_file, inp.deepspeed_file, inp.hf_scale_config_file) if name]
     if inp.training is not None:
         files.append(TRAINING_ARGS)
     return {
@@ -117,8 +118,9 @@ Training args after `--` are parsed by train.py's own parser: what train.py refu
 unknown flag, a bad value) is bad input here too.
 GPU findings need --gpus-per-machine N (GPUs per machine on the target); this machine's GPUs are never used.
 
-example:
-  hf-scale check --accelerate-config accelerate_configs/zero3.yaml \\
+examples:
+  hf-scale check my.yaml                       (an accelerate YAML, a DeepSpeed JSON or an hf_scale config)
+  hf-scale check accelerate_configs/zero3.yaml ds_configs/zero3.json \\
       -- --per_device_train_batch_size 4 --gradient_accumulation_steps 8 --bf16
 """
 
@@ -132,7 +134,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--accelerate-config", metavar="A.yaml", help="accelerate config file (required)")
+    parser.add_argument(
+        "files",
+        nargs="*",
+        metavar="FILE",
+        help="the files to check, each recognized by its content: an accelerate config YAML, a DeepSpeed config JSON "
+        "and/or an hf_scale config (read as train.py's --hf_scale_config); at most one of each",
+    )
+    parser.add_argument("--accelerate-config", metavar="A.yaml", help="accelerate config file (or give it as FILE)")
     parser.add_argument(
         "--deepspeed-config",
         metavar="D.json",
@@ -168,44 +177,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "grace period",
     )
     parser.add_argument("--json", action="store_true", help="print {findings: [...], summary: {...}} as JSON")
-    parser.add_argument(
-        "training_args",
-        nargs="*",
-        metavar="-- TRAINING-ARGS",
-        help="train.py's arguments (TrainingArguments and train.py flags, or a recipe file), after `--`",
-    )
-    parser.set_defaults(func=run_check)
+    # train.py's arguments (TrainingArguments and train.py flags, or a recipe file) come after `--`: hf_scale.cli
+    # hands them over as `passthrough` (FILE arguments and training arguments could not be told apart otherwise).
+    parser.set_defaults(func=run_check, passthrough=[])
 
 
-def _manifest_findings(args: argparse.Namespace, accelerate: dict) -> list[Finding]:
+def _manifest_findings(manifests: list[str], checkpoint: str | None, accelerate: dict) -> list[Finding]:
     from pathlib import Path
 
     from hf_scale.check.cluster import check_manifest, measured_save_seconds
     from hf_scale.inputs import load_yaml, read_text
 
-    save = measured_save_seconds(Path(args.checkpoint)) if args.checkpoint else None
+    save = measured_save_seconds(Path(checkpoint)) if checkpoint else None
     findings: list[Finding] = []
-    for path in args.manifest:
+    for path in manifests:
         data = load_yaml(read_text(Path(path), "--manifest"), f"--manifest {path}")
         findings += check_manifest(path, data, accelerate, save_seconds=save)
     return findings
 
 
 def run_check(args: argparse.Namespace) -> int:
-    if not args.accelerate_config:
-        raise UserError("check: --accelerate-config A.yaml is required")
     if args.gpus_per_machine is not None and args.gpus_per_machine < 0:
         raise UserError(
             f"--gpus-per-machine {args.gpus_per_machine}: must be >= 0 (GPUs per machine on the target)"
         )
+    files = sort_files(args.files, args.accelerate_config, args.deepspeed_config)
+    training = list(args.passthrough)
+    nothing = files.accelerate is None and files.deepspeed is None and files.hf_scale is None and not training
+    if nothing and not (args.manifest or files.manifests):
+        raise UserError(f"check: no file to check: give {WHAT_EACH_LOOKS_LIKE} (hf-scale check FILE... [-- "
+                        "TRAINING-ARGS])")
     inputs = load_inputs(
-        args.accelerate_config,
-        args.deepspeed_config,
-        args.training_args,
+        files.accelerate,
+        files.deepspeed,
+        training,
         args.runner,
         gpus_per_machine=args.gpus_per_machine,
+        hf_scale_file=files.hf_scale,
     )
-    findings = run_checks(inputs) + _manifest_findings(args, inputs.accelerate)
+    findings = run_checks(inputs) + _manifest_findings([*args.manifest, *files.manifests], args.checkpoint,
+                                                       inputs.accelerate if files.accelerate else None)
     summary = summarize(inputs, findings)
     if args.json:
         payload = {"findings": [{**asdict(f), "where": f.where} for f in findings], "summary": summary}

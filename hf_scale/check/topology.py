@@ -82,6 +82,50 @@ def check_fsdp_without_gpu(inp: CheckInputs) -> Iterator[Finding]:
         )
 
 
+def check_fsdp_final_save(inp: CheckInputs) -> Iterator[Finding]:
+    """`fsdp-sharded-final-save` (warning): FSDP whose state dict type is not FULL_STATE_DICT (`fsdp_state_dict_type:
+    SHARDED_STATE_DICT`, or FSDP2's default) under the HF Trainer: its final `save_model` writes the weights only for
+    FULL_STATE_DICT (transformers' Trainer.save_model), so the output directory gets no model. A hand-written
+    Accelerator loop (and train.py's `--loop accelerate`) saves through accelerator.get_state_dict, which gathers."""
+    section = inp.accelerate.get("fsdp_config")
+    if inp.accelerate.get("distributed_type") != "FSDP" or inp.runner != "trainer" or not isinstance(section, dict):
+        return
+    if (inp.training or {}).get("loop") == "accelerate":
+        return
+    effective, key = _fsdp_state_dict_type(inp, section)
+    if effective in ("FULL_STATE_DICT", "1"):
+        return
+    file = inp.accelerate_file
+    yield Finding(
+        WARNING,
+        "fsdp-sharded-final-save",
+        file,
+        f"fsdp_config.{key}",
+        f"The state dict type is {effective}: the HF Trainer's final save_model writes no model weights with it "
+        "(transformers saves a model there only for FULL_STATE_DICT) unless the script switches the plugin to "
+        "FULL_STATE_DICT before saving; the checkpoint-STEP folders hold the shards.",
+        f"{in_file(file)}set `fsdp_config.fsdp_state_dict_type: FULL_STATE_DICT` (the final save gathers the full "
+        "model on rank 0)" + (" instead of FSDP2's default (`fsdp_version: 2`)" if key == "fsdp_version" else "")
+        + ", or keep it and turn the last checkpoint into a model with `hf-scale export OUTPUT_DIR/checkpoint-STEP "
+        "OUT`.",
+        {f"{file}:fsdp_config.{key}": section.get(key)},
+    )
+
+
+def _fsdp_state_dict_type(inp: CheckInputs, section: dict[str, Any]) -> tuple[str, str]:
+    """(the state dict type accelerate's FSDP plugin uses, the YAML key that decides it): the variable `accelerate
+    launch` exports, else the plugin's default (FULL_STATE_DICT for FSDP1, SHARDED_STATE_DICT for FSDP2)."""
+    env = inp.launch_env or {}
+    written = env.get("FSDP_STATE_DICT_TYPE")
+    key = next((k for k in ("fsdp_state_dict_type", "state_dict_type") if k in section), None)
+    if written is None and inp.launch_env is None and key is not None:
+        written = str(section[key])
+    if written is not None:
+        return written.upper(), key or "fsdp_state_dict_type"
+    version = env.get("FSDP_VERSION") or str(section.get("fsdp_version", 1))
+    return ("FULL_STATE_DICT" if version == "1" else "SHARDED_STATE_DICT"), "fsdp_version"
+
+
 _GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM")
 
 
@@ -107,6 +151,44 @@ def check_processes_per_gpu(inp: CheckInputs) -> Iterator[Finding]:
         "(it is the total over all machines).",
         {f"{inp.accelerate_file}:num_processes": processes, f"{inp.accelerate_file}:num_machines": machines,
          "--gpus-per-machine": gpus},
+    )
+
+
+def check_process_count(inp: CheckInputs) -> Iterator[Finding]:
+    """`processes-implausible`: `num_processes` (the total over all machines) or `num_machines` beyond what any
+    cluster has, e.g. `num_processes: 1000000000`: per machine at most hf_scale's own bound (the
+    `topology.processes_per_machine` limit of `hf-scale generate`), machines at most its `num_machines` limit.
+    (--gpus-per-machine N bounds it by the target's GPUs: `processes-exceed-gpus`.)"""
+    from hf_scale.config import MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
+
+    file, acc = inp.accelerate_file, inp.accelerate
+    processes, machines = acc.get("num_processes"), acc.get("num_machines", 1)
+    if not is_int(machines) or machines < 1:
+        return  # `accelerate-value-invalid`
+    if machines > MAX_MACHINES:
+        yield Finding(
+            ERROR, "processes-implausible", file, "num_machines",
+            f"num_machines={machines} is more machines than any cluster has (allowed: 1..{MAX_MACHINES}).",
+            f"{in_file(file)}set `num_machines` to the number of machines of the job (1..{MAX_MACHINES}).",
+            {f"{file}:num_machines": machines},
+        )
+        return
+    if not is_int(processes) or processes < 1 or processes % machines:
+        return  # `accelerate-value-invalid`, `processes-not-multiple-of-machines`
+    per_machine = processes // machines
+    if per_machine <= MAX_PROCESSES_PER_MACHINE or inp.gpus_per_machine is not None:
+        return
+    yield Finding(
+        ERROR,
+        "processes-implausible",
+        file,
+        "num_processes",
+        f"num_processes={processes} over num_machines={machines} is {per_machine} processes per machine: "
+        f"`accelerate launch` starts them all on each machine (one per GPU), and no machine has that many "
+        f"(allowed: 1..{MAX_PROCESSES_PER_MACHINE} per machine).",
+        f"{in_file(file)}set `num_processes` to GPUs per machine x num_machines (the total), e.g. "
+        f"{8 * machines} for {machines} machine(s) of 8 GPUs.",
+        {f"{file}:num_processes": processes, f"{file}:num_machines": machines},
     )
 
 

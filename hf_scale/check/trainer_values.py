@@ -159,7 +159,7 @@ def _mismatch_finding(inp: CheckInputs, file: str, difference: launch_values.Dif
     typed = bool(inp.training_given & set(difference.flags))
     flag_value = difference.flag_value
     if key == "scheduler.params.warmup_num_steps":
-        flag_value = f"{flag_value} steps"
+        flag_value = f"{flag_value} steps" + (" (the Trainer compares it as 1)" if flag_value < 1 else "")
     elif key == "scheduler.params.total_num_steps":
         flag_value = f"{flag_value} optimizer steps"
     elif isinstance(flag_value, list):

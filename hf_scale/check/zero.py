@@ -7,15 +7,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from hf_scale import rules
-from hf_scale.check.findings import ERROR, WARNING, Finding, get_path, in_file
+from hf_scale.check.findings import ERROR, WARNING, Finding, get_path, in_file, is_int
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
-from hf_scale.check.knowledge import PARSE_ERRORS, deepspeed_off_stdout
+from hf_scale.check.knowledge import OFFLOAD_KEEPS_OPTIM, OFFLOAD_REPLACEMENT, PARSE_ERRORS, deepspeed_off_stdout
 
 
 def check_offload_optimizer(inp: CheckInputs) -> Iterator[Finding]:
     """`offload-optimizer-swap`: optimizer offload without a DeepSpeed `optimizer` block while
-    `zero_force_ds_cpu_optimizer` is not false (accelerate/HF swap in DeepSpeedCPUAdam, keeping only lr and
-    weight_decay; raw DeepSpeed raises)."""
+    `zero_force_ds_cpu_optimizer` is not false: accelerate swaps the training loop's optimizer for DeepSpeed's CPU
+    optimizer of the same algorithm when it has one (torch AdamW, the Trainer's default, runs on as DeepSpeedCPUAdam
+    with every parameter group's lr, betas, eps and weight_decay: no finding); any other `--optim` (a warning) is
+    replaced by DeepSpeedCPUAdam in Adam mode; raw DeepSpeed raises (an error)."""
     view = deepspeed_view(inp)
     if view is None:
         return
@@ -26,26 +28,35 @@ def check_offload_optimizer(inp: CheckInputs) -> Iterator[Finding]:
     if view.config.get("zero_force_ds_cpu_optimizer", True) is False:
         return
     file, key = view.where(path)
-    raw = inp.runner == "deepspeed"
+    if inp.runner == "deepspeed":
+        problem = (f"The optimizer is offloaded to {device} without an `optimizer` block: deepspeed.initialize "
+                   "raises for a client optimizer that is not DeepSpeedCPUAdam.")
+    elif inp.runner == "trainer":
+        optim = str(getattr((inp.training or {}).get("optim"), "value", (inp.training or {}).get("optim")))
+        if inp.training is None or optim in OFFLOAD_KEEPS_OPTIM:
+            return  # the same algorithm on the CPU, every hyper-parameter carried over
+        problem = (f"The optimizer is offloaded to {device} without an `optimizer` block: --optim {optim} does not "
+                   f"run; accelerate replaces it with {OFFLOAD_REPLACEMENT}.")
+    else:  # a hand-written Accelerator loop: its optimizer class is not known here
+        problem = (f"The optimizer is offloaded to {device} without an `optimizer` block: accelerate keeps torch's "
+                   "AdamW, Adam and Adagrad (as DeepSpeed's CPU versions, the parameter groups unchanged) and "
+                   f"replaces any other optimizer with {OFFLOAD_REPLACEMENT}.")
     yield Finding(
-        ERROR if raw else WARNING,
+        ERROR if inp.runner == "deepspeed" else WARNING,
         "offload-optimizer-swap",
         file,
         key,
-        f"The optimizer is offloaded to {device} without an `optimizer` block: "
-        + (
-            "deepspeed.initialize raises for a client optimizer."
-            if raw
-            else "your optimizer is replaced by DeepSpeedCPUAdam (only lr and weight_decay are kept)."
-        ),
+        problem,
         (
             f"{in_file(file)}set `{key}: none`, or move the DeepSpeed settings into a JSON file "
             '(`deepspeed_config_file`) with an `optimizer` block or `"zero_force_ds_cpu_optimizer": false` '
-            "(an inline deepspeed_config cannot set them)."
+            "(an inline deepspeed_config cannot set them)"
             if view.from_yaml
             else f'{in_file(file)}add an `optimizer` block, or set `"zero_force_ds_cpu_optimizer": false` '
-            f"(`{key}` stays)."
-        ),
+            f"(`{key}` stays)"
+        )
+        + ("; or use an --optim accelerate keeps (adamw_torch, adamw_torch_fused, adagrad)." if inp.runner == "trainer"
+           else "."),
         {f"{file}:{key}": device},
     )
 
@@ -117,3 +128,47 @@ def _gathers_16bit_on_save(zero: dict[str, Any]) -> bool:
             return bool(DeepSpeedZeroConfig(**zero).gather_16bit_weights_on_model_save)
         except (pydantic.ValidationError, *PARSE_ERRORS):
             return any(zero.get(name) is True for name in GATHER_SPELLINGS)
+
+
+def check_autotuning(inp: CheckInputs) -> Iterator[Finding]:
+    """`autotuning-enabled`: `autotuning.enabled: true` in the DeepSpeed config: DeepSpeed's engine profiles a few
+    steps and then calls exit() (DeepSpeedEngine._autotuning_exit after `end_profile_step`): the training stops
+    partway with exit code 0 and nothing saved. Autotuning is for the `deepspeed --autotuning` launcher only."""
+    view = deepspeed_view(inp)
+    if view is None or not rules.autotuning_enabled(view.config):
+        return
+    file, key = view.where("autotuning.enabled")
+    with deepspeed_off_stdout():
+        from deepspeed.autotuning.constants import AUTOTUNING_END_PROFILE_STEP_DEFAULT
+
+    end = get_path(view.config, "autotuning.end_profile_step", AUTOTUNING_END_PROFILE_STEP_DEFAULT)
+    end = end + 1 if is_int(end) else end
+    yield Finding(
+        ERROR,
+        "autotuning-enabled",
+        file,
+        key,
+        f"{rules.AUTOTUNING_EXITS} (at step {end!r}); train.py refuses it.",
+        f"{in_file(file)}set `{key}` to false or remove the `autotuning` block (autotuning runs through "
+        "`deepspeed --autotuning tune`, not in a training job).",
+        {f"{file}:{key}": True},
+    )
+
+
+def check_zero_section(inp: CheckInputs) -> Iterator[Finding]:
+    """`zero-section-missing`: a DeepSpeed JSON without `zero_optimization` under the HF Trainer or an Accelerator
+    loop: accelerate's DeepSpeedPlugin raises at start ("Please specify the ZeRO optimization config"); raw
+    deepspeed.initialize runs it as stage 0."""
+    if inp.deepspeed is None or inp.runner == "deepspeed" or "zero_optimization" in inp.deepspeed:
+        return
+    file = inp.deepspeed_file or ""
+    yield Finding(
+        ERROR,
+        "zero-section-missing",
+        file,
+        "zero_optimization",
+        "No `zero_optimization` section: accelerate's DeepSpeedPlugin (the HF Trainer's and an Accelerator loop's) "
+        "refuses the config at start.",
+        f'{in_file(file)}add `"zero_optimization": {{"stage": 0}}` (or the ZeRO stage you want).',
+        {f"{file}:zero_optimization": None},
+    )

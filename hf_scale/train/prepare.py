@@ -71,8 +71,11 @@ def _deepspeed_overrides(deepspeed, ns, given: Set[str]) -> str | None:
     from hf_scale import deepspeed_overrides
 
     config = distributed.deepspeed_config_dict(deepspeed)
-    found = deepspeed_overrides.find_overrides(config, given) if config else []
     where = "the DeepSpeed config"
+    if rules.autotuning_enabled(config):
+        raise UserError(f"{where}: autotuning.enabled=true: {rules.AUTOTUNING_EXITS}; set it to false (autotuning "
+                        "runs through `deepspeed --autotuning tune`, not in a training job)")
+    found = deepspeed_overrides.find_overrides(config, given) if config else []
     refusal = deepspeed_overrides.refusal(found, vars(ns), where)
     if refusal:
         raise UserError(refusal)

@@ -15,8 +15,11 @@ from check_cases import (
     assert_every_fix_names_where_the_value_is,
     assert_reports_its_problem,
     check_json,
+    codes,
     merged,
 )
+
+from hf_scale import check
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
 TRIGGERS = {
@@ -146,3 +149,18 @@ def test_any_kind_of_value_in_the_yaml_is_judged_never_a_crash(key, tmp_path, mo
     for value in WRONG_KINDS:
         code, _ = check_json(tmp_path, monkeypatch, capsys, merged(DS_YAML, {key: value}), ds)
         assert code in (0, 1), (key, value)
+
+
+@pytest.mark.parametrize(("machines", "expected"), [(1, []), (2, ["accelerate-value-invalid"])])
+def test_num_processes_auto_is_valid_on_one_machine(machines, expected, tmp_path, monkeypatch, capsys):
+    """accelerate hands `num_processes: auto` to torchrun as --nproc_per_node auto (one process per GPU) on one machine
+    (its own launch code runs here, nothing refuses it); with several it divides "auto" by num_machines and fails."""
+    yaml_cfg = merged(DDP_YAML, {"num_processes": "auto", "num_machines": machines, "machine_rank": 0,
+                                 "main_process_ip": "10.0.0.1" if machines > 1 else None})
+    (tmp_path / "auto.yaml").write_text(yaml.safe_dump(yaml_cfg))
+    inputs = check.load_inputs(str(tmp_path / "auto.yaml"), cwd=tmp_path)
+    assert (inputs.launch_error is None) == (machines == 1)  # accelerate's own verdict
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg)
+    assert codes(payload) == expected
+    for finding in payload["findings"]:
+        assert "one machine only" in finding["problem"]

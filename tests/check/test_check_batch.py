@@ -133,3 +133,26 @@ def test_batch_findings_agree_with_deepspeeds_own_arithmetic(total, micro, accum
                             runner="deepspeed")
     batch = [f for f in payload["findings"] if f["code"].startswith("train-batch")]
     assert bool(batch) != accepted, batch
+
+
+@pytest.mark.parametrize(("flag", "runner", "expected"), [
+    (["--gradient_accumulation_steps", "8"], None, ["grad-accum-mismatch"]),
+    (["--gradient_accumulation_steps", "1"], None, []),
+    ([], None, []),
+    (["--gradient_accumulation_steps", "8"], "deepspeed", []),  # raw DeepSpeed derives it from train_batch_size
+])
+def test_a_json_without_accumulation_is_accelerates_1_not_auto(flag, runner, expected, tmp_path, monkeypatch, capsys):
+    """accelerate's DeepSpeedPlugin writes a missing gradient_accumulation_steps as 1 before DeepSpeed starts
+    (proved on the real plugin here): the Trainer's --gradient_accumulation_steps 8 then disagrees with it."""
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    ds = merged(DS_JSON, {"gradient_accumulation_steps": None})
+    plugin = DeepSpeedPlugin(hf_ds_config=HfDeepSpeedConfig(merged(ds, {})))
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == 1
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds, train=flag, runner=runner)
+    found = [f for f in payload["findings"] if f["code"] == "grad-accum-mismatch"]
+    assert [f["code"] for f in found] == expected
+    for finding in found:
+        assert finding["severity"] == "error" and "has no gradient_accumulation_steps" in finding["problem"]
+        assert '"gradient_accumulation_steps": "auto"' in finding["fix"]

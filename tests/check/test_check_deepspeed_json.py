@@ -192,3 +192,25 @@ def test_any_kind_of_value_in_the_json_is_judged_never_a_crash(path, tmp_path, m
     for value in WRONG_KINDS:  # some are valid in some places: what matters is a verdict, not a traceback
         code, _ = check_json(tmp_path, monkeypatch, capsys, DS_YAML, _set(ZERO3_JSON, path, value))
         assert code in (0, 1), (path, value)
+
+
+@pytest.mark.parametrize(("stage", "refused"), [(2, False), (3, False), (0, True)])
+def test_a_section_is_judged_beside_the_zero_section_deepspeed_reads_with_it(stage, refused, tmp_path, monkeypatch,
+                                                                              capsys):
+    """fp16 master weights need ZeRO 1-3 (DeepSpeedConfig._do_error_check reads zero_optimization while judging fp16):
+    the fp16 block is parsed beside the file's zero_optimization, so only what DeepSpeed itself refuses is reported."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
+          "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+          "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+    try:
+        DeepSpeedConfig({**ds, "train_batch_size": 2})
+        deepspeed_refuses = False
+    except AssertionError:
+        deepspeed_refuses = True
+    assert deepspeed_refuses == refused
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds, runner="deepspeed")
+    invalid = [f for f in payload["findings"] if f["code"] == "deepspeed-config-invalid"]
+    assert bool(invalid) == refused

@@ -104,3 +104,13 @@ def test_the_warning_names_the_file_key_both_values_and_the_fix(tmp_path, monkey
     assert "train.py follows the file (fp16)" in finding["problem"]
     assert finding["fix"] == ('Pass --fp16 in the training args (then both agree for any script), or set '
                               '`fp16.enabled` to "auto" in ds.json.')
+
+
+@pytest.mark.parametrize("flag", ["--bf16", "--fp16"])
+@pytest.mark.parametrize("runner", ["trainer", "accelerate"])
+def test_mixed_precision_no_fixes_nothing_for_the_trainer(flag, runner, tmp_path, monkeypatch, capsys):
+    """`mixed_precision: 'no'` is what accelerate writes when nothing is chosen: the HF Trainer hands --bf16/--fp16 to
+    the Accelerator (TrainingArguments.mixed_precision), which wins. A hand-written Accelerator loop runs with 'no'."""
+    yaml_cfg = merged(DDP_YAML, {"mixed_precision": "no"})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, train=[flag], runner=runner)
+    assert ("precision-mismatch" in codes(payload)) == (runner == "accelerate")

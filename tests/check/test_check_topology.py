@@ -101,6 +101,24 @@ TRIGGERS = {
         "processes-not-multiple-of-machines",
         "error",
     ),
+    "processes-beyond-any-machine": (
+        merged(MULTINODE_YAML, {"num_processes": 1_000_000_000}),
+        None,
+        [],
+        None,
+        [],
+        "processes-implausible",
+        "error",
+    ),
+    "fsdp-sharded-final-save": (
+        merged(FSDP_YAML, {"fsdp_config": {"fsdp_state_dict_type": "SHARDED_STATE_DICT"}}),
+        None,
+        ["--bf16"],
+        None,
+        [],
+        "fsdp-sharded-final-save",
+        "warning",
+    ),
     "machine-rank-one-based": (
         merged(MULTINODE_YAML, {"machine_rank": 2}),
         None,
@@ -152,3 +170,54 @@ def test_machine_rank_is_read_the_way_accelerate_launch_reads_it(rank, expected,
     """accelerate int()s machine_rank when it launches: a quoted "1" is rank 1, "one" fails in accelerate."""
     _, payload = check_json(tmp_path, monkeypatch, capsys, merged(MULTINODE_YAML, {"machine_rank": rank}))
     assert codes(payload) == expected
+
+
+@pytest.mark.parametrize(
+    ("fsdp", "train", "expected"),
+    [
+        ({"fsdp_state_dict_type": "SHARDED_STATE_DICT"}, ["--bf16"], ["fsdp-sharded-final-save"]),
+        ({"fsdp_state_dict_type": "SHARDED_STATE_DICT"}, ["--bf16", "--loop", "accelerate"], []),
+        ({"fsdp_state_dict_type": "FULL_STATE_DICT"}, ["--bf16"], []),
+        ({"fsdp_state_dict_type": None, "fsdp_version": 2}, ["--bf16"], ["fsdp-sharded-final-save"]),
+        ({"fsdp_state_dict_type": None, "fsdp_version": 1}, ["--bf16"], []),
+    ],
+    ids=["sharded", "sharded-manual-loop", "full", "fsdp2-default", "fsdp1-default"],
+)
+def test_fsdp_final_save_follows_the_state_dict_type_accelerate_uses(fsdp, train, expected, tmp_path, monkeypatch,
+                                                                      capsys):
+    """transformers' Trainer.save_model writes weights under FSDP only for FULL_STATE_DICT; the type is the one
+    accelerate's plugin takes (FSDP_STATE_DICT_TYPE from `accelerate launch`, else FULL for FSDP1, SHARDED for FSDP2).
+    A manual loop saves through accelerator.get_state_dict, which gathers whatever the type."""
+    import inspect
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import Trainer
+
+    assert 'if "FULL_STATE_DICT" in str(self.accelerator.state.fsdp_plugin.state_dict_type)' in inspect.getsource(
+        Trainer.save_model)
+    assert '"FULL_STATE_DICT" if self.fsdp_version == 1 else "SHARDED_STATE_DICT"' in inspect.getsource(
+        FullyShardedDataParallelPlugin.set_state_dict_type)
+    _, payload = check_json(tmp_path, monkeypatch, capsys, merged(FSDP_YAML, {"fsdp_config": fsdp}), train=train)
+    assert codes(payload) == expected
+    for finding in payload["findings"]:
+        assert "FULL_STATE_DICT" in finding["fix"] and "hf-scale export" in finding["fix"]
+
+
+@pytest.mark.parametrize(
+    ("acc", "expected"),
+    [
+        ({"num_processes": 1_000_000_000, "num_machines": 1}, ["processes-implausible"]),
+        ({"num_processes": 2048, "num_machines": 2}, []),  # 1024 per machine: hf_scale's own bound
+        ({"num_processes": 4096, "num_machines": 2}, ["processes-implausible"]),
+        ({"num_processes": 8, "num_machines": 100_000}, ["processes-implausible"]),
+    ],
+)
+def test_absurd_process_counts_are_refused_with_what_is_allowed(acc, expected, tmp_path, monkeypatch, capsys):
+    from hf_scale.config import MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
+
+    yaml_cfg = merged(MULTINODE_YAML, acc)
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg)
+    found = [f for f in payload["findings"] if f["code"] == "processes-implausible"]
+    assert [f["code"] for f in found] == expected
+    for finding in found:
+        assert f"1..{MAX_PROCESSES_PER_MACHINE}" in finding["problem"] or f"1..{MAX_MACHINES}" in finding["problem"]

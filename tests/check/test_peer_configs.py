@@ -33,9 +33,8 @@ CASES = yaml.safe_load((CORPUS / "index.yaml").read_text())["cases"]
 
 
 def _check_argv(case: dict) -> list[str]:
-    argv = ["check", "--accelerate-config", case["accelerate"], "--json"]
-    if case.get("deepspeed"):
-        argv += ["--deepspeed-config", case["deepspeed"]]
+    """`hf-scale check FILE...` as a user types it: the files positionally (recognized by their content)."""
+    argv = ["check", "--json", *[case[key] for key in ("accelerate", "deepspeed") if case.get(key)]]
     if case.get("runner"):
         argv += ["--runner", case["runner"]]
     if case.get("gpus") is not None:
@@ -65,7 +64,7 @@ def test_every_corpus_file_is_used_and_every_case_says_where_it_comes_from():
     used = {case[key] for case in CASES for key in ("accelerate", "deepspeed") if case.get(key)}
     used |= {arg for case in CASES for arg in case.get("training_args", []) if arg.endswith(".json")}
     for case in CASES:
-        text = (CORPUS / case["accelerate"]).read_text()
+        text = (CORPUS / case["accelerate"]).read_text() if case.get("accelerate") else "{}"
         used |= set(filter(None, [yaml.safe_load(text).get("deepspeed_config", {}).get("deepspeed_config_file")]))
         assert case["origin"].strip() and case["exercises"].strip(), case["name"]
     files = {p.name for p in CORPUS.iterdir() if p.suffix in (".yaml", ".json") and p.name != "index.yaml"}
@@ -222,3 +221,49 @@ def test_deepspeed_flag_next_to_an_inline_yaml_is_refused_by_train_py_and_check(
         distributed.detect_launch(flags[1])
     found = {(f.code, f.key) for f in check.run_checks(inputs)}
     assert ("ds-key-duplicated", "deepspeed_config.zero_stage") in found
+
+
+def test_mixed_precision_no_in_the_yaml_lets_the_flag_decide(monkeypatch):
+    """TRL's inline ZeRO-2 YAML says mixed_precision 'no' (accelerate's "nothing chosen"): with --bf16 train.py builds
+    a bf16 DeepSpeed config, as the HF Trainer does (it hands --bf16 to the Accelerator), and the Trainer's resolver
+    finds nothing to object to; `hf-scale check` reports nothing (tests: the corpus case)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    flags = ["--bf16"]
+    inputs = _launch_environment(monkeypatch, CORPUS / "trl_deepspeed_zero2.yaml", flags)
+    assert inputs.accelerate["mixed_precision"] == "no"
+    request = distributed.detect_launch(None)
+    ns, _ = build_parser().parse_known_args(flags)
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, flags)
+    config, ns = from_yaml.deepspeed, filled(ns, from_yaml.fills)
+    assert ns.bf16 and not ns.fp16 and config["bf16"]["enabled"] is True
+    resolver = HfTrainerDeepSpeedConfig(copy.deepcopy(config))
+    try:
+        resolver.trainer_config_process(types.SimpleNamespace(**vars(ns), world_size=8))
+    finally:
+        unset_hf_deepspeed_config()
+    assert resolver.mismatches == []
+    DeepSpeedConfig({**resolver.config, "train_batch_size": resolver.config["train_batch_size"] // 8})
+
+
+def test_cifar_messages_show_the_real_warmup_and_the_missing_decay(monkeypatch, capsys):
+    """The default --warmup_steps is 0 (transformers compares max(1, 0)); WarmupLR never decays."""
+    monkeypatch.chdir(CORPUS)
+    main(["check", "--json", "launch_8gpu.yaml", "--", "--deepspeed", "deepspeedexamples_cifar.json", "--fp16"])
+    findings = {f["key"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    warmup = findings["scheduler.params.warmup_num_steps"]["problem"]
+    assert "--warmup_steps/--warmup_ratio=0 steps (the Trainer compares it as 1)" in warmup and "=1 steps" not in warmup
+    scheduler = findings["scheduler.type"]["problem"]
+    assert "WarmupLR" in scheduler and "no decay" in scheduler and "logarithmic" in scheduler
+
+
+def test_deepspeed_accepts_the_fp16_master_weights_file_check_accepts():
+    """DeepSpeed's own parser takes the file (fp16 master weights beside ZeRO 2); alone, without its zero_optimization,
+    the fp16 block is what DeepSpeed refuses, which is why check judges a section beside it."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = json.loads((CORPUS / "deepspeedexamples_cifar_fp16_master.json").read_text())
+    DeepSpeedConfig({**config, "train_batch_size": 1})
+    with pytest.raises(AssertionError, match="Fp16_master_weights_and_grads"):
+        DeepSpeedConfig({"train_batch_size": 1, "fp16": config["fp16"]})

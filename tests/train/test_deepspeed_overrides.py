@@ -57,6 +57,21 @@ def test_train_py_refuses_an_explicit_flag_the_json_would_ignore(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+def test_train_py_refuses_deepspeed_autotuning_which_would_end_the_run_with_exit_0(tmp_path):
+    """DeepSpeed's engine calls exit() after autotuning.end_profile_step (DeepSpeedEngine._autotuning_exit)."""
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert "exit()" in inspect.getsource(DeepSpeedEngine._autotuning_exit)
+    argv = _train_argv(tmp_path, {"autotuning": {"enabled": True}})
+    with pytest.raises(UserError) as error:
+        train_main.train(argv)
+    message = str(error.value)
+    assert message.startswith("the DeepSpeed config: autotuning.enabled=true: ") and "exit code 0" in message
+    assert "\n" not in message and not (tmp_path / "out").exists()
+
+
 def test_train_py_warning_line_names_what_runs_instead(tmp_path):
     argv = _train_argv(tmp_path, {"optimizer": LAMB, "scheduler": WARMUP_LR})
     ns, _ = build_parser().parse_known_args(argv)
@@ -64,7 +79,7 @@ def test_train_py_warning_line_names_what_runs_instead(tmp_path):
     assert message.startswith("the DeepSpeed config: ")
     assert "optimizer.type='Lamb' runs instead of --optim adamw_torch" in message
     assert "scheduler.type='WarmupLR' runs instead of --lr_scheduler_type linear (default)" in message
-    assert "logarithmic" in message and "\n" not in message
+    assert "logarithmic" in message and "no decay" in message and "\n" not in message
     assert prepare._deepspeed_overrides(None, ns, frozenset()) is None
 
 

@@ -9,10 +9,11 @@ on the run takes exactly the path of a DeepSpeed JSON (the `HfTrainerDeepSpeedCo
 `from_pretrained`, so ZeRO-3 builds the model inside `zero.Init`; the Trainer's resolver fills "auto" for both
 loops; the runtime guard checks stage, batch and precision).
 
-The YAML's `gradient_accumulation_steps`, `gradient_clipping` and `mixed_precision` fill the flags left
-unset (`--gradient_accumulation_steps`, `--max_grad_norm`, `--bf16`/`--fp16`) and must equal the flags that
-were given: a conflict is a one-line error, never a silent choice (the HF Trainer itself stops with a
-"mismatch" traceback there). `hf-scale check` reads the file through :func:`plugin_for` too, so both agree.
+The YAML's `gradient_accumulation_steps`, `gradient_clipping` and `mixed_precision` (bf16/fp16; `no` fixes
+nothing) fill the flags left unset (`--gradient_accumulation_steps`, `--max_grad_norm`, `--bf16`/`--fp16`) and
+must equal the flags that were given: a conflict is a one-line error, never a silent choice (the HF Trainer
+itself stops with a "mismatch" traceback there). `hf-scale check` reads the file through :func:`plugin_for`
+too, so both agree.
 """
 
 from __future__ import annotations
@@ -154,15 +155,18 @@ def apply_to_flags(inline: InlineDeepSpeed, ns, given: Set[str]) -> YamlFills:
 
     flags_given = bool(given & {"bf16", "fp16"})
     flags_precision = precision_from_flags(ns.bf16, ns.fp16)
-    if flags_given and flags_precision != inline.mixed_precision:
+    # `mixed_precision: no` is what accelerate writes when the YAML says nothing: it fixes nothing, the flags decide
+    # (the HF Trainer hands its --bf16/--fp16 to the Accelerator, which builds the DeepSpeed config with them).
+    precision = flags_precision if inline.mixed_precision == "no" else inline.mixed_precision
+    if flags_given and flags_precision != precision:
         raise UserError(
             f"the accelerate config has mixed_precision={inline.mixed_precision} but the flags ask for "
             f"{flags_precision}; make them equal (or drop --bf16/--fp16: train.py takes the YAML's value)"
         )
-    fills.update(bf16=inline.mixed_precision == "bf16", fp16=inline.mixed_precision == "fp16")
+    fills.update(bf16=precision == "bf16", fp16=precision == "fp16")
     if inline.mixed_precision != "no":
         decided.add(inline.mixed_precision)
-    config = deepspeed_config(inline, inline.mixed_precision)
+    config = deepspeed_config(inline, precision)
     # The YAML's keys are now in `config`. accelerate's DeepSpeedPlugin(hf_ds_config=...), which
     # TrainingArguments creates next, refuses YAML DeepSpeed keys next to a config *file*
     # (_deepspeed_config_checks reads this variable); that guard is about a file, not this config.

@@ -1,0 +1,121 @@
+"""`hf-scale check FILE...`: which kind of file each one is, told by its content (names and extensions vary:
+`zero3.yaml` may be accelerate's or hf_scale's, `ds.json` may be named anything).
+
+- an accelerate config: a mapping with `distributed_type` or `compute_environment` (what `accelerate config`
+  writes first; accelerate's loader needs them);
+- a DeepSpeed config: a mapping with a top-level key DeepSpeed's own parser reads (asked from DeepSpeedConfig);
+- an hf_scale config: a mapping whose keys are all DistributedConfig fields, one of them not a DeepSpeed key;
+- a job manifest (`--manifest`): a TrainJob, PyTorchJob or SkyPilot task (hf_scale.check.cluster.manifest_kind).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hf_scale.errors import UserError
+from hf_scale.inputs import load_json, load_yaml, read_text
+
+ACCELERATE, DEEPSPEED, HF_SCALE, MANIFEST = "accelerate config", "DeepSpeed config", "hf_scale config", "job manifest"
+ACCELERATE_MARKS = ("distributed_type", "compute_environment")
+
+WHAT_EACH_LOOKS_LIKE = (
+    f"an {ACCELERATE} (YAML with {' or '.join(ACCELERATE_MARKS)}), a {DEEPSPEED} (JSON with zero_optimization, "
+    f"train_batch_size, train_micro_batch_size_per_gpu, fp16/bf16, optimizer, ...) or an {HF_SCALE} (YAML with "
+    "strategy, precision, topology, batch, deepspeed, fsdp, ...), or a job manifest (a TrainJob or PyTorchJob with "
+    "kind:, a SkyPilot task with run: or num_nodes:)"
+)
+
+
+@functools.cache
+def deepspeed_top_level_keys() -> frozenset[str]:
+    """Every top-level key DeepSpeed's config parser reads, recorded while it parses a minimal config."""
+    from hf_scale.check.knowledge import ReadTracker, deepspeed_off_stdout
+
+    with deepspeed_off_stdout():
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        # The optional blocks are read only when present (DeepSpeed tests `key in param_dict.keys()` first).
+        tracked = ReadTracker({"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {}},
+                               "scheduler": {"type": "WarmupLR", "params": {}}, "autotuning": {"enabled": False},
+                               "flops_profiler": {}, "activation_checkpointing": {}, "aio": {}})
+        DeepSpeedConfig(tracked)
+    return frozenset(key for key in tracked.read if isinstance(key, str))
+
+
+def _hf_scale_fields() -> frozenset[str]:
+    from hf_scale.config import DistributedConfig
+
+    return frozenset(DistributedConfig.model_fields)
+
+
+def _is_manifest(data: dict) -> bool:
+    from hf_scale.check.cluster import manifest_kind
+
+    try:
+        manifest_kind(data)
+    except UserError:
+        return False
+    return True
+
+
+def kind_of(data: Any) -> str | None:
+    """The kind of a parsed file, or None when it is none of the three."""
+    if not isinstance(data, dict) or not data:
+        return None
+    keys = {key for key in data if isinstance(key, str)}
+    deepspeed = deepspeed_top_level_keys()
+    if keys & set(ACCELERATE_MARKS):
+        return ACCELERATE
+    if _is_manifest(data):
+        return MANIFEST
+    # Both read `optimizer` and `gradient_clipping`: a key only hf_scale has (strategy, topology, ...) decides.
+    if keys <= _hf_scale_fields() and keys - deepspeed:
+        return HF_SCALE
+    if keys & deepspeed:
+        return DEEPSPEED
+    return None
+
+
+def file_kind(path: str) -> str:
+    """Read ``path`` (JSON when it ends in .json, else YAML: JSON is YAML too) and tell its kind; a file of no kind
+    is one line naming what each kind looks like."""
+    text = read_text(Path(path), "check:")
+    parse = load_json if path.endswith(".json") else load_yaml
+    kind = kind_of(parse(text, f"check: {path}"))
+    if kind is None:
+        raise UserError(f"check: {path} is not a file check reads: give {WHAT_EACH_LOOKS_LIKE}")
+    return kind
+
+
+@dataclass(frozen=True)
+class Files:
+    """The files of one `hf-scale check`, by kind."""
+
+    accelerate: str | None = None
+    deepspeed: str | None = None
+    hf_scale: str | None = None
+    manifests: tuple[str, ...] = ()
+    """Job manifests (`--manifest`): several allowed."""
+
+
+def sort_files(paths: Sequence[str], accelerate: str | None, deepspeed: str | None) -> Files:
+    """The positional files by kind, with the ``--accelerate-config`` / ``--deepspeed-config`` flags; a kind given
+    twice is one line."""
+    given: dict[str, list[tuple[str, str]]] = {ACCELERATE: [], DEEPSPEED: [], HF_SCALE: [], MANIFEST: []}
+    for flag, value, kind in (("--accelerate-config", accelerate, ACCELERATE),
+                              ("--deepspeed-config", deepspeed, DEEPSPEED)):
+        if value is not None:
+            given[kind].append((f"{flag} {value}", value))
+    for path in paths:
+        given[file_kind(path)].append((path, path))
+    for kind, named in given.items():
+        if len(named) > 1 and kind != MANIFEST:
+            listing = ", ".join(label for label, _ in named)
+            raise UserError(f"check: {len(named)} {kind}s given ({listing}); check one job at a time: one {kind} "
+                            "at most")
+    first = {kind: named[0][1] if named else None for kind, named in given.items()}
+    return Files(first[ACCELERATE], first[DEEPSPEED], first[HF_SCALE], tuple(path for path, _ in given[MANIFEST]))
