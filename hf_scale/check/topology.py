@@ -84,13 +84,14 @@ def check_fsdp_without_gpu(inp: CheckInputs) -> Iterator[Finding]:
 
 def check_fsdp_final_save(inp: CheckInputs) -> Iterator[Finding]:
     """`fsdp-sharded-final-save` (warning): FSDP whose state dict type is not FULL_STATE_DICT (`fsdp_state_dict_type:
-    SHARDED_STATE_DICT`, or FSDP2's default) under the HF Trainer: its final `save_model` writes the weights only for
-    FULL_STATE_DICT (transformers' Trainer.save_model), so the output directory gets no model. A hand-written
-    Accelerator loop (and train.py's `--loop accelerate`) saves through accelerator.get_state_dict, which gathers."""
+    SHARDED_STATE_DICT`, or FSDP2's default) under a plain HF Trainer script: its final `save_model` writes the weights
+    only for FULL_STATE_DICT (transformers' Trainer.save_model), so the output directory gets no model. A hand-written
+    Accelerator loop saves through accelerator.get_state_dict, which gathers; so does hf_scale's train.py in both loops
+    (HfScaleTrainer.save_model), which is why train.py's flags (given after `--`) silence it."""
     section = inp.accelerate.get("fsdp_config")
     if inp.accelerate.get("distributed_type") != "FSDP" or inp.runner != "trainer" or not isinstance(section, dict):
         return
-    if (inp.training or {}).get("loop") == "accelerate":
+    if inp.training is not None:  # train.py's flags: train.py gathers the final model itself
         return
     effective, key = _fsdp_state_dict_type(inp, section)
     if effective in ("FULL_STATE_DICT", "1"):
@@ -101,9 +102,10 @@ def check_fsdp_final_save(inp: CheckInputs) -> Iterator[Finding]:
         "fsdp-sharded-final-save",
         file,
         f"fsdp_config.{key}",
-        f"The state dict type is {effective}: the HF Trainer's final save_model writes no model weights with it "
-        "(transformers saves a model there only for FULL_STATE_DICT) unless the script switches the plugin to "
-        "FULL_STATE_DICT before saving; the checkpoint-STEP folders hold the shards.",
+        f"The state dict type is {effective}: a plain HF Trainer script's final save_model writes no model weights "
+        "with it (transformers saves a model there only for FULL_STATE_DICT) unless the script switches the plugin "
+        "to FULL_STATE_DICT before saving; the checkpoint-STEP folders hold the shards (hf_scale's train.py gathers "
+        "the final model itself).",
         f"{in_file(file)}set `fsdp_config.fsdp_state_dict_type: FULL_STATE_DICT` (the final save gathers the full "
         "model on rank 0)" + (" instead of FSDP2's default (`fsdp_version: 2`)" if key == "fsdp_version" else "")
         + ", or keep it and turn the last checkpoint into a model with `hf-scale export OUTPUT_DIR/checkpoint-STEP "

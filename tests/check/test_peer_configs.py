@@ -235,7 +235,7 @@ def test_mixed_precision_no_in_the_yaml_lets_the_flag_decide(monkeypatch):
     assert inputs.accelerate["mixed_precision"] == "no"
     request = distributed.detect_launch(None)
     ns, _ = build_parser().parse_known_args(flags)
-    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, flags)
+    from_yaml = inline_deepspeed.apply_to_flags(request.deepspeed_inline, ns, given_flags(flags, vars(ns)))
     config, ns = from_yaml.deepspeed, filled(ns, from_yaml.fills)
     assert ns.bf16 and not ns.fp16 and config["bf16"]["enabled"] is True
     resolver = HfTrainerDeepSpeedConfig(copy.deepcopy(config))

@@ -18,6 +18,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from hf_scale.train.checkpoint import integrity, ownership, resume
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint.save import save_with_accelerator
 from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
@@ -170,6 +171,16 @@ class HfScaleTrainer(Trainer):
                 checkpoint.write_model_files(Path(output_dir), self.accelerator.unwrap_model(self.model),
                                              self.processing_class)
                 torch.save(self.args, Path(output_dir, TRAINING_ARGS_NAME))
+            return
+        if not _internal_call and self.is_fsdp_enabled and "FULL_STATE_DICT" not in str(
+                self.accelerator.state.fsdp_plugin.state_dict_type):
+            # transformers' save_model writes weights under FSDP only for FULL_STATE_DICT (FSDP2's default is
+            # SHARDED): the final model would be a directory without weights. Gathered here as the manual loop does
+            # (accelerator.get_state_dict gathers whatever the type); checkpoints keep their shards.
+            target = output_dir or self.args.output_dir
+            save_with_accelerator(self.accelerator, self.model, self.processing_class, target)
+            if self.args.should_save:
+                torch.save(self.args, Path(target, TRAINING_ARGS_NAME))
             return
         super().save_model(output_dir, _internal_call)
 
