@@ -148,10 +148,11 @@ def test_export_resolves_either_spelling_and_a_saved_dtype_through_the_table(tmp
     from hf_scale.errors import UserError
     from hf_scale.export.command import _resolve_dtype
 
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # export reads it for any --dtype
     assert _resolve_dtype("bfloat16", tmp_path) is _resolve_dtype("bf16", tmp_path) is torch.bfloat16
     for saved, dtype in (("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float64", torch.float64),
                          ("nonsense", torch.float32)):
-        (tmp_path / "config.json").write_text(json.dumps({"dtype": saved}))
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": saved}))
         assert _resolve_dtype("auto", tmp_path) is dtype, saved
     with pytest.raises(UserError, match="^--dtype 'fp8' is invalid: allowed auto, bf16, bfloat16, "):
         _resolve_dtype("fp8", tmp_path)

@@ -100,11 +100,11 @@ def test_manual_loop_takes_optimizer_and_scheduler_from_the_same_place_as_the_tr
     from accelerate.utils import DummyOptim, DummyScheduler
     from transformers import TrainingArguments
 
-    from hf_scale.train.loops.manual import _optimizer_and_scheduler
+    from hf_scale.train.loops.optimizer import optimizer_and_scheduler
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
-    optimizer, scheduler = _optimizer_and_scheduler(model, args, {**BASE, **blocks}, total_steps=10)
+    optimizer, scheduler = optimizer_and_scheduler(model, args, {**BASE, **blocks}, total_steps=10)
     assert isinstance(optimizer, DummyOptim) == (optimizer_kind == "deepspeed")
     runs_ds_scheduler = isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None
     assert runs_ds_scheduler == (scheduler_kind == "deepspeed")

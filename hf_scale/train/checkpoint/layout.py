@@ -41,6 +41,9 @@ TMP_PREFIX = ".tmp-checkpoint-"
 ever removed at startup."""
 LOCK_FILE = ".hf_scale.lock"
 """`OUTPUT_DIR/.hf_scale.lock`: one run writes a directory at a time (output_lock.py holds it)."""
+LIVE_FILE = "hf_scale_live.json"
+"""OUTPUT_DIR's live values of the run (hf_scale.train.loops.live writes it after the first steps)."""
+
 MARKER = ".written-by-hf_scale"
 """In each directory hf_scale creates and may remove (its `.tmp-checkpoint-*`) and in an OUTPUT_DIR whose files it
 may replace (its final model): a directory without it is the user's, never removed, its files never replaced

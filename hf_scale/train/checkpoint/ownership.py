@@ -21,12 +21,11 @@ from hf_scale.train.checkpoint import integrity, output_lock, reshard
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import REPORT_FILE
-from hf_scale.train.loops.live import LIVE_FILE
 
 RUN_FILES = (checkpoint_layout.MODEL_CONFIG, "generation_config.json", "*.safetensors", "*.safetensors.index.json",
              checkpoint_layout.ADAPTER_CONFIG, "pytorch_model*.bin", "tokenizer*", "special_tokens_map.json",
              "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt", "training_args.bin", "README.md",
-             "metrics.jsonl", "train_summary.json", REPORT_FILE, LIVE_FILE)
+             "metrics.jsonl", "train_summary.json", REPORT_FILE, checkpoint_layout.LIVE_FILE)
 """What a run may write into OUTPUT_DIR itself, replacing a file of that name: the final model (transformers'
 save_pretrained, the tokenizer's files, peft's README.md model card, the Trainer's training_args.bin) and
 hf_scale's own records."""

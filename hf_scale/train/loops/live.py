@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_scale.train.checkpoint.layout import LIVE_FILE
 from hf_scale.train.setup import guard
-
-LIVE_FILE = "hf_scale_live.json"
 
 
 @dataclass

@@ -64,7 +64,7 @@ def test_the_recipe_is_read_however_the_launcher_passes_it(shape, tmp_path):
     assert ns.learning_rate == 2e-5 and ns.per_device_train_batch_size == 2
     assert getattr(ns, checkpointing_flag(ns)) is True
     assert ns.loop == "accelerate" and ns.train_file == ["a.jsonl", "b.jsonl"] and ns.mixture_weights == [0.7, 0.3]
-    assert json.loads(ns.lr_scheduler_kwargs) == {"num_cycles": 2} and ns.max_steps == -1
+    assert ns.lr_scheduler_kwargs == {"num_cycles": 2} and ns.max_steps == -1  # a JSON object, parsed
     assert ns.output_dir == "runs/x"
     if shape == "positional-after-local-rank":
         assert ns.local_rank == 1
