@@ -106,7 +106,7 @@ BAD = {
     "do-eval-without-validation-data": (["--do_eval"], "--do_eval: there is no validation data"),
     "eval-batch-zero": (["--per_device_eval_batch_size", "0"], "--per_device_eval_batch_size=0: must be >= 1"),
     "eval-steps-negative": (["--eval_strategy", "steps", "--eval_steps", "-2", "--validation_split_percentage", "5"],
-                            "--eval_steps=-2: must be a whole number of steps >= 1, or a fraction in (0, 1) of the run"),
+                            "--eval_steps=-2: must be a whole number of steps >= 1, or a fraction in (0, 1)"),
     "split-percentage-range": (["--validation_split_percentage", "0"],
                                "--validation_split_percentage 0: must be between 0 and 100"),
     "unknown-eval-strategy": (["--eval_strategy", "sometimes"], "--eval_strategy"),
