@@ -92,10 +92,16 @@ def _weights_error(error: BaseException) -> str | None:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
 
-def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
+def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, sharded: bool = False):
     """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
-    and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve)."""
+    and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve). ``sharded``: ZeRO-3 or
+    FSDP, which decides how a 4-bit base stores its weights (hf_scale.train.model.quantization)."""
     path = resolve_model_path(model_args)
+    quantized = {}
+    if model_args.load_in_4bit:
+        from hf_scale.train.model import quantization
+
+        quantized["quantization_config"] = quantization.bnb_config(model_args.torch_dtype, sharded=sharded)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path,
@@ -103,6 +109,7 @@ def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool):
             attn_implementation=model_args.attn_implementation,
             trust_remote_code=model_args.trust_remote_code,
             output_loading_info=True,
+            **quantized,
         )
     except Exception as error:
         described = _weights_error(error)
