@@ -13,7 +13,7 @@ What is filtered, and why it is noise:
   bitsandbytes. Dropped where the machine has no GPU (hf_scale's commands: always, they use no kernel).
 - torch's ``<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile``,
   logged for torchao's enums on import: a deprecation inside torchao, nothing a user can act on.
-- transformers' ``\`is_gradient_checkpointing\` is deprecated``, raised by peft's own `PeftModel.__init__` (peft
+- transformers' ``is_gradient_checkpointing is deprecated``, raised by peft's own `PeftModel.__init__` (peft
   0.21 reads the renamed property of transformers 5): a deprecation inside peft, nothing a user can act on.
 - torch's DataLoader ``'pin_memory' argument is set as true but no accelerator is found`` (the Trainer's
   default ``--dataloader_pin_memory`` on a CPU-only machine: pinning is simply skipped).

@@ -120,7 +120,10 @@ def build(run: Run) -> Built:
     return Built(
         tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset, data_manifest=data_manifest,
         collator=collator, model=model,
-        loaded_partitioned=guard.zero3_weights_partitioned(model) if run.spec.zero_stage == 3 else None,
+        # transformers never builds a quantized model inside zero.Init (each process loads the 4-bit base, a
+        # quarter of the bf16 size; DeepSpeed partitions it when it wraps the model): nothing for the guard to check.
+        loaded_partitioned=(guard.zero3_weights_partitioned(model)
+                            if run.spec.zero_stage == 3 and not model_args.load_in_4bit else None),
         flops_per_token=flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_examples)),
     )
 
