@@ -106,13 +106,12 @@ def build(run: Run) -> Built:
         pad_to=data_args.max_seq_length if attention.compiles(model_args.attn_implementation, run.args) else None,
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
-    sharded = run.spec.zero_stage == 3 or run.spec.strategy == "fsdp"
-    model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing, sharded=sharded)
+    sharded = run.spec.precision if run.spec.zero_stage == 3 or run.spec.strategy == "fsdp" else None
+    model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing, sharded_precision=sharded)
     if model_args.load_in_4bit and run.state.is_main_process:
         from hf_scale.train.model import quantization
 
-        print(f"hf_scale: {quantization.describe(model_args.torch_dtype, sharded=sharded)}", file=sys.stderr,
-              flush=True)
+        print(f"hf_scale: {quantization.describe(sharded)}", file=sys.stderr, flush=True)
     if run.spec.fp8_backend and run.state.is_main_process:  # which layers accelerate will convert: said once
         from hf_scale.train.model import fp8
 

@@ -92,16 +92,17 @@ def _weights_error(error: BaseException) -> str | None:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
 
-def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, sharded: bool = False):
+def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, sharded_precision: str | None = None):
     """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
-    and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve). ``sharded``: ZeRO-3 or
-    FSDP, which decides how a 4-bit base stores its weights (hf_scale.train.model.quantization)."""
+    and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve). ``sharded_precision``: the
+    run's precision under ZeRO-3 or FSDP, which decides how a 4-bit base stores its weights
+    (hf_scale.train.model.quantization)."""
     path = resolve_model_path(model_args)
     quantized = {}
     if model_args.load_in_4bit:
         from hf_scale.train.model import quantization
 
-        quantized["quantization_config"] = quantization.bnb_config(model_args.torch_dtype, sharded=sharded)
+        quantized["quantization_config"] = quantization.bnb_config(sharded_precision)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path,

@@ -37,11 +37,10 @@ def test_refusals_name_the_combination():
     assert "fp8" in quantization.refusal(load_in_4bit=True, lora_r=8, strategy="ddp", fp8_backend="torchao")
 
 
-@pytest.mark.parametrize(("torch_dtype", "sharded", "storage"), [
-    ("float32", False, "uint8"), ("float32", True, "bfloat16"), ("bf16", True, "bfloat16"),
-    ("fp16", True, "float16"), ("auto", True, "bfloat16")])
-def test_quant_storage_matches_what_sharding_needs(torch_dtype, sharded, storage):
-    config = quantization.bnb_config(torch_dtype, sharded=sharded)
+@pytest.mark.parametrize(("sharded_precision", "storage"), [
+    (None, "uint8"), ("bf16", "bfloat16"), ("fp16", "float16"), ("no", "float32")])
+def test_quant_storage_matches_what_sharding_needs(sharded_precision, storage):
+    config = quantization.bnb_config(sharded_precision)
     # transformers' own reading of the config (what from_pretrained passes to bitsandbytes)
     assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
     assert config.bnb_4bit_compute_dtype == torch.bfloat16
@@ -68,7 +67,7 @@ def test_one_process_trains_an_adapter_on_a_4bit_base(one_process):
     saved = json.loads((one_process / f"checkpoint-{STEPS}" / "config.json").read_text())["quantization_config"]
     assert saved["bnb_4bit_quant_type"] == "nf4" and saved["bnb_4bit_use_double_quant"] is True
     base = AutoModelForCausalLM.from_pretrained(
-        EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config("float32", sharded=False))
+        EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config())
     model = PeftModel.from_pretrained(base, str(one_process))
     assert isinstance(model.get_base_model().model.layers[0].mlp.up_proj.base_layer, bnb.nn.Linear4bit)
     with torch.no_grad():
@@ -114,7 +113,7 @@ def test_export_merged_matches_the_4bit_base_with_its_adapter(one_process, tmp_p
     assert merged.dtype == torch.bfloat16 and "quantization_config" not in json.loads(
         (merged_dir / "config.json").read_text())
     base = AutoModelForCausalLM.from_pretrained(
-        EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config("float32", sharded=False))
+        EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config())
     trained = PeftModel.from_pretrained(base, str(one_process))
     unquantized = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR),
                                             str(one_process))
