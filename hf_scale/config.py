@@ -30,8 +30,10 @@ from pydantic import (
 )
 
 from hf_scale import precision_rules
+from hf_scale.cluster_config import ClusterConfig
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_yaml, read_text
+from hf_scale.parallelism import Layout, ParallelismSettings, checked_layout, config_layout, layout_warnings
 from hf_scale.rules import global_batch_size
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
@@ -168,7 +170,7 @@ class BatchConfig(_Section):
 
     global_batch_size: BatchSize | None = None
     """Samples per optimizer step, all processes together (= micro_batch_size x gradient_accumulation_steps
-    x world_size)."""
+    x data-parallel size, the world size divided by parallelism.tp x cp x sp)."""
     micro_batch_size: BatchSize | None = None
     """Samples per process per forward/backward pass (DeepSpeed's train_micro_batch_size_per_gpu, the
     Trainer's --per_device_train_batch_size)."""
@@ -309,11 +311,19 @@ class DistributedConfig(_Section):
     deepspeed: DeepSpeedSettings = Field(default_factory=DeepSpeedSettings)
     fsdp: FSDPSettings = Field(default_factory=FSDPSettings)
     fp8: FP8Settings = Field(default_factory=FP8Settings)
+    parallelism: ParallelismSettings = Field(default_factory=ParallelismSettings)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Kubernetes, SkyPilot, Ray and the container image (`hf-scale generate --targets`): hf_scale.cluster_config."""
 
     @property
     def world_size(self) -> int:
         """Total processes: num_machines x processes_per_machine."""
         return self.topology.num_machines * self.topology.processes_per_machine
+
+    @property
+    def layout(self) -> Layout:
+        """The resolved dp_replicate x dp_shard x tp x cp x sp (validation already checked it)."""
+        return config_layout(self)
 
     @model_validator(mode="before")
     @classmethod
@@ -423,11 +433,14 @@ class DistributedConfig(_Section):
             fp8_problem = precision_rules.fp8_config_problem(self)
             if fp8_problem:
                 raise ValueError(fp8_problem)
-        self.batch = _resolve_batch(self.batch, world)
+        layout = checked_layout(self)
+        # The ranks of one TP/CP/SP group see the same batch: the batch triple counts data-parallel ranks only.
+        label = "world_size" if layout.model_parallel_size == 1 else "data_parallel_size"
+        self.batch = _resolve_batch(self.batch, layout.data_parallel_size, label)
         return self
 
 
-def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
+def _resolve_batch(batch: BatchConfig, world: int, label: str = "world_size") -> BatchConfig:
     """Fill the batch triple from any two of its members (missing micro/accumulation default to 1)."""
     glob, micro, accum = batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps
     if glob is None:
@@ -435,7 +448,7 @@ def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
         glob = global_batch_size(micro, accum, world)
         if glob > MAX_BATCH:
             raise ValueError(
-                f"batch.micro_batch_size({micro}) x batch.gradient_accumulation_steps({accum}) x world_size({world}) "
+                f"batch.micro_batch_size({micro}) x batch.gradient_accumulation_steps({accum}) x {label}({world}) "
                 f"= {glob} samples per optimizer step; allowed at most {MAX_BATCH}"
             )
         return BatchConfig(global_batch_size=glob, micro_batch_size=micro, gradient_accumulation_steps=accum)
@@ -446,7 +459,7 @@ def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
     known = global_batch_size(micro or 1, accum or 1, world)
     arithmetic = (
         f"batch.global_batch_size={glob} is not micro_batch_size({shown_micro}) x "
-        f"gradient_accumulation_steps({shown_accum}) x world_size({world})"
+        f"gradient_accumulation_steps({shown_accum}) x {label}({world})"
     )
     if micro is not None and accum is not None:
         if glob != known:
@@ -468,7 +481,7 @@ def _resolve_batch(batch: BatchConfig, world: int) -> BatchConfig:
 
 def config_warnings(cfg: DistributedConfig) -> list[str]:
     """Risky-but-legal choices, one line each (``hf-scale generate`` prints them to stderr)."""
-    warnings: list[str] = []
+    warnings = layout_warnings(cfg)
     ds = cfg.deepspeed
     if cfg.strategy == "deepspeed" and ds.zero_stage == 3:
         if cfg.precision == "fp16" and (ds.offload_optimizer != "none" or ds.offload_params != "none"):

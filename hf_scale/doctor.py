@@ -2,7 +2,8 @@
 
 It reports the GPUs (name, memory, compute capability, bf16/fp8), the torch/CUDA/NCCL versions, whether the
 DeepSpeed ops a config needs can load (prebuilt, or a JIT build: compiler, ninja, nvcc, a
-TORCH_CUDA_ARCH_LIST DeepSpeed can parse), which attention and fused kernels are usable, the NCCL/network
+TORCH_CUDA_ARCH_LIST DeepSpeed can parse), which attention and fused kernels are usable, which of tensor, context
+and sequence parallelism and HSDP the installed versions (and GPUs) support, the NCCL/network
 environment variables that matter, the free disk at the output directory and, with two or more GPUs, the
 all-reduce bus bandwidth against the GPU link's figure. With ``--config FILE`` (a DistributedConfig YAML, an
 accelerate YAML or a DeepSpeed JSON) it exits 1 when that config cannot run on this node and says why.
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from hf_scale import rules
+from hf_scale import parallelism, rules
 from hf_scale.errors import UserError
 from hf_scale.precision_rules import fp8_backends
 from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
@@ -388,6 +389,7 @@ def build_report(*, config: str | None, output_dir: str, allreduce: bool) -> dic
         "gpus": gpu_list,
         "build": build_tools(ops),
         "kernels": kernels(gpu_list),
+        "parallelism": parallelism.node_support(bool(gpu_list)),
         "environment": network_env(),
         "disk": disk(output_dir),
         "allreduce": allreduce_report(gpu_list, enabled=allreduce),
@@ -430,6 +432,8 @@ def format_text(report: dict) -> str:
         + ", ".join(f"{name} {version or 'not installed'}" for name, version in f8["backends"].items())])
     lines += _block("kernels", [f"{name}: {'yes' if k['usable'] else 'no'} ({k['why']})"
                                 for name, k in report["kernels"].items()])
+    lines += _block("parallelism", [f"{kind}: {'yes' if k['usable'] else 'no'} ({k['why']})"
+                                    for kind, k in report["parallelism"].items()])
     lines += _block("network", [f"{k}={val}" for k, val in report["environment"].items()] or ["no NCCL/rendezvous "
                                                                                             "variables set"])
     d = report["disk"]

@@ -99,6 +99,18 @@ _PRESETS = [
         _two_machines("fsdp", fsdp={"version": 2, "sharding": "hybrid_shard"}),
     ),
     Preset("ddp_multinode", "Data parallel (DDP) across 2 machines x 8 GPUs.", _two_machines("ddp")),
+    Preset(
+        "fsdp2_tp",
+        "FSDP2 x tensor parallelism on 8 GPUs: dp_shard=4 x tp=2, TP inside the machine (large models, ZeRO-3's "
+        "all-gathers too slow).",
+        _one_machine("fsdp", fsdp={"version": 2, "sharding": "full_shard"}, parallelism={"tp": 2}),
+    ),
+    Preset(
+        "fsdp2_cp",
+        "FSDP2 x context parallelism on 8 GPUs: dp_shard=4 x cp=2, each sequence split over 2 GPUs (long context; "
+        "SDPA attention).",
+        _one_machine("fsdp", fsdp={"version": 2, "sharding": "full_shard"}, parallelism={"cp": 2}),
+    ),
 ]
 
 PRESETS: dict[str, Preset] = {preset.name: preset for preset in _PRESETS}

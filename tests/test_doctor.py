@@ -30,7 +30,12 @@ def cli(*args: str, env=None) -> subprocess.CompletedProcess:
 
 def test_report_structure_on_this_node(tmp_path):
     report = doctor.build_report(config=None, output_dir=str(tmp_path / "not" / "yet"), allreduce=True)
-    assert set(report) == {"host", "versions", "gpus", "build", "kernels", "environment", "disk", "allreduce", "fp8"}
+    assert set(report) == {"host", "versions", "gpus", "build", "kernels", "parallelism", "environment", "disk",
+                           "allreduce", "fp8"}
+    assert set(report["parallelism"]) == {"tp", "cp", "sp", "hsdp"}
+    assert report["parallelism"]["tp"]["usable"] is True  # torch 2.13, accelerate 1.15, transformers 5: TP on gloo
+    if not report["gpus"]:
+        assert "needs a CUDA GPU" in report["parallelism"]["cp"]["why"]
     assert report["versions"]["torch"] and report["versions"]["deepspeed"]
     assert set(report["kernels"]) == {"flash_attn", "torch_varlen_attention", "flex_attention", "liger_kernel"}
     assert set(report["build"]["deepspeed_ops"]) >= set(doctor.DEFAULT_OPS)
@@ -39,7 +44,7 @@ def test_report_structure_on_this_node(tmp_path):
         assert report["allreduce"] == {"status": "skipped", "reason": "needs 2 or more GPUs (found 0)"}
         assert report["kernels"]["torch_varlen_attention"]["usable"] is False
     text = doctor.format_text(report)
-    for title in ("versions", "GPUs", "build", "fp8", "kernels", "network", "disk", "all-reduce"):
+    for title in ("versions", "GPUs", "build", "fp8", "kernels", "parallelism", "network", "disk", "all-reduce"):
         assert f"\n{title:<11} " in text
 
 

@@ -100,7 +100,8 @@ def _without_allowed(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 def layer(module: str) -> int:
     """errors and exit_codes 0, base modules (config, presets, inputs, ...) 1, generators/planner 2, train 3,
     commands 4, cli 5."""
-    commands = {name for name, _ in COMMANDS.values()}
+    # `python -m hf_scale.ray_train` is an entry point like the commands: it runs train.py's train function.
+    commands = {name for name, _ in COMMANDS.values()} | {"hf_scale.ray_train"}
     if module == "hf_scale.cli":
         return 5
     if any(module == c or module.startswith(c + ".") for c in commands):

@@ -4,8 +4,8 @@ arguments *before* a job starts.
 The command reads existing files (hand-written ones from other projects too), never rewrites them, and
 reports every problem it finds as a :class:`Finding`. Each check is one small function in the module of
 its family (accelerate_yaml, deepspeed_file, batch, precision, deepspeed_json, trainer_values, topology,
-zero); :mod:`hf_scale.check.checks` lists them in the order they run. Wherever a library already knows the
-answer the check asks it (:mod:`hf_scale.check.knowledge`): accelerate's config loader and ``accelerate
+zero, parallelism); :mod:`hf_scale.check.checks` lists them in the order they run. Wherever a library already
+knows the answer the check asks it (:mod:`hf_scale.check.knowledge`): accelerate's config loader and ``accelerate
 launch`` parser, DeepSpeed's config parser, transformers' ``HfArgumentParser``. :mod:`~hf_scale.check.inputs`
 reads the files, :mod:`~hf_scale.check.report` prints and registers the command. The heavy libraries are
 imported lazily so that the other sub-commands of ``hf-scale`` start fast.

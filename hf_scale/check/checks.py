@@ -14,6 +14,7 @@ from hf_scale.check import (
     deepspeed_file,
     deepspeed_json,
     fp8,
+    parallelism,
     precision,
     qlora,
     topology,
@@ -54,6 +55,8 @@ CHECKS: list[Check] = [
     topology.check_multinode,
     topology.check_main_process_ip,
     accelerate_yaml.check_accelerate_values,
+    parallelism.check_parallelism_block,
+    parallelism.check_parallelism_layout,
     deepspeed_json.check_deepspeed_values,
 ]
 

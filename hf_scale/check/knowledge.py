@@ -51,9 +51,11 @@ def _launch_option_groups() -> dict[str, frozenset[str]]:
 
 @functools.cache
 def known_section_keys(section: str) -> frozenset[str]:
-    """Keys accelerate acts on under the YAML's ``deepspeed_config`` / ``fsdp_config``."""
+    """Keys accelerate acts on under the YAML's ``deepspeed_config`` / ``fsdp_config`` / ``parallelism_config``."""
     if section == "deepspeed_config":
         return _launch_option_groups()["DeepSpeed Arguments"]
+    if section == "parallelism_config":
+        return _launch_option_groups()["ParallelismConfig Arguments"]
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     # prepare_multi_gpu_env also reads some fsdp_* attributes that have no launch option

@@ -83,12 +83,18 @@ def check_codes(fn: Check) -> list[str]:
     return re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)+", check_doc(fn)[0])
 
 
+_MANIFEST_CODES = ("manifest-invalid, manifest-nodes, manifest-processes, manifest-gpus, manifest-image, "
+                   "manifest-output-volume, manifest-grace-period (warning without --checkpoint)")
+
+
 def _epilog() -> str:
     lines = []
     for fn in CHECKS:
         heading, text = check_doc(fn)
         lines.append("  " + heading)
         lines += textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      ")
+    lines.append("  with --manifest JOB.yaml (a TrainJob, PyTorchJob or SkyPilot task; hf_scale.check.cluster):")
+    lines += textwrap.wrap(_MANIFEST_CODES, 96, initial_indent="      ", subsequent_indent="      ")
     checks = "\n".join(lines)
     return f"""\
 runners (which "auto" values in the DeepSpeed JSON get filled in):
@@ -147,6 +153,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="GPUs per machine on the target cluster; enables the GPU findings (default: no assumption "
         "about GPUs; the machine running the check is never looked at)",
     )
+    parser.add_argument(
+        "--manifest",
+        action="append",
+        default=[],
+        metavar="JOB.yaml",
+        help="a TrainJob, PyTorchJob or SkyPilot task that runs this accelerate config (repeatable): nodes, "
+        "processes and GPUs per node, image tag, output volume, grace period",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a checkpoint of this run (OUTPUT_DIR/checkpoint-STEP): its save time is compared with the manifests' "
+        "grace period",
+    )
     parser.add_argument("--json", action="store_true", help="print {findings: [...], summary: {...}} as JSON")
     parser.add_argument(
         "training_args",
@@ -155,6 +175,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train.py's arguments (TrainingArguments and train.py flags, or a recipe file), after `--`",
     )
     parser.set_defaults(func=run_check)
+
+
+def _manifest_findings(args: argparse.Namespace, accelerate: dict) -> list[Finding]:
+    from pathlib import Path
+
+    from hf_scale.check.cluster import check_manifest, measured_save_seconds
+    from hf_scale.inputs import load_yaml, read_text
+
+    save = measured_save_seconds(Path(args.checkpoint)) if args.checkpoint else None
+    findings: list[Finding] = []
+    for path in args.manifest:
+        data = load_yaml(read_text(Path(path), "--manifest"), f"--manifest {path}")
+        findings += check_manifest(path, data, accelerate, save_seconds=save)
+    return findings
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -171,7 +205,7 @@ def run_check(args: argparse.Namespace) -> int:
         args.runner,
         gpus_per_machine=args.gpus_per_machine,
     )
-    findings = run_checks(inputs)
+    findings = run_checks(inputs) + _manifest_findings(args, inputs.accelerate)
     summary = summarize(inputs, findings)
     if args.json:
         payload = {"findings": [{**asdict(f), "where": f.where} for f in findings], "summary": summary}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hf_scale.config import DistributedConfig
-from hf_scale.generators import layout
+from hf_scale.generators import dockerfile, kubernetes, layout, node_entry, skypilot
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
 from hf_scale.generators.deepspeed_json import Mode, deepspeed_json
 from hf_scale.generators.launch import launch_files
@@ -27,15 +27,43 @@ def accelerate_yaml_usage(name: str) -> str:
     )
 
 
+TARGETS = ("kubeflow", "pytorchjob", "skypilot", "ray", "docker")
+"""Cluster targets of `hf-scale generate --targets` (each writes its own files; see cluster_files)."""
+
+
+def cluster_files(cfg: DistributedConfig, name: str, targets: tuple[str, ...], *, header: str) -> dict[str, str]:
+    """Relative path -> text for the cluster targets: the manifests, the node and Ray entry scripts and, for the
+    targets that run a container image, the Dockerfile that builds it."""
+    unknown = [target for target in targets if target not in TARGETS]
+    if unknown:
+        raise ValueError(f"unknown target {unknown[0]!r}; allowed: {', '.join(TARGETS)}")
+    files: dict[str, str] = {}
+    if {"kubeflow", "pytorchjob", "skypilot"} & set(targets):
+        files[layout.launch_file(f"{name}.node.sh")] = node_entry.node_script(cfg, name, header=header)
+    if "kubeflow" in targets:
+        files[layout.launch_file(f"{name}.trainjob.yaml")] = kubernetes.trainjob_yaml(cfg, name, header=header)
+    if "pytorchjob" in targets:
+        files[layout.launch_file(f"{name}.pytorchjob.yaml")] = kubernetes.pytorchjob_yaml(cfg, name, header=header)
+    if "skypilot" in targets:
+        files[layout.launch_file(f"{name}.sky.yaml")] = skypilot.sky_yaml(cfg, name, header=header)
+    if "ray" in targets:
+        files[layout.launch_file(f"{name}.ray.sh")] = node_entry.ray_script(cfg, name, header=header)
+    if {"kubeflow", "pytorchjob", "docker"} & set(targets):
+        files[layout.DOCKERFILE] = dockerfile.dockerfile(cfg, header=header)
+        files[layout.DOCKERIGNORE] = dockerfile.dockerignore()
+        files[dockerfile.REQUIREMENTS_FILE] = dockerfile.requirements()
+    return files
+
+
 def render_files(
     cfg: DistributedConfig, *, name: str, deepspeed_mode: Mode, header: str, recipe: bool = False,
-    train_flags: dict | None = None,
+    targets: tuple[str, ...] = (), train_flags: dict | None = None,
 ) -> dict[str, str]:
     """Relative path (under the output directory) -> file text, for everything ``hf-scale generate`` writes.
 
     ``header`` (plain text, one or more lines) is written as a comment at the top of the YAMLs and the scripts.
     ``recipe``: also a starter train.py recipe, ``recipes/NAME.yaml``, with ``train_flags`` (the plan's LoRA/QLoRA
-    choice) in it.
+    choice) in it. ``targets``: cluster targets (TARGETS).
     """
     files: dict[str, str] = {}
     ds_file = None
@@ -55,4 +83,5 @@ def render_files(
         files[layout.launch_file(file_name)] = text
     if recipe:
         files[layout.recipe(name)] = starter_recipe(cfg, name, header=RECIPE_HEADER, train_flags=train_flags)
+    files.update(cluster_files(cfg, name, targets, header=header))
     return files

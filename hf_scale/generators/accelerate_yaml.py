@@ -13,7 +13,8 @@ accelerate 1.x needs to be told explicitly:
 * precision fp8 (without DeepSpeed): ``mixed_precision: fp8`` and an ``fp8_config`` in the keys ``accelerate
   launch`` reads (hf_scale.precision_rules).
 * FSDP hybrid sharding under FSDP2 is a 2-D device mesh: accelerate builds it from
-  ``parallelism_config`` (dp_replicate = machines, dp_shard = processes per machine).
+  ``parallelism_config`` (dp_replicate = machines, dp_shard = processes per machine); so are TP, CP and SP
+  (``hf_scale.parallelism.yaml_block``: the keys ``accelerate config`` writes).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import yaml
 
 from hf_scale.config import DistributedConfig
+from hf_scale.parallelism import yaml_block
 from hf_scale.precision_rules import fp8_accelerate_section
 from hf_scale.rules import FP8
 
@@ -68,11 +70,8 @@ def accelerate_config(cfg: DistributedConfig, *, deepspeed_config_file: str | No
         config["deepspeed_config"] = _deepspeed_section(cfg, deepspeed_config_file)
     if cfg.strategy == "fsdp":
         config["fsdp_config"] = _fsdp_section(cfg)
-        if cfg.fsdp.version == 2 and cfg.fsdp.sharding == "hybrid_shard":
-            config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": topo.num_machines,
-                "parallelism_config_dp_shard_size": topo.processes_per_machine,
-            }
+    if cfg.layout.active:
+        config["parallelism_config"] = yaml_block(cfg.layout, cp_comm_strategy=cfg.parallelism.cp_comm_strategy)
     return config
 
 

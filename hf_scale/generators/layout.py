@@ -27,3 +27,8 @@ def launch_file(file_name: str) -> str:
 
 def recipe(name: str) -> str:
     return f"recipes/{name}.yaml"
+
+
+DOCKERFILE = "Dockerfile"
+"""The image's Dockerfile, at the top of the output directory (the generated files are its build context)."""
+DOCKERIGNORE = ".dockerignore"

@@ -12,11 +12,20 @@ from __future__ import annotations
 import yaml
 
 from hf_scale.config import DistributedConfig
+from hf_scale.parallelism import ParallelismSettings
 
 
 def resolved_config(cfg: DistributedConfig) -> dict:
-    """Every field, in the schema's order; `load_config` on it gives `cfg` back."""
-    return cfg.model_dump(mode="json")
+    """Every field, in the schema's order; `load_config` on it gives `cfg` back. The parallelism section only
+    when it says something: its left-out sizes are derived from the topology (`DistributedConfig.layout`), so a
+    file without TP/CP/SP stays valid when the topology is overridden. The `cluster` section only when it differs
+    from its defaults (train.py does not read it; configs without cluster targets stay as they were)."""
+    data = cfg.model_dump(mode="json")
+    if cfg.parallelism == ParallelismSettings():
+        del data["parallelism"]
+    if cfg.cluster == type(cfg.cluster)():
+        del data["cluster"]
+    return data
 
 
 def resolved_config_yaml(cfg: DistributedConfig, *, header: str) -> str:

@@ -11,6 +11,8 @@ Everything is in bytes and split the way memory is actually held:
                cache, ZeRO reduce buckets, ZeRO-1's unreduced gradients during backward, DeepSpeed's
                step-time fp32 gradient partition, layers all-gathered by ZeRO-3/FSDP
 
+FSDP2 x TP / x CP candidates (hf_scale.planner.parallel) are estimated by :func:`fsdp_parallel_estimate`.
+
 ``params + grads + optimizer`` of the DeepSpeed candidates is *exactly* what the engine holds on each rank
 after backward (tests/planner/test_planner_deepspeed.py checks it to the byte on 2 processes, ZeRO-1/2/3, which is
 why ZeRO-1/2 pad to 2 x world elements and ZeRO-3 pads each parameter to the world size, as DeepSpeed does).
@@ -67,6 +69,10 @@ class Candidate:
     hybrid: bool = False
     """FSDP2 hybrid shard: shard within a machine, replicate across machines."""
     activation_checkpointing: bool = False
+    tp: int = 1
+    """Tensor-parallel degree (FSDP2 x TP, hf_scale.planner.parallel)."""
+    cp: int = 1
+    """Context-parallel degree (FSDP2 x CP)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,8 @@ def estimate(w: Workload, c: Candidate) -> Estimate:
     logits = logits_bytes(w)
     if c.engine == "ddp":
         return _ddp(w, c, activations, logits)
+    if c.engine == "fsdp" and (c.tp > 1 or c.cp > 1 or c.offload_params):
+        return fsdp_parallel_estimate(w, c, logits)
     if c.engine == "fsdp":
         return _fsdp(w, c, activations, logits)
     return _deepspeed(w, c, activations, logits)
@@ -310,4 +318,51 @@ def _deepspeed(w: Workload, c: Candidate, activations: int, logits: int) -> Esti
         logits=logits,
         buffers=buffers,
         cpu_per_machine=cpu_rank * w.gpus_per_machine,
+    )
+
+
+def parallel_activation_bytes(w: Workload, *, checkpointing: bool, tp: int, cp: int) -> int:
+    """activation_bytes with the tokens split over cp and the TP-split tensors over tp (transformers' Llama tp_plan:
+    the norms' inputs stay whole on each TP rank)."""
+    s = w.shapes
+    a, h, i = w.weight_bytes, s.hidden_size, s.intermediate_size
+    kv = s.num_key_value_heads * s.head_dim
+    tokens = _ceil_div(w.tokens, cp)
+    # Norms (fp32 upcast + output) stay whole on each TP rank; q, k, v, attention output and the MLP are split.
+    per_layer = 2 * (FP32 + a) * h + _ceil_div(a * (2 * h + 2 * kv) + 4 * a * i, tp)
+    if checkpointing:
+        return (s.num_layers * a * h + per_layer) * tokens
+    return (s.num_layers * per_layer + (a + FP32) * h) * tokens
+
+
+def fsdp_parallel_estimate(w: Workload, c: Candidate, logits: int) -> Estimate:
+    """Memory of an FSDP2 candidate with TP/CP (and optionally FSDP2's CPU offload)."""
+    s = w.shapes
+    replicas = w.num_machines if c.hybrid else 1
+    shards = w.world_size // replicas  # dp_shard x cp x tp: every rank of a replica holds a distinct piece
+    trainable, frozen = w.trainable_params, w.frozen_params
+    a, state = w.weight_bytes, OPTIMIZER_STATE_BYTES[w.optimizer]
+    embed = s.vocab_size * s.hidden_size
+    root = s.total_params - s.num_layers * s.decoder_layer_params
+    # Gathered over dp_shard x cp: the root (embedding whole, lm_head split over tp) and two TP-split layers,
+    # plus one layer's fp32 gradient before its reduce-scatter.
+    layer = _ceil_div(s.decoder_layer_params, c.tp)
+    gathered = a * (embed + _ceil_div(root - embed, c.tp) + 2 * layer) + FP32 * layer
+    params = _ceil_div(FP32 * trainable + a * frozen, shards)
+    grads = _ceil_div(FP32 * trainable, shards)
+    optimizer = _ceil_div(state * trainable, shards)
+    cpu = 0
+    if c.offload_params:
+        cpu = (params + grads + optimizer) * w.gpus_per_machine
+        params = grads = optimizer = 0
+    return Estimate(
+        c,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=parallel_activation_bytes(w, checkpointing=c.activation_checkpointing, tp=c.tp, cp=c.cp),
+        logits=_ceil_div(logits, c.cp),
+        buffers=gathered,
+        cpu_per_machine=cpu,
+        notes=(f"sharded over {shards} GPUs (tp={c.tp}, cp={c.cp})",),
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hf_scale.config import DistributedConfig, validate_config
+from hf_scale.planner import parallel
 from hf_scale.planner.estimate import Candidate, Estimate, Workload, estimate
 from hf_scale.presets import PLACEHOLDER_MAIN_IP
 
@@ -111,11 +112,14 @@ def candidates(w: Workload, activation_checkpointing: str) -> list[Candidate]:
             continue  # hybrid needs a shard group inside each machine and more than one machine
         for ac in choices:
             out.append(replace(base, activation_checkpointing=ac))
-    return out
+    return out + parallel.candidates(w, out)
 
 
 def speed(w: Workload, c: Candidate) -> float:
-    score = BASE_SPEED[c.key]
+    if c.key in BASE_SPEED:
+        score = BASE_SPEED[c.key]
+    else:  # TP/CP candidates: the FSDP2 sharding they build on, charged for their communication
+        score = parallel.speed(w, c, BASE_SPEED["fsdp2_hybrid_shard" if c.hybrid else "fsdp2_full_shard"])
     if w.num_machines > 1 and (c.zero_stage == 3 or (c.engine == "fsdp" and not c.hybrid)):
         score *= CROSS_MACHINE_SHARDING_SPEED
     if c.activation_checkpointing:
@@ -203,6 +207,10 @@ def distributed_config(plan: Plan, assessment: Assessment) -> DistributedConfig:
             "sharding": "hybrid_shard" if c.hybrid else "full_shard",
             "transformer_layer_cls_to_wrap": [w.shapes.decoder_layer_class],
         }
+        if c.offload_params:
+            data["fsdp"]["offload_params"] = True
+        if c.tp > 1 or c.cp > 1:
+            data["parallelism"] = {"tp": c.tp, "cp": c.cp}
     else:
         data["strategy"] = "deepspeed"
         data["deepspeed"] = {

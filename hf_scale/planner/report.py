@@ -96,6 +96,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                 "key": a.slug,
                 "label": c.label,
                 "activation_checkpointing": c.activation_checkpointing,
+                "parallelism": distributed_config(plan, a).layout.sizes(),
                 "bytes_per_gpu": {**e.breakdown(), "total": e.gpu_total},
                 "cpu_bytes_per_machine": e.cpu_per_machine,
                 "speed": round(a.speed, 4),

@@ -466,6 +466,8 @@ def test_fsdp2_hybrid_shard_uses_accelerates_parallelism_config():
     assert config["parallelism_config"] == {
         "parallelism_config_dp_replicate_size": 2,
         "parallelism_config_dp_shard_size": 8,
+        "parallelism_config_tp_size": 1,
+        "parallelism_config_cp_size": 1,
     }
     assert config["fsdp_config"]["fsdp_version"] == 2
     assert config["num_processes"] == 16 and config["main_process_ip"]
@@ -533,11 +535,11 @@ def test_accelerate_launch_accepts_every_preset(preset, tmp_path, monkeypatch, u
             plugin = FullyShardedDataParallelPlugin()
             assert plugin.reshard_after_forward is True
             assert plugin.transformer_cls_names_to_wrap is None  # -> the model's _no_split_modules
-            if cfg.fsdp.sharding == "hybrid_shard":
+            if cfg.layout.active:
                 from accelerate import ParallelismConfig
 
-                mesh = ParallelismConfig()
-                assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (2, 8)
+                mesh = ParallelismConfig()  # from the PARALLELISM_CONFIG_* variables `accelerate launch` sets
+                assert mesh._sizes == cfg.layout.sizes() and mesh.total_size == cfg.world_size
         else:
             assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
         if cfg.topology.num_machines > 1:

@@ -273,6 +273,10 @@ CASES: dict[str, Case] = {
     "hf-scale-config-world-size": Case(
         ["--hf_scale_config", "{d}/c.yaml"], "world_size=2",
         files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2}})}),
+    "hf-scale-config-tensor-parallel": Case(
+        ["--hf_scale_config", "{d}/c.yaml"], "parallelism: tp=2: train.py does not build models on a tensor",
+        files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2},
+                                         "parallelism": {"tp": 2}})}),
     "hf-scale-config-conflicting-micro": Case(
         ["--hf_scale_config", "{d}/c.yaml", "--per_device_train_batch_size", "3"],
         "batch.micro_batch_size=4 but --per_device_train_batch_size=3",

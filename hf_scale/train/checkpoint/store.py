@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -353,6 +354,10 @@ class StopRequest:
         self.signal_name: str | None = None
 
     def install(self) -> None:
+        # Only the main thread can take signals. Ray Train runs the training function in a worker thread
+        # (hf_scale.ray_train): there Ray itself stops and restarts the workers, and no signal reaches them.
+        if threading.current_thread() is not threading.main_thread():
+            return
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 

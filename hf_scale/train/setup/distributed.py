@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from hf_scale import parallelism
 from hf_scale.errors import UserError
 from hf_scale.train.setup.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
 
@@ -88,6 +89,10 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
     """Read the launcher's request from the environment and `--deepspeed`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     by_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
+    refusal = parallelism.train_refusal(parallelism.launch_layout(dict(os.environ)), "the accelerate config's "
+                                        "parallelism_config")
+    if refusal:
+        raise UserError(refusal)
     if by_accelerate:
         launcher = "accelerate"
     elif "CROSS_RANK" in os.environ:  # set by deepspeed/launcher/launch.py only

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from hf_scale import launch_values
+from hf_scale import launch_values, parallelism
 from hf_scale.errors import UserError
 from hf_scale.rules import compute_precision, flag_given, precision_from_flags
 from hf_scale.train.setup.distributed import LaunchRequest, has_gpu
@@ -69,6 +69,9 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, argv: list[str]
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_config(path)
     where = f"--hf_scale_config={path}"
+    refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism")
+    if refusal:
+        raise UserError(refusal)
 
     if cfg.world_size != request.world_size:
         raise UserError(

@@ -1,0 +1,98 @@
+"""Checks of the YAML's ``parallelism_config:`` block (accelerate's ParallelismConfig: dp_replicate x dp_shard x tp x
+cp x sp): keys `accelerate launch` ignores, sizes that are no integers, sizes that do not multiply to
+``num_processes``, and the layout rules `hf-scale generate` enforces (hf_scale.parallelism, the one place they live).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from hf_scale import parallelism
+from hf_scale.check.findings import ERROR, WARNING, Finding, ignored_key_severity, in_file, is_int, rename_fix
+from hf_scale.check.inputs import CheckInputs, world_size_of
+from hf_scale.check.knowledge import known_section_keys
+
+SECTION = "parallelism_config"
+_STRATEGY = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed", "MULTI_GPU": "ddp", "NO": "single"}
+
+
+def _size_keys() -> list[str]:
+    return [f"{parallelism.YAML_PREFIX}{name}_size" for name in parallelism.SIZES]
+
+
+def check_parallelism_block(inp: CheckInputs) -> Iterator[Finding]:
+    """`parallelism-key-unknown` (error / warning), `parallelism-value-invalid`: a key under `parallelism_config`
+    that `accelerate launch` has no option for (copied silently and ignored: an error when it misspells one), a
+    size that is not an integer >= 1."""
+    block = inp.accelerate.get(SECTION)
+    if not isinstance(block, dict):
+        return
+    known = known_section_keys(SECTION)
+    for key, value in block.items():
+        if key not in known:
+            yield Finding(
+                ignored_key_severity(key, known), "parallelism-key-unknown", inp.accelerate_file, f"{SECTION}.{key}",
+                "Not an option accelerate reads: ignored without a warning (the size stays 1).",
+                rename_fix(key, known, f"`{SECTION}` key", inp.accelerate_file),
+                {f"{inp.accelerate_file}:{SECTION}.{key}": value},
+            )
+        elif key in _size_keys() and not (is_int(value) and value >= 1):
+            yield Finding(
+                ERROR, "parallelism-value-invalid", inp.accelerate_file, f"{SECTION}.{key}",
+                f"`{SECTION}.{key}`={value!r} must be an integer >= 1: accelerate's ParallelismConfig refuses it "
+                "when the processes start.",
+                f"{in_file(inp.accelerate_file)}write `{SECTION}.{key}` as a whole number >= 1.",
+                {f"{inp.accelerate_file}:{SECTION}.{key}": value},
+            )
+
+
+def _layout(inp: CheckInputs) -> parallelism.Layout | None:
+    block = inp.accelerate.get(SECTION)
+    if not isinstance(block, dict) or not block:
+        return None
+    if not all(is_int(block.get(key, 1)) and block.get(key, 1) >= 1 for key in _size_keys()):
+        return None  # `parallelism-value-invalid`
+    return parallelism.layout_from_yaml_block(block)
+
+
+def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
+    """`parallelism-size-mismatch`, `parallelism-unsupported` (error / warning): the sizes do not multiply to
+    `num_processes` (accelerate raises once the processes started); TP/CP/SP with a strategy that cannot run them,
+    CP with SP, a TP group larger than a machine or not dividing its processes (an error, as in `hf-scale
+    generate`: an accelerate YAML has no key that accepts TP across machines on purpose)."""
+    layout = _layout(inp)
+    world = world_size_of(inp)
+    if layout is None or world is None:
+        return
+    where = {f"{inp.accelerate_file}:{key}": inp.accelerate[SECTION].get(key, 1) for key in _size_keys()}
+    deepspeed_sp = inp.accelerate.get("distributed_type") == "DEEPSPEED" and layout.sp > 1
+    if layout.world_size != world and not deepspeed_sp:
+        shown = " x ".join(f"{name}({size})" for name, size in layout.sizes().items())
+        yield Finding(
+            ERROR, "parallelism-size-mismatch", inp.accelerate_file, SECTION,
+            f"{shown} = {layout.world_size}, but num_processes is {world}: accelerate raises \"ParallelismConfig "
+            "total_size does not match num_processes\" after the processes start.",
+            f"{in_file(inp.accelerate_file)}make the `{SECTION}` sizes multiply to `num_processes` ({world}).",
+            {**where, f"{inp.accelerate_file}:num_processes": world},
+        )
+        return
+    machines = inp.accelerate.get("num_machines", 1)
+    machines = machines if is_int(machines) and machines >= 1 else 1
+    strategy = _STRATEGY.get(str(inp.accelerate.get("distributed_type")), "ddp")
+    fsdp_version = None
+    if strategy == "fsdp":
+        fsdp_config = inp.accelerate.get("fsdp_config")
+        version = fsdp_config.get("fsdp_version", 1) if isinstance(fsdp_config, dict) else 1
+        fsdp_version = int(version) if str(version) in ("1", "2") else 1
+    errors, warnings = parallelism.layout_problems(
+        layout, strategy=strategy, fsdp_version=fsdp_version, processes_per_machine=max(world // machines, 1),
+        where=SECTION)
+    for severity, problems in ((ERROR, errors), (WARNING, warnings)):
+        for problem in problems:
+            yield Finding(
+                severity, "parallelism-unsupported", inp.accelerate_file, SECTION,
+                f"{problem}.",
+                f"{in_file(inp.accelerate_file)}change the `{SECTION}` sizes or `distributed_type` as the problem "
+                "says (`hf-scale generate --preset fsdp2_tp` / `fsdp2_cp` write valid layouts).",
+                {**where, f"{inp.accelerate_file}:distributed_type": inp.accelerate.get("distributed_type")},
+            )

@@ -1,0 +1,147 @@
+"""The `cluster` section of a DistributedConfig: what the cluster targets of `hf-scale generate --targets` need
+beyond the run itself (image, volume, grace period, restarts, node selection). Every field has a default, so a
+config without the section is unchanged; the generators of hf_scale.generators (kubernetes, skypilot,
+node_entry, dockerfile) read it, and `hf-scale check` compares manifests with it.
+
+Every value ends up in a YAML manifest or a shell word, so each is checked against the syntax Kubernetes,
+SkyPilot or Docker accept for it (which also keeps quotes, newlines and `$` out).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+
+# A container image reference: [registry[:port]/]path[:tag][@digest] (Docker's reference grammar, simplified to
+# the characters it allows).
+_IMAGE = re.compile(
+    r"(?:[a-z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*"
+    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[a-f0-9]{64}))?"
+)
+_DNS_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?")
+_LABEL_KEY = re.compile(r"(?:[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?")
+_RESOURCE = re.compile(r"[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?")
+_ACCELERATOR = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
+_MOUNT = re.compile(r"/[A-Za-z0-9_./-]*")
+_TRAIN_ARG = re.compile(r"[^\x00-\x1f\x7f]{1,4096}")
+
+DEFAULT_IMAGE_HOME = "/opt/hf-scale/run"
+"""Where the image holds the generated directory (the Dockerfile copies it there; the manifests run from it)."""
+CONTAINER_UID = 1000
+"""The image's non-root user; the pods' fsGroup, so the output volume is writable by it."""
+PYTORCHJOB_CONTAINER = "pytorch"
+"""The container name the Training Operator looks for (its MASTER_PORT comes from this container's port)."""
+TRAINJOB_CONTAINER = "node"
+"""The trainer container of Kubeflow Trainer's torch-distributed runtime."""
+
+
+def image_problem(image: str) -> str | None:
+    """Why ``image`` is not a pinned image reference (None when it is): a tag other than `latest`, or a digest."""
+    match = _IMAGE.fullmatch(image)
+    if match is None:
+        return "is not an image reference such as registry.example.com/team/hf-scale:0.1.0"
+    if match["digest"] is None and match["tag"] is None:
+        return "has no tag: a pod restarted after preemption could pull a different image; add :VERSION or @sha256:..."
+    if match["digest"] is None and match["tag"] == "latest":
+        return "uses the tag `latest`: a restarted pod could pull a different image; pin a version or a digest"
+    return None
+
+
+def _matching(pattern: re.Pattern, allowed: str):
+    def check(value: str) -> str:
+        if not pattern.fullmatch(value):
+            raise ValueError(allowed)
+        return value
+
+    return AfterValidator(check)
+
+
+def _image(value: str) -> str:
+    problem = image_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _labels(value: dict[str, str]) -> dict[str, str]:
+    for key, label in value.items():
+        if not _LABEL_KEY.fullmatch(key) or not _LABEL_VALUE.fullmatch(label):
+            raise ValueError(
+                f"{key}={label!r} is not a Kubernetes label (keys [prefix/]name and values of letters, digits, "
+                "'-', '_' and '.', at most 63 characters)"
+            )
+    return value
+
+
+Image = Annotated[str, AfterValidator(_image)]
+DnsLabel = Annotated[str, _matching(_DNS_LABEL, "use a DNS label: up to 63 lowercase letters, digits and '-'")]
+DnsSubdomain = Annotated[str, _matching(_DNS_SUBDOMAIN, "use lowercase letters, digits, '-' and '.'")]
+MountPath = Annotated[str, _matching(_MOUNT, "use an absolute path of letters, digits and _ . / -")]
+StrictInt = Annotated[int, Strict()]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+
+class KubernetesSettings(_Section):
+    """Kubernetes (Kubeflow Trainer TrainJob, Training Operator PyTorchJob)."""
+
+    namespace: DnsLabel = "default"
+    """Namespace of the job (and of the output volume's claim)."""
+    runtime: DnsSubdomain = "torch-distributed"
+    """TrainJob: the ClusterTrainingRuntime to run on (Kubeflow Trainer's torch-distributed runtime)."""
+    output_claim: DnsSubdomain = "hf-scale-output"
+    """PersistentVolumeClaim (ReadWriteMany: every node writes its checkpoint shard) mounted at cluster.output_dir."""
+    gpu_resource: Annotated[str, _matching(_RESOURCE, "use an extended resource name such as nvidia.com/gpu")] = (
+        "nvidia.com/gpu"
+    )
+    """Resource name of one GPU; each pod asks for processes_per_machine of them."""
+    node_selector: Annotated[dict[str, str], AfterValidator(_labels), Field(max_length=32)] = Field(
+        default_factory=dict
+    )
+    """Node labels the pods must match, e.g. {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}."""
+
+
+class SkyPilotSettings(_Section):
+    """SkyPilot task (sky launch / sky jobs launch)."""
+
+    accelerator: Annotated[str, _matching(_ACCELERATOR, "use a SkyPilot accelerator name such as H100")] = "H100"
+    """GPU type; each node asks for processes_per_machine of them (resources.accelerators NAME:COUNT)."""
+    bucket: Annotated[str, _matching(_BUCKET, "use 3-63 lowercase letters, digits, '.', '_' and '-'")] = (
+        "hf-scale-checkpoints"
+    )
+    """Storage bucket mounted at cluster.output_dir on every node (checkpoints survive a preempted node)."""
+    use_spot: Annotated[bool, Strict()] = False
+    """Spot instances; `sky jobs launch` recovers a preempted job, which resumes from the bucket."""
+
+
+class ClusterConfig(_Section):
+    """Cluster targets of `hf-scale generate --targets` (Kubernetes, SkyPilot, Ray, the container image)."""
+
+    image: Image | None = None
+    """Container image the manifests run (built from the generated Dockerfile), with a version tag or a digest,
+    e.g. registry.example.com/team/hf-scale:0.1.0; required for the kubeflow, pytorchjob and docker targets."""
+    base_image: Image = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
+    """The generated Dockerfile's CUDA PyTorch base (its torch is kept: the image installs nothing over it)."""
+    output_dir: MountPath = "/output"
+    """Where the shared output volume (a PVC, a bucket) is mounted; the run writes OUTPUT_DIR/NAME and a restarted
+    node resumes from the newest complete checkpoint there."""
+    train_args: list[Annotated[str, _matching(_TRAIN_ARG, "one argument without control characters")]] = Field(
+        default_factory=list, max_length=256
+    )
+    """train.py flags every node passes after the generated ones, e.g. [--model_name_or_path, meta-llama/...,
+    --dataset, /data/train.jsonl]."""
+    termination_grace_period_s: Annotated[StrictInt, Field(ge=30, le=86_400)] = 600
+    """Seconds between SIGTERM and SIGKILL (pods' terminationGracePeriodSeconds): must cover the rest of the
+    current optimizer step plus saving one checkpoint (`hf-scale check` compares it with a measured save)."""
+    max_restarts: Annotated[StrictInt, Field(ge=0, le=10_000)] = 10
+    """Restarts after a failure or a preemption (PyTorchJob runPolicy.backoffLimit, SkyPilot
+    job_recovery.max_restarts_on_errors, Ray FailureConfig.max_failures)."""
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
+    skypilot: SkyPilotSettings = Field(default_factory=SkyPilotSettings)

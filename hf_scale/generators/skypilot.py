@@ -1,0 +1,62 @@
+"""``launch/NAME.sky.yaml``: a SkyPilot task (``sky launch`` for a cluster, ``sky jobs launch`` for a managed job
+that survives spot preemption).
+
+SkyPilot syncs the generated directory (``workdir: .``: launch it from the output directory of `hf-scale
+generate`) to every node, ``setup`` installs hf_scale there, and ``run`` starts ``launch/NAME.node.sh`` on each of
+``num_nodes`` nodes, which reads SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS / SKYPILOT_NUM_NODES /
+SKYPILOT_NUM_GPUS_PER_NODE (hf_scale.generators.node_entry). Checkpoints go to a bucket mounted at
+``cluster.output_dir``: a managed job recovered on new nodes (preemption, or exit 75 after a stop request, listed
+in ``recover_on_exit_codes``) resumes from the newest complete checkpoint there.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+import yaml
+
+from hf_scale import __version__
+from hf_scale.config import DistributedConfig
+from hf_scale.exit_codes import EXIT_PREEMPTED
+from hf_scale.generators import layout
+from hf_scale.generators.kubernetes import job_name
+from hf_scale.generators.launch import _check_name
+
+HF_SCALE_SPEC_ENV = "HF_SCALE_SPEC"
+"""The pip requirement `setup` installs hf_scale from (override with `--env HF_SCALE_SPEC=...`)."""
+
+
+def sky_task(cfg: DistributedConfig, name: str) -> dict[str, Any]:
+    _check_name(name)
+    cluster, sky = cfg.cluster, cfg.cluster.skypilot
+    output = f"{cluster.output_dir.rstrip('/')}/{name}"
+    run = shlex.join(["bash", layout.launch_file(f"{name}.node.sh"), "--output_dir", output, *cluster.train_args])
+    return {
+        "name": job_name(name),
+        "num_nodes": cfg.topology.num_machines,
+        "resources": {
+            "accelerators": f"{sky.accelerator}:{cfg.topology.processes_per_machine}",
+            "use_spot": sky.use_spot,
+            "job_recovery": {
+                "strategy": "FAILOVER",
+                "max_restarts_on_errors": cluster.max_restarts,
+                "recover_on_exit_codes": [EXIT_PREEMPTED],
+            },
+        },
+        "workdir": ".",
+        "file_mounts": {cluster.output_dir: {"name": sky.bucket, "mode": "MOUNT"}},
+        "envs": {HF_SCALE_SPEC_ENV: f"hf-scale=={__version__}"},
+        "setup": f'python -m pip install "${HF_SCALE_SPEC_ENV}"',
+        "run": run,
+    }
+
+
+def sky_yaml(cfg: DistributedConfig, name: str, *, header: str) -> str:
+    usage = f"""Launch from the directory holding launch/ (workdir: . is synced to every node):
+  sky jobs launch launch/{name}.sky.yaml        (managed: recovers from preemption, resumes from the bucket)
+  sky launch -c {job_name(name)} launch/{name}.sky.yaml   (a cluster you manage)
+setup installs ${HF_SCALE_SPEC_ENV} (hf-scale=={__version__}); to install from a wheel or a git URL instead:
+  --env {HF_SCALE_SPEC_ENV}=git+https://.../hf_scale@TAG"""
+    comment = "".join(f"# {line}".rstrip() + "\n" for line in f"{header}\n{usage}".splitlines())
+    return comment + yaml.safe_dump(sky_task(cfg, name), sort_keys=False, default_flow_style=False)

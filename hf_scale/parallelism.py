@@ -1,0 +1,355 @@
+"""Tensor, context and sequence parallelism: the sizes of accelerate's ``ParallelismConfig`` and their rules.
+
+One place computes the layout of a run (dp_replicate x dp_shard x tp x cp x sp = world size) and every rule a
+layout must obey before launch. The config (``DistributedConfig.parallelism``), the accelerate YAML generator,
+``hf-scale check`` (users' own ``parallelism_config:`` blocks), the planner and train.py all call these
+functions, so a rule cannot say one thing in one command and another in the next.
+
+accelerate's own ParallelismConfig is the authority on what it builds (its mesh order is dp_replicate, dp_shard,
+cp, sp, tp: TP ranks are neighbours, so a TP group stays inside a machine when tp divides the processes per
+machine); the rules here are the ones it only discovers after the processes started (or never: a TP group that
+spans machines runs, slowly).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from packaging.version import Version
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool
+
+SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+"""The mesh dimensions, in the order the rule messages name them."""
+YAML_PREFIX = "parallelism_config_"
+"""accelerate's key prefix inside the YAML's ``parallelism_config:`` block (commands/config/cluster.py)."""
+CP_ATTENTION = ("sdpa",)
+"""Attention kernels torch's context_parallel shards (it replaces F.scaled_dot_product_attention); eager and
+flash_attention_2 bypass it and would attend only to the local chunk."""
+CP_COMM_STRATEGIES = ("allgather", "alltoall")
+
+# What each kind needs (accelerate/utils/constants.py: BETA_TP/BETA_CP_AVAILABLE_PYTORCH_VERSION; ParallelismConfig
+# appeared in accelerate 1.10, its DeepSpeed sp backend in 1.12; transformers' tp_plan="auto" with a device_mesh
+# argument in 4.54).
+NEEDS: dict[str, dict[str, str]] = {
+    "tp": {"torch": "2.3.0", "accelerate": "1.10.0", "transformers": "4.54.0"},
+    "cp": {"torch": "2.6.0", "accelerate": "1.10.0"},
+    "sp": {"accelerate": "1.12.0", "deepspeed": "0.18.0", "transformers": "4.54.0"},
+    "hsdp": {"torch": "2.6.0", "accelerate": "1.10.0"},
+}
+
+Size = Annotated[int, Strict(), Field(ge=1, le=16_384)]
+
+
+class ParallelismSettings(BaseModel):
+    """How the world's processes split into data-parallel replicas and shards, tensor-, context- and
+    sequence-parallel groups (accelerate's ParallelismConfig). Their product is the world size; a size left out
+    is derived: the strategy's data-parallel dimension takes what the others leave (dp_shard for fsdp and
+    deepspeed, dp_replicate for ddp; dp_replicate = num_machines under fsdp hybrid_shard), the rest are 1."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    dp_replicate: Size | None = None
+    """Data-parallel replicas (each holds a whole copy of what dp_shard shards): DDP, or HSDP's replicate dimension."""
+    dp_shard: Size | None = None
+    """Data-parallel ranks that shard parameters, gradients and optimizer states (FSDP2 / ZeRO)."""
+    tp: Size | None = None
+    """Tensor-parallel ranks: each layer's weights split across them (transformers tp_plan="auto"); keep it inside
+    one machine."""
+    cp: Size | None = None
+    """Context-parallel ranks (FSDP2 only): each holds 1/cp of every sequence; ring attention over SDPA."""
+    sp: Size | None = None
+    """Sequence-parallel ranks (DeepSpeed Ulysses/ALST, strategy deepspeed): heads exchanged by all-to-all."""
+    cp_comm_strategy: Literal["allgather", "alltoall"] = "allgather"
+    """How context-parallel ranks exchange keys/values (accelerate's cp_comm_strategy)."""
+    tp_across_machines: StrictBool = False
+    """Allow a tensor-parallel group to span machines (its all-reduces then cross the slow link: a warning)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A resolved layout: every size an integer."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    sp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp * self.sp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data: batch arithmetic, gradient accumulation and the loss's token count
+        count these only (the ranks of one TP/CP/SP group see the same batch)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks of one TP x CP x SP group (they see the same batch)."""
+        return self.tp * self.cp * self.sp
+
+    @property
+    def active(self) -> bool:
+        """Anything beyond what the strategy does alone: TP, CP, SP or an HSDP replicate dimension."""
+        return self.model_parallel_size > 1 or (self.dp_replicate > 1 and self.dp_shard > 1)
+
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in SIZES}
+
+    def describe(self) -> str:
+        return " x ".join(f"{name}={size}" for name, size in self.sizes().items() if size > 1) or "one process"
+
+
+class LayoutError(ValueError):
+    """A layout rule is broken; the message is one line naming the field, the value and what is allowed."""
+
+
+def _free_dimension(strategy: str) -> str | None:
+    """The data-parallel dimension a strategy derives from the world size."""
+    return {"ddp": "dp_replicate", "deepspeed": "dp_shard", "fsdp": "dp_shard"}.get(strategy)
+
+
+def resolve(
+    settings: ParallelismSettings,
+    *,
+    strategy: str,
+    num_machines: int,
+    processes_per_machine: int,
+    hybrid: bool = False,
+    where: str = "parallelism",
+) -> Layout:
+    """The layout ``settings`` describe for this strategy and topology (sizes left out derived), or LayoutError."""
+    world = num_machines * processes_per_machine
+    given = {name: getattr(settings, name) for name in SIZES}
+    if hybrid and given["dp_replicate"] is None:
+        given["dp_replicate"] = num_machines
+    free = _free_dimension(strategy)
+    if free is not None and given[free] is None:
+        fixed = math.prod(size or 1 for size in given.values())
+        if world % fixed:
+            raise LayoutError(_product_message(given, world, where, free))
+        given[free] = world // fixed
+    layout = Layout(**{name: size or 1 for name, size in given.items()})
+    if layout.world_size != world:
+        raise LayoutError(_product_message(given, world, where, None))
+    return layout
+
+
+def _product_message(given: dict[str, int | None], world: int, where: str, free: str | None) -> str:
+    shown = " x ".join(f"{name}({'?' if size is None and name == free else size or 1})" for name, size in given.items())
+    return (
+        f"{where}: {shown} must multiply to the world size {world} (num_machines x processes_per_machine); "
+        "change the sizes so that their product is the world size"
+    )
+
+
+def layout_problems(
+    layout: Layout,
+    *,
+    strategy: str,
+    fsdp_version: int | None,
+    processes_per_machine: int,
+    tp_across_machines: bool = False,
+    where: str = "parallelism",
+) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) of a resolved layout under a strategy, one line each. The refusals are the ones
+    accelerate, torch or transformers raise only after launch, or never (a TP group across machines)."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    tp, cp, sp = layout.tp, layout.cp, layout.sp
+    if strategy == "single" and layout.world_size > 1:
+        errors.append(f"{where}: strategy single runs one process; sizes {layout.describe()} need several")
+    if cp > 1 and sp > 1:
+        errors.append(f"{where}.cp={cp} and {where}.sp={sp} together: accelerate allows one of context and "
+                      "sequence parallelism (cp for FSDP2, sp for DeepSpeed)")
+    if cp > 1 and not (strategy == "fsdp" and fsdp_version == 2):
+        errors.append(f"{where}.cp={cp} needs strategy fsdp with fsdp.version=2 (got strategy={strategy}"
+                      f"{f', fsdp.version={fsdp_version}' if strategy == 'fsdp' else ''}): context parallelism "
+                      "shards sequences over FSDP2's mesh; use preset fsdp2_cp")
+    if tp > 1 and strategy == "deepspeed":
+        errors.append(f"{where}.tp={tp} with strategy deepspeed: ZeRO cannot shard tensor-parallel DTensors; use "
+                      "strategy fsdp (FSDP2 x TP, preset fsdp2_tp) or parallelism.sp with DeepSpeed")
+    if tp > 1 and strategy == "fsdp" and fsdp_version != 2:
+        errors.append(f"{where}.tp={tp} needs fsdp.version=2 (got {fsdp_version}): FSDP1 cannot wrap DTensors")
+    if tp > 1 and strategy == "ddp" and layout.dp_replicate > 1:
+        errors.append(f"{where}.tp={tp} with strategy ddp and dp_replicate={layout.dp_replicate}: accelerate cannot "
+                      "compose DDP and TP; use strategy fsdp (dp_shard x tp, preset fsdp2_tp), or tp = world size")
+    if sp > 1 and strategy != "deepspeed":
+        errors.append(f"{where}.sp={sp} needs strategy deepspeed (got {strategy}): sequence parallelism is "
+                      "DeepSpeed's Ulysses/ALST (accelerate's sp_backend deepspeed); for FSDP2 use cp")
+    if strategy == "fsdp" and layout.dp_replicate > 1 and layout.dp_shard == 1 and layout.active:
+        errors.append(f"{where}.dp_replicate={layout.dp_replicate} with dp_shard=1: accelerate refuses TP/CP over "
+                      "pure replication; give dp_shard > 1")
+    if strategy == "fsdp" and fsdp_version == 2 and layout.active and layout.dp_shard * cp == 1:
+        errors.append(f"{where}: strategy fsdp with dp_shard=1 and cp=1 leaves FSDP2 nothing to shard over "
+                      f"({layout.describe()}); use strategy ddp for pure tensor parallelism or lower tp")
+    if tp > 1 and (tp > processes_per_machine or processes_per_machine % tp):
+        spans = (f"{where}.tp={tp} does not fit inside one machine of {processes_per_machine} processes "
+                 f"(tp must divide topology.processes_per_machine={processes_per_machine})")
+        if tp_across_machines:
+            warnings.append(f"{spans}: TP's all-reduces of every layer cross the machines' link "
+                            f"({where}.tp_across_machines=true)")
+        else:
+            errors.append(f"{spans}: TP all-reduces every layer's activations, too slow across machines; "
+                          f"allowed: a divisor of {processes_per_machine}, or set "
+                          f"{where}.tp_across_machines=true to accept it")
+    return errors, warnings
+
+
+def head_problem(layout: Layout, num_attention_heads: int, num_key_value_heads: int,
+                 where: str = "parallelism") -> str | None:
+    """Why the model's heads cannot split over tp (and sp), or None. Each TP rank holds whole heads; Ulysses
+    SP scatters heads over the sp ranks."""
+    for name in ("tp", "sp"):
+        size = getattr(layout, name)
+        if size <= 1:
+            continue
+        heads_of = (("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads))
+        for field, heads in heads_of:
+            if heads % size:
+                divisors = [d for d in range(1, heads + 1) if heads % d == 0 and num_attention_heads % d == 0]
+                return (f"{where}.{name}={size} does not divide the model's {field}={heads}: each rank must hold "
+                        f"whole heads; allowed {name}: {', '.join(map(str, divisors))}")
+    return None
+
+
+def cp_problem(layout: Layout, *, attn_implementation: str | None, seq_len: int | None = None,
+               where: str = "parallelism") -> str | None:
+    """Why context parallelism cannot run with this attention kernel / sequence length, or None."""
+    if layout.cp <= 1:
+        return None
+    if (attn_implementation or "sdpa") not in CP_ATTENTION:
+        return (f"{where}.cp={layout.cp} with --attn_implementation {attn_implementation}: context parallelism "
+                f"shards only SDPA attention; allowed: {', '.join(CP_ATTENTION)}")
+    if seq_len is not None and seq_len % (2 * layout.cp):
+        return (f"{where}.cp={layout.cp}: the sequence length {seq_len} must be a multiple of 2 x cp = "
+                f"{2 * layout.cp} (load-balanced ring attention cuts each sequence into 2 x cp chunks)")
+    return None
+
+
+def config_layout(cfg: Any) -> Layout:
+    """The layout of a DistributedConfig (LayoutError when its sizes do not multiply to the world size)."""
+    topo = cfg.topology
+    return resolve(cfg.parallelism, strategy=cfg.strategy, num_machines=topo.num_machines,
+                   processes_per_machine=topo.processes_per_machine,
+                   hybrid=cfg.strategy == "fsdp" and cfg.fsdp.version == 2 and cfg.fsdp.sharding == "hybrid_shard")
+
+
+def _config_problems(cfg: Any) -> tuple[list[str], list[str]]:
+    return layout_problems(config_layout(cfg), strategy=cfg.strategy, fsdp_version=cfg.fsdp.version,
+                           processes_per_machine=cfg.topology.processes_per_machine,
+                           tp_across_machines=cfg.parallelism.tp_across_machines)
+
+
+def checked_layout(cfg: Any) -> Layout:
+    """The config's layout after every rule (DistributedConfig's validator: a ValueError becomes one line)."""
+    errors, _ = _config_problems(cfg)
+    if errors:
+        raise ValueError(errors[0])
+    return config_layout(cfg)
+
+
+def layout_warnings(cfg: Any) -> list[str]:
+    """Risky-but-allowed layout choices of a valid config (a TP group across machines)."""
+    return _config_problems(cfg)[1]
+
+
+# --- accelerate's YAML block ----------------------------------------------------------------------------------
+
+
+def yaml_block(layout: Layout, *, cp_comm_strategy: str = "allgather") -> dict[str, Any]:
+    """The ``parallelism_config:`` block as ``accelerate config`` writes it (dp_replicate, dp_shard, tp, cp sizes;
+    the cp communication strategy when cp > 1) plus the sp keys `accelerate launch` reads when sp > 1."""
+    block: dict[str, Any] = {
+        YAML_PREFIX + "dp_replicate_size": layout.dp_replicate,
+        YAML_PREFIX + "dp_shard_size": layout.dp_shard,
+        YAML_PREFIX + "tp_size": layout.tp,
+        YAML_PREFIX + "cp_size": layout.cp,
+    }
+    if layout.cp > 1:
+        block[YAML_PREFIX + "cp_comm_strategy"] = cp_comm_strategy
+    if layout.sp > 1:
+        block[YAML_PREFIX + "sp_size"] = layout.sp
+        block[YAML_PREFIX + "sp_backend"] = "deepspeed"
+    return block
+
+
+def layout_from_yaml_block(block: dict[str, Any]) -> Layout:
+    """The sizes of a ``parallelism_config:`` block (absent keys are accelerate's default 1). Values must already
+    be integers (``hf-scale check`` reports the others)."""
+    return Layout(**{name: int(block.get(f"{YAML_PREFIX}{name}_size", 1)) for name in SIZES})
+
+
+# --- what this node can run -----------------------------------------------------------------------------------
+
+
+def _installed(package: str) -> Version | None:
+    try:
+        return Version(importlib.metadata.version(package))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_problem(kind: str) -> str | None:
+    """Why this node's torch/accelerate/transformers/deepspeed cannot run ``kind`` (tp, cp, sp, hsdp), or None."""
+    for package, needed in NEEDS[kind].items():
+        have = _installed(package)
+        if have is None or have.release < Version(needed).release:
+            shown = "not installed" if have is None else f"{have} is installed"
+            return f"{kind} needs {package} >= {needed} ({shown}); pip install '{package}>={needed}'"
+    return None
+
+
+def kinds_of(layout: Layout) -> list[str]:
+    """The kinds a layout uses, for version checks."""
+    kinds = [name for name in ("tp", "cp", "sp") if getattr(layout, name) > 1]
+    if layout.dp_replicate > 1 and layout.dp_shard > 1:
+        kinds.append("hsdp")
+    return kinds
+
+
+# Why a kind cannot run without a GPU although the versions allow it (measured on torch 2.13 CPU).
+_NEEDS_GPU = {
+    "cp": "torch's context_parallel has no sharding strategy for the CPU SDPA kernel "
+          "(aten._scaled_dot_product_flash_attention_for_cpu): it needs a CUDA GPU",
+    "sp": "DeepSpeed's Ulysses/ALST sequence parallelism is run by hf_scale on GPUs only (not proven over gloo)",
+}
+
+
+def node_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
+    """For `hf-scale doctor`: whether this node's torch/accelerate/transformers/deepspeed run each kind, and why not."""
+    support = {}
+    for kind in NEEDS:
+        problem = version_problem(kind)
+        if problem is None and not gpu_present and kind in _NEEDS_GPU:
+            problem = _NEEDS_GPU[kind]
+        support[kind] = {"usable": problem is None, "why": problem or "installed versions support it"}
+    return support
+
+
+def train_refusal(layout: Layout, where: str) -> str | None:
+    """Why train.py refuses this layout, or None. train.py does not build models on a TP/CP/SP mesh yet: without
+    the refusal accelerate would fail after loading ("Model should undergo tensor parallel") or, for SP, train
+    each rank on its own data. HSDP (dp_replicate x dp_shard) is FSDP2's hybrid sharding, which train.py runs."""
+    used = [f"{name}={getattr(layout, name)}" for name in ("tp", "cp", "sp") if getattr(layout, name) > 1]
+    if not used:
+        return None
+    return (f"{where}: {', '.join(used)}: train.py does not build models on a tensor/context/sequence-parallel "
+            "mesh yet; `hf-scale generate`, `check` and `plan` handle these sizes for your own training script "
+            "(set them to 1 for train.py)")
+
+
+def launch_layout(environ: dict[str, str]) -> Layout:
+    """The sizes `accelerate launch` passes the processes (PARALLELISM_CONFIG_*, utils/launch.py), 1 when unset."""
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
+        return Layout()
+    sizes = {}
+    for name in SIZES:
+        value = environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")
+        sizes[name] = int(value) if value.isdigit() and int(value) >= 1 else 1
+    return Layout(**sizes)

@@ -1,0 +1,161 @@
+"""`python -m hf_scale.ray_train --hf_scale_config CONFIG.yaml [options] [train.py flags]`: train.py on a Ray cluster.
+
+Ray Train's ``TorchTrainer`` starts one worker per process of the config (``ScalingConfig``: workers = world size,
+one GPU each when the cluster has GPUs), gives them a process group and runs train.py's own ``train`` function in
+each (``hf_scale.train.main.train``: the same flags, checks, loops and checkpoints as under torchrun). The run's
+checkpoints live in ``--output_dir`` (a filesystem every Ray node sees), which is also the ``RunConfig`` storage.
+``FailureConfig(max_failures=N)``: when a worker dies (a lost node, a killed process) Ray restarts the whole group
+and train.py resumes from the newest complete checkpoint there (``--resume_from_checkpoint auto`` is added unless
+the flags already say where to resume from).
+
+Ray is an optional dependency (``pip install 'hf-scale[ray]'``). Without RAY_ADDRESS or --ray_address a local Ray
+instance is started; --ray_node_ip pins the address that Ray (and so the workers' rendezvous, Ray's MASTER_ADDR) use,
+e.g. 127.0.0.1 to keep a one-machine run on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from hf_scale.config import DistributedConfig, load_config
+from hf_scale.errors import UserError, exit_with_user_error
+from hf_scale.exit_codes import EXIT_PREEMPTED
+
+PROG = "python -m hf_scale.ray_train"
+DEFAULT_MAX_FAILURES = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run train.py with Ray Train's TorchTrainer: one worker per process of --hf_scale_config. "
+        "Every other flag goes to train.py.",
+        epilog="example:\n  python -m hf_scale.ray_train --hf_scale_config hf_scale_configs/zero2.yaml "
+        "--output_dir /shared/run1 --max_steps 1000",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--hf_scale_config", required=True, metavar="CONFIG.yaml",
+                        help="the DistributedConfig (hf_scale_configs/NAME.yaml from `hf-scale generate`)")
+    parser.add_argument("--output_dir", required=True, metavar="DIR",
+                        help="train.py's output directory, on storage every Ray node sees; also the RunConfig "
+                        "storage_path")
+    parser.add_argument("--max_failures", type=int, default=DEFAULT_MAX_FAILURES, metavar="N",
+                        help=f"restarts of the worker group after a worker failure (default {DEFAULT_MAX_FAILURES}; "
+                        "-1: unlimited)")
+    parser.add_argument("--ray_address", metavar="ADDRESS",
+                        help="Ray cluster to join (default: $RAY_ADDRESS, else a new local instance)")
+    parser.add_argument("--ray_node_ip", metavar="IP",
+                        help="a new local instance's node address (Ray's MASTER_ADDR for the workers), e.g. "
+                        "127.0.0.1")
+    parser.add_argument("--ray_num_cpus", type=int, metavar="N",
+                        help="CPUs a new local instance offers (default: all)")
+    return parser
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[str]]:
+    """This module's options, the loaded config and train.py's arguments (everything else, plus the config,
+    the output directory and --resume_from_checkpoint auto unless given)."""
+    parser = build_parser()
+    parser.error = _one_line_error  # type: ignore[method-assign]
+    ns, train_args = parser.parse_known_args(argv)
+    if ns.max_failures < -1:
+        raise UserError(f"--max_failures={ns.max_failures} is invalid: allowed -1 (unlimited) or 0 and more")
+    cfg = load_config(ns.hf_scale_config)
+    if cfg.world_size < 1:  # pragma: no cover - the config's own validation guarantees it
+        raise UserError("the config's world size must be at least 1")
+    output_dir = str(Path(ns.output_dir).resolve())
+    train_args = ["--hf_scale_config", str(Path(ns.hf_scale_config).resolve()), "--output_dir", output_dir,
+                  *train_args]
+    if not any(arg.split("=")[0] == "--resume_from_checkpoint" for arg in train_args):
+        train_args += ["--resume_from_checkpoint", "auto"]
+    ns.output_dir = output_dir
+    return ns, cfg, train_args
+
+
+def _one_line_error(message: str) -> None:
+    raise UserError(message)
+
+
+def _train_worker(loop_config: dict) -> None:
+    """One Ray worker: train.py's own train function in this process (Ray set RANK/WORLD_SIZE/LOCAL_RANK and
+    MASTER_ADDR/MASTER_PORT and created the process group)."""
+    from hf_scale import quiet
+
+    argv = list(loop_config["argv"])
+    if not quiet.verbose_requested(argv):  # what train.py's entry point does before the libraries load
+        quiet.quiet_training()
+    from hf_scale.train.main import train
+
+    code = train(argv)
+    if code == EXIT_PREEMPTED:
+        # A stop request (SIGTERM/SIGUSR1) saved a checkpoint: a failure for Ray, which restarts the group.
+        raise RuntimeError("hf_scale: stopped after saving a checkpoint (exit 75); resuming on the next attempt")
+    if code:
+        raise RuntimeError(f"hf_scale: train.py ended with exit code {code}")
+
+
+def scaling(cfg: DistributedConfig, cluster_gpus: float) -> dict:
+    """ScalingConfig arguments for the config: one worker per process, one GPU each when the cluster has GPUs."""
+    use_gpu = cluster_gpus > 0
+    if use_gpu and cluster_gpus < cfg.world_size:
+        raise UserError(
+            f"the config's world_size={cfg.world_size} needs {cfg.world_size} GPUs (one per worker); the Ray "
+            f"cluster has {cluster_gpus:g}"
+        )
+    return {"num_workers": cfg.world_size, "use_gpu": use_gpu,
+            "resources_per_worker": {"GPU": 1} if use_gpu else {"CPU": 1}}
+
+
+def run(argv: list[str]) -> int:
+    ns, cfg, train_args = parse(argv)
+    try:
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+    except ImportError:
+        raise UserError("Ray is not installed: pip install 'hf-scale[ray]'") from None
+
+    init: dict = {"address": ns.ray_address or os.environ.get("RAY_ADDRESS") or "local",
+                  "include_dashboard": False, "log_to_driver": True}
+    if init["address"] == "local":
+        if ns.ray_node_ip:
+            init["_node_ip_address"] = ns.ray_node_ip
+        if ns.ray_num_cpus:
+            init["num_cpus"] = ns.ray_num_cpus
+    ray.init(**init)
+    try:
+        scaling_args = scaling(cfg, ray.cluster_resources().get("GPU", 0))
+        trainer = TorchTrainer(
+            _train_worker,
+            train_loop_config={"argv": train_args},
+            # gloo without GPUs, NCCL with them: what train.py itself picks under torchrun.
+            torch_config=TorchConfig(backend="nccl" if scaling_args["use_gpu"] else "gloo"),
+            scaling_config=ScalingConfig(**scaling_args),
+            run_config=RunConfig(
+                name="ray_train",
+                storage_path=ns.output_dir,
+                failure_config=FailureConfig(max_failures=ns.max_failures),
+            ),
+        )
+        result = trainer.fit()
+    finally:
+        ray.shutdown()
+    if result.error is not None:
+        print(f"{PROG}: error: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = run(sys.argv[1:] if argv is None else list(argv))
+    except UserError as error:
+        exit_with_user_error(PROG, error)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""`hf-scale check`, the YAML's `parallelism_config:` block (hf_scale.check.parallelism): unknown keys, sizes that are
+no integers or do not multiply to num_processes, and the layout rules `hf-scale generate` enforces."""
+
+from __future__ import annotations
+
+import pytest
+from check_cases import (
+    DDP_YAML,
+    DS_JSON,
+    DS_YAML,
+    FSDP_YAML,
+    assert_every_fix_names_where_the_value_is,
+    assert_reports_its_problem,
+    check_json,
+    codes,
+    merged,
+)
+
+from hf_scale.config import config_from_data
+from hf_scale.generators.accelerate_yaml import accelerate_config
+
+
+def block(**sizes) -> dict:
+    return {"parallelism_config": {f"parallelism_config_{name}_size": size for name, size in sizes.items()}}
+
+
+FSDP4 = merged(FSDP_YAML, {"num_processes": 4})
+
+# id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
+TRIGGERS = {
+    "misspelled-size-key": (
+        merged(FSDP4, {"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_siz": 2}}),
+        None, [], None, [], "parallelism-key-unknown", "error",
+    ),
+    "foreign-key": (
+        merged(FSDP4, {"parallelism_config": {"parallelism_config_dp_shard_size": 4, "note": "x"}}),
+        None, [], None, [], "parallelism-key-unknown", "warning",
+    ),
+    "size-not-an-integer": (
+        merged(FSDP4, block(dp_shard=2, tp="2")), None, [], None, [], "parallelism-value-invalid", "error",
+    ),
+    "sizes-do-not-multiply-to-num-processes": (
+        merged(FSDP4, block(dp_shard=4, tp=2)), None, [], None, [], "parallelism-size-mismatch", "error",
+    ),
+    "tp-with-zero": (
+        merged(DS_YAML, block(dp_shard=1, tp=2)), DS_JSON, [], None, [], "parallelism-unsupported", "error",
+    ),
+    "cp-with-ddp": (
+        merged(DDP_YAML, block(cp=2)), None, [], None, [], "parallelism-unsupported", "error",
+    ),
+    "tp-across-machines": (
+        merged(FSDP4, {"num_machines": 2, "main_process_ip": "10.0.0.1", **block(dp_shard=1, cp=1, tp=4)}),
+        None, [], None, [], "parallelism-unsupported", "error",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRIGGERS))
+def test_each_check_reports_its_problem(case, tmp_path, monkeypatch, capsys):
+    assert_reports_its_problem(TRIGGERS[case], tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("case", sorted(TRIGGERS))
+def test_every_fix_names_the_file_and_key_that_hold_the_value(case, tmp_path, monkeypatch, capsys):
+    assert_every_fix_names_where_the_value_is(TRIGGERS[case], tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"strategy": "fsdp", "topology": {"processes_per_machine": 4}, "parallelism": {"tp": 2}},
+        {"strategy": "fsdp", "topology": {"processes_per_machine": 4}, "parallelism": {"cp": 2}},
+        {"strategy": "ddp", "topology": {"processes_per_machine": 2}, "parallelism": {"tp": 2}},
+    ],
+    ids=["fsdp2_tp", "fsdp2_cp", "pure_tp"],
+)
+def test_what_generate_writes_passes_check(data, tmp_path, monkeypatch, capsys):
+    """The same rules: a layout generate accepts has no parallelism finding in check."""
+    yaml_cfg = accelerate_config(config_from_data(data), deepspeed_config_file=None)
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg)
+    assert not [code for code in codes(payload) if code.startswith("parallelism")]

@@ -1,0 +1,90 @@
+"""The TrainJob and PyTorchJob manifests, read back by Kubeflow's own API models: kubeflow_trainer_api's
+TrainerV1alpha1TrainJob (pydantic, strict types) and the Training Operator SDK's KubeflowOrgV1PyTorchJob (with the
+Kubernetes client's pod models). A model drops what it does not know, so the manifest must come back unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from cluster_helpers import CONFIGS, IMAGE, generate_all
+from kubeflow.training.api_client import ApiClient
+from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+from hf_scale.cli import main
+from hf_scale.config import load_config
+from hf_scale.generators import kubernetes
+
+
+def trainjob_round_trip(data: dict) -> dict:
+    return TrainerV1alpha1TrainJob.from_dict(data).to_dict()
+
+
+def pytorchjob_round_trip(data: dict) -> dict:
+    client = ApiClient()
+    return client.sanitize_for_serialization(client._ApiClient__deserialize(data, "KubeflowOrgV1PyTorchJob"))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_manifests_are_what_kubeflow_models_read(name, tmp_path):
+    root = generate_all(tmp_path, name)
+    cfg = load_config(root / "hf_scale_configs" / f"{name}.yaml")
+    trainjob = yaml.safe_load((root / "launch" / f"{name}.trainjob.yaml").read_text())
+    assert trainjob_round_trip(trainjob) == trainjob
+    trainer = trainjob["spec"]["trainer"]
+    assert trainer["numNodes"] == cfg.topology.num_machines
+    assert trainer["numProcPerNode"] == cfg.topology.processes_per_machine
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": str(cfg.topology.processes_per_machine)}
+    assert trainer["image"] == IMAGE
+    assert trainer["args"][:2] == ["--output_dir", f"/output/{name}"]
+    assert trainer["args"][2:] == cfg.cluster.train_args
+    pod = trainjob["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    assert pod["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 600
+
+    job = yaml.safe_load((root / "launch" / f"{name}.pytorchjob.yaml").read_text())
+    assert pytorchjob_round_trip(job) == job
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert sum(spec["replicas"] for spec in specs.values()) == cfg.topology.num_machines
+    assert job["spec"]["nprocPerNode"] == str(cfg.topology.processes_per_machine)
+    assert "elasticPolicy" not in job["spec"]
+    container = specs["Master"]["template"]["spec"]["containers"][0]
+    assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": cfg.topology.main_process_port}]
+    assert specs["Master"]["restartPolicy"] == "OnFailure"
+    assert job["spec"]["runPolicy"]["backoffLimit"] == cfg.cluster.max_restarts
+
+
+def test_the_models_catch_what_kubeflow_would_refuse():
+    cfg = load_config(overrides=[f"cluster.image={IMAGE}"])
+    trainjob = kubernetes.trainjob(cfg, "run")
+    trainjob["spec"]["trainer"]["numNode"] = 2  # misspelled: dropped by the model
+    assert trainjob_round_trip(trainjob) != trainjob
+    trainjob["spec"]["trainer"]["numNodes"] = "2"  # a string where the API wants an integer
+    with pytest.raises(ValueError):
+        trainjob_round_trip(trainjob)
+    job = kubernetes.pytorchjob(cfg, "run")
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["imag"] = IMAGE
+    assert pytorchjob_round_trip(job) != job
+
+
+def test_job_names_are_kubernetes_names():
+    assert kubernetes.job_name("My_Run.v2") == "my-run-v2"
+    assert kubernetes.job_name("7b") == "hf-7b"
+    assert len(kubernetes.job_name("a" * 100)) == 40
+
+
+def _refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_image_targets_need_a_pinned_image(tmp_path, capsys):
+    out = ["--output-dir", str(tmp_path)]
+    err = _refused(["generate", "--preset", "ddp", "--targets", "kubeflow", *out], capsys)
+    assert "--targets kubeflow needs cluster.image" in err
+    err = _refused(["generate", "--preset", "ddp", "--set", "cluster.image=hf-scale:latest", "--targets", "pytorchjob",
+                    *out], capsys)
+    assert "cluster.image='hf-scale:latest' is invalid: uses the tag `latest`" in err
+    err = _refused(["generate", "--preset", "ddp", "--targets", "kubeflow,k8s", *out], capsys)
+    assert "unknown target 'k8s'" in err
+    assert not list(tmp_path.iterdir())  # nothing written

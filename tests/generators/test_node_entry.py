@@ -1,0 +1,97 @@
+"""launch/NAME.node.sh and launch/NAME.ray.sh: bash -n and shellcheck clean, and every platform's node variables
+(Kubeflow's PET_*, a legacy PyTorchJob's RANK/WORLD_SIZE, SkyPilot's SKYPILOT_*) reach `accelerate launch` as
+NAME.accelerate.sh's machine rank, rank-0 address and port. A stand-in `accelerate` on PATH records what it got
+(the real two-node runs are in test_cluster_launch.py); a disagreeing node count or processes per node is refused
+with one line and exit 2 before anything starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from cluster_helpers import generate_all
+from test_launch_injection import shellcheck_binary
+
+STANDIN = """#!/usr/bin/env bash
+# Records its arguments and the rendezvous variables instead of launching anything.
+printf '%s\\n' "$@" > "$ARGV_LOG"
+echo "RANK=${RANK:-} WORLD_SIZE=${WORLD_SIZE:-} PET_NODE_RANK=${PET_NODE_RANK:-}" >> "$ARGV_LOG"
+"""
+
+PLATFORMS = {
+    # platform: (the variables node 2 of 4 gets, the address the node must use)
+    "trainjob": ({"PET_NNODES": "4", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "2",
+                  "PET_MASTER_ADDR": "multi-node-0-0.multi", "PET_MASTER_PORT": "29400"}, "multi-node-0-0.multi",
+                 "29400"),
+    "pytorchjob": ({"PET_NNODES": "4", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "2", "RANK": "2",
+                    "WORLD_SIZE": "32", "MASTER_ADDR": "multi-master-0", "MASTER_PORT": "29500",
+                    "PET_MASTER_ADDR": "multi-master-0", "PET_MASTER_PORT": "29500"}, "multi-master-0", "29500"),
+    "pytorchjob-legacy": ({"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "multi-master-0", "MASTER_PORT": "23456"},
+                          "multi-master-0", "23456"),
+    "skypilot": ({"SKYPILOT_NUM_NODES": "4", "SKYPILOT_NODE_RANK": "2", "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+                  "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n10.0.0.7\n10.0.0.8"}, "10.0.0.5", "29500"),
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = generate_all(tmp_path_factory.mktemp("node"), "multi", "kubeflow,ray")
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "accelerate").write_text(STANDIN)
+    (bin_dir / "accelerate").chmod(0o755)
+    return root
+
+
+def _run(root: Path, tmp_path: Path, variables: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    log = tmp_path / "argv.log"
+    env = {"PATH": f"{root / 'bin'}:{os.environ['PATH']}", "ARGV_LOG": str(log), "TMPDIR": str(tmp_path), **variables}
+    result = subprocess.run(["bash", str(root / "launch" / "multi.node.sh"), "--output_dir", "/output/multi", *args],
+                            env=env, capture_output=True, text=True, timeout=60)
+    return result, log.read_text() if log.exists() else ""
+
+
+def test_the_scripts_pass_bash_n_and_shellcheck(root):
+    for name in ("multi.node.sh", "multi.ray.sh"):
+        script = root / "launch" / name
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        lint = subprocess.run([shellcheck_binary(), "--shell=bash", "--severity=info", str(script)],
+                              capture_output=True, text=True)
+        assert lint.returncode == 0, f"{name}:\n{lint.stdout}"
+
+
+@pytest.mark.parametrize("platform", sorted(PLATFORMS))
+def test_each_platform_reaches_accelerate_launch(platform, root, tmp_path):
+    variables, address, port = PLATFORMS[platform]
+    result, recorded = _run(root, tmp_path, variables)
+    assert result.returncode == 0, result.stderr
+    *argv, pod_env = recorded.splitlines()
+    assert argv[argv.index("--machine_rank") + 1] == "2"
+    assert argv[argv.index("--main_process_ip") + 1] == address
+    assert argv[argv.index("--main_process_port") + 1] == port
+    assert argv[argv.index("--output_dir") + 1] == "/output/multi"
+    assert argv[-2:] == ["--resume_from_checkpoint", "auto"]
+    # The pod-level values are gone: accelerate launch sets each process's own.
+    assert pod_env == "RANK= WORLD_SIZE= PET_NODE_RANK="
+
+
+def test_an_explicit_resume_is_kept(root, tmp_path):
+    result, recorded = _run(root, tmp_path, PLATFORMS["skypilot"][0], "--resume_from_checkpoint", "/output/x")
+    assert result.returncode == 0, result.stderr
+    assert recorded.count("--resume_from_checkpoint") == 1
+
+
+@pytest.mark.parametrize(("variables", "message"), [
+    ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "h"}, "runs 2 node(s) but"),
+    ({"SKYPILOT_NUM_NODES": "4", "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_GPUS_PER_NODE": "4",
+      "SKYPILOT_NODE_IPS": "h"}, "starts 4 process(es)/GPU(s) per node"),
+    ({"PET_NNODES": "4", "PET_NODE_RANK": "7", "PET_MASTER_ADDR": "h"}, "the rank 7: expected 0..3"),
+    ({}, "no node variables found"),
+])
+def test_a_node_that_disagrees_is_refused(variables, message, root, tmp_path):
+    result, recorded = _run(root, tmp_path, variables)
+    assert result.returncode == 2 and recorded == ""
+    assert result.stderr.startswith("hf-scale: error: ") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
