@@ -27,6 +27,8 @@ the next variant runs:
   --per_device_train_batch_size 1 --use_liger_kernel --torch_compile --optim adamw_torch_fused`` (auto attention:
   flash-attention if installed, else PyTorch's varlen kernel). ``hf_scale_best_bf16``: the same with bf16 weights
   (``--torch_dtype bfloat16``), like ``torch_packed_bf16``.
+* ``hf_scale_fp8`` (FP8, against ``hf_scale_compile``), ``hf_scale_qlora`` (QLoRA, against ``hf_scale_lora``): see
+  benchmarks/gpu_variants.py; the results' ``precision`` section holds the comparisons.
 
 Metrics, over the steps after --warmup (compilation and allocator warm-up):
 
@@ -58,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import common
+import gpu_variants
 
 RESULTS = common.RESULTS_DIR / "gpu.json"
 MFU_GOAL = 0.40
@@ -103,6 +106,10 @@ VARIANTS = {
     "hf_scale_zero3": Variant("train", ["--loop", "trainer", "--packing"]),
     "hf_scale_best": Variant("train", BEST_FLAGS, budget_rows=True),
     "hf_scale_best_bf16": Variant("train", [*BEST_FLAGS, "--torch_dtype", "bfloat16"], budget_rows=True),
+    # Precision (benchmarks/gpu_variants.py: what each is compared with)
+    "hf_scale_fp8": Variant("train", ["--loop", "trainer", "--packing", "--torch_compile"]),
+    "hf_scale_lora": Variant("train", ["--loop", "trainer", "--packing", "--lora_r", "16"]),
+    "hf_scale_qlora": Variant("train", ["--loop", "trainer", "--packing", "--lora_r", "16", "--load_in_4bit"]),
 }
 SMOKE_VARIANTS = ("baseline", "torch_packed", "torch_packed_bf16", "hf_scale", "hf_scale_loop", "hf_scale_best")
 
@@ -304,21 +311,6 @@ def run_process(command: list[str], *, env: dict, timeout: float, log_dir: Path)
     return code, stderr_path.read_text(errors="replace")
 
 
-def _zero3_launcher(workdir: Path, args) -> Path:
-    # The script passes the config (--hf_scale_config): it holds the values _train_flags gives the other variants.
-    sets = ["topology.processes_per_machine=1", f"optimizer.lr={LEARNING_RATE}",
-            f"batch.micro_batch_size={args.micro_batch}", "batch.gradient_accumulation_steps=1"]
-    smoke = args.cpu_smoke
-    if smoke:  # CPU: fp32 and torch's AdamW (DeepSpeed's fused Adam needs CUDA)
-        sets += ["precision='no'", "deepspeed.torch_adam=true"]
-    command = [sys.executable, "-m", "hf_scale.cli", "generate", "--preset", "zero3", "--name", "zero3_1gpu",
-               "--output-dir", str(workdir / "configs"), "--force"]
-    for item in sets:
-        command += ["--set", item]
-    common.run_checked(command, env=common.child_env(1))
-    return workdir / "configs" / "launch" / "zero3_1gpu.torchrun.sh"
-
-
 def _train_flags(variant: Variant, args, model_dir: Path, data_file: Path, out_dir: Path) -> list[str]:
     flags = [
         "--model_name_or_path", str(model_dir), "--train_file", str(data_file),
@@ -387,9 +379,9 @@ def run_variant(name: str, args, model_dir: Path, data_file: Path, profile_dir: 
     flags = _train_flags(variant, args, model_dir, data_file, out_dir)
     if profile_dir is not None:
         env.update(HF_SCALE_PROFILE=str(profile_dir), HF_SCALE_PROFILE_WAIT=str(args.warmup))
-    if name == "hf_scale_zero3":
+    if name in gpu_variants.LAUNCHED:
         env.update(TRAIN_SCRIPT=str(common.TRAIN_PY), MASTER_PORT=str(common.free_port()))
-        command = ["bash", str(_zero3_launcher(args.workdir, args)), *flags]
+        command = ["bash", str(gpu_variants.launcher(name, args.workdir, args, LEARNING_RATE)), *flags]
     else:
         command = common.train_command(flags)
     code, stderr = run_process(command, env=env, timeout=args.variant_timeout, log_dir=run_dir)
@@ -597,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         "goals": {"mfu": MFU_GOAL, "vs_baseline": SPEEDUP_GOAL},
         "results": rows,
         "best_hf_scale": _summary(rows),
+        "precision": gpu_variants.comparisons(rows),
     }
     if args.profile:
         measured = [v for v in variants if v != "baseline" and "tokens_per_s" in rows.get(v, {})]

@@ -22,7 +22,7 @@ from hf_scale.generators import TARGETS, render_files
 from hf_scale.generators.deepspeed_json import MODES
 from hf_scale.inputs import read_bytes
 from hf_scale.plan import NothingFits, add_plan_arguments, plan_argv, plan_from_args
-from hf_scale.planner.rank import planned_config_data
+from hf_scale.planner.rank import planned_config_data, train_flags
 from hf_scale.planner.report import verdict_lines
 from hf_scale.presets import PRESETS, load_preset
 
@@ -195,9 +195,9 @@ def _default_name(args: argparse.Namespace, planned_name: str | None = None) -> 
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    planned_name = None
+    planned_name, train_flags = None, None
     if args.strategy == "auto":
-        planned_name, planned_data = _planned_config(args)
+        planned_name, planned_data, train_flags = _planned_config(args)
     elif args.model is not None:
         raise UserError("--model is only used with --strategy auto (plan the config for that model)")
     elif args.config is None and args.preset is None:
@@ -219,7 +219,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(f"--targets {image_targets[0]} needs cluster.image: the image the pods run, with a version "
                         "tag, e.g. --set cluster.image=registry.example.com/team/hf-scale:0.1.0")
     files = render_files(cfg, name=name, deepspeed_mode=args.deepspeed_mode, header=header, recipe=args.recipe,
-                         targets=args.targets)
+                         targets=args.targets, train_flags=train_flags)
     changed = _plan_writes(Path(args.output_dir), files, force=args.force)
     for warning in config_warnings(cfg):
         print(f"hf-scale: warning: {warning}", file=sys.stderr)
@@ -233,8 +233,9 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _planned_config(args: argparse.Namespace) -> tuple[str, dict]:
-    """Plan --model: the recommended candidate's name (the default file name) and its config's data."""
+def _planned_config(args: argparse.Namespace) -> tuple[str, dict, dict]:
+    """Plan --model: the recommended candidate's name (the default file name), its config's data and the train.py
+    flags the plan decides (LoRA, QLoRA's 4-bit base: the recipe's)."""
     if args.config is not None or args.preset is not None:
         raise UserError("--strategy auto plans the config itself: drop CONFIG.yaml/--preset (adjust it with --set)")
     if args.model is None:
@@ -245,7 +246,7 @@ def _planned_config(args: argparse.Namespace) -> tuple[str, dict]:
     if plan.recommended is None:
         raise NothingFits(f"--strategy auto: no strategy fits {args.model} on this hardware (see the reasons above); "
                           "nothing written")
-    return plan.recommended.slug, planned_config_data(plan, plan.recommended)
+    return plan.recommended.slug, planned_config_data(plan, plan.recommended), train_flags(plan)
 
 
 def _plan_writes(output_dir: Path, files: dict[str, str], *, force: bool) -> set[str]:

@@ -19,7 +19,7 @@ from hf_scale.config_types import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MAC
 from hf_scale.errors import UserError
 from hf_scale.files import check_output_file, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
-from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, make_plan, planned_config_data
+from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, make_plan, planned_config_data, with_qlora_fallback
 from hf_scale.planner.report import format_plan_table, plan_dict, write_plot
 
 _UNITS = {
@@ -100,6 +100,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adamw", help="default adamw")
     group.add_argument("--lora-r", type=int, metavar="R", help="LoRA rank (frozen base); default: full fine-tune")
+    group.add_argument("--load-in-4bit", action="store_true",
+                       help="QLoRA: the frozen base in 4-bit NF4 (needs --lora-r). Without it, QLoRA is recommended "
+                       "when neither the fine-tune asked for fits")
     group.add_argument(
         "--activation-checkpointing",
         choices=("auto", "on", "off"),
@@ -142,6 +145,9 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
             f"--lora-r {args.lora_r} is invalid: allowed an integer from 1 to {MAX_LORA_R} (omit it for a full "
             "fine-tune)"
         )
+    if args.load_in_4bit and args.lora_r is None:
+        raise UserError("--load-in-4bit needs --lora-r R: a 4-bit base cannot be fully fine-tuned (QLoRA trains a "
+                        "LoRA adapter on it)")
     if not 0 <= args.safety_margin < 1:
         raise UserError(f"--safety-margin {args.safety_margin} is invalid: allowed 0 <= fraction < 1, e.g. 0.1")
     gpu_memory = parse_size("--gpu-memory", args.gpu_memory)
@@ -157,14 +163,11 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
         precision=rules.precision_of(args.precision, "--precision"),
         optimizer=args.optimizer,
         lora_r=args.lora_r,
+        load_in_4bit=args.load_in_4bit,
     )
-    return make_plan(
-        workload,
-        gpu_memory=gpu_memory,
-        cpu_memory=cpu_memory,
-        activation_checkpointing=args.activation_checkpointing,
-        safety_margin=args.safety_margin,
-    )
+    budget = {"gpu_memory": gpu_memory, "cpu_memory": cpu_memory,
+              "activation_checkpointing": args.activation_checkpointing, "safety_margin": args.safety_margin}
+    return with_qlora_fallback(make_plan(workload, **budget), **budget)
 
 
 def planned_config_yaml(plan: Plan) -> str:

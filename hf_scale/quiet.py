@@ -13,6 +13,8 @@ What is filtered, and why it is noise:
   bitsandbytes. Dropped where the machine has no GPU (hf_scale's commands: always, they use no kernel).
 - torch's ``<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile``,
   logged for torchao's enums on import: a deprecation inside torchao, nothing a user can act on.
+- transformers' ``is_gradient_checkpointing is deprecated``, raised by peft's own `PeftModel.__init__` (peft
+  0.21 reads the renamed property of transformers 5): a deprecation inside peft, nothing a user can act on.
 - torch's DataLoader ``'pin_memory' argument is set as true but no accelerator is found`` (the Trainer's
   default ``--dataloader_pin_memory`` on a CPU-only machine: pinning is simply skipped).
 - On every process but the first of a multi-process run (``RANK`` > 0), the libraries follow their own
@@ -42,6 +44,7 @@ DEEPSPEED_NO_GPU = "Setting accelerator to CPU"
 TORCHAO_LOGGER, TORCHAO_NO_KERNEL = "torchao", "Failed to load "
 BNB_CPU_LOGGER, BNB_NO_KERNELS = "bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"
 PYTREE_LOGGER, PYTREE_ENUM = "torch.utils._pytree", "%s is an Enum subclass"
+PEFT_CHECKPOINTING_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
 PIN_MEMORY_ON_CPU = r"'pin_memory' argument is set as true but no accelerator is found"
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
 """Device nodes of the NVIDIA and AMD (ROCm) kernel drivers: present on any machine with a usable GPU."""
@@ -118,6 +121,7 @@ def _quiet_kernels() -> None:
 def quiet_training(*, replica: bool | None = None) -> None:
     """For train.py, before the libraries are imported (their import-time notices included)."""
     _add_filter(PYTREE_LOGGER, prefixes=(PYTREE_ENUM,))
+    warnings.filterwarnings("ignore", message=PEFT_CHECKPOINTING_DEPRECATION, category=FutureWarning)
     if not gpu_device_present():
         _add_filter(DEEPSPEED_LOGGER, prefixes=(DEEPSPEED_NO_GPU,))
         _quiet_kernels()

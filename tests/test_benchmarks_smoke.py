@@ -96,15 +96,21 @@ def test_strategies_run_two_processes_each_and_report_ratios_to_ddp(tmp_path):
 def test_gpu_script_pipeline_runs_on_a_tiny_model_without_gpu(tmp_path):
     """The plain Trainer, the plain PyTorch packed reference (its bf16-parameter form: torch_packed is the same
     worker without the cast), hf_scale's best configuration (without its GPU-only flags), ZeRO-3 through the
-    generated launch script, and the profile of the fastest variant."""
+    generated launch script, QLoRA against LoRA on the same data (the comparison gpu.py records for the GPU), and the
+    profile of the fastest variant."""
     data = _ok(
         "gpu.py", tmp_path, "--cpu-smoke", "--variants", "baseline", "torch_packed_bf16",
-        "hf_scale_best", "hf_scale_zero3", "--steps", "3", "--warmup", "1", "--seq-len", "256", "--budget", "512",
+        "hf_scale_best", "hf_scale_zero3", "hf_scale_lora", "hf_scale_qlora", "--steps", "3", "--warmup", "1",
+        "--seq-len", "256", "--budget", "512",
         "--rows", "64", "--threads", "1", "--profile",
     )  # fmt: skip
     assert data["status"] == "cpu smoke (not a measurement)"
     rows = data["results"]
-    assert set(rows) == {"baseline", "torch_packed_bf16", "hf_scale_best", "hf_scale_zero3"}
+    assert set(rows) == {"baseline", "torch_packed_bf16", "hf_scale_best", "hf_scale_zero3", "hf_scale_lora",
+                         "hf_scale_qlora"}
+    qlora = data["precision"]["qlora_vs_lora"]
+    # Same examples, same initial model: the 4-bit base moves the loss a little, never a lot (random init, 2 steps)
+    assert qlora["tokens_per_s_ratio"] > 0 and abs(qlora["mean_loss_difference"]) < 0.5
     assert all(row["vs_baseline"] > 0 and row["mean_loss"] > 0 for row in rows.values())
     assert all(0 < rows[name]["tokens_per_step"] <= 512 for name in ("torch_packed_bf16", "hf_scale_best"))
     assert rows["hf_scale_best"]["attention"] == "sdpa"  # what auto takes on a CPU

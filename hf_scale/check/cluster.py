@@ -10,6 +10,9 @@ count) vs processes per node. `manifest-image`: the image has a version tag or d
 restarted node finds the checkpoints. `manifest-grace-period` (Kubernetes): terminationGracePeriodSeconds vs
 saving one checkpoint: measured from ``--checkpoint DIR`` (from its oldest file to its manifest, written last),
 else at least GRACE_FLOOR_S (the documented estimate: the rest of a step plus one save of a multi-GB state).
+`manifest-deepspeed-batch`: a DeepSpeed JSON's concrete `train_batch_size` against the world size the manifest
+starts (nodes x processes per node): DeepSpeed asserts train_batch_size = micro batch x accumulation x world size
+at start, on the cluster, after the job has queued.
 """
 
 from __future__ import annotations
@@ -144,6 +147,30 @@ def _count(value: Any) -> int | None:
         return None
 
 
+def _deepspeed_batch(path: str, kind: str, facts: dict[str, Any], deepspeed: dict) -> Iterator[Finding]:
+    """DeepSpeed's start-up assertion, train_batch_size == micro x accumulation x world size, with the world size
+    this manifest starts; "auto" values are resolved by the Trainer from the real world size (nothing to compare)."""
+    per_node = facts["procs"] or facts["gpus"]
+    nodes = _count(facts["nodes"])
+    batch = _count(deepspeed.get("train_batch_size"))
+    if not (per_node and nodes and batch):
+        return
+    world = nodes * per_node
+    micro = _count(deepspeed.get("train_micro_batch_size_per_gpu"))
+    accumulation = _count(deepspeed.get("gradient_accumulation_steps", 1))
+    if micro and accumulation and micro * accumulation * world != batch:
+        problem = (f"train_batch_size={batch} but micro batch {micro} x accumulation {accumulation} x "
+                   f"{world} processes ({nodes} node(s) x {per_node}) = {micro * accumulation * world}")
+    elif batch % world:
+        problem = f"train_batch_size={batch} does not divide over {world} processes ({nodes} node(s) x {per_node})"
+    else:
+        return
+    yield Finding(ERROR, "manifest-deepspeed-batch", path, "train_batch_size",
+                  f"{kind} starts {world} processes and the DeepSpeed config says {problem}: DeepSpeed stops at start",
+                  'set train_batch_size (and the micro batch / accumulation) to "auto", or to values whose product '
+                  "is this world size's", {f"{path}:world_size": world, "deepspeed:train_batch_size": batch})
+
+
 def measured_save_seconds(checkpoint_dir: Path) -> float:
     """How long saving `checkpoint_dir` took: from its oldest file to its manifest (written last, hf_scale's)."""
     from hf_scale.train.checkpoint.layout import MANIFEST
@@ -155,15 +182,17 @@ def measured_save_seconds(checkpoint_dir: Path) -> float:
     return max(0.0, manifest.stat().st_mtime - min(f.stat().st_mtime for f in files))
 
 
-def check_manifest(path: str, data: Any, accelerate: dict | None, *, save_seconds: float | None = None
-                   ) -> Iterator[Finding]:
+def check_manifest(path: str, data: Any, accelerate: dict | None, *, save_seconds: float | None = None,
+                   deepspeed: dict | None = None) -> Iterator[Finding]:
     """`manifest-invalid`, `manifest-nodes`, `manifest-processes`, `manifest-gpus`, `manifest-image`,
-    `manifest-output-volume`, `manifest-grace-period`: see the module docstring."""
+    `manifest-output-volume`, `manifest-grace-period`, `manifest-deepspeed-batch`: see the module docstring."""
     kind = manifest_kind(data)
     problem = _model_problem(kind, data)
     if problem:
         yield Finding(ERROR, "manifest-invalid", path, kind, problem, f"fix the {kind} (kubectl would refuse it)")
     facts = _facts(kind, data)
+    if deepspeed is not None:
+        yield from _deepspeed_batch(path, kind, facts, deepspeed)
     where = {"TrainJob": "spec.trainer", "PyTorchJob": "spec", "SkyPilot": "resources"}[kind]
     if accelerate is not None:
         machines = _count(accelerate.get("num_machines", 1)) or 1

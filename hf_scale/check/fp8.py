@@ -11,7 +11,7 @@ from hf_scale.check.findings import TRAINING_ARGS, WARNING, Finding, Source, get
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
 
 
-def _fp8_source(inp: CheckInputs) -> tuple[str, str, str] | None:
+def fp8_source(inp: CheckInputs) -> tuple[str, str, str] | None:
     """(file, key, backend) of whatever asks for fp8: the accelerate YAML or the --hf_scale_config."""
     if inp.accelerate.get("mixed_precision") == "fp8":
         from hf_scale.train.model.fp8 import BACKEND_OF_ACCELERATE
@@ -41,7 +41,7 @@ def check_fp8_speed(inp: CheckInputs) -> Iterator[Finding]:
     """`fp8-no-compile`, `fp8-offload`, `fp8-small-layers` (warnings): fp8 asked for where it is usually slower than
     bf16: without --torch_compile (the scaling casts then run as separate kernels), with offload (host transfers
     dominate), or on a model whose linear layers are all below the backend's size threshold (nothing is converted)."""
-    source = _fp8_source(inp)
+    source = fp8_source(inp)
     if source is None:
         return
     file, key, backend = source

@@ -182,7 +182,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_check, passthrough=[])
 
 
-def _manifest_findings(manifests: list[str], checkpoint: str | None, accelerate: dict) -> list[Finding]:
+def _manifest_findings(manifests: list[str], checkpoint: str | None, accelerate: dict | None,
+                       deepspeed: dict | None) -> list[Finding]:
     from pathlib import Path
 
     from hf_scale.check.cluster import check_manifest, measured_save_seconds
@@ -192,7 +193,7 @@ def _manifest_findings(manifests: list[str], checkpoint: str | None, accelerate:
     findings: list[Finding] = []
     for path in manifests:
         data = load_yaml(read_text(Path(path), "--manifest"), f"--manifest {path}")
-        findings += check_manifest(path, data, accelerate, save_seconds=save)
+        findings += check_manifest(path, data, accelerate, save_seconds=save, deepspeed=deepspeed)
     return findings
 
 
@@ -216,7 +217,8 @@ def run_check(args: argparse.Namespace) -> int:
         hf_scale_file=files.hf_scale,
     )
     findings = run_checks(inputs) + _manifest_findings([*args.manifest, *files.manifests], args.checkpoint,
-                                                       inputs.accelerate if files.accelerate else None)
+                                                       inputs.accelerate if files.accelerate else None,
+                                                       inputs.deepspeed)
     summary = summarize(inputs, findings)
     if args.json:
         payload = {"findings": [{**asdict(f), "where": f.where} for f in findings], "summary": summary}

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from hf_scale import rules
 from hf_scale.errors import UserError
+from hf_scale.export import qlora as qlora_export
 from hf_scale.export.sources import Source, find_source, with_adapter_names
 from hf_scale.planner.model_shapes import CONFIG_ERRORS, read_config_json
 
@@ -137,9 +138,11 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     lora_mode = (lora or "adapter") if is_lora else None
 
     with _reading(checkpoint_dir):
-        source = find_source(found)
-        torch_dtype = _resolve_dtype(dtype, checkpoint_dir)
-    _log(f"reading {checkpoint_dir} ({source.description}, {len(source.names)} tensors)")
+        qlora = qlora_export.quantization_of(checkpoint_dir) if lora_mode == "merged" else None
+        source = None if qlora else find_source(found)  # QLoRA: the 4-bit base is read again, dequantized
+        torch_dtype = None if qlora and dtype == "auto" else _resolve_dtype(dtype, checkpoint_dir)
+    _log(f"reading {checkpoint_dir} " + (f"({source.description}, {len(source.names)} tensors)" if source else
+                                          "(a QLoRA adapter on a 4-bit base)"))
 
     tmp = out_dir.parent / f".tmp-export-{out_dir.name}-{os.getpid()}"
     try:
@@ -147,21 +150,22 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         with _reading(checkpoint_dir):
-            model = _build_model(checkpoint_dir, torch_dtype, is_lora)
-            if is_lora:
-                source = with_adapter_names(source, model)
-            wanted = [n for n in source.names if "lora_" in n] if lora_mode == "adapter" else source.names
-            _fill(model, source, wanted, torch_dtype, only_adapter=lora_mode == "adapter")
+            model = qlora_export.merged_model(checkpoint_dir, qlora, torch_dtype) if qlora else _build_model(
+                checkpoint_dir, torch_dtype, is_lora)
+            if source is not None:
+                source = with_adapter_names(source, model) if is_lora else source
+                wanted = [n for n in source.names if "lora_" in n] if lora_mode == "adapter" else source.names
+                _fill(model, source, wanted, torch_dtype, only_adapter=lora_mode == "adapter")
             tokenizer = _load_tokenizer(checkpoint_dir)
-        if lora_mode == "merged":
+        if lora_mode == "merged" and not qlora:
             _log("merging the LoRA adapter into the base weights")
             model = model.merge_and_unload()
-        what = "LoRA adapter" if lora_mode == "adapter" else f"model ({str(torch_dtype).removeprefix('torch.')})"
+        what = "LoRA adapter" if lora_mode == "adapter" else f"model ({str(model.dtype).removeprefix('torch.')})"
         _log(f"writing the {what} to {out_dir} (shards of at most {max_shard_size})")
         with _writing(out_dir):
             model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
             if lora_mode == "adapter":
-                _check_adapter(tmp)
+                qlora_export.check_adapter(tmp)
             tokenizer.save_pretrained(tmp)
             _apply_umask(tmp)
             if out_dir.exists():
@@ -297,18 +301,6 @@ def _fill(model, source: Source, names: list[str], torch_dtype, *, only_adapter:
     missing = [n for n, p in model.named_parameters() if p.is_meta and not (only_adapter and "lora_" not in n)]
     if missing:
         raise UserError(f"checkpoint lacks {len(missing)} weights of the model, e.g. {missing[0]}")
-
-
-def _check_adapter(out: Path) -> None:
-    """The classic ZeRO-3 failure is an adapter file without tensors; never write one."""
-    from safetensors import safe_open
-
-    file = out / "adapter_model.safetensors"
-    with safe_open(str(file), framework="pt") as handle:
-        keys = list(handle.keys())
-        empty = [k for k in keys if 0 in handle.get_slice(k).get_shape()]
-    if not keys or empty:
-        raise UserError(f"the exported adapter {file} has {len(keys)} tensors, {len(empty)} of them empty")
 
 
 def _load_tokenizer(checkpoint_dir: Path):

@@ -57,12 +57,13 @@ def cluster_files(cfg: DistributedConfig, name: str, targets: tuple[str, ...], *
 
 def render_files(
     cfg: DistributedConfig, *, name: str, deepspeed_mode: Mode, header: str, recipe: bool = False,
-    targets: tuple[str, ...] = (),
+    targets: tuple[str, ...] = (), train_flags: dict | None = None,
 ) -> dict[str, str]:
     """Relative path (under the output directory) -> file text, for everything ``hf-scale generate`` writes.
 
     ``header`` (plain text, one or more lines) is written as a comment at the top of the YAMLs and the scripts.
-    ``recipe``: also a starter train.py recipe, ``recipes/NAME.yaml``. ``targets``: cluster targets (TARGETS).
+    ``recipe``: also a starter train.py recipe, ``recipes/NAME.yaml``, with ``train_flags`` (the plan's LoRA/QLoRA
+    choice) in it. ``targets``: cluster targets (TARGETS).
     """
     files: dict[str, str] = {}
     ds_file = None
@@ -81,6 +82,6 @@ def render_files(
     for file_name, text in launch_files(cfg, name, header=header).items():
         files[layout.launch_file(file_name)] = text
     if recipe:
-        files[layout.recipe(name)] = starter_recipe(cfg, name, header=RECIPE_HEADER)
+        files[layout.recipe(name)] = starter_recipe(cfg, name, header=RECIPE_HEADER, train_flags=train_flags)
     files.update(cluster_files(cfg, name, targets, header=header))
     return files

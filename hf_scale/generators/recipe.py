@@ -23,13 +23,15 @@ def _scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1000).splitlines()[0]
 
 
-def starter_recipe(cfg: DistributedConfig, name: str, *, header: str) -> str:
-    opt = cfg.optimizer
+def starter_recipe(cfg: DistributedConfig, name: str, *, header: str, train_flags: dict | None = None) -> str:
+    """``train_flags``: what a plan decided beyond the config (`lora_r`, `load_in_4bit`)."""
+    opt, planned = cfg.optimizer, train_flags or {}
     sections: list[tuple[str, list[tuple[str, Any, str]]]] = [
         ("model", [
             ("model_name_or_path", None, "Hub id or local directory; null: the tiny Llama shipped with hf_scale"),
             ("chat_template_path", None, "Jinja chat template for a base model without one (chat data)"),
-            ("lora_r", 0, "LoRA rank; 0 trains all weights"),
+            ("lora_r", planned.get("lora_r", 0), "LoRA rank; 0 trains all weights"),
+            ("load_in_4bit", planned.get("load_in_4bit", False), "QLoRA: the base in 4-bit NF4 (needs lora_r > 0)"),
         ]),
         ("data (see docs/data.md)", [
             ("train_file", None, "file(s) .jsonl/.json/.csv/.parquet/.txt; a list of several is a mixture"),

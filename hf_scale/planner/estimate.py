@@ -46,6 +46,9 @@ OptimizerName = Literal["adamw", "adamw_8bit", "sgd"]
 # sgd is torch.optim.SGD as the HF Trainer builds it (no momentum): no state.
 OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "adamw_8bit": 2, "sgd": 0}
 FP32 = 4
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""Bytes per weight of bitsandbytes' NF4 with double quantization (QLoRA section 3, what train.py --load_in_4bit
+loads): 4 bits, an 8-bit scale per 64 weights, an fp32 constant per 256 scales."""
 # DeepSpeed ZeRO-1/2 pad each flat parameter group to a multiple of this x world size
 # (nccl_start_alignment_factor in deepspeed/runtime/zero/stage_1_and_2.py).
 DEEPSPEED_ALIGNMENT_FACTOR = 2
@@ -85,6 +88,8 @@ class Workload:
     optimizer: OptimizerName = "adamw"
     lora_r: int | None = None
     """LoRA rank; None = full fine-tune."""
+    load_in_4bit: bool = False
+    """QLoRA: the frozen base's linear weights in 4-bit NF4 (needs lora_r)."""
     zero3_persistence_threshold: int | None = None
     """ZeRO-3 keeps parameters with fewer elements than this gathered; None = the "auto" value the HF
     Trainer fills in (10 x hidden_size)."""
@@ -111,6 +116,23 @@ class Workload:
     def frozen_params(self) -> int:
         """LoRA's frozen base (no gradients, no optimizer states)."""
         return self.shapes.total_params if self.lora_r else 0
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of the frozen base: the compute dtype, or the decoder layers' linear weights quantized."""
+        if not self.load_in_4bit:
+            return self.weight_bytes * self.frozen_params
+        linear = self.shapes.linear_params
+        return int(NF4_BYTES * linear) + self.weight_bytes * (self.frozen_params - linear)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one decoder layer as ZeRO-3/FSDP gather it (its linear weights quantized under QLoRA)."""
+        s = self.shapes
+        if not self.load_in_4bit:
+            return self.weight_bytes * s.decoder_layer_params
+        linear = s.linear_params // s.num_layers
+        return int(NF4_BYTES * linear) + self.weight_bytes * (s.decoder_layer_params - linear)
 
 
 @dataclass(frozen=True)
@@ -213,14 +235,14 @@ def estimate(w: Workload, c: Candidate) -> Estimate:
 def _ddp(w: Workload, c: Candidate, activations: int, logits: int) -> Estimate:
     # accelerate's DDP keeps the trainable weights in fp32 and autocasts; the frozen LoRA base is assumed
     # loaded in the compute dtype (it needs no fp32 master).
-    trainable, frozen = w.trainable_params, w.frozen_params
+    trainable = w.trainable_params
     state = OPTIMIZER_STATE_BYTES[w.optimizer]
     # DDP copies gradients into its own flat buckets (gradient_as_bucket_view=False, the default), and
     # autocast caches a 16-bit copy of every trainable weight for the whole forward.
     autocast_cache = trainable * w.weight_bytes if w.precision != "no" else 0
     return Estimate(
         c,
-        params=FP32 * trainable + w.weight_bytes * frozen,
+        params=FP32 * trainable + w.frozen_bytes,
         grads=FP32 * trainable,
         optimizer=state * trainable,
         activations=activations,
@@ -234,16 +256,16 @@ def _fsdp(w: Workload, c: Candidate, activations: int, logits: int) -> Estimate:
     # shards, 16-bit all-gathered parameters, gradients reduce-scattered in fp32.
     shards = w.gpus_per_machine if c.hybrid else w.world_size
     s = w.shapes
-    trainable, frozen = w.trainable_params, w.frozen_params
+    trainable = w.trainable_params
     state = OPTIMIZER_STATE_BYTES[w.optimizer]
     a = w.weight_bytes
     root = s.total_params - s.num_layers * s.decoder_layer_params  # embeddings, final norm, lm_head
     # Gathered: the root unit (not resharded after forward) and two layers (current + prefetched), plus the
     # unsharded fp32 gradient of one layer waiting for its reduce-scatter.
-    gathered = a * (root + 2 * s.decoder_layer_params) + FP32 * s.decoder_layer_params
+    gathered = a * root + 2 * w.layer_bytes + FP32 * s.decoder_layer_params
     return Estimate(
         c,
-        params=_ceil_div(FP32 * trainable + a * frozen, shards),
+        params=_ceil_div(FP32 * trainable + w.frozen_bytes, shards),
         grads=_ceil_div(FP32 * trainable, shards),
         optimizer=_ceil_div(state * trainable, shards),
         activations=activations,
@@ -263,11 +285,15 @@ def _deepspeed(w: Workload, c: Candidate, activations: int, logits: int) -> Esti
         lora_part = _ceil_div(trainable, world) if w.lora_r else 0
         part = lora_part if w.lora_r else base_part
         held_params = a * (base_part + lora_part + persistent)
-        live = max(2 * s.decoder_layer_params, s.largest_layer_params)
-        buffers = a * live + a * max(s.decoder_layer_params, s.largest_layer_params) + bucket
+        if w.load_in_4bit:
+            # transformers never loads a quantized model inside zero.Init: each GPU holds the whole quantized base
+            # until DeepSpeed partitions it (the peak, counted here), and the gathered layers are quantized.
+            held_params = w.frozen_bytes + a * lora_part
+        live = max(2 * w.layer_bytes, a * s.largest_layer_params)
+        buffers = live + max(w.layer_bytes, a * s.largest_layer_params) + bucket
     else:
         part = _zero12_partition(trainable, world)
-        held_params = a * (s.total_params + (trainable if w.lora_r else 0))
+        held_params = w.frozen_bytes + a * trainable if w.lora_r else a * s.total_params
         # ZeRO-1 keeps every unreduced gradient until the end of backward; ZeRO-2 reduces as it goes.
         unreduced = a * (trainable - part) if c.zero_stage == 1 else 0
         buffers = 2 * bucket + unreduced  # overlap_comm double-buffers the reduce bucket

@@ -53,6 +53,9 @@ class ModelShapes:
     lora_params_per_rank: int
     """LoRA adapter parameters per unit of rank r: sum of (in + out) over the decoder layers' nn.Linear
     modules (PEFT target_modules="all-linear", which leaves lm_head out)."""
+    linear_params: int = 0
+    """Weights of the decoder layers' nn.Linear modules: what bitsandbytes quantizes for --load_in_4bit/8bit
+    (transformers keeps the embeddings, the norms and lm_head in the compute dtype)."""
 
     @property
     def total_params(self) -> int:
@@ -247,9 +250,8 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
     if not layers:
         raise UserError(f"MODEL {name!r}: cannot find its decoder layers (_no_split_modules={layer_classes})")
     layer = layers[0]
-    lora_per_rank = sum(
-        m.in_features + m.out_features for block in layers for m in block.modules() if isinstance(m, torch.nn.Linear)
-    )
+    linears = [m for block in layers for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    lora_per_rank = sum(m.in_features + m.out_features for m in linears)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     return ModelShapes(
@@ -268,4 +270,5 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
         decoder_layer_params=sum(p.numel() for p in layer.parameters()),
         largest_layer_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in lm.modules()),
         lora_params_per_rank=lora_per_rank,
+        linear_params=sum(m.weight.numel() for m in linears),
     )

@@ -87,6 +87,8 @@ class Plan:
     assessments: tuple[Assessment, ...]
     """Every candidate, fastest first."""
     recommended: Assessment | None
+    qlora_because: str | None = None
+    """Set when the plan switched to QLoRA: why the fine-tune asked for fits no candidate."""
 
     @property
     def gpu_budget(self) -> int:
@@ -152,6 +154,32 @@ def make_plan(
     assessed.sort(key=lambda a: -a.speed)
     recommended = next((a for a in assessed if a.fits), None)
     return Plan(w, gpu_memory, cpu_memory, safety_margin, tuple(assessed), recommended)
+
+
+QLORA_DEFAULT_R = 16
+"""The LoRA rank a QLoRA recommendation uses when none was given (QLoRA's own experiments use 16-64)."""
+
+
+def with_qlora_fallback(plan: Plan, **budget) -> Plan:
+    """``plan`` when something fits (or it already is QLoRA); else the plan of the same job as QLoRA (the 4-bit base,
+    LoRA rank as given or 16) when that fits, saying why the fine-tune asked for did not."""
+    w = plan.workload
+    if plan.recommended is not None or w.load_in_4bit:
+        return plan
+    qlora = make_plan(replace(w, lora_r=w.lora_r or QLORA_DEFAULT_R, load_in_4bit=True), **budget)
+    if qlora.recommended is None:
+        return plan
+    tuning = f"LoRA (r={w.lora_r})" if w.lora_r else "full"
+    best = plan.assessments[0]
+    return replace(qlora, qlora_because=f"a {tuning} fine-tune fits no candidate (fastest, {best.candidate.label}: "
+                                        f"{best.reason}); QLoRA (4-bit base, LoRA r={qlora.workload.lora_r}) fits")
+
+
+def train_flags(plan: Plan) -> dict:
+    """The train.py flags the plan decides beyond the DistributedConfig (LoRA, the 4-bit base): generate writes them
+    into the recipe."""
+    w = plan.workload
+    return {"lora_r": w.lora_r or 0, **({"load_in_4bit": True} if w.load_in_4bit else {})}
 
 
 def gib(n: int) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from hf_scale.errors import UserError
 from hf_scale.files import save_figure_atomically
-from hf_scale.planner.rank import Plan, distributed_config, gib
+from hf_scale.planner.rank import Plan, distributed_config, gib, train_flags
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "logits", "buffers")
 _GIB = 2**30
@@ -21,6 +21,7 @@ def _workload_line(plan: Plan) -> str:
     w = plan.workload
     s = w.shapes
     tuning = f"LoRA r={w.lora_r} ({w.trainable_params:,} trainable)" if w.lora_r else "full fine-tune"
+    tuning = f"QLoRA (4-bit base), {tuning}" if w.load_in_4bit else tuning
     return (
         f"{s.name}: {s.total_params:,} parameters ({s.model_type}, {s.num_layers} x {s.decoder_layer_class}), "
         f"{tuning}, {w.optimizer}, precision {w.precision}, micro-batch {w.micro_batch_size} x {w.seq_len} tokens\n"
@@ -61,7 +62,7 @@ def format_plan_table(plan: Plan) -> str:
 
 def verdict_lines(plan: Plan) -> list[str]:
     """The recommendation and why each faster candidate was rejected."""
-    lines = []
+    lines = [f"QLoRA: {plan.qlora_because}"] if plan.qlora_because else []
     if plan.recommended is None:
         lines.append("no candidate fits; every one was rejected:")
     else:
@@ -78,7 +79,7 @@ def verdict_lines(plan: Plan) -> list[str]:
         lines.append(f"  {a.candidate.label}{ac}: {a.reason}")
     if plan.recommended is None:
         lines.append(
-            "try more GPUs or machines, LoRA (--lora-r 16), a shorter --seq-len, or --cpu-memory if the "
+            "try more GPUs or machines, a shorter --seq-len, or --cpu-memory if the "
             "machines have more RAM"
         )
     return lines
@@ -125,7 +126,10 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "precision": w.precision,
             "optimizer": w.optimizer,
             "lora_r": w.lora_r,
+            "load_in_4bit": w.load_in_4bit,
         },
+        "qlora_because": plan.qlora_because,
+        "train_flags": train_flags(plan),
         "candidates": candidates,
         "recommended": best.slug if best else None,
         "recommended_config": distributed_config(plan, best).model_dump(mode="json") if best else None,

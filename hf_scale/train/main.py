@@ -111,8 +111,13 @@ def build(run: Run) -> Built | None:
         pad_to=data_args.max_seq_length if attention.compiles(model_args.attn_implementation, run.args) else None,
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
+    sharded = run.spec.precision if run.spec.zero_stage == 3 or run.spec.strategy == "fsdp" else None
     model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing,
-                       on_mesh=parallel.load_kwargs(run.spec.layout, run.spec.fsdp_settings))
+                       on_mesh=parallel.load_kwargs(run.spec.layout, run.spec.fsdp_settings), sharded_precision=sharded)
+    if model_args.load_in_4bit and run.state.is_main_process:
+        from hf_scale.train.model import quantization
+
+        print(f"hf_scale: {quantization.describe(sharded)}", file=sys.stderr, flush=True)
     if run.spec.fp8_backend and run.state.is_main_process:  # which layers accelerate will convert: said once
         from hf_scale.train.model import fp8
 
@@ -120,7 +125,10 @@ def build(run: Run) -> Built | None:
     return Built(
         tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset, data_manifest=data_manifest,
         collator=collator, model=model,
-        loaded_partitioned=guard.zero3_weights_partitioned(model) if run.spec.zero_stage == 3 else None,
+        # transformers never builds a quantized model inside zero.Init (each process loads the 4-bit base, a
+        # quarter of the bf16 size; DeepSpeed partitions it when it wraps the model): nothing for the guard to check.
+        loaded_partitioned=(guard.zero3_weights_partitioned(model)
+                            if run.spec.zero_stage == 3 and not model_args.load_in_4bit else None),
         flops_per_token=flops_per_token(model_config, matmul_parameters(model), mean_example_length(train_examples)),
     )
 

@@ -119,6 +119,37 @@ def test_the_grace_period_against_a_measured_save(tmp_path, capsys):
     assert GRACE_FLOOR_S < 600
 
 
+@pytest.mark.parametrize(
+    ("batch", "expected"),
+    [
+        ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
+         [("manifest-deepspeed-batch", "error")]),  # 2 x 1 x 8 = 16, not 64
+        ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+         [("manifest-deepspeed-batch", "error")]),  # 12 does not divide over 8 processes
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, []),
+        ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}, []),
+    ],
+    ids=["product-off", "indivisible", "equal", "auto"],
+)
+def test_a_deepspeed_json_batch_against_the_world_size_the_manifest_starts(batch, expected, tmp_path, capsys):
+    """A PyTorchJob of 2 nodes x 4 processes is a world of 8: DeepSpeed asserts its train_batch_size against it at
+    start, on the cluster; check says so before the job queues (a hand-written job and a DeepSpeed JSON alone)."""
+    job = tmp_path / "mine.yaml"
+    job.write_text(PYTORCHJOB)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**batch, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    capsys.readouterr()
+    try:
+        code = main(["check", str(ds), str(job), "--json"])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    report = json.loads(capsys.readouterr().out)
+    found = [f for f in report["findings"] if f["code"] == "manifest-deepspeed-batch"]
+    assert [(f["code"], f["severity"]) for f in found] == expected
+    if expected:
+        assert code == 1 and "8 processes" in found[0]["problem"]
+
+
 def test_unrecognized_files_are_bad_input(tmp_path):
     with pytest.raises(UserError, match="neither a TrainJob"):
         manifest_kind({"kind": "Deployment"})

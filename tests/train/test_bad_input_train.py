@@ -244,6 +244,7 @@ CASES: dict[str, Case] = {
     "lora-targets-empty": Case(["--lora_r", "4", "--lora_target_modules", " , "], "--lora_target_modules"),
     "lora-targets-unknown": Case(["--lora_r", "4", "--lora_target_modules", "no_such_proj"],
                                  "--lora_target_modules"),
+    "load-in-4bit-without-lora": Case(["--load_in_4bit"], "--load_in_4bit with --lora_r=0"),
     # --- data flags -------------------------------------------------------------------------------------
     "bad-row-fraction-above-1": Case(["--max_bad_row_fraction", "2"], "--max_bad_row_fraction=2.0"),
     "bad-row-fraction-negative": Case(["--max_bad_row_fraction", "-0.1"], "--max_bad_row_fraction=-0.1"),

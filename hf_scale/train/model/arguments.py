@@ -58,3 +58,10 @@ class ModelArguments:
         default="all-linear",
         metadata={"help": "Comma-separated module names to adapt, or 'all-linear' (peft's shortcut)."},
     )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA: load the base weights in 4-bit NF4 (bitsandbytes; double quantization, bf16 compute) "
+            "and train a LoRA adapter on them (needs --lora_r > 0; pip install 'hf-scale[qlora]')."
+        },
+    )

@@ -125,7 +125,7 @@ _BUILD_ERRORS = (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionEr
 memory, DeepSpeed's partitioning)."""
 
 
-def _from_pretrained(path: str, model_args: ModelArguments, on_mesh: dict | None):
+def _from_pretrained(path: str, model_args: ModelArguments, load_kwargs: dict):
     """The model, or one line: weights that cannot be read, that lack tensors of the model, or whose shapes are
     not the config's (asked for with ignore_mismatched_sizes, so that they are named here, not in a table)."""
     try:
@@ -136,7 +136,7 @@ def _from_pretrained(path: str, model_args: ModelArguments, on_mesh: dict | None
             trust_remote_code=model_args.trust_remote_code,
             output_loading_info=True,
             ignore_mismatched_sizes=True,
-            **(on_mesh or {}),
+            **load_kwargs,
         )
     except Exception as error:
         described = _weights_error(error)
@@ -186,16 +186,24 @@ def _load_report_held():
             logger.handle(record)
 
 
-def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, on_mesh: dict | None = None):
+def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, on_mesh: dict | None = None,
+               sharded_precision: str | None = None):
     """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
     and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve). `on_mesh`: the
-    arguments that build it on a tensor-parallel mesh (hf_scale.train.model.parallel.load_kwargs)."""
+    arguments that build it on a tensor-parallel mesh (hf_scale.train.model.parallel.load_kwargs).
+    ``sharded_precision``: the run's precision under ZeRO-3 or FSDP, which decides how a 4-bit base stores its
+    weights (hf_scale.train.model.quantization)."""
     path = resolve_model_path(model_args)
     if on_mesh and model_args.lora_r > 0:
         raise UserError(f"--lora_r={model_args.lora_r} with tensor parallelism: hf_scale has not proven peft's "
                         "LoRA layers on DTensor weights; train all weights (--lora_r 0) or set parallelism.tp to 1")
+    load_kwargs = dict(on_mesh or {})
+    if model_args.load_in_4bit:
+        from hf_scale.train.model import quantization
+
+        load_kwargs["quantization_config"] = quantization.bnb_config(sharded_precision)
     with _load_report_held():
-        model = _from_pretrained(path, model_args, on_mesh)
+        model = _from_pretrained(path, model_args, load_kwargs)
     # Training never needs the KV cache, and with it on transformers ignores packed position_ids: packed
     # examples would silently attend to each other.
     model.config.use_cache = False

@@ -1,0 +1,125 @@
+"""QLoRA (`train.py --load_in_4bit`) on CPU with bitsandbytes' own NF4 layers: the refusals, the quantization
+config transformers receives, a real one-process run (4-bit base, non-empty adapter), 2-process DDP and ZeRO-3
+runs (real torchrun, gloo) that equal it, and `hf-scale export --lora merged` of its checkpoint.
+
+Tolerance of the 2-process comparisons: the 4-bit base is the same on every process (NF4 quantization of the same
+weights is deterministic) and the LoRA math is the same; what differs is bf16 compute (the 4-bit layers' compute
+dtype, and --bf16) over micro-batches of 4 instead of 8, which changes how the GEMMs block their sums. bf16 keeps 8
+significant bits (epsilon 2**-7), but the loss is a mean over ~600 tokens of fp32 cross-entropy, so the per-step
+losses agree far closer: observed within 3e-5 relative; rtol 2e-4 bounds that with room and is still ~40 times
+tighter than one bf16 rounding (an unsynchronised rank or a wrong batch moves the loss by > 1e-3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import PROBE_IDS, TRAIN_PY, child_env, generate_config, losses, run_in_process, run_ok, torchrun
+
+from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.train.model import quantization
+
+pytest.importorskip("bitsandbytes")  # the test extra installs it (hf-scale[qlora])
+
+STEPS = 3
+COMMON = ["--load_in_4bit", "--lora_r", "4", "--max_steps", str(STEPS), "--bf16", "--learning_rate", "1e-3",
+          "--seed", "11", "--lr_scheduler_type", "constant", "--save_steps", str(STEPS)]
+LOSS_RTOL = 2e-4  # see the module docstring
+
+
+def test_refusals_name_the_combination():
+    assert quantization.refusal(load_in_4bit=False, lora_r=0, strategy="ddp", fp8_backend=None) is None
+    assert quantization.refusal(load_in_4bit=True, lora_r=8, strategy="deepspeed", fp8_backend=None) is None
+    no_lora = quantization.refusal(load_in_4bit=True, lora_r=0, strategy="single", fp8_backend=None)
+    assert "--lora_r=0" in no_lora and "cannot be fully fine-tuned" in no_lora
+    assert "fp8" in quantization.refusal(load_in_4bit=True, lora_r=8, strategy="ddp", fp8_backend="torchao")
+
+
+@pytest.mark.parametrize(("sharded_precision", "storage"), [
+    (None, "uint8"), ("bf16", "bfloat16"), ("fp16", "float16"), ("no", "float32")])
+def test_quant_storage_matches_what_sharding_needs(sharded_precision, storage):
+    config = quantization.bnb_config(sharded_precision)
+    # transformers' own reading of the config (what from_pretrained passes to bitsandbytes)
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16
+    assert config.bnb_4bit_quant_storage == getattr(torch, storage)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qlora") / "one"
+    assert run_in_process([*COMMON, "--per_device_train_batch_size", "8", "--output_dir", str(out)]) == 0
+    return out
+
+
+def test_one_process_trains_an_adapter_on_a_4bit_base(one_process):
+    import bitsandbytes as bnb
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    report = json.loads((one_process / "hf_scale_verify.json").read_text())
+    assert report["ok"] and report["tensors_checked"] > 0
+    adapter = load_file(one_process / "adapter_model.safetensors")
+    assert adapter and all(t.numel() > 0 for t in adapter.values())
+    assert all(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name)  # trained (B starts at 0)
+    saved = json.loads((one_process / f"checkpoint-{STEPS}" / "config.json").read_text())["quantization_config"]
+    assert saved["bnb_4bit_quant_type"] == "nf4" and saved["bnb_4bit_use_double_quant"] is True
+    base = AutoModelForCausalLM.from_pretrained(
+        EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config())
+    model = PeftModel.from_pretrained(base, str(one_process))
+    assert isinstance(model.get_base_model().model.layers[0].mlp.up_proj.base_layer, bnb.nn.Linear4bit)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=PROBE_IDS).logits).all()
+
+
+@pytest.mark.multiprocess
+def test_ddp_manual_loop_equals_one_process(one_process, tmp_path):
+    out = tmp_path / "ddp"
+    run_ok(torchrun(TRAIN_PY, *COMMON, "--per_device_train_batch_size", "4",
+                    "--loop", "accelerate", "--output_dir", out), env=child_env(tmp_path / "cache"))
+    torch.testing.assert_close(losses(out), losses(one_process), rtol=LOSS_RTOL, atol=0)
+    assert json.loads((out / "hf_scale_verify.json").read_text())["ok"]
+
+
+@pytest.mark.multiprocess
+def test_zero3_trainer_equals_one_process(one_process, tmp_path):
+    """The 4-bit weights stored as bf16 (what ZeRO-3 flattens with the rest): DeepSpeed partitions and trains them
+    on CPU. transformers loads a quantized model outside zero.Init, so each process reads the 4-bit base first."""
+    configs = generate_config(tmp_path / "cfg", "z3", preset="zero3", sets=[
+        "topology.processes_per_machine=2", "precision=bf16", "batch.micro_batch_size=4",
+        "batch.gradient_accumulation_steps=1", "optimizer.lr=1e-3"])
+    out = tmp_path / "z3"
+    result = run_ok(torchrun(TRAIN_PY, *COMMON, "--per_device_train_batch_size", "4", "--output_dir", out,
+                             "--deepspeed", configs / "ds_configs" / "z3.json"), env=child_env(tmp_path / "cache"))
+    assert "stored as bfloat16" in result.stderr
+    torch.testing.assert_close(losses(out), losses(one_process), rtol=LOSS_RTOL, atol=0)
+    adapter = load_file(out / "adapter_model.safetensors")  # ZeRO-3's classic failure: an empty adapter
+    assert adapter and all(t.numel() > 0 for t in adapter.values())
+
+
+def test_export_merged_matches_the_4bit_base_with_its_adapter(one_process, tmp_path):
+    """The merged bf16 model computes what the trained model (4-bit base + adapter) computes: within 0.02 on logits
+    of magnitude ~1 (each merged weight rounded once to bf16, 2**-9 relative), while the same adapter merged into
+    the unquantized base would be off by the quantization error (~0.1 here): so the merge used the 4-bit base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_scale.export import export
+
+    merged_dir = export(one_process / f"checkpoint-{STEPS}", tmp_path / "merged", lora="merged")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert merged.dtype == torch.bfloat16 and "quantization_config" not in json.loads(
+        (merged_dir / "config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(
+        EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config())
+    trained = PeftModel.from_pretrained(base, str(one_process))
+    unquantized = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR),
+                                            str(one_process))
+    with torch.no_grad():
+        want = trained(input_ids=PROBE_IDS).logits.float()
+        got = merged(input_ids=PROBE_IDS).logits.float()
+        off = unquantized(input_ids=PROBE_IDS).logits.float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.02)
+    assert (off - want).abs().max() > 5 * (got - want).abs().max()
