@@ -136,8 +136,7 @@ def prepare(argv: list[str] | None) -> Run:
     if parsed.load_in_4bit:  # QLoRA: what it cannot be combined with, before the process group and the model
         from hf_scale.train.model import quantization
 
-        problem = quantization.refusal(load_in_4bit=True, lora_r=parsed.lora_r, strategy=launch.request.strategy,
-                                       fp8_backend=launch.request.fp8_backend)
+        problem = quantization.refusal(load_in_4bit=True, lora_r=parsed.lora_r, fp8_backend=launch.request.fp8_backend)
         if problem:
             raise UserError(problem)
         quantization.check_installed()
