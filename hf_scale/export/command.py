@@ -266,7 +266,8 @@ def _size_of(path: Path) -> str:
     from hf_scale.train.checkpoint import layout
 
     entries, _ = layout.read_manifest(path)
-    return f"{sum(e['size'] for e in (entries or {}).values()) / 1e9:.3g} GB"
+    size = sum(e["size"] for e in (entries or {}).values())
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
 
 
 def _refuse(found: Layout, verify: bool, skipped: list[str] = ()) -> NoReturn:
