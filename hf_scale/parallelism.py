@@ -313,11 +313,11 @@ def kinds_of(layout: Layout) -> list[str]:
     return kinds
 
 
-# Why a kind cannot run without a GPU although the versions allow it (measured on torch 2.13 CPU).
+# Why a kind cannot run without a GPU although the versions allow it (measured on torch 2.13 CPU). Not sp:
+# DeepSpeed's Ulysses runs over gloo (tests/train/model/test_sequence_parallel.py).
 _NEEDS_GPU = {
     "cp": "torch's context_parallel has no sharding strategy for the CPU SDPA kernel "
           "(aten._scaled_dot_product_flash_attention_for_cpu): it needs a CUDA GPU",
-    "sp": "DeepSpeed's Ulysses/ALST sequence parallelism is run by hf_scale on GPUs only (not proven over gloo)",
 }
 
 
@@ -339,8 +339,8 @@ def train_refusal(layout: Layout, where: str, *, loop: str | None, gpu_present: 
     HSDP (dp_replicate x dp_shard) is FSDP2's hybrid sharding, which it runs too."""
     if layout.sp > 1:
         return (f"{where}: sp={layout.sp}: train.py does not run DeepSpeed Ulysses/ALST sequence parallelism: "
-                "accelerate's sp backend needs DeepSpeed's sequence-parallel groups and a CUDA device "
-                "(hf_scale has not proven it over gloo); set sp to 1, or run it from your own script on GPUs")
+                "it runs over gloo and on GPUs from a script of your own (accelerate's sp_backend='deepspeed'), "
+                "but is not wired into train.py's loops yet; set sp to 1")
     if layout.cp > 1:
         why = ("hf_scale proves cp only with benchmarks/gpu_cp.py on GPUs so far" if gpu_present
                else _NEEDS_GPU["cp"])
