@@ -22,6 +22,7 @@ import contextlib
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -40,12 +41,14 @@ LORA_MODES = ("adapter", "merged")
 
 EPILOG = """\
 CHECKPOINT_DIR is a complete OUTPUT_DIR/checkpoint-STEP written by train.py (either loop; DeepSpeed
-ZeRO-1/2/3, FSDP2, accelerate's FSDP plugin on GPUs or DDP), or OUTPUT_DIR itself: its newest complete
-checkpoint is exported (named on stderr). An incomplete checkpoint (no valid hf_scale_complete.json) is refused.
+ZeRO-1/2/3, FSDP2, accelerate's FSDP plugin on GPUs or DDP), or OUTPUT_DIR itself: its newest checkpoint
+of verified content is exported (named on stderr). Every file is first checked against the checksum recorded
+in hf_scale_complete.json, as --resume_from_checkpoint does (it reads the whole checkpoint once); an
+incomplete checkpoint or one whose content does not verify is refused, naming the file.
 
 examples:
   hf-scale export outputs/run/checkpoint-500 exported/                      # the dtype it was trained in
-  hf-scale export outputs/run exported/                                     # the run's newest complete checkpoint
+  hf-scale export outputs/run exported/                                     # the run's newest verified checkpoint
   hf-scale export outputs/run/checkpoint-500 exported-bf16/ --dtype bf16 --max-shard-size 2GB
   hf-scale export outputs/lora/checkpoint-200 adapter/                      # LoRA: the adapter only
   hf-scale export outputs/lora/checkpoint-200 merged/ --lora merged         # LoRA merged into the base
@@ -63,7 +66,7 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
-                        help="a complete OUTPUT_DIR/checkpoint-STEP, or OUTPUT_DIR (its newest complete checkpoint)")
+                        help="a complete OUTPUT_DIR/checkpoint-STEP, or OUTPUT_DIR (its newest verified checkpoint)")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where the model goes (must not exist, or be empty)")
     parser.add_argument(
         "--dtype",
@@ -91,6 +94,14 @@ def register(subparsers) -> None:
         "HF_TOKEN or the one saved by `hf auth login`, the endpoint HF_ENDPOINT",
     )
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+    parser.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the checksums (the manifest and the file sizes are still checked): export a checkpoint whose "
+        "content does not verify (an older hf_scale's size-only manifest, a file you know was changed), or save "
+        "reading the whole checkpoint once more",
+    )
     parser.set_defaults(func=run_export)
 
 
@@ -109,6 +120,7 @@ def run_export(args) -> int:
         dtype=args.dtype,
         lora=args.lora,
         max_shard_size=args.max_shard_size,
+        verify=args.verify,
     )
     if target is not None:
         from hf_scale.train.checkpoint.layout import TRAINING_STATE_GLOBS
@@ -123,12 +135,13 @@ def _log(message: str) -> None:
 
 
 def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: str | None = None,
-           max_shard_size: str = "5GB") -> Path:
-    """Write the Hugging Face directory for `checkpoint_dir` to `out_dir` (atomically); returns out_dir."""
+           max_shard_size: str = "5GB", verify: bool = True) -> Path:
+    """Write the Hugging Face directory for `checkpoint_dir` to `out_dir` (atomically); returns out_dir. With
+    `verify`, only a checkpoint whose content verifies (`checkpoint.verify`, as a resume) is read."""
     from hf_scale.train.checkpoint.layout import ADAPTER_CONFIG
 
     _validate_shard_size(max_shard_size)
-    found = _checkpoint_of(checkpoint_dir)
+    found = _checkpoint_of(checkpoint_dir, verify)
     checkpoint_dir = found.path
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"OUT_DIR {out_dir}: already exists and is not empty; choose a new directory")
@@ -179,27 +192,87 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     return out_dir
 
 
-def _checkpoint_of(path: Path) -> Layout:
-    """The complete checkpoint to export: `path` itself, or for a training
-    output directory (OUTPUT_DIR holding checkpoint-STEP folders) its newest complete checkpoint, said in one
-    line on stderr. Everything else is refused in one line saying what `path` is."""
+def _checkpoint_of(path: Path, verify: bool) -> Layout:
+    """The checkpoint to export: `path` itself, or for a training output directory (OUTPUT_DIR holding
+    checkpoint-STEP folders) its newest checkpoint of verified content (`checkpoint.newest_verified`, what
+    `--resume_from_checkpoint auto` takes; without `verify` its newest complete one), said in one line on stderr.
+    Everything else is refused in one line saying what `path` is, or which file of it does not verify."""
     from hf_scale.train.checkpoint import layout
 
     with _reading(path):
         found = layout.detect_layout(path)
-        if found.kind == layout.RUN_DIR and found.newest is not None:
-            newest = found.newest
-            skipped = [p.name for p in found.checkpoints if layout.step_of(p) > layout.step_of(newest)]
-            _log(f"{path} is a training output directory: exporting its newest complete checkpoint, {newest.name}"
-                 + (f" ({', '.join(skipped)} incomplete)" if skipped else ""))
+        if found.kind == layout.RUN_DIR:
+            newest, skipped = _newest_of_run(path, found, verify)
+            if newest is None:
+                _refuse(found, verify, skipped)
+            what = "verified" if verify else "complete"
+            _log(f"{path} is a training output directory: exporting its newest {what} checkpoint, {newest.name}"
+                 + (f" ({', '.join(skipped)})" if skipped else ""))
             found = layout.detect_layout(newest)
+        elif found.kind == layout.CHECKPOINT and verify:
+            _verified(found.path)
     if found.kind == layout.CHECKPOINT:
         return found
-    _refuse(found)
+    _refuse(found, verify)
 
 
-def _refuse(found: Layout) -> NoReturn:
-    """Why the directory `detect_layout` described cannot be exported, in one line."""
+def _newest_of_run(path: Path, found: Layout, verify: bool) -> tuple[Path | None, list[str]]:
+    """The checkpoint of run directory `path` to export, and the newer ones passed over ("NAME: why")."""
+    from hf_scale.train.checkpoint import layout
+    from hf_scale.train.checkpoint import store as checkpoint
+
+    if not verify:
+        newest = found.newest
+        newer = [p for p in found.checkpoints if newest and layout.step_of(p) > layout.step_of(newest)]
+        return newest, [f"{p.name} incomplete" for p in newer]
+    started = time.perf_counter()
+    newest, skipped = checkpoint.newest_verified(path)
+    if newest is not None:
+        _log(f"verified {newest.name} against its {layout.MANIFEST} ({_size_of(newest)}, "
+             f"{time.perf_counter() - started:.1f} s)")
+    return newest, [f"{p.name}: {why}" for p, why in skipped]
+
+
+def _verified(path: Path) -> None:
+    """Every file of checkpoint `path` against its manifest's checksums (`checkpoint.verify`, as a resume), or a
+    one-line refusal naming the first that differs and the newest sibling that verifies."""
+    from hf_scale.train.checkpoint import layout
+    from hf_scale.train.checkpoint import store as checkpoint
+
+    started = time.perf_counter()
+    problem = checkpoint.verify(path)
+    if problem is None:
+        _log(f"verified {path.name} against its {layout.MANIFEST} ({_size_of(path)}, "
+             f"{time.perf_counter() - started:.1f} s)")
+        return
+    raise UserError(f"CHECKPOINT_DIR {path}: {problem}; it was left as it is; {_sibling_note(path)} (--no-verify "
+                    "exports it as it is)")
+
+
+def _sibling_note(path: Path) -> str:
+    """The newest checkpoint of verified content beside checkpoint `path`, for a refusal."""
+    from hf_scale.train.checkpoint import layout
+    from hf_scale.train.checkpoint import store as checkpoint
+
+    if layout.step_of(path) is None:
+        return "export a complete OUTPUT_DIR/checkpoint-STEP"
+    newest, _ = checkpoint.newest_verified(path.parent)
+    if newest is None:
+        return "export a complete OUTPUT_DIR/checkpoint-STEP"
+    return f"the newest verified one beside it is {newest}"
+
+
+def _size_of(path: Path) -> str:
+    from hf_scale.train.checkpoint import layout
+
+    entries, _ = layout.read_manifest(path)
+    size = sum(e["size"] for e in (entries or {}).values())
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+
+
+def _refuse(found: Layout, verify: bool, skipped: list[str] = ()) -> NoReturn:
+    """Why the directory `detect_layout` described cannot be exported, in one line (`skipped`: a run directory's
+    checkpoints, "NAME: why not", when none verifies)."""
     from hf_scale.train.checkpoint import layout
 
     path = found.path
@@ -208,18 +281,22 @@ def _refuse(found: Layout) -> NoReturn:
     if found.kind == layout.HF_MODEL:
         raise UserError(f"CHECKPOINT_DIR {path}: a saved Hugging Face model, not a checkpoint: from_pretrained "
                         "loads it as it is (export takes an OUTPUT_DIR/checkpoint-STEP)")
+    note = " (its final model is already in it: from_pretrained loads that directory)" if found.final_model else ""
+    if found.kind == layout.RUN_DIR and verify:  # without a checkpoint of verified content
+        raise UserError(f"CHECKPOINT_DIR {path}: a training output directory without a checkpoint of verified "
+                        f"content ({'; '.join(skipped)}){note}")
     if found.kind == layout.RUN_DIR:  # without a complete checkpoint
         names = ", ".join(p.name for p in found.checkpoints)
-        note = " (its final model is already in it: from_pretrained loads that directory)" if found.final_model else ""
         verb = "is" if len(found.checkpoints) == 1 else "are"
         raise UserError(f"CHECKPOINT_DIR {path}: a training output directory without a complete checkpoint ({names} "
                         f"{verb} incomplete: no valid {layout.MANIFEST}){note}")
     # An incomplete checkpoint, or a directory that is none of the above.
-    raise UserError(
-        f"CHECKPOINT_DIR {path}: incomplete or corrupt checkpoint (no valid {layout.MANIFEST}); "
-        + (f"the newest complete one beside it is {found.newest}" if found.newest
-           else "export a complete OUTPUT_DIR/checkpoint-STEP")
-    )
+    if verify and found.kind == layout.INCOMPLETE:
+        sibling = _sibling_note(path)
+    else:
+        sibling = (f"the newest complete one beside it is {found.newest}" if found.newest
+                   else "export a complete OUTPUT_DIR/checkpoint-STEP")
+    raise UserError(f"CHECKPOINT_DIR {path}: incomplete or corrupt checkpoint (no valid {layout.MANIFEST}); {sibling}")
 
 
 def _validate_shard_size(size: str) -> None:

@@ -112,17 +112,19 @@ def test_export_of_a_run_directory_takes_its_newest_complete_checkpoint_and_says
     (run_dir / "checkpoint-4" / checkpoint_layout.MANIFEST).unlink()  # interrupted while saving
     out = tmp_path / "exported"
     result = _export(run_dir, out)
-    assert (f"hf-scale export: {run_dir} is a training output directory: exporting its newest complete checkpoint, "
-            "checkpoint-2 (checkpoint-4 incomplete)") in result.stderr.splitlines()
+    assert (f"hf-scale export: {run_dir} is a training output directory: exporting its newest verified checkpoint, "
+            f"checkpoint-2 (checkpoint-4: no {checkpoint_layout.MANIFEST} (an interrupted save, or not written by "
+            "hf_scale))") in result.stderr.splitlines()
     AutoModelForCausalLM.from_pretrained(out)
     refused = run(EXPORT + [str(run_dir / "checkpoint-4"), str(tmp_path / "out4")], timeout=120)
-    assert refused.stderr.strip().endswith(f"the newest complete one beside it is {run_dir / 'checkpoint-2'}")
+    assert refused.stderr.strip().endswith(f"the newest verified one beside it is {run_dir / 'checkpoint-2'}")
 
     (run_dir / "checkpoint-2" / checkpoint_layout.MANIFEST).unlink()
     result = run(EXPORT + [str(run_dir), str(tmp_path / "out2")], timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        f"hf-scale: error: CHECKPOINT_DIR {run_dir}: a training output directory without a complete checkpoint "
-        f"(checkpoint-2, checkpoint-4 are incomplete: no valid {checkpoint_layout.MANIFEST})"
+        f"hf-scale: error: CHECKPOINT_DIR {run_dir}: a training output directory without a checkpoint of verified "
+        f"content (checkpoint-4: no {checkpoint_layout.MANIFEST} (an interrupted save, or not written by hf_scale); "
+        f"checkpoint-2: no {checkpoint_layout.MANIFEST} (an interrupted save, or not written by hf_scale))"
     ]
     assert not (tmp_path / "out2").exists()
 

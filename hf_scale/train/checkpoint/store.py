@@ -28,6 +28,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Collection
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -90,9 +91,9 @@ def remove_interrupted(output_dir: str | Path, *, foreign_too: bool = False) -> 
     return removed
 
 
-def verify(path: Path, state) -> str | None:
+def verify(path: Path, state=_ONE_PROCESS) -> str | None:
     """The first reason `path` cannot be resumed from, or None: None means verified content. Collective
-    (`state`: PartialState/Accelerator).
+    (`state`: PartialState/Accelerator; by this process alone by default).
 
     Manifest and sizes (main process), then every file's checksum (each rank hashes a share; a manifest without
     checksums does not verify), then the small state files and `hf_scale_state.json` must load (main process).
@@ -165,16 +166,32 @@ def resolve_resume(value: str | None, output_dir: str, state) -> Path | None:
 
 
 def _newest_resumable(root: Path, state) -> Path | None:
+    found, skipped = newest_verified(root, state)
+    if state.is_main_process:
+        for path, problem in skipped:
+            print(f"hf_scale: skipping {path}: {problem}; left as it is", file=sys.stderr, flush=True)
+    return found
+
+
+def newest_verified(output_dir: str | Path, state=_ONE_PROCESS, *, trusted: Collection[Path] = frozenset()
+                    ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest `checkpoint-STEP` of `output_dir` whose content verifies (`verify`), and the newer ones skipped
+    with why: what `--resume_from_checkpoint auto` resumes, a failure message names and `hf-scale export
+    OUTPUT_DIR` exports. `trusted`: checkpoints this run wrote or verified itself (a Publisher's `verified`), not
+    read again. Collective with a process group's `state`; by this process alone by default.
+
+    Cost: every file of each checkpoint tried is read (a 70B checkpoint is ~1 TB: with one process, the disk's
+    read bandwidth sets the time; a run's ranks share it); the newest is usually the one taken."""
     candidates = None
     if state.is_main_process:  # listed once: every rank then verifies the same directories
-        candidates = checkpoint_folders(root)[::-1]
+        candidates = checkpoint_folders(output_dir)[::-1]
+    skipped = []
     for path in integrity.broadcast(state, candidates):
-        found = verify(path, state)
+        found = None if path.resolve() in trusted else verify(path, state)
         if found is None:
-            return path
-        if state.is_main_process:
-            print(f"hf_scale: skipping {path}: {found}; left as it is", file=sys.stderr, flush=True)
-    return None
+            return path, skipped
+        skipped.append((path, found))
+    return None, skipped
 
 
 _STATE_FIELDS = {"step": int, "world_size": int, "strategy": str}
@@ -312,11 +329,22 @@ class Publisher:
     def rotate(self, keep: int | None, protect: str | Path | None = None) -> None:
         """`--save_total_limit`: keep the newest `keep` complete checkpoints (and `protect`, the Trainer's best);
         an older one is deleted only when its content verifies."""
-        if not keep or keep < 1:
-            return
-        protected = Path(protect).resolve() if protect else None
-        old = integrity.broadcast(self.state, [p for p in complete_checkpoints(self.root)[:-keep]
-                                               if p.resolve() != protected] if self.state.is_main_process else None)
+        if keep and keep >= 1:
+            self._remove_older(keep, protect)
+
+    def keep_only_best(self, best: str | Path) -> None:
+        """The Trainer's end of training under `--save_total_limit 1 --load_best_model_at_end`: every checkpoint
+        but the best goes (transformers' `_finalize_training`), the newest too; again only what verifies, so a
+        foreign `checkpoint-N`, a damaged one and a `.kept-K` stay."""
+        self._remove_older(0, best)
+
+    def _remove_older(self, keep: int, protect: str | Path | None) -> None:
+        old = None
+        if self.state.is_main_process:
+            protected = Path(protect).resolve() if protect else None
+            complete = complete_checkpoints(self.root)
+            old = [p for p in complete[:len(complete) - keep] if p.resolve() != protected]
+        old = integrity.broadcast(self.state, old)
         for path in old:
             if path.resolve() in self.kept:
                 continue
@@ -352,12 +380,13 @@ def _publish(written: Path, root: Path, final: Path, step: int, problem: str | N
         shutil.rmtree(replaced, ignore_errors=True)
 
 
-def intact_note(output_dir: str | Path) -> str:
-    """Which checkpoint a user can go back to, for the messages of a failed save or a diverged run."""
-    found = complete_checkpoints(output_dir)
+def intact_note(output_dir: str | Path, trusted: Collection[Path] = frozenset()) -> str:
+    """Which checkpoint a user can go back to, for the messages of a failed save or a diverged run: the newest
+    whose content verifies (`newest_verified`; `trusted`, the run's Publisher's `verified`, is not read again)."""
+    found, _ = newest_verified(output_dir, trusted=trusted)
     if found:
-        return f"the newest intact checkpoint is {found[-1]} (resume with --resume_from_checkpoint auto)"
-    return f"there is no intact checkpoint in {output_dir}"
+        return f"the newest intact checkpoint is {found} (resume with --resume_from_checkpoint auto)"
+    return f"there is no intact checkpoint (of verified content) in {output_dir}"
 
 
 def write_failure(error: BaseException) -> str | None:
@@ -373,8 +402,9 @@ def write_failure(error: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def write_errors_reported(what: str, output_dir: str | Path):
-    """A write failure in the body becomes one line naming the newest intact checkpoint (exit 2 in main).
+def write_errors_reported(what: str, output_dir: str | Path, trusted: Collection[Path] = frozenset()):
+    """A write failure in the body becomes one line naming the newest intact checkpoint (exit 2 in main;
+    `trusted`: as for `intact_note`).
 
     Only the rank that failed knows: it exits, and the launcher (torchrun, accelerate, deepspeed) stops the
     others, which may be waiting in a collective of the save.
@@ -388,7 +418,7 @@ def write_errors_reported(what: str, output_dir: str | Path):
         free = ""
         with contextlib.suppress(OSError):
             free = f"; {shutil.disk_usage(output_dir).free / 2**30:.1f} GiB free on its filesystem"
-        raise UserError(f"saving {what} failed ({failure}); {intact_note(output_dir)}{free}") from None
+        raise UserError(f"saving {what} failed ({failure}); {intact_note(output_dir, trusted)}{free}") from None
 
 
 @contextlib.contextmanager

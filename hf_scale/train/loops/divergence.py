@@ -11,6 +11,7 @@ skips that step and lowers the scale — so there only the loss counts.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from pathlib import Path
 
 from hf_scale.errors import UserError
@@ -18,15 +19,15 @@ from hf_scale.train.checkpoint import store as checkpoint
 
 
 def check_step(step: int, loss: float, grad_norm: float | None, *, loss_scaling: bool,
-               output_dir: str | Path) -> None:
+               output_dir: str | Path, trusted: Collection[Path] = frozenset()) -> None:
     """One-line UserError naming the step when its loss (or, without loss scaling, its gradient norm) is
-    not finite."""
+    not finite. `trusted`: the checkpoints the run's Publisher wrote or verified (`checkpoint.intact_note`)."""
     bad = [] if math.isfinite(loss) else [f"loss {loss}"]
     if grad_norm is not None and not math.isfinite(grad_norm) and not loss_scaling:
         bad.append(f"gradient norm {grad_norm}")
     if bad:
         raise UserError(
             f"step {step}: {' and '.join(bad)}; training stopped before saving anything of this step; "
-            f"{checkpoint.intact_note(output_dir)}. Lower --learning_rate, check the data and the model's "
+            f"{checkpoint.intact_note(output_dir, trusted)}. Lower --learning_rate, check the data and the model's "
             "weights, or go back to an earlier checkpoint"
         )

@@ -299,7 +299,7 @@ class _Loop:
                                                            step=self.step), self.accelerator)
             self._log(record)
             divergence.check_step(self.step, loss, record["grad_norm"], loss_scaling=self.spec.loss_scaling,
-                                  output_dir=self.args.output_dir)
+                                  output_dir=self.args.output_dir, trusted=self.saver.publisher.verified)
             # Checkpoints only at optimizer-step boundaries: never with accumulation half done.
             preempted = self.stop is not None and self.stop.agreed(self.accelerator)
             if not preempted and self.schedule is not None and self.schedule.after_step(self.step):

@@ -40,7 +40,8 @@ class CheckpointSaver:
         return step % interval == 0 or step == total_steps
 
     def save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
-        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), self.args.output_dir):
+        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), self.args.output_dir,
+                                              self.publisher.verified):
             return self._save(step, epoch, batches_in_epoch)
 
     def _save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:

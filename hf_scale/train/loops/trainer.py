@@ -43,6 +43,7 @@ class HfScaleTrainer(Trainer):
         self.last_grad_norm = None
         self.last_eval: evaluation.EvalResult | None = None
         self._saving_step: int | None = None
+        self._finalizing = False
         self.last_saved_step: int | None = None
         """The step of the last checkpoint this run published."""
         self.publisher = checkpoint.Publisher(self.args.output_dir, self.accelerator)
@@ -122,11 +123,31 @@ class HfScaleTrainer(Trainer):
         # delete any checkpoint-* (also foreign ones), only sees that directory.
         if self._saving_step is not None:
             return str(checkpoint_layout.staging_dir(self.args.output_dir, self._saving_step))
+        if self._finalizing:
+            # transformers' end of training (`_finalize_training`) lists checkpoint-* here and, under
+            # --save_total_limit 1 with a best checkpoint, deletes every one but the best: foreign, damaged and
+            # `.kept-K` ones too. It finds none in this name (never created); the Publisher does it (below).
+            return str(checkpoint_layout.staging_dir(self.args.output_dir, "end-of-training"))
         return super()._get_output_dir(trial)
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        # Private Trainer hook (transformers 5): its end-of-training rotation, the Publisher's way (only what
+        # verifies is deleted). Collective: every rank runs it.
+        self._finalizing = True
+        try:
+            output = super()._finalize_training(trial, num_train_samples, start_time)
+        finally:
+            self._finalizing = False
+        best = self.state.best_model_checkpoint
+        if best is not None and self.args.save_total_limit == 1:
+            self.publisher.keep_only_best(best)
+            self.accelerator.wait_for_everyone()
+        return output
 
     def _save_checkpoint(self, model, trial):
         step, output_dir = self.state.global_step, self.args.output_dir
-        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), output_dir):
+        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), output_dir,
+                                              self.publisher.verified):
             self._write_sealed_checkpoint(model, trial, step, Path(output_dir))
 
     def _write_sealed_checkpoint(self, model, trial, step: int, output_dir: Path) -> None:
@@ -291,7 +312,8 @@ class GuardAndMetricsCallback(TrainerCallback):
         trainer.live_window = live.Window()
         # Before the Trainer's _maybe_log_save_evaluate: a diverged step is never saved.
         divergence.check_step(state.global_step, loss, record["grad_norm"],
-                              loss_scaling=self.spec.loss_scaling, output_dir=args.output_dir)
+                              loss_scaling=self.spec.loss_scaling, output_dir=args.output_dir,
+                              trusted=self.trainer.publisher.verified)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.metrics.log_eval(step=state.global_step, epoch=state.epoch or 0.0, result=self.trainer.last_eval)

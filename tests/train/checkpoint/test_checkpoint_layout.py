@@ -195,12 +195,12 @@ def test_export_refuses_each_kind_that_is_not_a_complete_checkpoint_in_one_line(
     assert "a saved Hugging Face model, not a checkpoint" in _export_error(run, tmp_path)
     _checkpoint(run, 2, {"model.safetensors": "w"}, sealed=False)
     assert _export_error(run, tmp_path) == (
-        f"CHECKPOINT_DIR {run}: a training output directory without a complete checkpoint (checkpoint-2 is "
-        f"incomplete: no valid {layout.MANIFEST}) (its final model is already in it: from_pretrained loads that "
-        "directory)")
+        f"CHECKPOINT_DIR {run}: a training output directory without a checkpoint of verified content (checkpoint-2: "
+        f"no {layout.MANIFEST} (an interrupted save, or not written by hf_scale)) (its final model is already in it: "
+        "from_pretrained loads that directory)")
     _checkpoint(run, 1, {"config.json": "{}"})
     assert _export_error(run / "checkpoint-2", tmp_path).endswith(
-        f"the newest complete one beside it is {run / 'checkpoint-1'}")
+        f"the newest verified one beside it is {run / 'checkpoint-1'}")
     assert _export_error(run, tmp_path).startswith(f"CHECKPOINT_DIR {run / 'checkpoint-1'}: no model weights found")
     _checkpoint(run, 3, {"latest": "global_step9", "config.json": "{}"})
     assert _export_error(run / "checkpoint-3", tmp_path) == (
