@@ -4,7 +4,8 @@ Gradient accumulation follows the same rule as the transformers Trainer so both 
 identically: each optimizer step takes `gradient_accumulation_steps` micro-batches per rank, counts
 the target tokens of the whole window on all ranks, and every micro-batch's summed token loss is
 divided by that global count (and multiplied by the data-parallel size, because DDP, ZeRO and FSDP average
-gradients over ranks; the ranks of one tensor-parallel group share a batch and count it once). Micro 2 x
+gradients over ranks; the ranks of one tensor-parallel group share a batch and count it once; sequence-parallel
+ranks hold disjoint shards, see train/model/sequence_parallel.py). Micro 2 x
 accumulation 4 therefore equals micro 8, and 2 ranks equal 1 rank.
 Gradient sync is skipped on all but the last micro-batch of a window.
 """
