@@ -26,10 +26,12 @@ MAX_YAML_ALIASES = 100
 MAX_YAML_NODES = 100_000
 """A config has a few hundred nodes: these bound what a document may expand to (alias bombs)."""
 
-NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$|^-(?:inf|infinity|nan)$", re.IGNORECASE)
+NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?(?:\s*[a-z]+)?$|^-(?:inf|infinity|nan)$",
+                             re.IGNORECASE)
 """What argparse must read as a negative number, not as a flag (set as a parser's ``_negative_number_matcher``):
-Python 3.11's own pattern misses exponents, so `--adam_epsilon -1e-8` was "expected one argument". Read as a
-value, the flag's own range check answers."""
+Python 3.11's own pattern misses exponents, so `--adam_epsilon -1e-8` was "expected one argument", and sizes
+(`--gpu-memory -80GB`: a number with a unit). Read as a value, the flag's own range check answers. No option of
+hf_scale's starts with a dash and a digit, so nothing this matches could be a flag."""
 
 _FILE_KINDS = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),

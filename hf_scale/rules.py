@@ -248,3 +248,15 @@ AUTOTUNING_EXITS = (
 def autotuning_enabled(ds_config: dict[str, Any] | None) -> bool:
     autotuning = (ds_config or {}).get("autotuning")
     return isinstance(autotuning, dict) and autotuning.get("enabled") is True
+
+
+ZERO_SECTION_REFUSED = (
+    "accelerate's DeepSpeedPlugin (the HF Trainer's and an Accelerator loop's) refuses the config at start"
+)
+"""Why a DeepSpeed config without `zero_optimization` cannot run under train.py (`hf-scale check` and train.py
+refuse it, with :data:`ZERO_SECTION_FIX`); raw deepspeed.initialize would run it as stage 0."""
+ZERO_SECTION_FIX = 'add `"zero_optimization": {"stage": 0}` (or the ZeRO stage you want)'
+
+
+def zero_section_missing(ds_config: dict[str, Any] | None) -> bool:
+    return ds_config is not None and "zero_optimization" not in ds_config

@@ -378,7 +378,9 @@ PLAN = [
     plan_case("gpu-memory-unit", ["--gpu-memory", "80XB"], "--gpu-memory '80XB' is invalid"),
     plan_case("gpu-memory-zero", ["--gpu-memory", "0GB"], "--gpu-memory '0GB' is invalid"),
     plan_case("gpu-memory-negative", ["--gpu-memory=-80GB"], "--gpu-memory '-80GB' is invalid"),
-    plan_case("gpu-memory-dash-value", ["--gpu-memory", "-80GB"], "argument --gpu-memory: expected one argument"),
+    # a size starting with a dash is the flag's value (inputs.NEGATIVE_NUMBER), not argparse's "expected one argument"
+    plan_case("gpu-memory-dash-value", ["--gpu-memory", "-80GB"], "--gpu-memory '-80GB' is invalid"),
+    plan_case("cpu-memory-dash-value-spaced", ["--cpu-memory", "-1.5 TiB"], "--cpu-memory '-1.5 TiB' is invalid"),
     plan_case("gpu-memory-word", ["--gpu-memory", "lots"], "--gpu-memory 'lots' is invalid"),
     plan_case("cpu-memory-word", ["--cpu-memory", "1TX"], "--cpu-memory '1TX' is invalid"),
     plan_case("margin-one", ["--safety-margin", "1"], "--safety-margin 1.0 is invalid"),

@@ -159,7 +159,7 @@ def check_zero_section(inp: CheckInputs) -> Iterator[Finding]:
     """`zero-section-missing`: a DeepSpeed JSON without `zero_optimization` under the HF Trainer or an Accelerator
     loop: accelerate's DeepSpeedPlugin raises at start ("Please specify the ZeRO optimization config"); raw
     deepspeed.initialize runs it as stage 0."""
-    if inp.deepspeed is None or inp.runner == "deepspeed" or "zero_optimization" in inp.deepspeed:
+    if inp.runner == "deepspeed" or not rules.zero_section_missing(inp.deepspeed):
         return
     file = inp.deepspeed_file or ""
     yield Finding(
@@ -167,8 +167,7 @@ def check_zero_section(inp: CheckInputs) -> Iterator[Finding]:
         "zero-section-missing",
         file,
         "zero_optimization",
-        "No `zero_optimization` section: accelerate's DeepSpeedPlugin (the HF Trainer's and an Accelerator loop's) "
-        "refuses the config at start.",
-        f'{in_file(file)}add `"zero_optimization": {{"stage": 0}}` (or the ZeRO stage you want).',
+        f"No `zero_optimization` section: {rules.ZERO_SECTION_REFUSED}; train.py refuses it.",
+        f"{in_file(file)}{rules.ZERO_SECTION_FIX}.",
         {f"{file}:zero_optimization": None},
     )

@@ -75,6 +75,10 @@ def _deepspeed_overrides(deepspeed, ns, given: Set[str]) -> str | None:
     if rules.autotuning_enabled(config):
         raise UserError(f"{where}: autotuning.enabled=true: {rules.AUTOTUNING_EXITS}; set it to false (autotuning "
                         "runs through `deepspeed --autotuning tune`, not in a training job)")
+    if rules.zero_section_missing(config):
+        named = f"--deepspeed={deepspeed}" if isinstance(deepspeed, str) else where
+        raise UserError(f"{named}: no `zero_optimization` section: {rules.ZERO_SECTION_REFUSED}; "
+                        f"{rules.ZERO_SECTION_FIX}")
     found = deepspeed_overrides.find_overrides(config, given) if config else []
     refusal = deepspeed_overrides.refusal(found, vars(ns), where)
     if refusal:
@@ -136,8 +140,7 @@ def prepare(argv: list[str] | None) -> Run:
     if parsed.load_in_4bit:  # QLoRA: what it cannot be combined with, before the process group and the model
         from hf_scale.train.model import quantization
 
-        problem = quantization.refusal(load_in_4bit=True, lora_r=parsed.lora_r, strategy=launch.request.strategy,
-                                       fp8_backend=launch.request.fp8_backend)
+        problem = quantization.refusal(load_in_4bit=True, lora_r=parsed.lora_r, fp8_backend=launch.request.fp8_backend)
         if problem:
             raise UserError(problem)
         quantization.check_installed()

@@ -262,6 +262,10 @@ CASES: dict[str, Case] = {
     "deepspeed-stage-7": Case(["--deepspeed", "{d}/ds.json"], "zero_optimization.stage=7",
                               files={"ds.json": json.dumps({"zero_optimization": {"stage": 7}})}),
     "deepspeed-array": Case(["--deepspeed", "{d}/ds.json"], "must be a JSON object", files={"ds.json": "[1, 2]"}),
+    # hf-scale check's zero-section-missing in train.py's words, before accelerate's DeepSpeedPlugin raises it
+    "deepspeed-without-zero-section": Case(
+        ["--deepspeed", "{d}/ds.json"], "/ds.json: no `zero_optimization` section: accelerate's DeepSpeedPlugin",
+        files={"ds.json": json.dumps({"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}})}),
     "deepspeed-directory": Case(["--deepspeed", "{d}"], "is a directory, not a regular file; expected a DeepSpeed"),
     "precision-flag-against-deepspeed-json": Case(["--deepspeed", str(REPO / "ds_configs" / "zero2.json"), "--fp16"],
                                                   "--fp16 conflicts with"),

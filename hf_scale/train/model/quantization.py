@@ -5,8 +5,10 @@ loaded; the quantization config the model is loaded with is built here (:func:`b
 The choices are QLoRA's (Dettmers et al. 2023) and the ones peft's and accelerate's QLoRA guides use: NF4 weights,
 double quantization of the scaling constants, bf16 compute. Under ZeRO-3 and FSDP the packed 4-bit weights are
 stored in a tensor of the dtype the engine holds the other parameters in (`bnb_4bit_quant_storage`): DeepSpeed
-casts every parameter to its precision and partitions them flat, FSDP2 (accelerate 1.15) shards only floating
-Params4bit; with a matching storage dtype a 4-bit base shards like any other model. Elsewhere bitsandbytes' uint8.
+casts every parameter to its precision and partitions them flat, FSDP2 (accelerate 1.15, and hf_scale's own
+fully_shard on CPU) shards only floating Params4bit; with a matching storage dtype a 4-bit base shards like any other
+model (bitsandbytes dequantizes the gathered weight with the quant_state kept on its Linear4bit module). Elsewhere
+bitsandbytes' uint8.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ STORAGE_OF_PRECISION = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}
 """The run's precision -> the dtype ZeRO-3 holds its parameters in (FSDP2 with fp32 shards: precision no)."""
 
 
-def refusal(*, load_in_4bit: bool, lora_r: int, strategy: str, fp8_backend: str | None) -> str | None:
+def refusal(*, load_in_4bit: bool, lora_r: int, fp8_backend: str | None) -> str | None:
     """Why --load_in_4bit cannot run with the rest of the run (None when it can, or without 4-bit)."""
     if not load_in_4bit:
         return None

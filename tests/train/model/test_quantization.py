@@ -1,6 +1,6 @@
 """QLoRA (`train.py --load_in_4bit`) on CPU with bitsandbytes' own NF4 layers: the refusals, the quantization
-config transformers receives, a real one-process run (4-bit base, non-empty adapter), 2-process DDP and ZeRO-3
-runs (real torchrun, gloo) that equal it, and `hf-scale export --lora merged` of its checkpoint.
+config transformers receives, a real one-process run (4-bit base, non-empty adapter), 2-process DDP, ZeRO-3 and
+FSDP2 runs (real torchrun, gloo) that equal it, and `hf-scale export --lora merged` of its checkpoint.
 
 Tolerance of the 2-process comparisons: the 4-bit base is the same on every process (NF4 quantization of the same
 weights is deterministic) and the LoRA math is the same; what differs is bf16 compute (the 4-bit layers' compute
@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import PROBE_IDS, TRAIN_PY, child_env, generate_config, losses, run_in_process, run_ok, torchrun
 
+from hf_scale.train.checkpoint.layout import DCP_DIR
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.model import quantization
 
@@ -30,11 +31,11 @@ LOSS_RTOL = 2e-4  # see the module docstring
 
 
 def test_refusals_name_the_combination():
-    assert quantization.refusal(load_in_4bit=False, lora_r=0, strategy="ddp", fp8_backend=None) is None
-    assert quantization.refusal(load_in_4bit=True, lora_r=8, strategy="deepspeed", fp8_backend=None) is None
-    no_lora = quantization.refusal(load_in_4bit=True, lora_r=0, strategy="single", fp8_backend=None)
+    assert quantization.refusal(load_in_4bit=False, lora_r=0, fp8_backend=None) is None
+    assert quantization.refusal(load_in_4bit=True, lora_r=8, fp8_backend=None) is None
+    no_lora = quantization.refusal(load_in_4bit=True, lora_r=0, fp8_backend=None)
     assert "--lora_r=0" in no_lora and "cannot be fully fine-tuned" in no_lora
-    assert "fp8" in quantization.refusal(load_in_4bit=True, lora_r=8, strategy="ddp", fp8_backend="torchao")
+    assert "fp8" in quantization.refusal(load_in_4bit=True, lora_r=8, fp8_backend="torchao")
 
 
 @pytest.mark.parametrize(("sharded_precision", "storage"), [
@@ -97,6 +98,29 @@ def test_zero3_trainer_equals_one_process(one_process, tmp_path):
     torch.testing.assert_close(losses(out), losses(one_process), rtol=LOSS_RTOL, atol=0)
     adapter = load_file(out / "adapter_model.safetensors")  # ZeRO-3's classic failure: an empty adapter
     assert adapter and all(t.numel() > 0 for t in adapter.values())
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_manual_loop_equals_one_process(one_process, tmp_path):
+    """FSDP2 from a DistributedConfig (torch's fully_shard over gloo, as hf_scale shards on CPU): the packed 4-bit
+    weights, stored as bf16, are sharded like any other parameter (each rank checkpoints half of every one) and
+    bitsandbytes dequantizes the gathered weight with the quant_state kept on its Linear4bit module."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text("strategy: fsdp\nprecision: bf16\ntopology: {processes_per_machine: 2}\n"
+                      "batch: {micro_batch_size: 4, gradient_accumulation_steps: 1}\noptimizer: {lr: 0.001}\n")
+    out = tmp_path / "fsdp2"
+    result = run_ok(torchrun(TRAIN_PY, *COMMON, "--per_device_train_batch_size", "4", "--loop", "accelerate",
+                             "--hf_scale_config", config, "--output_dir", out), env=child_env(tmp_path / "cache"))
+    assert "stored as bfloat16" in result.stderr
+    torch.testing.assert_close(losses(out), losses(one_process), rtol=LOSS_RTOL, atol=0)
+    stored = FileSystemReader(str(out / f"checkpoint-{STEPS}" / DCP_DIR)).read_metadata().state_dict_metadata
+    base = {k: v for k, v in stored.items() if k.startswith("model.") and k.endswith("base_layer.weight")}
+    assert base and all(v.properties.dtype == torch.bfloat16 and len(v.chunks) == 2 for v in base.values())
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert adapter.keys() == load_file(one_process / "adapter_model.safetensors").keys()
+    assert all(t.numel() > 0 for t in adapter.values())
 
 
 def test_export_merged_matches_the_4bit_base_with_its_adapter(one_process, tmp_path):
