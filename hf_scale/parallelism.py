@@ -94,6 +94,12 @@ class Layout:
         return self.tp * self.cp * self.sp
 
     @property
+    def whole_batch_copies(self) -> int:
+        """Ranks of one group that hold the same rows whole (TP's): a count summed over all ranks is divided by
+        this. CP and SP ranks hold disjoint pieces of the sequences, whose sum is the whole once."""
+        return self.tp
+
+    @property
     def active(self) -> bool:
         """Anything beyond what the strategy does alone: TP, CP, SP or an HSDP replicate dimension."""
         return self.model_parallel_size > 1 or (self.dp_replicate > 1 and self.dp_shard > 1)
@@ -337,10 +343,11 @@ def train_refusal(layout: Layout, where: str, *, loop: str | None, gpu_present: 
     PARALLELISM_CONFIG_* (before the loop is known). train.py runs TP (alone, or under FSDP2's dp_shard /
     dp_replicate) in the manual loop, the model built on the mesh by transformers (train/model/parallel.py);
     HSDP (dp_replicate x dp_shard) is FSDP2's hybrid sharding, which it runs too."""
-    if layout.sp > 1:
-        return (f"{where}: sp={layout.sp}: train.py does not run DeepSpeed Ulysses/ALST sequence parallelism: "
-                "it runs over gloo and on GPUs from a script of your own (accelerate's sp_backend='deepspeed'), "
-                "but is not wired into train.py's loops yet; set sp to 1")
+    if layout.sp > 1 and loop != "accelerate":
+        how = "under `accelerate launch`" if loop is None else f"with --loop {loop}"
+        return (f"{where}: sp={layout.sp} {how}: train.py runs DeepSpeed Ulysses sequence parallelism only in "
+                "its manual loop, from --hf_scale_config under torchrun with --loop accelerate (the Trainer's SP "
+                "path is not proven here); use --loop accelerate")
     if layout.cp > 1:
         why = ("hf_scale proves cp only with benchmarks/gpu_cp.py on GPUs so far" if gpu_present
                else _NEEDS_GPU["cp"])

@@ -34,7 +34,7 @@ from hf_scale.train.data.batches import make_collator
 from hf_scale.train.data.packing import maybe_pack
 from hf_scale.train.loops import evaluation
 from hf_scale.train.loops.metrics import flops_per_token, matmul_parameters, mean_example_length
-from hf_scale.train.model import attention, parallel
+from hf_scale.train.model import attention, parallel, sequence_parallel
 from hf_scale.train.model.liger import check_liger
 from hf_scale.train.model.load import (
     load_model,
@@ -44,6 +44,7 @@ from hf_scale.train.model.load import (
 )
 from hf_scale.train.prepare import Run, prepare
 from hf_scale.train.setup import distributed, guard, reconcile
+from hf_scale.train.setup.distributed import has_gpu
 
 # --- the stages of train() after prepare(): build -> fit -> finish -------------------------------------------
 
@@ -111,6 +112,12 @@ def build(run: Run) -> Built | None:
         pad_to=data_args.max_seq_length if attention.compiles(model_args.attn_implementation, run.args) else None,
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
+    if run.spec.layout.sp > 1:
+        collator = sequence_parallel.collator(collator, run.spec.layout, tokenizer, packing=data_args.packing,
+                                              attn_implementation=model_args.attn_implementation,
+                                              # The adapter all-gathers each rank's batch; gloo refuses tensors
+                                              # of unequal lengths, so on CPU every batch has one length.
+                                              pad_to=None if has_gpu() else data_args.max_seq_length)
     sharded = run.spec.precision if run.spec.zero_stage == 3 or run.spec.strategy == "fsdp" else None
     model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing,
                        on_mesh=parallel.load_kwargs(run.spec.layout, run.spec.fsdp_settings), sharded_precision=sharded)

@@ -4,7 +4,8 @@ Gradient accumulation follows the same rule as the transformers Trainer so both 
 identically: each optimizer step takes `gradient_accumulation_steps` micro-batches per rank, counts
 the target tokens of the whole window on all ranks, and every micro-batch's summed token loss is
 divided by that global count (and multiplied by the data-parallel size, because DDP, ZeRO and FSDP average
-gradients over ranks; the ranks of one tensor-parallel group share a batch and count it once). Micro 2 x
+gradients over ranks; the ranks of one tensor-parallel group share a batch and count it once; sequence-parallel
+ranks hold disjoint shards, see train/model/sequence_parallel.py). Micro 2 x
 accumulation 4 therefore equals micro 8, and 2 ranks equal 1 rank.
 Gradient sync is skipped on all but the last micro-batch of a window.
 """
@@ -24,6 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 from transformers import TrainingArguments
 
+from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import ownership, resume
 from hf_scale.train.checkpoint import store as checkpoint
@@ -33,7 +35,7 @@ from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.manual_checkpoints import CheckpointSaver
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.loops.optimizer import optimizer_and_scheduler
-from hf_scale.train.model import fsdp, parallel
+from hf_scale.train.model import fsdp, parallel, sequence_parallel
 from hf_scale.train.model.fp8 import fp8_handlers
 from hf_scale.train.model.liger import apply_liger
 from hf_scale.train.setup import guard
@@ -83,6 +85,10 @@ def run(
     `eval_dataset`: evaluated by --eval_strategy/--eval_steps/--eval_on_start and at the end (--do_eval).
     """
     ds_plugin = getattr(args, "deepspeed_plugin", None)
+    if resume_dir is not None and spec.layout.sp > 1:
+        # The adapter's micro-batches are not the loader's: skipping to the saved data position is not built.
+        raise UserError(f"--resume_from_checkpoint={resume_dir}: sp={spec.layout.sp}: resuming a sequence-parallel "
+                        "run is not supported yet; start it again or resume with sp=1")
     # FSDP2 on CPU (from --hf_scale_config): torch's fully_shard, since accelerate cannot (see fsdp.py); a TP
     # model comes sharded from from_pretrained (parallel.py). accelerate then prepares only loader and scheduler.
     shard_ourselves = (spec.fsdp_settings is not None and not has_gpu()) or parallel.sharded_at_load(spec.layout)
@@ -155,6 +161,8 @@ def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard
         project_dir=args.output_dir,
         dynamo_plugin=_dynamo_plugin(args),
         kwargs_handlers=ddp_kwargs_handlers(args) + fp8_handlers(spec),
+        # sp > 1: accelerate wires DeepSpeed's Ulysses attention and data adapter in prepare (sequence_parallel.py).
+        parallelism_config=sequence_parallel.accelerate_config(spec.layout),
     )
 
 
@@ -211,6 +219,8 @@ def _prepare(accelerator, args, spec: RunSpec, model, dataloader, total_steps: i
         scheduler = accelerator.prepare(scheduler)
     else:
         model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+        if spec.layout.sp > 1:
+            dataloader = sequence_parallel.Batches(dataloader)  # the Ulysses adapter prepare put around it
     return model, optimizer, dataloader, scheduler
 
 
@@ -314,10 +324,13 @@ class _Loop:
         """One optimizer step over an accumulation window: (its loss, its real tokens on all ranks, the learning
         rate it used, the gradient norm)."""
         accelerator = self.accelerator
-        local_targets = torch.tensor(sum(count_target_tokens(b) for b in window), device=accelerator.device)
-        # The ranks of one TP group hold the same batch: count each data-parallel rank's tokens once.
-        model_parallel = self.spec.layout.model_parallel_size
-        global_targets = accelerator.reduce(local_targets, reduction="sum") // model_parallel
+        sp = self.spec.layout.sp > 1
+        targets = sequence_parallel.target_count if sp else count_target_tokens
+        local_targets = torch.tensor(sum(targets(b) for b in window), device=accelerator.device)
+        # The ranks of one TP group hold the same batch: count each data-parallel rank's tokens once (SP ranks
+        # hold disjoint shards of theirs).
+        copies = self.spec.layout.whole_batch_copies
+        global_targets = accelerator.reduce(local_targets, reduction="sum") // copies
         local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this update (read before the scheduler moves)
         loss_sum = torch.zeros((), device=accelerator.device)
@@ -330,8 +343,8 @@ class _Loop:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad()
-        step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / model_parallel
-        tokens = int(accelerator.reduce(local_tokens, reduction="sum").item()) // model_parallel
+        step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / copies
+        tokens = int(accelerator.reduce(local_tokens, reduction="sum").item()) // copies
         return step_loss, tokens, lr, grad_norm
 
     def _forward_backward(self, batch, global_targets, *, last: bool):
@@ -345,9 +358,12 @@ class _Loop:
         no_sync_needed = not (last or self.is_deepspeed or self.shard_ourselves)
         sync_context = accelerator.no_sync(model) if no_sync_needed else contextlib.nullcontext()
         with sync_context:
-            outputs = model(**model_inputs(batch), num_items_in_batch=global_targets)
-            # The model's loss is sum(token losses) / global_targets; gradients are averaged over data-parallel ranks.
-            loss = outputs.loss * self.spec.data_parallel_size
+            # The loss is sum(token losses) / global_targets; gradients are averaged over data-parallel ranks.
+            if self.spec.layout.sp > 1:
+                loss = sequence_parallel.shard_loss(model, batch, global_targets)
+            else:
+                loss = model(**model_inputs(batch), num_items_in_batch=global_targets).loss
+            loss = loss * self.spec.data_parallel_size
             backward_kwargs = {"scale_wrt_gas": False} if self.is_deepspeed else {}
             accelerator.backward(loss, **backward_kwargs)
         return loss.detach() / self.spec.data_parallel_size

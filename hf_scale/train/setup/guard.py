@@ -36,6 +36,8 @@ class Expected:
     """ZeRO-3 should have built the model partitioned (HfDeepSpeedConfig alive before from_pretrained)."""
     tp: int = 1
     """Tensor-parallel size: the model's weights must be DTensors split tp ways (transformers' tp_size)."""
+    sp: int = 1
+    """Sequence-parallel size: DeepSpeed's batch counts the data-parallel ranks only (world size / sp)."""
 
 
 @dataclass(frozen=True)
@@ -186,12 +188,14 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"DeepSpeed gradient_accumulation_steps={ds['gradient_accumulation_steps']} but "
                 f"--gradient_accumulation_steps={expected.gradient_accumulation_steps}"
             )
+        data_parallel = expected.world_size // expected.sp
         implied = rules.global_batch_size(expected.micro_batch_size, expected.gradient_accumulation_steps,
-                                          expected.world_size)
+                                          data_parallel)
         if ds["train_batch_size"] != implied:
             problems.append(
                 f"DeepSpeed train_batch_size={ds['train_batch_size']} but micro {expected.micro_batch_size} x "
-                f"accumulation {expected.gradient_accumulation_steps} x world size {expected.world_size} = {implied}"
+                f"accumulation {expected.gradient_accumulation_steps} x data-parallel ranks {data_parallel} "
+                f"= {implied}"
             )
         if ds["precision"] != rules.compute_precision(expected.precision):  # fp8 runs on DeepSpeed's bf16
             problems.append(

@@ -79,6 +79,7 @@ class RunSpec:
             zero_stage=self.zero_stage,
             zero3_init=self.zero3_init,
             tp=self.layout.tp,
+            sp=self.layout.sp,
         )
 
     @property

@@ -1,6 +1,6 @@
 """DeepSpeed Ulysses sequence parallelism over gloo on CPU, real processes: sp=2 on the embedded tiny Llama gives
-the one-process DeepSpeed run's per-step losses and gradient norms (ulysses_sp_worker.py). This is the fact
-train.py's sp refusal and `hf-scale doctor` rest on: SP itself runs without a GPU; train.py does not drive it yet.
+the one-process DeepSpeed run's per-step losses and gradient norms (ulysses_sp_worker.py). train.py's manual loop
+drives the same pieces through accelerate (test_sequence_parallel_train.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def test_ulysses_sp2_over_gloo_equals_one_process(tmp_path):
     assert sp2["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert sp2["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
     assert one["losses"][1] != pytest.approx(one["losses"][0], rel=1e-3)  # the steps really moved the model
-    # What train.py says: SP runs over gloo (this test), it is train.py that does not drive it.
-    refusal = parallelism.train_refusal(parallelism.Layout(sp=2), "x", loop="accelerate", gpu_present=False)
-    assert "runs over gloo" in refusal and "not wired" in refusal
+    # train.py drives it in the manual loop (test_sequence_parallel_train.py), refuses it in the Trainer's.
+    assert parallelism.train_refusal(parallelism.Layout(sp=2), "x", loop="accelerate", gpu_present=False) is None
+    refusal = parallelism.train_refusal(parallelism.Layout(sp=2), "x", loop="trainer", gpu_present=False)
+    assert refusal.startswith("x: sp=2 with --loop trainer") and "--loop accelerate" in refusal
     assert parallelism.node_support(gpu_present=False)["sp"]["usable"]

@@ -52,7 +52,7 @@ CASES = {
     "engine-accumulation": (_observed("deepspeed", deepspeed={**ENGINE, "gradient_accumulation_steps": 1}),
                             "DeepSpeed gradient_accumulation_steps=1 but --gradient_accumulation_steps=4"),
     "engine-global-batch": (_observed("deepspeed", deepspeed={**ENGINE, "train_batch_size": 32}),
-                            "train_batch_size=32 but micro 2 x accumulation 4 x world size 2 = 16"),
+                            "train_batch_size=32 but micro 2 x accumulation 4 x data-parallel ranks 2 = 16"),
     "engine-precision": (_observed("deepspeed", deepspeed={**ENGINE, "precision": "no"}),
                          "DeepSpeed runs precision no but the flags ask for bf16"),
     "zero3-built-full": (_observed("deepspeed", zero3_partitioned=False), "the model was built unpartitioned"),

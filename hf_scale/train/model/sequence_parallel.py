@@ -1,0 +1,108 @@
+"""DeepSpeed Ulysses sequence parallelism (sp > 1) in the manual loop, accelerate's recipe for
+``sp_backend="deepspeed"``: the Accelerator gets a ``ParallelismConfig`` and applies DeepSpeed's two pieces in
+``prepare`` (``UlyssesSPAttentionHF`` exchanges heads by all-to-all around SDPA; ``UlyssesSPDataLoaderAdapter``
+gathers one loader batch from each rank of an sp group and yields sp micro-batches, each rank 1/sp of every
+sequence, with the labels already shifted as ``shift_labels``).
+
+The loader is split over all ranks (accelerate's prepare); one adapter micro-batch is a whole batch of rows that
+the sp group computes together, so the loop's accumulation window counts adapter micro-batches and the global
+batch is micro x accumulation x data-parallel ranks, as for the other layouts.
+
+The loss (tests/train/model/ulysses_sp_worker.py proves the rule): each rank's share is its token-loss sum over
+the window's target count summed over all ranks (the shards are disjoint, so nothing is divided by sp); DeepSpeed
+sums the gradients over the sp group, which gives the whole sequences' gradient. accelerate's own SP example
+all-gathers the losses differentiably instead, whose backward doubles the gradient at sp=2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_scale.parallelism import Layout
+from hf_scale.train.data.labels import IGNORE_INDEX
+
+MODEL_KEYS = ("input_ids", "position_ids")
+"""What an sp micro-batch hands the model: Ulysses attends causally over the gathered sequence and ignores
+``attention_mask`` (padding is on the right, so no real token attends to it)."""
+
+
+def accelerate_config(layout: Layout):
+    """The Accelerator's ``parallelism_config`` for this layout (None without sp)."""
+    if layout.sp <= 1:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    return ParallelismConfig(
+        dp_shard_size=layout.dp_shard, sp_size=layout.sp, sp_backend="deepspeed",
+        # Rows are padded to the batch's longest (a multiple of sp), so lengths vary from batch to batch.
+        sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
+    )
+
+
+def collator(inner, layout: Layout, tokenizer, *, packing: bool, attn_implementation: str,
+             pad_to: int | None) -> Collator:
+    """The sp collator around the run's, or a one-line refusal of what hf_scale has not proven with sp."""
+    from hf_scale.errors import UserError
+
+    where = f"parallelism.sp={layout.sp}"
+    if packing:
+        raise UserError(f"{where} with --packing: packed sequences under sequence parallelism are not proven "
+                        "here; drop --packing or set sp to 1")
+    if attn_implementation not in ("auto", "sdpa"):
+        raise UserError(f"{where} with --attn_implementation={attn_implementation}: Ulysses runs here around "
+                        "sdpa; use --attn_implementation sdpa (or auto)")
+    if tokenizer.padding_side != "right":
+        raise UserError(f"{where}: the tokenizer pads on the {tokenizer.padding_side}; Ulysses ignores "
+                        "attention_mask, so padding must be on the right")
+    return Collator(inner, layout.sp, tokenizer.pad_token_id, pad_to)
+
+
+class Collator:
+    """The run's collator, then what the adapter needs: sequences padded on the right to a multiple of sp (the
+    adapter cuts every sequence in sp equal chunks), to `pad_to` first when given, and ``position_ids`` (each
+    chunk keeps its global positions)."""
+
+    def __init__(self, inner, sp: int, pad_token_id: int, pad_to: int | None = None):
+        self.inner, self.sp, self.pad_token_id, self.pad_to = inner, sp, pad_token_id, pad_to
+
+    def __call__(self, rows):
+        batch = self.inner(rows)
+        length = max(batch["input_ids"].shape[1], self.pad_to or 0)
+        extra = length - batch["input_ids"].shape[1] + (-length % self.sp)
+        fills = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0}
+        batch = {key: torch.nn.functional.pad(value, (0, extra), value=fills[key]) if key in fills else value
+                 for key, value in batch.items()}
+        rows_, length = batch["input_ids"].shape
+        batch["position_ids"] = torch.arange(length).expand(rows_, length).clone()
+        return batch
+
+
+def target_count(batch: dict) -> int:
+    """Targets of this rank's shard (the adapter has shifted the labels already)."""
+    return int((batch["shift_labels"] != IGNORE_INDEX).sum())
+
+
+def shard_loss(model, batch: dict, num_items_in_batch: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the window's loss: its token-loss sum over the window's target count."""
+    logits = model(**{key: batch[key] for key in MODEL_KEYS}).logits
+    config = getattr(model, "module", model).config  # under DeepSpeed, the engine wraps the transformers model
+    return getattr(model, "module", model).loss_function(
+        logits=logits, labels=None, shift_labels=batch["shift_labels"].to(logits.device).contiguous(),  # a column slice
+        vocab_size=config.vocab_size, num_items_in_batch=num_items_in_batch)
+
+
+class Batches:
+    """The adapter as the loop uses a loader: ``set_epoch`` reaches the loader it wraps."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+
+    def set_epoch(self, epoch: int) -> None:
+        self.adapter.dl.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.adapter)
+
+    def __iter__(self):
+        return iter(self.adapter)
