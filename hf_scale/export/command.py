@@ -141,10 +141,10 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     from hf_scale.train.checkpoint.layout import ADAPTER_CONFIG
 
     _validate_shard_size(max_shard_size)
-    found = _checkpoint_of(checkpoint_dir, verify)
-    checkpoint_dir = found.path
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"OUT_DIR {out_dir}: already exists and is not empty; choose a new directory")
+    found, verified = _checkpoint_of(checkpoint_dir, verify)
+    checkpoint_dir = found.path
     is_lora = (checkpoint_dir / ADAPTER_CONFIG).is_file()
     if lora and not is_lora:
         raise UserError(f"--lora {lora}: {checkpoint_dir} is not a LoRA checkpoint (no {ADAPTER_CONFIG})")
@@ -152,8 +152,10 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
 
     with _reading(checkpoint_dir):
         qlora = qlora_export.quantization_of(checkpoint_dir) if lora_mode == "merged" else None
-        source = None if qlora else find_source(found)  # QLoRA: the 4-bit base is read again, dequantized
         torch_dtype = None if qlora and dtype == "auto" else _resolve_dtype(dtype, checkpoint_dir)
+        source = None if qlora else find_source(found)  # QLoRA: the 4-bit base is read again, dequantized
+        if verify and not verified:  # after the cheap refusals: verifying reads the whole checkpoint (~1 TB at 70B)
+            _verified(checkpoint_dir)
     _log(f"reading {checkpoint_dir} " + (f"({source.description}, {len(source.names)} tensors)" if source else
                                           "(a QLoRA adapter on a 4-bit base)"))
 
@@ -192,13 +194,15 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     return out_dir
 
 
-def _checkpoint_of(path: Path, verify: bool) -> Layout:
-    """The checkpoint to export: `path` itself, or for a training output directory (OUTPUT_DIR holding
-    checkpoint-STEP folders) its newest checkpoint of verified content (`checkpoint.newest_verified`, what
+def _checkpoint_of(path: Path, verify: bool) -> tuple[Layout, bool]:
+    """The checkpoint to export, and whether its content is verified already: `path` itself (not yet: the caller
+    verifies it after its cheap refusals), or for a training output directory (OUTPUT_DIR holding checkpoint-STEP
+    folders) its newest checkpoint of verified content (`checkpoint.newest_verified`, what
     `--resume_from_checkpoint auto` takes; without `verify` its newest complete one), said in one line on stderr.
     Everything else is refused in one line saying what `path` is, or which file of it does not verify."""
     from hf_scale.train.checkpoint import layout
 
+    chosen = False
     with _reading(path):
         found = layout.detect_layout(path)
         if found.kind == layout.RUN_DIR:
@@ -208,11 +212,9 @@ def _checkpoint_of(path: Path, verify: bool) -> Layout:
             what = "verified" if verify else "complete"
             _log(f"{path} is a training output directory: exporting its newest {what} checkpoint, {newest.name}"
                  + (f" ({', '.join(skipped)})" if skipped else ""))
-            found = layout.detect_layout(newest)
-        elif found.kind == layout.CHECKPOINT and verify:
-            _verified(found.path)
+            found, chosen = layout.detect_layout(newest), True
     if found.kind == layout.CHECKPOINT:
-        return found
+        return found, chosen and verify
     _refuse(found, verify)
 
 
