@@ -1,8 +1,9 @@
 """The Kubernetes and SkyPilot manifests' node command, run here as two "nodes" on 127.0.0.1.
 
 Each node is the manifest's own command (read from the generated TrainJob / SkyPilot YAML) started with exactly
-the variables its pod or node gets from the platform (Kubeflow Trainer's PET_* for a TrainJob; SKYPILOT_* for a
-SkyPilot task), one training process per node. The 2-node run trains exactly like one 2-process torchrun run;
+the variables its pod or node gets from the platform (Kubeflow Trainer's PET_* for a TrainJob; the Training
+Operator's RANK/WORLD_SIZE/MASTER_* and PET_* for a PyTorchJob's Master and Worker; SKYPILOT_* for a SkyPilot
+task), one training process per node. The 2-node run trains exactly like one 2-process torchrun run;
 SIGTERM to one simulated pod (what the kubelet sends before the grace period ends) saves a checkpoint, both nodes
 exit 75, and the same commands started again resume and end bit-identical to the uninterrupted run.
 The mapping of every platform's variables (PyTorchJob's too) is covered fast in tests/generators/test_node_entry.py.
@@ -42,7 +43,7 @@ SETS = ["strategy=ddp", "precision=no", "topology.num_machines=2", "topology.pro
 def generated(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cluster")
     sets = [arg for item in SETS for arg in ("--set", item)]
-    assert main(["generate", "--preset", "ddp", *sets, "--name", "job", "--targets", "kubeflow,skypilot",
+    assert main(["generate", "--preset", "ddp", *sets, "--name", "job", "--targets", "kubeflow,pytorchjob,skypilot",
                  "--output-dir", str(root)]) == 0
     return root
 
@@ -61,6 +62,11 @@ def _command(manifest: dict, kind: str, generated: Path, output: Path) -> list[s
     if kind == "trainjob":
         trainer = manifest["spec"]["trainer"]
         command = trainer["command"] + trainer["args"] + TRAIN
+    elif kind == "pytorchjob":  # Master and Worker run the same container command
+        master, worker = (manifest["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"][0]
+                          for role in ("Master", "Worker"))
+        assert master["command"] + master.get("args", []) == worker["command"] + worker.get("args", [])
+        command = master["command"] + master.get("args", []) + TRAIN
     else:  # SkyPilot runs `run` with bash in the synced workdir; the flags stand for the config's train_args
         command = ["bash", "-c", f"{manifest['run']} {shlex.join(TRAIN)}"]
     return [part.replace(DEFAULT_IMAGE_HOME, str(generated)).replace("/output/job", str(output)) for part in command]
@@ -72,6 +78,10 @@ def _node_env(kind: str, rank: int, port: int, tmp: Path) -> dict[str, str]:
     if kind == "trainjob":  # what Kubeflow Trainer's torch plugin sets in every trainer pod
         env.update(PET_NNODES="2", PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(rank),
                    PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(port))
+    elif kind == "pytorchjob":  # what the Training Operator sets in the Master (rank 0) and Worker pods
+        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PET_NNODES="2",
+                   PET_NPROC_PER_NODE="1", PET_NODE_RANK=str(rank), PET_MASTER_ADDR="127.0.0.1",
+                   PET_MASTER_PORT=str(port))
     else:  # what SkyPilot sets on every node of a 2-node task (IPs one per line, rank 0 first)
         env.update(SKYPILOT_NUM_NODES="2", SKYPILOT_NODE_RANK=str(rank), SKYPILOT_NODE_IPS="127.0.0.1\n127.0.0.1",
                    SKYPILOT_NUM_GPUS_PER_NODE="1", MAIN_PROCESS_PORT=str(port))
@@ -79,8 +89,7 @@ def _node_env(kind: str, rank: int, port: int, tmp: Path) -> dict[str, str]:
 
 
 def _start_nodes(kind: str, generated: Path, output: Path, tmp: Path) -> list[subprocess.Popen]:
-    manifest = yaml.safe_load((generated / "launch" / f"job.{'trainjob' if kind == 'trainjob' else 'sky'}.yaml")
-                              .read_text())
+    manifest = yaml.safe_load((generated / "launch" / f"job.{'sky' if kind == 'skypilot' else kind}.yaml").read_text())
     command = _command(manifest, kind, generated, output)
     port = free_port()
     return [subprocess.Popen(command, cwd=generated, env=_node_env(kind, rank, port, tmp), stdout=subprocess.PIPE,
@@ -100,9 +109,10 @@ def _finish(nodes: list[subprocess.Popen], timeout: float = 420) -> list[tuple[i
     return results
 
 
-def test_trainjob_nodes_train_like_one_two_process_run(generated, reference, tmp_path):
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_kubernetes_nodes_train_like_one_two_process_run(kind, generated, reference, tmp_path):
     output = tmp_path / "volume"
-    results = _finish(_start_nodes("trainjob", generated, output, tmp_path))
+    results = _finish(_start_nodes(kind, generated, output, tmp_path))
     for code, stderr in results:
         assert code == 0, stderr[-4000:]
     got = [(r["step"], r["loss"]) for r in read_metrics(output)]
