@@ -152,8 +152,8 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
 
     with _reading(checkpoint_dir):
         qlora = qlora_export.quantization_of(checkpoint_dir) if lora_mode == "merged" else None
-        torch_dtype = None if qlora and dtype == "auto" else _resolve_dtype(dtype, checkpoint_dir)
         source = None if qlora else find_source(found)  # QLoRA: the 4-bit base is read again, dequantized
+        torch_dtype = None if qlora and dtype == "auto" else _resolve_dtype(dtype, checkpoint_dir)
         if verify and not verified:  # after the cheap refusals: verifying reads the whole checkpoint (~1 TB at 70B)
             _verified(checkpoint_dir)
     _log(f"reading {checkpoint_dir} " + (f"({source.description}, {len(source.names)} tensors)" if source else
