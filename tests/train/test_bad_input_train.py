@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import shutil
 import sys
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
+
+
+def garbage(size: int) -> bytes:
+    """`size` bytes that are no file format: seeded, so a case fails the same way on every run."""
+    return random.Random(size).randbytes(size)
 
 
 @dataclass
@@ -413,7 +419,7 @@ CASES: dict[str, Case] = {
     "model-weights-truncated": Case(["--model_name_or_path", "{model}"], "the weights cannot be loaded",
                                     prepare=model(truncate("model.safetensors"))),
     "model-weights-garbage": Case(["--model_name_or_path", "{model}"], "the weights cannot be loaded",
-                                  prepare=model(write("model.safetensors", os.urandom(4096)))),
+                                  prepare=model(write("model.safetensors", garbage(4096)))),
     "model-weights-missing": Case(["--model_name_or_path", "{model}"], "the weights cannot be loaded",
                                   prepare=model(remove("model.safetensors"))),
     "model-weights-other-shapes": Case(["--model_name_or_path", "{model}"], "config.json does not match the weights",
@@ -422,7 +428,7 @@ CASES: dict[str, Case] = {
                                        prepare=model(rewrite_weights(lambda w: w.pop("model.norm.weight")))),
     "model-bin-garbage": Case(["--model_name_or_path", "{model}"], "the weights cannot be loaded",
                               prepare=model(lambda p: (remove("model.safetensors")(p),
-                                                       write("pytorch_model.bin", os.urandom(2048))(p)))),
+                                                       write("pytorch_model.bin", garbage(2048))(p)))),
     "model-index-names-a-missing-shard": Case(["--model_name_or_path", "{model}"], "--model_name_or_path",
                                               prepare=model(sharded_index_with_a_missing_shard)),
     "tokenizer-missing": Case(["--tokenizer_name_or_path", "/nonexistent/tok"], "--tokenizer_name_or_path"),
@@ -470,7 +476,7 @@ CASES: dict[str, Case] = {
                                                      reseal=True)),
     "resealed-scheduler-garbage": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
                                        "scheduler.bin cannot be loaded",
-                                       prepare=ckpt("accelerate", write("scheduler.bin", os.urandom(64)), reseal=True)),
+                                       prepare=ckpt("accelerate", write("scheduler.bin", garbage(64)), reseal=True)),
     "resealed-state-garbage": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
                                    "hf_scale_state.json is not valid JSON",
                                    prepare=ckpt("accelerate", write(checkpoint.STATE, "{,"), reseal=True)),
@@ -486,15 +492,15 @@ CASES: dict[str, Case] = {
     # A load failure needs a step left to train (a run of the checkpoint's 1 step is finished: nothing loads).
     "resealed-optimizer-garbage": Case(["--max_steps", "2", "--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
                                        "loading it failed",
-                                       prepare=ckpt("accelerate", write("optimizer.bin", os.urandom(1024)),
+                                       prepare=ckpt("accelerate", write("optimizer.bin", garbage(1024)),
                                                     reseal=True)),
     "resealed-weights-garbage": Case(["--max_steps", "2", "--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
                                      "loading it failed",
-                                     prepare=ckpt("accelerate", write("model.safetensors", os.urandom(1024)),
+                                     prepare=ckpt("accelerate", write("model.safetensors", garbage(1024)),
                                                   reseal=True)),
     "resealed-trainer-optimizer-garbage": Case(["--max_steps", "2", "--resume_from_checkpoint", CKPT],
                                                "loading it failed",
-                                               prepare=ckpt("trainer", write("optimizer.pt", os.urandom(1024)),
+                                               prepare=ckpt("trainer", write("optimizer.pt", garbage(1024)),
                                                             reseal=True)),
     # --- issue 21: what answered with a traceback, was accepted or was noisy -------------------------------
     "model-config-hidden-size-word": Case(["--model_name_or_path", "{model}"],

@@ -104,6 +104,20 @@ def check_lora_flags(model_args) -> None:
         raise UserError("--lora_target_modules is empty: name modules (comma-separated) or use all-linear")
 
 
+_WEIGHT_READERS = ("torch/serialization.py", "torch/_weights_only_unpickler.py", "/pickle.py", "/safetensors/")
+"""Where reading a weights file happens: garbage bytes raise whatever the unpickler trips on there (IndexError,
+KeyError...), which must not be taken for the architecture failing on config.json."""
+
+
+def _raised_reading_weights(error: BaseException) -> bool:
+    frame = error.__traceback__
+    while frame is not None:
+        if any(part in frame.tb_frame.f_code.co_filename.replace("\\", "/") for part in _WEIGHT_READERS):
+            return True
+        frame = frame.tb_next
+    return False
+
+
 def _weights_error(error: BaseException) -> str | None:
     """`error` from from_pretrained described in one line when the weight files are the problem, else None."""
     import torch
@@ -111,7 +125,7 @@ def _weights_error(error: BaseException) -> str | None:
     if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
         return None
     unreadable = isinstance(error, (OSError, EOFError, ValueError, pickle.UnpicklingError)) or (
-        type(error).__name__ == "SafetensorError")
+        type(error).__name__ == "SafetensorError") or _raised_reading_weights(error)
     # transformers raises RuntimeError for shapes that do not fit the config; torch for a broken zip (.bin).
     mismatch = isinstance(error, RuntimeError) and any(
         k in str(error) for k in ("ignore_mismatched_sizes", "size mismatch", "PytorchStreamReader"))

@@ -226,7 +226,9 @@ def test_a_dead_rank_makes_the_others_exit_instead_of_hanging(tmp_path):
     assert "rank 0: rank 1 died during the run, so this rank's collective failed (gloo: Connection" in line, line
     assert f"rank 1 was pid {rank1.pid} on " in line and line.endswith(f"its log: {log}"), line
     assert sum("train.py: error:" in line for line in stderr.splitlines()) == 1, stderr[-3000:]
-    assert "exitcode  : 1 (pid" in stderr, stderr[-3000:]  # the survivor's: a failed run, as before
+    # The survivor's exit code: 1 (a failed run, as before), or -15 when torchrun's agent, which saw rank 1 die,
+    # terminated it first: a race between the agent's monitor and the survivor's own exit, after its one line.
+    assert "exitcode  : 1 (pid" in stderr or "exitcode  : -15 (pid" in stderr, stderr[-3000:]
 
 
 def test_save_total_limit_keeps_the_newest(tmp_path):
