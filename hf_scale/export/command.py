@@ -230,25 +230,29 @@ def _newest_of_run(path: Path, found: Layout, verify: bool) -> tuple[Path | None
     started = time.perf_counter()
     newest, skipped = checkpoint.newest_verified(path)
     if newest is not None:
-        _log(f"verified {newest.name} against its {layout.MANIFEST} ({_size_of(newest)}, "
-             f"{time.perf_counter() - started:.1f} s)")
+        _log_verified(newest, started)
     return newest, [f"{p.name}: {why}" for p, why in skipped]
 
 
 def _verified(path: Path) -> None:
     """Every file of checkpoint `path` against its manifest's checksums (`checkpoint.verify`, as a resume), or a
     one-line refusal naming the first that differs and the newest sibling that verifies."""
-    from hf_scale.train.checkpoint import layout
     from hf_scale.train.checkpoint import store as checkpoint
 
     started = time.perf_counter()
     problem = checkpoint.verify(path)
     if problem is None:
-        _log(f"verified {path.name} against its {layout.MANIFEST} ({_size_of(path)}, "
-             f"{time.perf_counter() - started:.1f} s)")
+        _log_verified(path, started)
         return
     raise UserError(f"CHECKPOINT_DIR {path}: {problem}; it was left as it is; {_sibling_note(path)} (--no-verify "
                     "exports it as it is)")
+
+
+def _log_verified(path: Path, started: float) -> None:
+    """One progress line for a checkpoint whose content verified: how much was read and how long it took."""
+    from hf_scale.train.checkpoint.layout import MANIFEST
+
+    _log(f"verified {path.name} against its {MANIFEST} ({_size_of(path)}, {time.perf_counter() - started:.1f} s)")
 
 
 def _sibling_note(path: Path) -> str:
