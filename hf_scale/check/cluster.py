@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hf_scale.check.batch import deepspeed_accepts_batch
 from hf_scale.check.findings import ERROR, WARNING, Finding
 from hf_scale.cluster_config import image_problem
 from hf_scale.errors import UserError
@@ -158,7 +159,7 @@ def _deepspeed_batch(path: str, kind: str, facts: dict[str, Any], deepspeed: dic
     world = nodes * per_node
     micro = _count(deepspeed.get("train_micro_batch_size_per_gpu"))
     accumulation = _count(deepspeed.get("gradient_accumulation_steps", 1))
-    if micro and accumulation and micro * accumulation * world != batch:
+    if micro and accumulation and not deepspeed_accepts_batch(batch, micro, accumulation, world)[0]:
         problem = (f"train_batch_size={batch} but micro batch {micro} x accumulation {accumulation} x "
                    f"{world} processes ({nodes} node(s) x {per_node}) = {micro * accumulation * world}")
     elif batch % world:
