@@ -18,7 +18,7 @@ writes, seals and publishes).
         pytorch_model_fsdp.bin               its FULL_STATE_DICT
         trainer_state.json                   the Trainer's checkpoints only
       .tmp-checkpoint-STEP/                  a save in progress (removed at the next start if interrupted)
-        .written-by-hf_scale                 its marker: only a temporary directory holding it is ever removed
+        .written-by-hf_scale                 its marker: only a temporary directory holding it (or empty) is removed
         checkpoint-STEP/                     the checkpoint being written, renamed into place when sealed
       .hf_scale.lock                         held while a run writes the directory (output_lock.py)
       .written-by-hf_scale                   written before a run's first file: what hf_scale wrote, it may replace
@@ -112,6 +112,14 @@ def staging_dir(output_dir: str | Path, label: int | str) -> Path:
 def is_ours(directory: Path) -> bool:
     """`directory` holds hf_scale's MARKER (and is no link to somewhere else)."""
     return not directory.is_symlink() and (directory / MARKER).is_file()
+
+
+def is_removable_temporary(directory: Path) -> bool:
+    """A `.tmp-checkpoint-*` startup may remove: hf_scale's (its MARKER), or an empty directory. A save killed
+    between creating its directory and writing the marker leaves the empty one, and removing it loses nothing."""
+    if directory.is_symlink() or not directory.is_dir():
+        return False
+    return is_ours(directory) or next(directory.iterdir(), None) is None
 
 
 def step_of(path: Path) -> int | None:

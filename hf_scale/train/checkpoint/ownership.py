@@ -36,7 +36,7 @@ def foreign(output_dir: str | Path) -> list[str]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [p.name for p in checkpoint.temporary_dirs(root) if not checkpoint_layout.is_ours(p)]
+    found = [p.name for p in checkpoint.temporary_dirs(root) if not checkpoint_layout.is_removable_temporary(p)]
     if not checkpoint_layout.is_ours(root):
         found += sorted(p.name for p in root.iterdir()
                         if any(fnmatch.fnmatchcase(p.name, pattern) for pattern in RUN_FILES))

@@ -10,7 +10,8 @@ config and tokenizer), flush every file and record its size and checksum in the 
 The checksums are computed and verified by all ranks in parallel (`integrity.py`).
 
 What startup removes: only hf_scale's own temporary directories (`.tmp-checkpoint-*` holding its marker: an
-interrupted save of either loop, a leftover DeepSpeed universal-checkpoint conversion), under the output_dir
+interrupted save of either loop, a leftover DeepSpeed universal-checkpoint conversion; or empty: killed before
+its marker was written), under the output_dir
 lock (`output_lock.py`), so never those of another live run (a user's directory of that name is refused by
 ownership.py). A `checkpoint-N` whose content does not verify (another tool's, an older hf_scale's
 size-only manifest, a damaged one) is never deleted or replaced: `--resume_from_checkpoint auto` skips it and
@@ -43,7 +44,7 @@ from hf_scale.train.checkpoint.layout import (
     checkpoint_dir,
     checkpoint_folders,
     complete_checkpoints,
-    is_ours,
+    is_removable_temporary,
     manifest_text,
     read_manifest,
     size_problem,
@@ -64,7 +65,7 @@ def make_staging(output_dir: str | Path, label: int | str) -> Path:
     """Main process: a new `OUTPUT_DIR/.tmp-checkpoint-LABEL` holding hf_scale's marker, so that an interrupted
     one is known as hf_scale's and removed at the next start (a user's directory of that name never is)."""
     path = staging_dir(output_dir, label)
-    if is_ours(path):
+    if is_removable_temporary(path):
         shutil.rmtree(path)
     path.mkdir(parents=True)  # a user's directory of that name: refused at startup, never written into
     (path / MARKER).write_text("a temporary directory of hf_scale's, removed at the start of the next run\n")
@@ -85,7 +86,7 @@ def remove_interrupted(output_dir: str | Path, *, foreign_too: bool = False) -> 
     is ever removed at startup.
     """
     removed = [p for p in temporary_dirs(output_dir)
-               if is_ours(p) or (foreign_too and p.is_dir() and not p.is_symlink())]
+               if is_removable_temporary(p) or (foreign_too and p.is_dir() and not p.is_symlink())]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed

@@ -165,8 +165,9 @@ def test_startup_removes_exactly_the_staging_directories(tmp_path):
     users = layout.staging_dir(tmp_path, 9)  # named like hf_scale's, without its marker: the user's
     users.mkdir()
     (users / "notes").write_text("mine")
+    layout.staging_dir(tmp_path, 6).mkdir()  # a save killed between its mkdir and its marker: empty, nothing lost
     assert sorted(p.name for p in checkpoint.remove_interrupted(tmp_path)) == [
-        ".tmp-checkpoint-5", ".tmp-checkpoint-replaced-4", ".tmp-checkpoint-universal-2"]
+        ".tmp-checkpoint-5", ".tmp-checkpoint-6", ".tmp-checkpoint-replaced-4", ".tmp-checkpoint-universal-2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [users.name, kept.name]
     assert checkpoint.remove_interrupted(tmp_path, foreign_too=True) == [users]  # --overwrite_output_dir
     assert [p.name for p in tmp_path.iterdir()] == [kept.name]
