@@ -341,7 +341,7 @@ def node_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
 def train_refusal(layout: Layout, where: str, *, loop: str | None, gpu_present: bool) -> str | None:
     """Why train.py refuses this layout, or None. ``loop`` is None for a layout from `accelerate launch`'s
     PARALLELISM_CONFIG_* (before the loop is known). train.py runs TP (alone, or under FSDP2's dp_shard /
-    dp_replicate) in the manual loop, the model built on the mesh by transformers (train/model/parallel.py);
+    dp_replicate) in both loops, the model built on the mesh by transformers (train/model/parallel.py);
     HSDP (dp_replicate x dp_shard) is FSDP2's hybrid sharding, which it runs too."""
     if layout.sp > 1 and loop != "accelerate":
         how = "under `accelerate launch`" if loop is None else f"with --loop {loop}"
@@ -358,10 +358,6 @@ def train_refusal(layout: Layout, where: str, *, loop: str | None, gpu_present: 
         return (f"{where}: tp={layout.tp}: under `accelerate launch` accelerate builds its own ParallelismConfig, "
                 "which accelerate 1.15 refuses without GPUs (DistributedType.MULTI_CPU); train.py runs TP from "
                 "--hf_scale_config under torchrun with --loop accelerate")
-    if loop != "accelerate":
-        return (f"{where}: tp={layout.tp} with --loop {loop}: the Trainer hands a tensor-parallel model to accelerate "
-                "with a ParallelismConfig, which accelerate 1.15 refuses without GPUs (DistributedType.MULTI_CPU) "
-                "and hf_scale has not proven with them; use --loop accelerate")
     return None
 
 

@@ -217,11 +217,11 @@ def test_train_refuses_tp_cp_sp_sizes_from_accelerate_launch_in_one_line(monkeyp
                                      gpu_present=False) is None
 
 
-def test_train_runs_tp_and_sp_in_the_manual_loop_only_and_refuses_cp():
+def test_train_runs_tp_in_both_loops_sp_in_the_manual_loop_and_refuses_cp():
     """What train.py runs of each kind (the reasons are measured facts: see parallelism.train_refusal)."""
     tp, cp, sp = parallelism.Layout(tp=2), parallelism.Layout(dp_shard=2, cp=2), parallelism.Layout(sp=2)
     assert parallelism.train_refusal(tp, "x", loop="accelerate", gpu_present=False) is None
-    assert "use --loop accelerate" in parallelism.train_refusal(tp, "x", loop="trainer", gpu_present=False)
+    assert parallelism.train_refusal(tp, "x", loop="trainer", gpu_present=False) is None
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in parallelism.train_refusal(
         cp, "x", loop="accelerate", gpu_present=False)
     assert "benchmarks/gpu_cp.py" in parallelism.train_refusal(cp, "x", loop="accelerate", gpu_present=True)

@@ -287,11 +287,6 @@ CASES: dict[str, Case] = {
     "hf-scale-config-world-size": Case(
         ["--hf_scale_config", "{d}/c.yaml"], "world_size=2",
         files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2}})}),
-    "hf-scale-config-tensor-parallel-trainer": Case(
-        ["--hf_scale_config", "{d}/c.yaml", "--loop", "trainer"],
-        "parallelism: tp=2 with --loop trainer: the Trainer hands a tensor-parallel model to accelerate",
-        files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2},
-                                         "parallelism": {"tp": 2}})}),
     "hf-scale-config-context-parallel-on-cpu": Case(
         ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
         "parallelism: cp=2: train.py does not run context parallelism (torch's context_parallel has no sharding",

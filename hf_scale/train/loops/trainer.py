@@ -8,12 +8,13 @@ own log rounds to 4 digits), and evaluates with hf_scale.train.loops.evaluation,
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from hf_scale.train.checkpoint import integrity, ownership, resume
 from hf_scale.train.checkpoint import layout as checkpoint_layout
@@ -23,8 +24,10 @@ from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
+from hf_scale.train.model import fsdp, parallel
 from hf_scale.train.model.fp8 import fp8_handlers
 from hf_scale.train.setup import guard
+from hf_scale.train.setup.distributed import has_gpu
 from hf_scale.train.setup.run_spec import RunSpec
 
 
@@ -35,7 +38,8 @@ class HfScaleTrainer(Trainer):
     def __init__(self, *args, spec: RunSpec, **kwargs):
         self.spec = spec  # before the Trainer builds its Accelerator (_build_accelerator_args reads it)
         """The run's facts (train/setup/run_spec.py): its checkpoints' hf_scale_state.json is written from them."""
-        super().__init__(*args, **kwargs)
+        with _checkpoints_allowed_on_a_mesh(kwargs["args"], parallel.sharded_at_load(spec.layout)):
+            super().__init__(*args, **kwargs)
         self.window_loss = 0.0
         self.window_tokens = 0
         self.window_data_wait_s = 0.0
@@ -54,6 +58,10 @@ class HfScaleTrainer(Trainer):
         if self.spec.fp8_backend:
             args["mixed_precision"] = "fp8"
             args["kwargs_handlers"] = [*args.get("kwargs_handlers", []), *fp8_handlers(self.spec)]
+        if parallel.sharded_at_load(self.spec.layout) and not has_gpu():
+            # The Trainer hands accelerate a ParallelismConfig for a model built on a TP mesh; accelerate 1.15
+            # refuses one on DistributedType.MULTI_CPU. The mesh it would build is set after (create_accelerator_...).
+            args.pop("parallelism_config", None)
         return args
 
     def _set_signature_columns_if_needed(self):
@@ -75,6 +83,11 @@ class HfScaleTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        if parallel.sharded_at_load(self.spec.layout) and self.accelerator.torch_device_mesh is None:
+            # Without GPUs (above): accelerate's own mesh for these sizes, which is all its data loader reads to
+            # give the ranks of one TP group the same batches (data_loader.py: process_index // tp). The Trainer
+            # prepares the model without it (`is_distributed_loading_by_transformers`: autocast only, no DDP).
+            self.accelerator.state.device_mesh = parallel.accelerate_mesh(self.spec.layout, self.accelerator.device)
         if self.is_deepspeed_enabled:
             # The Trainer accumulates itself and hands accelerate num_steps=1; with DeepSpeed accelerate's prepare
             # then warns "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config
@@ -101,6 +114,7 @@ class HfScaleTrainer(Trainer):
             batch_size=self.args.per_device_eval_batch_size,
             num_workers=self.args.dataloader_num_workers,
             progress_bar=not self.args.disable_tqdm,
+            model_parallel=self.spec.layout.model_parallel_size,
         )
         self.last_eval = result
         metrics = {k: v for k, v in result.metrics(metric_key_prefix).items() if v is not None}
@@ -170,8 +184,9 @@ class HfScaleTrainer(Trainer):
                 # The Trainer saves no config or tokenizer with FSDP's SHARDED_STATE_DICT (its save_model
                 # writes only a full state dict); `hf-scale export` needs them beside the shards.
                 checkpoint.write_model_files(written, accelerator.unwrap_model(model), self.processing_class)
-            if self.state.best_model_checkpoint == str(written):  # the Trainer recorded the temporary name
-                self.state.best_model_checkpoint = str(final)
+        if self.state.best_model_checkpoint == str(written):  # the Trainer recorded the temporary name (every
+            self.state.best_model_checkpoint = str(final)     # rank: each loads the best model at the end)
+            if is_main:
                 self.state.save_to_json(str(written / checkpoint_layout.TRAINER_STATE))
         checkpoint.seal(written, step, accelerator)
         self.publisher.publish(written, step)
@@ -180,8 +195,11 @@ class HfScaleTrainer(Trainer):
         self.last_saved_step = step
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if (_internal_call and self.spec.final_save_is_checkpoint and not self.args.save_only_model
-                and not getattr(self.model, "peft_config", None)):
+        # Built on a TP mesh, a checkpoint's weights are in its DCP shards (_save_optimizer_and_scheduler): the
+        # Trainer's save_model would gather the whole model onto rank 0 at every save as well.
+        mesh_checkpoint = parallel.sharded_at_load(self.spec.layout) and not self.args.save_only_model
+        if _internal_call and (mesh_checkpoint or (self.spec.final_save_is_checkpoint and not self.args.save_only_model
+                                                   and not getattr(self.model, "peft_config", None))):
             # ZeRO-3 without gathering: transformers' save_model (inside _save_checkpoint) writes the config and
             # tokenizer with an empty weights file it then deletes, and falls back to the engine's whole checkpoint,
             # which _save_checkpoint writes again right after (_save_optimizer_and_scheduler): at 70B about 1 TB twice.
@@ -222,15 +240,37 @@ class HfScaleTrainer(Trainer):
             self._save_checkpoint(self.model_wrapped, trial=None)
         return final
 
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if not parallel.sharded_at_load(self.spec.layout):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Built on a TP mesh: the Trainer has no writer for this optimizer state. The manual loop's DCP shards
+        # (model and optimizer: every rank its own, resharded on load), and the scheduler as the Trainer saves it.
+        fsdp.save_sharded(self.model, self.optimizer, Path(output_dir) / checkpoint_layout.DCP_DIR)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+
+    def _load_best_model(self):
+        if not parallel.sharded_at_load(self.spec.layout):
+            return super()._load_best_model()
+        # --load_best_model_at_end: the Trainer would read the best checkpoint's safetensors into the DTensors.
+        with checkpoint.load_errors_reported(Path(self.state.best_model_checkpoint)):
+            fsdp.load_sharded_model(self.model, Path(self.state.best_model_checkpoint) / checkpoint_layout.DCP_DIR)
+
     # A checkpoint that verified but does not load is one line, not a traceback (private hooks, transformers 5).
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if parallel.sharded_at_load(self.spec.layout):
+            return  # the DCP shards hold the weights too; loaded with the optimizer (below), once it exists
         with checkpoint.load_errors_reported(Path(resume_from_checkpoint)):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
         # Called after every kind of load (DeepSpeed's engine loads its states before): the schedule is this run's.
         with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
-            super()._load_optimizer_and_scheduler(checkpoint_dir)
+            if checkpoint_dir is not None and parallel.sharded_at_load(self.spec.layout):
+                fsdp.load_sharded(self.model, self.optimizer, Path(checkpoint_dir) / checkpoint_layout.DCP_DIR)
+                self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint_dir) / SCHEDULER_NAME, weights_only=True))
+            else:
+                super()._load_optimizer_and_scheduler(checkpoint_dir)
         if checkpoint_dir is not None:
             self.publisher.verified.add(Path(checkpoint_dir).resolve())  # verified before the resume
             resume.continue_schedule(self.lr_scheduler, self.args.learning_rate,
@@ -239,6 +279,22 @@ class HfScaleTrainer(Trainer):
     def _load_rng_state(self, checkpoint_dir):
         with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
             super()._load_rng_state(checkpoint_dir)
+
+
+@contextlib.contextmanager
+def _checkpoints_allowed_on_a_mesh(args, sharded_at_load: bool):
+    """transformers' Trainer refuses to checkpoint a model built on a TP mesh (`DistributedConfig`): it has no
+    writer for its optimizer state ("Pass save_only_model=True or save_strategy='no'"). HfScaleTrainer writes and
+    reads that state itself (DCP, _save_optimizer_and_scheduler), so the refusal is passed while the Trainer is
+    built; every later read of save_only_model sees the user's value."""
+    if not sharded_at_load or args.save_only_model:
+        yield
+        return
+    args.save_only_model = True
+    try:
+        yield
+    finally:
+        args.save_only_model = False
 
 
 class GuardAndMetricsCallback(TrainerCallback):
@@ -261,7 +317,7 @@ class GuardAndMetricsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         trainer = self.trainer
-        micro = micro_batch_per_rank(train_dataloader, trainer.accelerator.num_processes)
+        micro = micro_batch_per_rank(train_dataloader, self.spec.data_parallel_size)
         guard.verify_runtime(
             self.spec.expected,
             guard.observe(
@@ -289,6 +345,9 @@ class GuardAndMetricsCallback(TrainerCallback):
         totals = torch.tensor(
             [trainer.window_loss, float(trainer.window_tokens)], dtype=torch.float64, device=device
         )
+        # Each rank of a TP group saw its group's batch: the sum over ranks counts it model_parallel_size times
+        # (the loss not: the Trainer scales each rank's by the data-parallel size, num_processes // tp).
+        totals[1] /= self.spec.layout.model_parallel_size
         loss, tokens = trainer.accelerator.reduce(totals, reduction="sum").tolist()
         grad_norm = trainer.last_grad_norm
         record = self.metrics.log_step(

@@ -89,3 +89,13 @@ def load_sharded(model, optimizer, path) -> None:
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_sharded_model(model, path) -> None:
+    """The model's part of `save_sharded`'s shards only (DCP reads just the keys asked for)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])

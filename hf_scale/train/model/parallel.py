@@ -38,6 +38,15 @@ def load_kwargs(layout: Layout, fsdp_settings: dict | None) -> dict:
     )}
 
 
+def accelerate_mesh(layout: Layout, device: torch.device):
+    """accelerate's device mesh for the layout (the dimension names its data loader reads), built without an
+    Accelerator holding a ParallelismConfig (which accelerate 1.15 refuses on CPU)."""
+    from accelerate import ParallelismConfig
+
+    return ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard, tp_size=layout.tp,
+                             cp_size=layout.cp).get_device_mesh(device.type)
+
+
 def data_rank(layout: Layout, rank: int) -> int:
     """The data-parallel rank of global rank `rank`: the ranks of one TP/CP/SP group (neighbours in the mesh)
     share it, hence the same batches."""

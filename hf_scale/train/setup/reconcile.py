@@ -89,7 +89,9 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
             f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
         )
     if not launcher_chose_engine and wanted == "fsdp":
-        if ns.loop != "accelerate":
+        # With tp > 1 transformers applies FSDP2 itself while it builds the model on the mesh (model/parallel.py),
+        # for the Trainer as for the manual loop; without, only the manual loop shards with torch's fully_shard.
+        if ns.loop != "accelerate" and cfg.layout.tp <= 1:
             raise UserError(
                 f"{where}: strategy=fsdp under {request.launcher} runs in the manual loop only; add --loop "
                 "accelerate, or launch the Trainer with `accelerate launch --config_file accelerate_configs/NAME.yaml`"

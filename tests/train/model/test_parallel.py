@@ -2,6 +2,10 @@
 transformers (DTensor weights; train.py's runtime guard checks the model's tp_size), each data-parallel group
 on its own data, the ranks of one TP group on the same batches.
 
+The Trainer (`--loop trainer`) runs the same layouts: tp=2 and dp_shard=2 x tp=2 give the one-process Trainer's
+per-step losses, and its tp=2 checkpoint (DCP shards written by HfScaleTrainer, since transformers' Trainer has no
+writer for a mesh-built model's optimizer state) resumes bit-identically.
+
 Every run trains 5 steps of a global batch of 8 (one process: micro 8; tp=2: micro 4 x accumulation 2 on one
 data-parallel rank; dp_shard=2 x tp=2: micro 2 x accumulation 2 on two) and must give the one-process per-step
 losses, token counts and eval losses (rtol 1e-4), pass train.py's own save check and save a model with the
@@ -35,7 +39,7 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 5
 MIXTURE = REPO / "tests" / "data" / "mixture"
 COMMON = ["--max_steps", str(STEPS), "--learning_rate", "1e-3", "--seed", "11", "--warmup_ratio", "0",
-          "--lr_scheduler_type", "linear", "--max_grad_norm", "1.0", "--loop", "accelerate",
+          "--lr_scheduler_type", "linear", "--max_grad_norm", "1.0",
           "--train_file", str(MIXTURE / "qa.jsonl"), str(MIXTURE / "chat.jsonl"), "--mixture_weights", "0.75", "0.25",
           "--validation_file", str(MIXTURE / "validation.jsonl"), "--eval_strategy", "steps", "--eval_steps", "3"]
 PACKED = ["--packing", "--max_seq_length", "128"]
@@ -47,13 +51,14 @@ FSDP2_TP2 = "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 
             "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
 
 
-def _train(out, flags: list[str], *, nproc: int = 1, config: str | None = None) -> subprocess.CompletedProcess:
+def _train(out, flags: list[str], *, nproc: int = 1, config: str | None = None,
+           loop: str = "accelerate") -> subprocess.CompletedProcess:
     command = launcher_command("python") if nproc == 1 else launcher_command("torchrun", nproc=nproc)
     if config is not None:
         path = out.parent / f"{out.name}-config.yaml"
         path.write_text(config)
         flags = flags + ["--hf_scale_config", str(path)]
-    return run_ok(command + COMMON + flags + ["--output_dir", str(out)], env=child_env(), timeout=600)
+    return run_ok(command + COMMON + flags + ["--loop", loop, "--output_dir", str(out)], env=child_env(), timeout=600)
 
 
 def _assert_same_run(out, reference_dir) -> None:
@@ -103,10 +108,10 @@ def test_tp2_packed_equals_one_packed_process(tmp_path):
     _assert_same_run(out, reference)
 
 
-def _resume(tp_dir, out, config: str) -> list[dict]:
+def _resume(tp_dir, out, config: str, loop: str = "accelerate") -> list[dict]:
     out.mkdir()
     shutil.copytree(tp_dir / "checkpoint-3", out / "checkpoint-3")
-    result = _train(out, ["--resume_from_checkpoint", "auto"], nproc=2, config=config)
+    result = _train(out, ["--resume_from_checkpoint", "auto"], nproc=2, config=config, loop=loop)
     assert f"resuming from {out / 'checkpoint-3'}" in result.stderr
     return read_metrics(out)
 
@@ -133,3 +138,43 @@ def test_export_of_a_tp2_checkpoint_loads_with_the_trained_logits(tp_dir, tmp_pa
     with torch.no_grad():
         got = model(input_ids=PROBE_IDS).logits.float()
     torch.testing.assert_close(got, logits(tp_dir), rtol=1e-5, atol=1e-5)
+
+
+# --- the Trainer --------------------------------------------------------------------------------------------
+
+
+def _assert_resumes_exactly(saved_dir, resumed: list[dict]) -> None:
+    want = {r["step"]: r for r in read_metrics(saved_dir)}
+    assert [r["step"] for r in resumed] == [4, 5]
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in resumed] == [
+        (want[s]["loss"], want[s]["grad_norm"], want[s]["lr"]) for s in (4, 5)]
+
+
+def test_trainer_tp2_equals_one_process_and_its_checkpoint_resumes_exactly(tmp_path):
+    reference, out = tmp_path / "trainer_reference", tmp_path / "trainer_tp2"
+    _train(reference, ["--per_device_train_batch_size", "8"], loop="trainer")
+    result = _train(out, ["--save_steps", "3"], nproc=2, config=TP2, loop="trainer")
+    assert "ddp (tp=2) on 2 process(es) (torchrun), trainer loop" in result.stderr
+    _assert_same_run(out, reference)
+    assert_saved_model_verified(out, like=reference)
+    assert (out / "checkpoint-3" / "fsdp_sharded").is_dir()  # the optimizer state the Trainer cannot write
+    _assert_resumes_exactly(out, _resume(out, tmp_path / "resumed", TP2, loop="trainer"))
+
+
+def test_trainer_dp_shard2_x_tp2_on_four_processes_equals_one_process(reference_dir, tmp_path):
+    """transformers applies FSDP2 over dp_shard and TP over tp at load; the Trainer trains the mesh-built model."""
+    out = tmp_path / "trainer_fsdp2_tp2"
+    result = _train(out, [], nproc=4, config=FSDP2_TP2, loop="trainer")
+    assert "fsdp (dp_shard=2 x tp=2) on 4 process(es) (torchrun), trainer loop" in result.stderr
+    _assert_same_run(out, reference_dir)
+
+
+def test_trainer_tp2_loads_the_best_checkpoint_at_the_end_on_every_rank(tmp_path):
+    """--load_best_model_at_end with TP: the best checkpoint's DCP shards are loaded into the mesh-built model (the
+    Trainer would read its safetensors into the DTensors), on every rank (each records the published name)."""
+    out = tmp_path / "best"
+    _train(out, ["--save_steps", "3", "--load_best_model_at_end", "--metric_for_best_model", "eval_loss",
+                 "--greater_is_better", "true"], nproc=2, config=TP2, loop="trainer")  # best: step 3's, not the last
+    exported = tmp_path / "exported"
+    run_ok([sys.executable, "-m", "hf_scale.cli", "export", str(out / "checkpoint-3"), str(exported)], timeout=180)
+    torch.testing.assert_close(logits(out), logits(exported), rtol=0, atol=0)
