@@ -10,7 +10,8 @@ Every run trains 5 steps of a global batch of 8 (one process: micro 8; tp=2: mic
 data-parallel rank; dp_shard=2 x tp=2: micro 2 x accumulation 2 on two) and must give the one-process per-step
 losses, token counts and eval losses (rtol 1e-4), pass train.py's own save check and save a model with the
 one-process model's logits. The tp=2 run saves checkpoint-3, which must resume at tp=2 bit-identically, resume
-at dp_shard=2 (FSDP2, DCP resharding) with the uninterrupted losses, and export to Hub safetensors.
+at dp_shard=2 (FSDP2, DCP resharding) with the uninterrupted losses, and export to Hub safetensors; the
+dp_shard=2 x tp=2 run's checkpoint resumes on 2 processes at tp=2.
 """
 
 from __future__ import annotations
@@ -92,13 +93,20 @@ def test_tp2_equals_one_process(tp_dir, reference_dir):
     assert_saved_model_verified(tp_dir, like=reference_dir)
 
 
-def test_dp_shard2_x_tp2_on_four_processes_equals_one_process(reference_dir, tmp_path):
-    """FSDP2 over dp_shard=2 and TP over tp=2 on one mesh (transformers applies both at load)."""
+def test_dp_shard2_x_tp2_on_four_processes_equals_one_process_and_resumes_on_two(reference_dir, tmp_path):
+    """FSDP2 over dp_shard=2 and TP over tp=2 on one mesh (transformers applies both at load); its checkpoint-3
+    resumes on 2 processes at tp=2 (4 -> 2 processes, DCP resharding) with the uninterrupted losses."""
     out = tmp_path / "fsdp2_tp2"
-    result = _train(out, [], nproc=4, config=FSDP2_TP2)
+    result = _train(out, ["--save_steps", "3"], nproc=4, config=FSDP2_TP2)
     assert "fsdp (dp_shard=2 x tp=2) on 4 process(es)" in result.stderr
     _assert_same_run(out, reference_dir)
     assert_saved_model_verified(out, like=reference_dir)
+    want = {r["step"]: r for r in read_metrics(out)}
+    resumed = _resume(out, tmp_path / "on_two", TP2)
+    assert [r["step"] for r in resumed] == [4, 5]
+    for record in resumed:
+        assert record["loss"] == pytest.approx(want[record["step"]]["loss"], rel=1e-4)
+        assert record["tokens"] == want[record["step"]]["tokens"]
 
 
 def test_tp2_packed_equals_one_packed_process(tmp_path):
