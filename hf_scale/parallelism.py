@@ -343,11 +343,9 @@ def train_refusal(layout: Layout, where: str, *, loop: str | None, gpu_present: 
     PARALLELISM_CONFIG_* (before the loop is known). train.py runs TP (alone, or under FSDP2's dp_shard /
     dp_replicate) in both loops, the model built on the mesh by transformers (train/model/parallel.py);
     HSDP (dp_replicate x dp_shard) is FSDP2's hybrid sharding, which it runs too."""
-    if layout.sp > 1 and loop != "accelerate":
-        how = "under `accelerate launch`" if loop is None else f"with --loop {loop}"
-        return (f"{where}: sp={layout.sp} {how}: train.py runs DeepSpeed Ulysses sequence parallelism only in "
-                "its manual loop, from --hf_scale_config under torchrun with --loop accelerate (the Trainer's SP "
-                "path is not proven here); use --loop accelerate")
+    if layout.sp > 1 and loop is None:
+        return (f"{where}: sp={layout.sp} under `accelerate launch`: train.py runs DeepSpeed Ulysses sequence "
+                "parallelism from --hf_scale_config under torchrun (either --loop)")
     if layout.cp > 1:
         why = ("hf_scale proves cp only with benchmarks/gpu_cp.py on GPUs so far" if gpu_present
                else _NEEDS_GPU["cp"])

@@ -292,11 +292,6 @@ CASES: dict[str, Case] = {
         "parallelism: cp=2: train.py does not run context parallelism (torch's context_parallel has no sharding",
         files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 4},
                                          "parallelism": {"cp": 2}})}),
-    "hf-scale-config-sequence-parallel-trainer": Case(
-        ["--hf_scale_config", "{d}/c.yaml", "--loop", "trainer"],
-        "parallelism: sp=2 with --loop trainer: train.py runs DeepSpeed Ulysses sequence parallelism only in",
-        files={"c.yaml": yaml.safe_dump({"strategy": "deepspeed", "topology": {"processes_per_machine": 2},
-                                         "parallelism": {"sp": 2}})}),
     "hf-scale-config-conflicting-micro": Case(
         ["--hf_scale_config", "{d}/c.yaml", "--per_device_train_batch_size", "3"],
         "batch.micro_batch_size=4 but --per_device_train_batch_size=3",

@@ -52,11 +52,16 @@ def _state_layout(strategy: str, zero_stage: int | None, tp: int = 1) -> str:
 
 
 def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, zero_stage: int | None,
-                    tp: int = 1) -> dict:
+                    tp: int = 1, sp: int = 1) -> dict:
     """The saved `hf_scale_state.json` if this run can resume `path`; a one-line UserError otherwise.
 
     Runs before the model is built, so a refusal costs nothing.
     """
+    if sp > 1:
+        # DeepSpeed's Ulysses adapter turns each loader batch into sp micro-batches: neither loop can skip to the
+        # saved data position through it yet (the Trainer's skip fails inside the adapter).
+        raise UserError(f"--resume_from_checkpoint={path}: sp={sp}: resuming a sequence-parallel run is not "
+                        "supported yet; start it again, or resume with sp=1")
     state = checkpoint.read_state(path)
     convert = (
         f"or convert it with `hf-scale export {path} EXPORT_DIR` and start a new run from it "

@@ -25,7 +25,6 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 from transformers import TrainingArguments
 
-from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import ownership, resume
 from hf_scale.train.checkpoint import store as checkpoint
@@ -85,10 +84,6 @@ def run(
     `eval_dataset`: evaluated by --eval_strategy/--eval_steps/--eval_on_start and at the end (--do_eval).
     """
     ds_plugin = getattr(args, "deepspeed_plugin", None)
-    if resume_dir is not None and spec.layout.sp > 1:
-        # The adapter's micro-batches are not the loader's: skipping to the saved data position is not built.
-        raise UserError(f"--resume_from_checkpoint={resume_dir}: sp={spec.layout.sp}: resuming a sequence-parallel "
-                        "run is not supported yet; start it again or resume with sp=1")
     # FSDP2 on CPU (from --hf_scale_config): torch's fully_shard, since accelerate cannot (see fsdp.py); a TP
     # model comes sharded from from_pretrained (parallel.py). accelerate then prepares only loader and scheduler.
     shard_ourselves = (spec.fsdp_settings is not None and not has_gpu()) or parallel.sharded_at_load(spec.layout)

@@ -24,7 +24,7 @@ from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
-from hf_scale.train.model import fsdp, parallel
+from hf_scale.train.model import fsdp, parallel, sequence_parallel
 from hf_scale.train.model.fp8 import fp8_handlers
 from hf_scale.train.setup import guard
 from hf_scale.train.setup.distributed import has_gpu
@@ -40,6 +40,8 @@ class HfScaleTrainer(Trainer):
         """The run's facts (train/setup/run_spec.py): its checkpoints' hf_scale_state.json is written from them."""
         with _checkpoints_allowed_on_a_mesh(kwargs["args"], parallel.sharded_at_load(spec.layout)):
             super().__init__(*args, **kwargs)
+        if spec.layout.sp > 1:
+            self.loss_is_scaled_for_ga = True  # compute_loss divides by the window's targets (below)
         self.window_loss = 0.0
         self.window_tokens = 0
         self.window_data_wait_s = 0.0
@@ -58,6 +60,9 @@ class HfScaleTrainer(Trainer):
         if self.spec.fp8_backend:
             args["mixed_precision"] = "fp8"
             args["kwargs_handlers"] = [*args.get("kwargs_handlers", []), *fp8_handlers(self.spec)]
+        if self.spec.layout.sp > 1:
+            # DeepSpeed Ulysses: accelerate wires the attention and the data adapter (model/sequence_parallel.py).
+            args["parallelism_config"] = sequence_parallel.accelerate_config(self.spec.layout)
         if parallel.sharded_at_load(self.spec.layout) and not has_gpu():
             # The Trainer hands accelerate a ParallelismConfig for a model built on a TP mesh; accelerate 1.15
             # refuses one on DistributedType.MULTI_CPU. The mesh it would build is set after (create_accelerator_...).
@@ -78,8 +83,23 @@ class HfScaleTrainer(Trainer):
         self.window_data_wait_s = time.perf_counter() - waited
         return batches
 
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        return super().compute_loss(model, model_inputs(inputs), *args, **kwargs)
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.spec.layout.sp > 1 and model.training:
+            # The Trainer's SP loss all-gathers the shards' mean losses differentiably, whose backward doubles the
+            # gradient at sp=2 (DeepSpeed sums the sp group's gradients), and normalises per micro-batch. The
+            # manual loop's proven rule instead: this rank's token-loss sum over the window's targets, times the
+            # data-parallel size (the gradient averaging over data-parallel ranks undoes it).
+            loss = sequence_parallel.shard_loss(model, inputs, num_items_in_batch) * self.spec.data_parallel_size
+            return (loss, None) if return_outputs else loss
+        return super().compute_loss(model, model_inputs(inputs), return_outputs, num_items_in_batch)
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        if self.spec.layout.sp <= 1:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        # SP (the Trainer counts nothing: it forces model_accepts_loss_kwargs off): the targets of the window's
+        # adapter micro-batches, summed over all ranks (each holds a disjoint piece of the sequences).
+        local = torch.tensor(sum(sequence_parallel.target_count(b) for b in batch_samples), device=device)
+        return self.accelerator.reduce(local, reduction="sum") // self.spec.layout.whole_batch_copies
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -98,8 +118,10 @@ class HfScaleTrainer(Trainer):
         self.window_tokens += count_real_tokens(inputs)
         self.live_window.add(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
-        # With token-normalised accumulation the returned loss is sum(token losses) * world / global targets.
-        self.window_loss += float(loss) / self.accelerator.num_processes
+        # With token-normalised accumulation the returned loss is sum(token losses) x data-parallel size / global
+        # targets (the Trainer's scaling; compute_loss's under SP): summed over all ranks, each whole batch once
+        # (the ranks of a TP group hold the same one).
+        self.window_loss += float(loss) / (self.spec.data_parallel_size * self.spec.layout.whole_batch_copies)
         return loss
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
@@ -345,9 +367,7 @@ class GuardAndMetricsCallback(TrainerCallback):
         totals = torch.tensor(
             [trainer.window_loss, float(trainer.window_tokens)], dtype=torch.float64, device=device
         )
-        # Each rank of a TP group saw its group's batch: the sum over ranks counts it model_parallel_size times
-        # (the loss not: the Trainer scales each rank's by the data-parallel size, num_processes // tp).
-        totals[1] /= self.spec.layout.model_parallel_size
+        totals[1] /= self.spec.layout.whole_batch_copies  # each rank of a TP group counted its group's batch
         loss, tokens = trainer.accelerator.reduce(totals, reduction="sum").tolist()
         grad_norm = trainer.last_grad_norm
         record = self.metrics.log_step(
