@@ -356,12 +356,14 @@ class _Loop:
             # The loss is sum(token losses) / global_targets; gradients are averaged over data-parallel ranks.
             if self.spec.layout.sp > 1:
                 loss = sequence_parallel.shard_loss(model, batch, global_targets)
+                multiplier = sequence_parallel.loss_multiplier(self.spec.layout, self.spec.zero_stage)
             else:
                 loss = model(**model_inputs(batch), num_items_in_batch=global_targets).loss
-            loss = loss * self.spec.data_parallel_size
+                multiplier = self.spec.data_parallel_size
+            loss = loss * multiplier
             backward_kwargs = {"scale_wrt_gas": False} if self.is_deepspeed else {}
             accelerator.backward(loss, **backward_kwargs)
-        return loss.detach() / self.spec.data_parallel_size
+        return loss.detach() / multiplier
 
     def evaluate(self, epoch_now: float) -> None:
         result = evaluation.evaluate(

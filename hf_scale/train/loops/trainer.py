@@ -87,9 +87,9 @@ class HfScaleTrainer(Trainer):
         if self.spec.layout.sp > 1 and model.training:
             # The Trainer's SP loss all-gathers the shards' mean losses differentiably, whose backward doubles the
             # gradient at sp=2 (DeepSpeed sums the sp group's gradients), and normalises per micro-batch. The
-            # manual loop's proven rule instead: this rank's token-loss sum over the window's targets, times the
-            # data-parallel size (the gradient averaging over data-parallel ranks undoes it).
-            loss = sequence_parallel.shard_loss(model, inputs, num_items_in_batch) * self.spec.data_parallel_size
+            # manual loop's proven rule instead: this rank's token-loss sum over the window's targets, times what
+            # DeepSpeed's gradient averaging divides by (sequence_parallel.loss_multiplier).
+            loss = sequence_parallel.shard_loss(model, inputs, num_items_in_batch) * self._loss_multiplier
             return (loss, None) if return_outputs else loss
         return super().compute_loss(model, model_inputs(inputs), return_outputs, num_items_in_batch)
 
@@ -118,11 +118,18 @@ class HfScaleTrainer(Trainer):
         self.window_tokens += count_real_tokens(inputs)
         self.live_window.add(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
-        # With token-normalised accumulation the returned loss is sum(token losses) x data-parallel size / global
-        # targets (the Trainer's scaling; compute_loss's under SP): summed over all ranks, each whole batch once
-        # (the ranks of a TP group hold the same one).
-        self.window_loss += float(loss) / (self.spec.data_parallel_size * self.spec.layout.whole_batch_copies)
+        # With token-normalised accumulation the returned loss is sum(token losses) x the multiplier / global
+        # targets: summed over all ranks, each whole batch once (the ranks of a TP group hold the same one).
+        self.window_loss += float(loss) / (self._loss_multiplier * self.spec.layout.whole_batch_copies)
         return loss
+
+    @property
+    def _loss_multiplier(self) -> int:
+        """What each rank's loss is multiplied by before backward: the Trainer's own num_processes // tp (the
+        data-parallel size), or under SP sequence_parallel.loss_multiplier."""
+        if self.spec.layout.sp > 1:
+            return sequence_parallel.loss_multiplier(self.spec.layout, self.spec.zero_stage)
+        return self.spec.data_parallel_size
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
         """hf_scale's exact token-weighted eval loss (the Trainer's own averages per-batch means over

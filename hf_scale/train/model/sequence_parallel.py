@@ -83,6 +83,15 @@ def target_count(batch: dict) -> int:
     return int((batch["shift_labels"] != IGNORE_INDEX).sum())
 
 
+def loss_multiplier(layout: Layout, zero_stage: int | None) -> int:
+    """What each rank's shard loss is multiplied by before backward so that DeepSpeed's gradient reduction gives
+    the whole batch's gradient. ZeRO-0/1/2 average over the data-parallel ranks and sum over the sp group: the
+    data-parallel size. ZeRO-3's reduce-scatter averages over the whole sp x data-parallel group: sp times more
+    (measured: tests/train/model/test_sequence_parallel.py, without it ZeRO-3's gradients and their norm are 1/sp;
+    the same finding in hamishivi/tmax#9)."""
+    return layout.data_parallel_size * (layout.sp if zero_stage == 3 else 1)
+
+
 def shard_loss(model, batch: dict, num_items_in_batch: torch.Tensor) -> torch.Tensor:
     """This rank's share of the window's loss: its token-loss sum over the window's target count."""
     logits = model(**{key: batch[key] for key in MODEL_KEYS}).logits

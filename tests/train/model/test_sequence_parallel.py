@@ -14,15 +14,16 @@ from train_helpers import REPO, child_env, torchrun
 
 from hf_scale import parallelism
 from hf_scale.train.data.embedded import build_tiny_llama
+from hf_scale.train.model import sequence_parallel
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("ulysses_sp_worker.py")
 
 
-def _run(model_dir: Path, output: Path, nproc: int) -> dict:
-    result = subprocess.run(torchrun(WORKER, model_dir, output, nproc=nproc), cwd=REPO, capture_output=True,
-                            text=True, timeout=300, env=child_env())
+def _run(model_dir: Path, output: Path, nproc: int, *worker_args) -> dict:
+    result = subprocess.run(torchrun(WORKER, model_dir, output, *worker_args, nproc=nproc), cwd=REPO,
+                            capture_output=True, text=True, timeout=300, env=child_env())
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(output.read_text())
 
@@ -42,3 +43,20 @@ def test_ulysses_sp2_over_gloo_equals_one_process(tmp_path):
     refusal = parallelism.train_refusal(parallelism.Layout(sp=2), "x", loop=None, gpu_present=False)
     assert refusal.startswith("x: sp=2 under `accelerate launch`") and "torchrun" in refusal
     assert parallelism.node_support(gpu_present=False)["sp"]["usable"]
+
+
+def test_under_zero3_the_loss_multiplier_gives_the_one_process_gradients(tmp_path):
+    """ZeRO-3's reduce-scatter averages over the whole sp x data-parallel group, not only the data-parallel ranks:
+    sequence_parallel.loss_multiplier multiplies by sp as well. With SGD and nothing clipped (a bound of 1000; the
+    default 1.0 would normalise any scale away) the losses and DeepSpeed's own gradient norms equal one process;
+    without the factor sp both were 1/2 at sp=2 (measured)."""
+    model_dir = tmp_path / "tiny"
+    build_tiny_llama(model_dir)
+    one = _run(model_dir, tmp_path / "one.json", 1, "3", "1000")
+    sp2 = _run(model_dir, tmp_path / "sp2.json", 2, "3", "1000")
+    assert len(one["engine_grad_norms"]) == 4
+    assert sp2["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert sp2["engine_grad_norms"] == pytest.approx(one["engine_grad_norms"], rel=1e-5)
+    assert one["losses"][1] != pytest.approx(one["losses"][0], rel=1e-3)
+    assert sequence_parallel.loss_multiplier(parallelism.Layout(dp_shard=2, sp=2), 3) == 4
+    assert sequence_parallel.loss_multiplier(parallelism.Layout(dp_shard=2, sp=2), 2) == 2

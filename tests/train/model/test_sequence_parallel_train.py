@@ -32,17 +32,25 @@ SP2 = "strategy: deepspeed\nprecision: 'no'\ndeepspeed: {zero_stage: 2}\ntopolog
       "parallelism: {sp: 2}\nbatch: {micro_batch_size: 4, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
 
 
-@pytest.mark.parametrize("loop", ["accelerate", "trainer"])
-def test_sp2_equals_one_process(loop, tmp_path):
+ZERO3_DP2_SP2 = "strategy: deepspeed\nprecision: 'no'\ndeepspeed: {zero_stage: 3}\n" \
+                "topology: {processes_per_machine: 4}\nparallelism: {sp: 2}\n" \
+                "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
+
+
+@pytest.mark.parametrize(("loop", "layout"), [("accelerate", "zero2-sp2"), ("trainer", "zero2-sp2"),
+                                              ("accelerate", "zero3-dp2-sp2"), ("trainer", "zero3-dp2-sp2")])
+def test_sp2_equals_one_process(loop, layout, tmp_path):
+    """ZeRO-3 x dp_shard=2 x sp=2 on 4 processes too: ZeRO-3 averages gradients over the sp group as well
+    (sequence_parallel.loss_multiplier); the gradient norms tell (Adam's update would hide the scale)."""
     reference, sp2 = tmp_path / "reference", tmp_path / "sp2"
     run_ok(launcher_command("python") + COMMON + ["--loop", loop, "--per_device_train_batch_size", "8",
                                                   "--output_dir", str(reference)], env=child_env(), timeout=600)
     config = tmp_path / "sp2.yaml"
-    config.write_text(SP2)
-    result = run_ok(launcher_command("torchrun", nproc=2) + COMMON + ["--loop", loop, "--hf_scale_config", str(config),
-                                                                      "--output_dir", str(sp2)],
-                    env=child_env(), timeout=600)
-    assert f"(sp=2) on 2 process(es) (torchrun), {loop} loop" in result.stderr
+    config.write_text(SP2 if layout == "zero2-sp2" else ZERO3_DP2_SP2)
+    nproc = 2 if layout == "zero2-sp2" else 4
+    flags = ["--loop", loop, "--hf_scale_config", str(config), "--output_dir", str(sp2)]
+    result = run_ok(launcher_command("torchrun", nproc=nproc) + COMMON + flags, env=child_env(), timeout=600)
+    assert f"sp=2) on {nproc} process(es) (torchrun), {loop} loop" in result.stderr
     got, want = read_metrics(sp2), read_metrics(reference)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
@@ -56,8 +64,7 @@ def test_sp2_equals_one_process(loop, tmp_path):
 
     # Its end checkpoint does not resume (the adapter's micro-batches are not a data position): one line, exit 2,
     # before any model is built, on every rank.
-    again = run(launcher_command("torchrun", nproc=2) + COMMON + ["--loop", loop, "--hf_scale_config", str(config),
-                                                                  "--output_dir", str(sp2), "--resume_from_checkpoint",
-                                                                  "auto"], env=child_env(), timeout=600)
+    again = run(launcher_command("torchrun", nproc=nproc) + COMMON + flags + ["--resume_from_checkpoint", "auto"],
+                env=child_env(), timeout=600)
     assert again.returncode != 0 and not training_traceback_frames(again.stderr)  # torchrun's own report aside
     assert "sp=2: resuming a sequence-parallel run is not supported yet" in again.stderr

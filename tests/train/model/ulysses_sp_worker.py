@@ -20,10 +20,13 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from hf_scale.parallelism import Layout
+from hf_scale.train.model.sequence_parallel import loss_multiplier
+
 ROWS, SEQ_LEN, PROMPTS = 4, 32, (3, 9, 17, 5)  # masked prompts: the shards hold unequal target counts
 
 
-def main(model_dir: str, output: str) -> None:
+def main(model_dir: str, output: str, zero_stage: int = 0, clipping: float = 0.0) -> None:
     torch.manual_seed(7)
     deepspeed.init_distributed(dist_backend="gloo")
     sp, rank = dist.get_world_size(), dist.get_rank()
@@ -32,9 +35,13 @@ def main(model_dir: str, output: str) -> None:
     labels = ids.clone()
     for row, prompt in enumerate(PROMPTS):
         labels[row, :prompt] = -100
-    # SGD, not Adam: Adam's update hardly depends on the gradient's scale, so it would hide a wrong one.
+    # SGD, not Adam: Adam's update hardly depends on the gradient's scale, so it would hide a wrong one. So would
+    # clipping (DeepSpeed's default gradient_clipping is 1.0): a clipped gradient has norm 1 whatever its scale.
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_optimization": {"stage": 0}}
+              "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_optimization": {"stage": zero_stage},
+              "zero_allow_untested_optimizer": True}
+    if clipping:  # a bound above every norm: nothing clipped, and DeepSpeed reports its global gradient norm
+        config["gradient_clipping"] = clipping
     rows = [{"input_ids": ids[i:i + 1], "labels": labels[i:i + 1], "position_ids": torch.arange(SEQ_LEN)[None]}
             for i in range(ROWS)]
     kwargs, group = {}, None
@@ -57,17 +64,21 @@ def main(model_dir: str, output: str) -> None:
             logits = engine(**batch).logits
             targets = (shift_labels != -100).sum()
             dist.all_reduce(targets, group=group)
+            multiplier = loss_multiplier(Layout(sp=sp), zero_stage)  # hf_scale's rule (sequence_parallel.py)
             loss = model.loss_function(logits=logits, labels=None, shift_labels=shift_labels,
-                                       vocab_size=model.config.vocab_size, num_items_in_batch=targets)
-            shown = loss.detach().clone()
+                                       vocab_size=model.config.vocab_size, num_items_in_batch=targets) * multiplier
+            shown = loss.detach().clone() / multiplier
             dist.all_reduce(shown, group=group)
         else:
             loss = engine(**batch).loss
             shown = loss.detach()
         engine.backward(loss)
-        result["grad_norms"].append(torch.linalg.vector_norm(
-            torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item())
+        if zero_stage < 3:  # ZeRO-3 partitions the gradients: the losses (SGD) tell their scale
+            result["grad_norms"].append(torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item())
         engine.step()
+        if clipping and engine.get_global_grad_norm() is not None:
+            result.setdefault("engine_grad_norms", []).append(float(engine.get_global_grad_norm()))
         result["losses"].append(shown.item())
     if rank == 0:
         with open(output, "w") as f:
@@ -77,4 +88,5 @@ def main(model_dir: str, output: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    stage, clip = (sys.argv[3:] + ["0", "0"])[:2]  # optional: ZeRO stage, gradient_clipping
+    main(sys.argv[1], sys.argv[2], int(stage), float(clip))
