@@ -353,9 +353,10 @@ def train_refusal(layout: Layout, where: str, *, loop: str | None, gpu_present: 
     if layout.tp <= 1:
         return None
     if loop is None:
-        return (f"{where}: tp={layout.tp}: under `accelerate launch` accelerate builds its own ParallelismConfig, "
-                "which accelerate 1.15 refuses without GPUs (DistributedType.MULTI_CPU); train.py runs TP from "
-                "--hf_scale_config under torchrun with --loop accelerate")
+        return (f"{where}: tp={layout.tp}: under `accelerate launch` accelerate builds its own ParallelismConfig "
+                "(refused without GPUs by accelerate 1.15, DistributedType.MULTI_CPU) over a model train.py builds "
+                "on the mesh itself; train.py runs TP from --hf_scale_config under torchrun (either --loop): "
+                "torchrun --nproc_per_node N train.py --hf_scale_config CONFIG.yaml")
     return None
 
 
