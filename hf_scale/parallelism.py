@@ -338,25 +338,16 @@ def node_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
     return support
 
 
-def train_refusal(layout: Layout, where: str, *, loop: str | None, gpu_present: bool) -> str | None:
-    """Why train.py refuses this layout, or None. ``loop`` is None for a layout from `accelerate launch`'s
-    PARALLELISM_CONFIG_* (before the loop is known). train.py runs TP (alone, or under FSDP2's dp_shard /
-    dp_replicate) in both loops, the model built on the mesh by transformers (train/model/parallel.py);
-    HSDP (dp_replicate x dp_shard) is FSDP2's hybrid sharding, which it runs too."""
-    if layout.sp > 1 and loop is None:
-        return (f"{where}: sp={layout.sp} under `accelerate launch`: train.py runs DeepSpeed Ulysses sequence "
-                "parallelism from --hf_scale_config under torchrun (either --loop)")
+def train_refusal(layout: Layout, where: str, *, gpu_present: bool) -> str | None:
+    """Why train.py refuses this layout (from --hf_scale_config, or `accelerate launch`'s PARALLELISM_CONFIG_*),
+    or None. train.py runs TP (alone, or under FSDP2's dp_shard /
+    dp_replicate) and SP in both loops, under torchrun or accelerate launch, the mesh built from
+    --hf_scale_config (train/model/parallel.py, sequence_parallel.py); HSDP (dp_replicate x dp_shard) is FSDP2's
+    hybrid sharding, which it runs too."""
     if layout.cp > 1:
         why = ("hf_scale proves cp only with benchmarks/gpu_cp.py on GPUs so far" if gpu_present
                else _NEEDS_GPU["cp"])
         return f"{where}: cp={layout.cp}: train.py does not run context parallelism ({why}); set cp to 1"
-    if layout.tp <= 1:
-        return None
-    if loop is None:
-        return (f"{where}: tp={layout.tp}: under `accelerate launch` accelerate builds its own ParallelismConfig "
-                "(refused without GPUs by accelerate 1.15, DistributedType.MULTI_CPU) over a model train.py builds "
-                "on the mesh itself; train.py runs TP from --hf_scale_config under torchrun (either --loop): "
-                "torchrun --nproc_per_node N train.py --hf_scale_config CONFIG.yaml")
     return None
 
 

@@ -240,5 +240,4 @@ def test_gpu_cp_script_reproduces_why_train_refuses_cp_on_cpu(tmp_path):
     assert "cp_loss" not in data and data["one_process_loss"] > 0
     kernel = "aten._scaled_dot_product_flash_attention_for_cpu"
     assert kernel in data["cp_error"] and "sharding strategy" in data["cp_error"]
-    assert kernel in parallelism.train_refusal(parallelism.Layout(dp_shard=2, cp=2), "x", loop="accelerate",
-                                               gpu_present=False)
+    assert kernel in parallelism.train_refusal(parallelism.Layout(dp_shard=2, cp=2), "x", gpu_present=False)

@@ -5,6 +5,7 @@ fsdp2_tp / fsdp2_cp presets and the one-line refusals of `hf-scale generate`."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import yaml
@@ -199,8 +200,10 @@ def test_version_problem_names_the_version_needed(monkeypatch):
     assert "not installed" in parallelism.version_problem("sp")
 
 
-def test_train_refuses_tp_cp_sp_sizes_from_accelerate_launch_in_one_line(monkeypatch):
-    """`accelerate launch` with a parallelism_config block sets PARALLELISM_CONFIG_*; train.py stops before loading."""
+def test_accelerate_launch_sizes_are_taken_over_by_train_py_and_cp_refused_in_one_line(monkeypatch):
+    """`accelerate launch` with a parallelism_config block sets PARALLELISM_CONFIG_*: cp stops train.py before
+    loading; tp/sp become the request's layout, and accelerate's own ParallelismConfig (and, under TP, its FSDP
+    plugin) are turned off: train.py builds the mesh from --hf_scale_config, as under torchrun."""
     from hf_scale.train.setup.distributed import detect_launch
 
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
@@ -210,21 +213,37 @@ def test_train_refuses_tp_cp_sp_sizes_from_accelerate_launch_in_one_line(monkeyp
         detect_launch(None)
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "1")
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
-    with pytest.raises(UserError, match="parallelism_config: tp=2: under `accelerate launch` accelerate builds"):
-        detect_launch(None)
-    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")  # HSDP / plain dp_shard: FSDP2, which train.py runs
-    assert parallelism.train_refusal(parallelism.launch_layout(dict(os.environ)), "x", loop=None,
-                                     gpu_present=False) is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    request = detect_launch(None)
+    assert (request.layout, request.strategy) == (parallelism.Layout(dp_shard=2, tp=2), "fsdp")
+    assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == os.environ["ACCELERATE_USE_FSDP"] == "false"
 
 
-def test_train_runs_tp_and_sp_in_both_loops_and_refuses_cp():
+def test_train_runs_tp_and_sp_and_refuses_cp():
     """What train.py runs of each kind (the reasons are measured facts: see parallelism.train_refusal)."""
     tp, cp, sp = parallelism.Layout(tp=2), parallelism.Layout(dp_shard=2, cp=2), parallelism.Layout(sp=2)
-    assert parallelism.train_refusal(tp, "x", loop="accelerate", gpu_present=False) is None
-    assert parallelism.train_refusal(tp, "x", loop="trainer", gpu_present=False) is None
-    assert "aten._scaled_dot_product_flash_attention_for_cpu" in parallelism.train_refusal(
-        cp, "x", loop="accelerate", gpu_present=False)
-    assert "benchmarks/gpu_cp.py" in parallelism.train_refusal(cp, "x", loop="accelerate", gpu_present=True)
-    assert parallelism.train_refusal(sp, "x", loop="accelerate", gpu_present=False) is None
-    assert parallelism.train_refusal(sp, "x", loop="trainer", gpu_present=True) is None
-    assert "accelerate launch" in parallelism.train_refusal(sp, "x", loop=None, gpu_present=True)
+    assert parallelism.train_refusal(tp, "x", gpu_present=False) is None
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in parallelism.train_refusal(cp, "x", gpu_present=False)
+    assert "benchmarks/gpu_cp.py" in parallelism.train_refusal(cp, "x", gpu_present=True)
+    assert parallelism.train_refusal(sp, "x", gpu_present=False) is None
+
+
+def test_train_py_needs_the_config_that_says_the_same_sizes_under_accelerate_launch(tmp_path):
+    """accelerate launch's parallelism_config without --hf_scale_config, or with one of other sizes: one line, exit 2,
+    before anything is loaded."""
+    from train_helpers import TRAIN_PY, child_env, run
+
+    env = {**child_env(), "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+           "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}
+    command = [sys.executable, TRAIN_PY, "--output_dir", str(tmp_path / "out")]
+    result = run(command, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "parallelism_config (dp_shard=2 x tp=2) needs --hf_scale_config" in result.stderr
+    config = tmp_path / "tp2.yaml"
+    config.write_text("strategy: ddp\ntopology: {processes_per_machine: 2}\nparallelism: {tp: 2}\n")
+    result = run(command + ["--hf_scale_config", str(config)], env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "parallelism tp=2 but the accelerate config's parallelism_config has dp_shard=2 x tp=2" in result.stderr
+    assert not (tmp_path / "out").exists()

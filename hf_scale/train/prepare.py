@@ -203,6 +203,10 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, given: frozenset[str]) 
         from_yaml = apply_to_flags(request.deepspeed_inline, parsed, given)
         fills.update(from_yaml.fills)
         given |= from_yaml.decided  # what the YAML decided counts as given for --hf_scale_config below
+    if request.layout.model_parallel_size > 1 and not parsed.hf_scale_config:
+        raise UserError(f"the accelerate config's parallelism_config ({request.layout.describe()}) needs "
+                        "--hf_scale_config: train.py builds the mesh from it (hf-scale generate writes both, and its "
+                        "launch script passes it)")
     if parsed.hf_scale_config:
         from_config = reconcile.apply_hf_scale_config(parsed.hf_scale_config, request,
                                                       reconcile.filled(parsed, fills), given)

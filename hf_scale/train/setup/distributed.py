@@ -59,7 +59,8 @@ class LaunchRequest:
     deepspeed_inline: InlineDeepSpeed | None = None
     """DeepSpeed from an accelerate YAML's inline `deepspeed_config` (no JSON file): see inline_deepspeed."""
     layout: parallelism.Layout = parallelism.Layout()
-    """The mesh sizes (tp, dp_shard, ...) of a `--hf_scale_config`; one data-parallel dimension otherwise."""
+    """The mesh sizes (tp, dp_shard, ...): `accelerate launch`'s parallelism_config, then the `--hf_scale_config`'s
+    (which must agree); one data-parallel dimension otherwise."""
     fp8_backend: str | None = None
     """FP8 training's backend (torchao | te | msamp: the config's fp8.backend) when the YAML's mixed_precision or
     the --hf_scale_config asks for fp8; None otherwise."""
@@ -96,8 +97,9 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
     """Read the launcher's request from the environment and `--deepspeed`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     by_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
-    refusal = parallelism.train_refusal(parallelism.launch_layout(dict(os.environ)), "the accelerate config's "
-                                        "parallelism_config", loop=None, gpu_present=has_gpu())
+    launched_layout = parallelism.launch_layout(dict(os.environ))
+    refusal = parallelism.train_refusal(launched_layout, "the accelerate config's parallelism_config",
+                                        gpu_present=has_gpu())
     if refusal:
         raise UserError(refusal)
     if by_accelerate:
@@ -145,6 +147,15 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         strategy = "ddp"
     else:
         strategy = "single"
+    if launched_layout.model_parallel_size > 1:
+        # accelerate launch with a TP/SP parallelism_config: train.py builds the mesh itself from --hf_scale_config
+        # (which must say the same), as under torchrun: the model on the mesh by transformers (model/parallel.py),
+        # Ulysses through the ParallelismConfig it hands accelerate (model/sequence_parallel.py). accelerate must
+        # not build its own from these variables (refused without GPUs), nor under TP shard with its FSDP plugin
+        # the model transformers has already sharded.
+        os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
+        if launched_layout.tp > 1:
+            os.environ["ACCELERATE_USE_FSDP"] = "false"
     return LaunchRequest(
         launcher=launcher,
         world_size=world_size,
@@ -154,6 +165,7 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION") if by_accelerate else None,
         deepspeed_inline=inline,
         fp8_backend=_fp8_backend_from_env() if by_accelerate else None,
+        layout=launched_layout,
     )
 
 

@@ -69,9 +69,12 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
 
     cfg = load_config(path)
     where = f"--hf_scale_config={path}"
-    refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism", loop=ns.loop, gpu_present=has_gpu())
+    refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism", gpu_present=has_gpu())
     if refusal:
         raise UserError(refusal)
+    if request.layout.active and request.layout != cfg.layout:  # accelerate launch's parallelism_config
+        raise UserError(f"{where}: parallelism {cfg.layout.describe()} but the accelerate config's "
+                        f"parallelism_config has {request.layout.describe()}")
     request = dataclasses.replace(request, layout=cfg.layout)
 
     if cfg.world_size != request.world_size:
@@ -88,6 +91,10 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
         raise UserError(
             f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
         )
+    if launcher_chose_engine and wanted == "fsdp" and cfg.layout.tp > 1:
+        # accelerate launch's FSDP under TP: transformers shards at load (detect_launch turned accelerate's
+        # plugin off), with the config's fsdp settings, as under torchrun.
+        request = dataclasses.replace(request, fsdp_settings=cfg.fsdp.model_dump())
     if not launcher_chose_engine and wanted == "fsdp":
         # With tp > 1 transformers applies FSDP2 itself while it builds the model on the mesh (model/parallel.py),
         # for the Trainer as for the manual loop; without, only the manual loop shards with torch's fully_shard.

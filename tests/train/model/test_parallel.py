@@ -16,9 +16,11 @@ dp_shard=2 x tp=2 run's checkpoint resumes on 2 processes at tp=2.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,8 @@ from train_helpers import (
     REPO,
     assert_saved_model_verified,
     child_env,
+    free_port,
+    generate_config,
     launcher_command,
     logits,
     read_eval_metrics,
@@ -186,3 +190,28 @@ def test_trainer_tp2_loads_the_best_checkpoint_at_the_end_on_every_rank(tmp_path
     exported = tmp_path / "exported"
     run_ok([sys.executable, "-m", "hf_scale.cli", "export", str(out / "checkpoint-3"), str(exported)], timeout=180)
     torch.testing.assert_close(logits(out), logits(exported), rtol=0, atol=0)
+
+
+# --- the generated launch script (accelerate launch with a parallelism_config) ---------------------------------
+
+
+def _run_generated(tmp_path, name: str, preset: str, sets: list[str], flags: list[str]) -> Path:
+    """`hf-scale generate`, then its `launch/NAME.accelerate.sh` with train.py (accelerate launch with the YAML's
+    parallelism_config and --hf_scale_config)."""
+    generated = generate_config(tmp_path / "generated", name, preset=preset, sets=sets)
+    out = tmp_path / f"{name}-run"
+    env = {**child_env(), "TRAIN_SCRIPT": str(REPO / "train.py"), "MAIN_PROCESS_PORT": str(free_port()),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    result = run_ok(["bash", str(generated / "launch" / f"{name}.accelerate.sh"), *flags, "--output_dir", str(out)],
+                    env=env, timeout=600)
+    assert "(accelerate)" in result.stderr  # the start line names the launcher
+    return out
+
+
+def test_the_generated_fsdp2_tp_launch_script_runs_and_equals_one_process(reference_dir, tmp_path):
+    """The preset's own launch file: accelerate launch reads the YAML's parallelism_config (dp_shard=2 x tp=2) and
+    its FSDP plugin; train.py turns both off and builds the mesh from the config, as under torchrun."""
+    sets = ["topology.processes_per_machine=4", "precision=no", "batch.micro_batch_size=2",
+            "batch.gradient_accumulation_steps=2", "optimizer.lr=0.001"]
+    out = _run_generated(tmp_path, "tp", "fsdp2_tp", sets, COMMON + ["--loop", "trainer"])
+    _assert_same_run(out, reference_dir)

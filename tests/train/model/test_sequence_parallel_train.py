@@ -8,10 +8,16 @@ Trainer runs with hf_scale's loss rule (HfScaleTrainer.compute_loss), not the Tr
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 from train_helpers import (
     REPO,
     child_env,
+    free_port,
+    generate_config,
     launcher_command,
     read_eval_metrics,
     read_metrics,
@@ -68,3 +74,23 @@ def test_sp2_equals_one_process(loop, layout, tmp_path):
                 env=child_env(), timeout=600)
     assert again.returncode != 0 and not training_traceback_frames(again.stderr)  # torchrun's own report aside
     assert "sp=2: resuming a sequence-parallel run is not supported yet" in again.stderr
+
+
+def test_the_generated_sp_launch_script_runs_and_equals_one_process(tmp_path):
+    """`hf-scale generate` with parallelism.sp=2, then its accelerate launch file (the YAML's parallelism_config
+    with sp_backend deepspeed): train.py takes the layout over from --hf_scale_config, as under torchrun."""
+    reference = tmp_path / "reference"
+    run_ok(launcher_command("python") + COMMON + ["--loop", "accelerate", "--per_device_train_batch_size", "8",
+                                                  "--output_dir", str(reference)], env=child_env(), timeout=600)
+    generated = generate_config(tmp_path / "generated", "sp", preset="zero2", sets=[
+        "topology.processes_per_machine=2", "precision=no", "parallelism.sp=2", "batch.micro_batch_size=4",
+        "batch.gradient_accumulation_steps=2", "optimizer.lr=0.001", "deepspeed.torch_adam=true"])
+    out = tmp_path / "run"
+    env = {**child_env(), "TRAIN_SCRIPT": str(REPO / "train.py"), "MAIN_PROCESS_PORT": str(free_port()),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    result = run_ok(["bash", str(generated / "launch" / "sp.accelerate.sh"), *COMMON, "--loop", "accelerate",
+                     "--output_dir", str(out)], env=env, timeout=600)
+    assert "deepspeed ZeRO-2 (sp=2) on 2 process(es) (accelerate)" in result.stderr
+    got, want = read_metrics(out), read_metrics(reference)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
