@@ -146,12 +146,18 @@ def test_readme_is_short():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= README_MAX_LINES
 
 
-def test_the_readme_test_command_is_the_one_ci_runs():
-    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
-    marker = ci.index("# The README's test command, exactly:")
-    command = ci[marker + 1].strip()
-    assert command.startswith("python3 -m pytest")
+def _commands(lines):
+    """The shell commands of a script or a code block: its lines less comments and blanks."""
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_readme_set_up_commands_are_what_ci_runs_in_that_order():
+    """The Quickstart's install, demo and test commands are lines of `.ci/run`, in the README's order, and the
+    test command is CI's last: what a new user types is what CI proves on a clean clone."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    code_lines = {line.strip() for block in re.findall(r"```(?:bash|console|sh)?\n(.*?)```", readme, re.S)
-                  for line in block.splitlines()}
-    assert command in code_lines
+    quickstart = readme[readme.index("## Quickstart"):]
+    block = re.search(r"```bash\n(.*?)```", quickstart, re.S).group(1)
+    readme_commands = _commands(block.splitlines())
+    ci_commands = _commands((ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines())
+    assert [c for c in ci_commands if c in readme_commands] == readme_commands
+    assert readme_commands[-1].startswith("python3 -m pytest") and ci_commands[-1] == readme_commands[-1]
