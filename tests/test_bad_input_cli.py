@@ -305,7 +305,8 @@ CHECK = [
                ["--", "--learning_rate", "fast"]),
     Case("check-no-file", ["check"], "check: no file to check: give an accelerate config (YAML with distributed_type"),
     # `hf-scale check FILE...`: each file recognized by its content.
-    Case("check-file-missing", ["check", "my.yaml"], "check: my.yaml: not found"),
+    Case("check-file-missing", ["check", "my.yaml"], "check: my.yaml: not found; expected an accelerate config, a "
+         "DeepSpeed config, an hf_scale config or a cluster manifest"),
     Case("check-file-directory", ["check", "d"], "check: d: is a directory", {"d/x": "x"}),
     Case("check-file-fifo", ["check", "p.yaml"], "check: p.yaml: is a FIFO", {"p.yaml": FIFO}),
     Case("check-file-of-no-kind", ["check", "recipe.yaml"], "check: recipe.yaml is not a file check reads: give an "
