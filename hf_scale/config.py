@@ -436,7 +436,8 @@ def validate_config(data: Any) -> DistributedConfig:
 
 
 def _read_yaml(path: Path) -> dict:
-    data = load_yaml(read_text(path, "config file"), f"config file {path}")
+    text = read_text(path, "config file", expected="an hf_scale config YAML (hf-scale generate writes one)")
+    data = load_yaml(text, f"config file {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):

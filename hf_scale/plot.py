@@ -55,7 +55,8 @@ class PlotData:
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl; one-line errors naming the file (and line) for anything unusable."""
-    text = read_text(path, "metrics file", max_bytes=MAX_METRICS_BYTES)
+    text = read_text(path, "metrics file", max_bytes=MAX_METRICS_BYTES,
+                     expected="the metrics.jsonl train.py writes in its --output_dir")
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -110,7 +111,7 @@ def summarise_run(records: list[dict], label: str) -> Run:
 
 def read_strategy_results(path: Path) -> dict[str, float]:
     """Strategy -> tokens/s from a benchmark results JSON (``{"results": {NAME: {"tokens_per_s": X}}}``)."""
-    data = load_json(read_text(path, "results file"), f"results file {path}")
+    data = load_json(read_text(path, "results file", expected="a benchmark results JSON"), f"results file {path}")
     results = data.get("results") if isinstance(data, dict) else None
     if (
         not isinstance(results, dict)

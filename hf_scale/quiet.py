@@ -23,17 +23,32 @@ What is filtered, and why it is noise:
   (``HF_HUB_DISABLE_PROGRESS_BARS``, ``HF_DATASETS_DISABLE_PROGRESS_BARS``) and DeepSpeed's logger shows
   errors only (rank 0 shows the same notices once).
 
+Two more kinds of library output would stand before train.py's one-line refusal of a bad input, and are kept
+out of it without losing anything a run needs:
+
+- Log records written while a library reads an input hf_scale then refuses (datasets' ``Failed to load JSON
+  from file ...``, transformers' load report): `held` keeps them back, replays them when the step is accepted
+  and drops them when it ends in a one-line refusal (hf_scale.errors.UserError), whose line names the problem.
+- Progress bars (datasets' ``Generating train split`` and map bars, transformers' ``Loading weights``): drawn
+  only when stderr is a terminal (`progress_bars_on_a_terminal_only`, unless ``--verbose``). In a log file (a
+  cluster job's, CI's, a pipe) tqdm's carriage-return redraws are not progress anyone reads, and they would
+  stand before the refusal of a later step; hf_scale's own ``hf_scale:`` lines say what each stage did.
+
 ``--verbose`` (train.py and every `hf-scale` command) or ``HF_SCALE_VERBOSE=1`` keeps everything. Environment
 variables the user set explicitly are never overridden.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from hf_scale.errors import UserError
 
 VERBOSE_ENV = "HF_SCALE_VERBOSE"
 VERBOSE_FLAG = "--verbose"
@@ -130,3 +145,48 @@ def quiet_training(*, replica: bool | None = None) -> None:
         for name, value in _REPLICA_ENV.items():
             os.environ.setdefault(name, value)
         _add_filter(DEEPSPEED_LOGGER, min_level=logging.ERROR)
+
+
+@contextlib.contextmanager
+def held(*logger_names: str) -> Iterator[None]:
+    """Hold the records of these loggers and of their children while the block runs: dropped when it raises
+    UserError, replayed through their loggers otherwise."""
+    records: dict[int, logging.LogRecord] = {}
+
+    def hold(record: logging.LogRecord) -> bool:
+        records.setdefault(id(record), record)
+        return False
+
+    # A logger's filter sees only that logger's own records; its handlers' filters also see its children's,
+    # created lazily while a library loads (datasets' builder modules). Both get the filter.
+    loggers = [logging.getLogger(name) for name in logger_names]
+    targets = [*loggers, *(handler for logger in loggers for handler in logger.handlers)]
+    for target in targets:
+        target.addFilter(hold)
+    try:
+        yield
+    except UserError:
+        records.clear()
+        raise
+    finally:
+        for target in targets:
+            target.removeFilter(hold)
+        for record in records.values():
+            logging.getLogger(record.name).handle(record)
+
+
+
+
+def progress_bars_on_a_terminal_only() -> None:
+    """datasets' and transformers' progress bars off unless stderr is a terminal (see the module docstring);
+    a choice the user made with HF_DATASETS_DISABLE_PROGRESS_BARS / HF_HUB_DISABLE_PROGRESS_BARS stands."""
+    if sys.stderr.isatty():
+        return
+    if "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ:
+        import datasets
+
+        datasets.disable_progress_bars()
+    if "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()

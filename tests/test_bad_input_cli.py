@@ -305,7 +305,8 @@ CHECK = [
                ["--", "--learning_rate", "fast"]),
     Case("check-no-file", ["check"], "check: no file to check: give an accelerate config (YAML with distributed_type"),
     # `hf-scale check FILE...`: each file recognized by its content.
-    Case("check-file-missing", ["check", "my.yaml"], "check: my.yaml: not found"),
+    Case("check-file-missing", ["check", "my.yaml"], "check: my.yaml: not found; expected an accelerate config, a "
+         "DeepSpeed config, an hf_scale config or a cluster manifest"),
     Case("check-file-directory", ["check", "d"], "check: d: is a directory", {"d/x": "x"}),
     Case("check-file-fifo", ["check", "p.yaml"], "check: p.yaml: is a FIFO", {"p.yaml": FIFO}),
     Case("check-file-of-no-kind", ["check", "recipe.yaml"], "check: recipe.yaml is not a file check reads: give an "
@@ -646,13 +647,14 @@ def test_the_corpus_is_large_and_ids_are_unique():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, workspace, capsys):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, workspace, capfd):
+    """capfd, not capsys: a library's log handler writes to the stderr it found at import, past sys.stderr."""
     materialize(workspace, case.files)
     before = snapshot(workspace)
-    capsys.readouterr()
+    capfd.readouterr()
     with pytest.raises(SystemExit) as exited:
         main(list(case.argv))
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     assert exited.value.code == 2, err
     lines = err.splitlines()
     assert len(lines) == 1, err

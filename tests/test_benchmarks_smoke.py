@@ -241,3 +241,31 @@ def test_gpu_cp_script_reproduces_why_train_refuses_cp_on_cpu(tmp_path):
     kernel = "aten._scaled_dot_product_flash_attention_for_cpu"
     assert kernel in data["cp_error"] and "sharding strategy" in data["cp_error"]
     assert kernel in parallelism.train_refusal(parallelism.Layout(dp_shard=2, cp=2), "x", gpu_present=False)
+
+
+def test_gpu_fsdp_final_save_check_is_ready_for_a_gpu(tmp_path):
+    """benchmarks/gpu_fsdp_final_save.py proves on GPUs what no CPU run can reach (accelerate keeps its FSDP plugin
+    only on GPUs): its launch config is the corpus' SHARDED_STATE_DICT FSDP2 file and accelerate reads it as such,
+    its train.py flags parse, and without a GPU it records "not run" in one line."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from hf_scale.train.setup.parser import build_parser
+
+    work = tmp_path / "work"
+    result = _bench("gpu_fsdp_final_save.py", "--workdir", str(work), "--dry-run", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train, export = [line.split() for line in result.stdout.strip().splitlines()]
+    config = load_config_from_file(str(work / "fsdp2.yaml"))
+    assert config.distributed_type == "FSDP" and config.mixed_precision == "no"
+    assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+    assert config.fsdp_config["fsdp_version"] == 2
+    flags = train[train.index(str(REPO / "train.py")) + 1:]
+    ns, unknown = build_parser().parse_known_args(flags)
+    assert unknown == [] and ns.loop == "trainer" and ns.max_steps == ns.save_steps == 4
+    assert export[-2] == str(work / "out" / "checkpoint-4")
+    if torch.cuda.is_available():
+        return
+    output = tmp_path / "result.json"
+    result = _bench("gpu_fsdp_final_save.py", "--workdir", str(work), "--output", str(output), timeout=300)
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0, result.stderr[-3000:]
+    assert "not run: no GPU" in result.stderr and "not_run" in json.loads(output.read_text())

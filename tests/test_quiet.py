@@ -112,6 +112,56 @@ def test_verbose_comes_from_the_flag_or_the_environment(argv, env, expected, mon
     assert quiet.verbose_requested(argv) is expected
 
 
+def test_held_records_are_dropped_with_a_refusal_and_replayed_otherwise(caplog):
+    """A child logger created while the block runs (datasets' builder modules are imported lazily) is held too:
+    its record reaches the parent's handler, whose filter holds it."""
+    from hf_scale.errors import UserError
+
+    parent = logging.getLogger("hf_scale_test_library")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    parent.addHandler(handler)
+    try:
+        with pytest.raises(UserError), quiet.held("hf_scale_test_library"):
+            logging.getLogger("hf_scale_test_library.builder").error("Failed to load JSON")
+            raise UserError("one line")
+        assert seen == []
+        with quiet.held("hf_scale_test_library"):
+            logging.getLogger("hf_scale_test_library.builder2").error("a notice")
+            assert seen == []
+        assert seen == ["a notice"]
+        logging.getLogger("hf_scale_test_library.builder").error("after")
+        assert seen == ["a notice", "after"]  # the filters are gone
+    finally:
+        parent.removeHandler(handler)
+
+
+def test_library_progress_bars_are_drawn_on_a_terminal_only(monkeypatch):
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    before = datasets.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled()
+    try:
+        datasets.enable_progress_bars()
+        transformers_logging.enable_progress_bar()
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+        quiet.progress_bars_on_a_terminal_only()
+        assert datasets.is_progress_bar_enabled() and transformers_logging.is_progress_bar_enabled()
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+        monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "0")  # the user's own choice stands
+        quiet.progress_bars_on_a_terminal_only()
+        assert datasets.is_progress_bar_enabled() and not transformers_logging.is_progress_bar_enabled()
+        monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS")
+        quiet.progress_bars_on_a_terminal_only()
+        assert not datasets.is_progress_bar_enabled()
+    finally:
+        (datasets.enable_progress_bars if before[0] else datasets.disable_progress_bars)()
+        (transformers_logging.enable_progress_bar if before[1] else transformers_logging.disable_progress_bar)()
+
+
 @pytest.mark.parametrize(("rank", "replica"), [(None, False), ("0", False), ("1", True), ("15", True)])
 def test_replica_is_any_rank_but_the_first(rank, replica):
     assert quiet.is_replica({} if rank is None else {"RANK": rank}) is replica

@@ -103,10 +103,26 @@ _UNKNOWN = object()
 """A batch value that is "auto" and whose runner-filled value the inputs do not tell."""
 
 
+def _trainer_compares_batch(inp: CheckInputs) -> bool:
+    """Under the HF Trainer (and train.py), a concrete train_batch_size beside no micro batch is compared with
+    the flags' product, not left to DeepSpeed to derive the micro batch from."""
+    return (
+        inp.runner == "trainer"
+        and inp.training is not None
+        and get_path(inp.deepspeed, "train_micro_batch_size_per_gpu", None) is None
+    )
+
+
 def _batch_value(inp: CheckInputs, key: str, flag: str) -> Any:
     """What DeepSpeed will see for one batch key: an int, None (absent: DeepSpeed derives it) or _UNKNOWN."""
     value = get_path(inp.deepspeed, key, None)
     if value is None:
+        # The HF Trainer compares a concrete train_batch_size with world x --per_device_train_batch_size x
+        # --gradient_accumulation_steps (HfTrainerDeepSpeedConfig.trainer_config_process) before DeepSpeed could
+        # derive a missing micro batch from it; train.py applies the same rule (launch_values). DeepSpeedExamples'
+        # cifar config (train_batch_size 16, no micro batch) stops a Trainer on 8 GPUs at the default micro batch 8.
+        if _trainer_compares_batch(inp) and flag:
+            return inp.training[flag]
         # accelerate's DeepSpeedPlugin (both the Trainer and an Accelerator loop) writes a missing
         # gradient_accumulation_steps as 1.
         return 1 if key == "gradient_accumulation_steps" and inp.runner != "deepspeed" else None
@@ -132,8 +148,11 @@ def deepspeed_accepts_batch(total: Any, micro: Any, accum: Any, world: int) -> t
     return True, micro, accum
 
 
-def _batch_problem(total: Any, micro: Any, accum: Any, world: int) -> tuple[str, str, str] | None:
-    """(code, problem, fix) when DeepSpeed's batch arithmetic fails for these values, else None."""
+def _batch_problem(
+    total: Any, micro: Any, accum: Any, world: int, who: str = "DeepSpeed asserts"
+) -> tuple[str, str, str] | None:
+    """(code, problem, fix) when DeepSpeed's batch arithmetic fails for these values, else None; `who` says who
+    stops on a plain mismatch (DeepSpeed's assertion, or the HF Trainer's comparison before it)."""
     if micro is None and total is None:
         ok = False
     elif _UNKNOWN in (micro, accum):
@@ -164,7 +183,7 @@ def _batch_problem(total: Any, micro: Any, accum: Any, world: int) -> tuple[str,
         return (
             "train-batch-mismatch",
             f"train_batch_size={total} but micro batch x accumulation x world size = "
-            f"{micro} x {accum} x {world} = {product} (DeepSpeed asserts at start).",
+            f"{micro} x {accum} x {world} = {product} ({who} at start).",
             f'set `train_batch_size` to {product}, or to "auto".',
         )
     derived, given, known = (
@@ -196,7 +215,8 @@ def check_train_batch_size(inp: CheckInputs) -> Iterator[Finding]:
     accum = _batch_value(inp, "gradient_accumulation_steps", "gradient_accumulation_steps")
     if total is _UNKNOWN or (micro is _UNKNOWN and accum is _UNKNOWN) or (total is None and micro is not None):
         return  # unknown, or DeepSpeed computes train_batch_size from the micro batch
-    problem = _batch_problem(total, micro, accum, world)
+    who = "the HF Trainer and train.py stop on it" if _trainer_compares_batch(inp) else "DeepSpeed asserts"
+    problem = _batch_problem(total, micro, accum, world, who)
     if problem is None:
         return
     code, text, fix = problem

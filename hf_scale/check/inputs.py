@@ -137,9 +137,12 @@ DEFAULT_FLAG_NOTE = (
 )
 
 
+_EXPECTED = {"--accelerate-config": "an accelerate config YAML", "DeepSpeed config": "a DeepSpeed JSON config"}
+
+
 def _read_mapping(path: Path, what: str, parse: Callable[[str, str], Any]) -> dict[str, Any]:
     # Strict reading: no FIFO/directory/non-UTF-8, no duplicate keys, no alias bombs, no NaN in JSON.
-    data = parse(read_text(path, what), f"{what} {path}")
+    data = parse(read_text(path, what, expected=_EXPECTED.get(what, "")), f"{what} {path}")
     if not isinstance(data, dict):
         got = "an empty file" if data is None else type(data).__name__
         raise UserError(f"{what} {path}: expected a mapping of keys at the top level, got {got}")

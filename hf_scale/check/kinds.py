@@ -83,7 +83,8 @@ def kind_of(data: Any) -> str | None:
 def file_kind(path: str) -> str:
     """Read ``path`` (JSON when it ends in .json, else YAML: JSON is YAML too) and tell its kind; a file of no kind
     is one line naming what each kind looks like."""
-    text = read_text(Path(path), "check:")
+    text = read_text(Path(path), "check:",
+                     expected="an accelerate config, a DeepSpeed config, an hf_scale config or a cluster manifest")
     parse = load_json if path.endswith(".json") else load_yaml
     kind = kind_of(parse(text, f"check: {path}"))
     if kind is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from hf_scale import deepspeed_ops, hub, rules
+from hf_scale import deepspeed_ops, hub, quiet, rules
 from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import final_checkpoint, ownership
 from hf_scale.train.checkpoint import store as checkpoint
@@ -162,6 +162,8 @@ def prepare(argv: list[str] | None) -> Run:
         if spec.final_save_is_checkpoint:
             print(f"hf_scale: {final_checkpoint.startup_notice(args.output_dir)}", file=sys.stderr, flush=True)
     resume_dir = ownership.claim(args, spec, state, hub_target, overwrite=ns.overwrite_output_dir)
+    if not (ns.verbose or quiet.verbose_requested()):  # nothing but hf_scale's lines before a refusal in a log
+        quiet.progress_bars_on_a_terminal_only()
     return Run(
         spec=spec, args=args, model_args=_dataclass_from(ns, ModelArguments), data_args=data_args,
         source_args=_dataclass_from(ns, sources.SourceArguments), launch=launch, state=state, stop=stop,
@@ -179,8 +181,6 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], 
     if unknown:
         raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
     if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.train.entry) saw only the command line
-        from hf_scale import quiet
-
         quiet.undo()
     # One spelling of activation checkpointing from here on.
     given = rules.given_flags(argv, vars(ns))

@@ -1,5 +1,6 @@
-"""The configs users already have: a corpus of public-style accelerate YAMLs and DeepSpeed JSONs
-(tests/data/peer_configs, origins in its index.yaml).
+"""The configs users already have: a corpus of accelerate YAMLs and DeepSpeed JSONs from public projects
+(tests/data/peer_configs; its index.yaml says, per file, the repository, path and commit it was copied from,
+verbatim or with the edits listed, or that it was written in a project's shape).
 
 `hf-scale check` must report exactly the findings listed for every case (no crash, nothing wrong, nothing
 missed), and train.py must accept the YAMLs whose DeepSpeed settings sit inline under `deepspeed_config`:
@@ -11,6 +12,7 @@ of them really train in tests/train/loops/test_train_equivalence.py.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import types
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from paths import TEST_DATA
+from paths import REPO, TEST_DATA
 
 from hf_scale import check
 from hf_scale.cli import main
@@ -69,6 +71,71 @@ def test_every_corpus_file_is_used_and_every_case_says_where_it_comes_from():
         assert case["origin"].strip() and case["exercises"].strip(), case["name"]
     files = {p.name for p in CORPUS.iterdir() if p.suffix in (".yaml", ".json") and p.name != "index.yaml"}
     assert files == used
+
+
+FILES = yaml.safe_load((CORPUS / "index.yaml").read_text())["files"]
+
+
+def _git_blob(data: bytes) -> str:
+    """`git hash-object`: the blob id GitHub shows for the file at its commit."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_every_copy_is_the_public_file_byte_for_byte_or_with_its_listed_edits(name):
+    entry, data = FILES[name], (CORPUS / name).read_bytes()
+    assert entry["copy"] in ("verbatim", "edited", "written"), name
+    if entry["copy"] == "written":
+        assert entry["origin"].strip()
+        return
+    assert entry["repo"].count("/") == 1 and len(entry["commit"]) == 40 and entry["license"] == "Apache-2.0"
+    if entry["copy"] == "edited":
+        assert entry["reason"].strip() and entry["edits"]
+        text = data.decode()
+        for before, after in entry["edits"]:
+            assert text.count(after) == 1, (name, after)
+            text = text.replace(after, before)
+        data = text.encode()
+    assert _git_blob(data) == entry["blob"], name
+
+
+def test_the_corpus_files_are_those_the_index_describes():
+    on_disk = {p.name for p in CORPUS.iterdir() if p.suffix in (".yaml", ".json") and p.name != "index.yaml"}
+    assert on_disk == set(FILES)
+
+
+# Issue 21's classes, each answered on a public file copied verbatim (num_processes auto: no standalone public file
+# was found, so its case runs TRL's file with that one value edited; index.yaml says so).
+ISSUE_21_CLASSES = {
+    "optimizer offload keeps lr/betas/eps/weight_decay": ["handbook-zero3-offload-inline"],
+    "offload replaces a non-Adam --optim": [
+        "handbook-zero3-offload-inline-adafactor",
+        "llamafactory-deepspeed-multinode-sgd",
+    ],
+    "precision block beside zero_optimization": ["deepspeedexamples-bf16-master-weights"],
+    "mixed_precision 'no' with --bf16": [
+        "trl-ddp-mixed-precision-no-with-bf16",
+        "trl-zero2-inline-mixed-precision-no-with-bf16",
+    ],
+    "DeepSpeed JSON without gradient_accumulation_steps": ["deepspeedexamples-cifar-accumulation-flag"],
+    "autotuning.enabled": ["deepspeedexamples-autotuning-under-the-trainer"],
+    "FSDP SHARDED_STATE_DICT final save": ["trl-fsdp2-plain-trainer-script", "handbook-fsdp1"],
+    "warmup and WarmupLR messages": ["deepspeedexamples-cifar-under-the-trainer", "accelerate-tests-zero2-offload"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ISSUE_21_CLASSES))
+def test_each_issue_21_class_is_checked_on_a_verbatim_public_file(kind):
+    by_name = {case["name"]: case for case in CASES}
+    for name in ISSUE_21_CLASSES[kind]:
+        case = by_name[name]
+        used = [case.get("accelerate"), case.get("deepspeed")] + [
+            a for a in case.get("training_args", []) if a.endswith(".json")
+        ]
+        if case.get("accelerate"):  # the JSON an accelerate YAML names
+            named = yaml.safe_load((CORPUS / case["accelerate"]).read_text()).get("deepspeed_config", {})
+            used.append(named.get("deepspeed_config_file"))
+        assert any(FILES[f]["copy"] == "verbatim" for f in used if f), (kind, name)
 
 
 # ---- train.py accepts the inline-DeepSpeed YAMLs (in-process) -----------------------------------------------
@@ -258,12 +325,55 @@ def test_cifar_messages_show_the_real_warmup_and_the_missing_decay(monkeypatch, 
     assert "WarmupLR" in scheduler and "no decay" in scheduler and "logarithmic" in scheduler
 
 
-def test_deepspeed_accepts_the_fp16_master_weights_file_check_accepts():
-    """DeepSpeed's own parser takes the file (fp16 master weights beside ZeRO 2); alone, without its zero_optimization,
-    the fp16 block is what DeepSpeed refuses, which is why check judges a section beside it."""
+@pytest.mark.parametrize(
+    ("name", "block", "refusal"),
+    [
+        ("deepspeedexamples_cifar_fp16_master.json", "fp16", "Fp16_master_weights_and_grads"),
+        ("deepspeedexamples_bf16_master_weight.json", "bf16", "Bf16_master_weights_and_grads"),
+    ],
+)
+def test_deepspeed_accepts_the_master_weights_files_check_accepts(name, block, refusal):
+    """DeepSpeed's own parser takes the files (fp16 / bf16 master weights beside ZeRO 2 / 3); alone, without its
+    zero_optimization, the precision block is what DeepSpeed refuses, which is why check judges a section beside it."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    config = json.loads((CORPUS / "deepspeedexamples_cifar_fp16_master.json").read_text())
-    DeepSpeedConfig({**config, "train_batch_size": 1})
-    with pytest.raises(AssertionError, match="Fp16_master_weights_and_grads"):
-        DeepSpeedConfig({"train_batch_size": 1, "fp16": config["fp16"]})
+    config = json.loads((CORPUS / name).read_text())
+    DeepSpeedConfig({**config, "train_batch_size": config.get("train_micro_batch_size_per_gpu", 1)})
+    with pytest.raises(AssertionError, match=refusal):
+        DeepSpeedConfig({"train_batch_size": 1, block: config[block]})
+
+
+def test_the_trainer_compares_cifar_train_batch_size_as_check_says():
+    """DeepSpeedExamples' cifar config sets train_batch_size 16 and no micro batch: DeepSpeed alone would derive 2 per
+    GPU on 8 GPUs, but the HF Trainer's resolver compares 16 with 8 GPUs x --per_device_train_batch_size 8 and stops,
+    and train.py's rule (launch_values) with it; check's `train-batch-mismatch` says the same (the corpus case)."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    from hf_scale import launch_values
+
+    config = json.loads((CORPUS / "deepspeedexamples_cifar.json").read_text())
+    ns, _ = build_parser().parse_known_args(["--fp16"])
+    resolver = HfTrainerDeepSpeedConfig(copy.deepcopy(config))
+    try:
+        resolver.trainer_config_process(types.SimpleNamespace(**vars(ns), world_size=8))
+    finally:
+        unset_hf_deepspeed_config()
+    assert "- ds train_batch_size=16 vs hf train_batch_size (calculated)=64" in resolver.mismatches
+    values = launch_values.TrainingValues(world_size=8, fp16=True)
+    result = launch_values.reconcile(values, {"fp16"}, deepspeed_config=config)
+    assert any("train_batch_size=16" in m and "= 64" in m for m in result.mismatches)
+
+
+def test_the_counts_the_docs_state_are_the_corpus_counts():
+    from collections import Counter
+
+    copies = Counter(entry["copy"] for entry in FILES.values())
+    readme = (CORPUS / "README.md").read_text()
+    assert f"(`cases`: {len(CASES)} cases on {len(FILES)} files)" in readme
+    assert f"**{copies['verbatim']} files are verbatim copies**" in readme
+    assert f"**{copies['edited']} files are such a copy" in readme
+    assert f"**{copies['written']} files were written for hf_scale**" in readme
+    check_md = " ".join((REPO / "docs" / "check.md").read_text().split())
+    assert f"a corpus of {len(FILES)} accelerate YAMLs" in check_md and f"per case ({len(CASES)})" in check_md
+    assert f"{copies['verbatim']} are byte-for-byte copies" in check_md
+    assert f"{copies['edited']} are such copies" in check_md and f"{copies['written']} were written" in check_md

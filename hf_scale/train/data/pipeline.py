@@ -26,8 +26,10 @@ from typing import Any
 import datasets
 import jinja2
 
+from hf_scale import quiet
 from hf_scale.errors import UserError
 from hf_scale.inputs import not_a_regular_file
+from hf_scale.train.data import json_rows
 from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE
 from hf_scale.train.data.formats import (
@@ -75,17 +77,20 @@ def _load_file(flag: str, path_str: str) -> datasets.Dataset:
     # An empty file makes some builders stop without a useful error, so catch it first.
     if path.stat().st_size == 0:
         raise empty
-    try:
-        kwargs = {"features": _csv_text_features(path)} if builder == "csv" else {}
-        loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
-    except OSError as error:
-        raise UserError(f"--{flag} {path_str}: cannot be read ({error.strerror or error})") from None
-    except (datasets.exceptions.DatasetsError, ValueError) as error:
-        if "corresponds to no data" in str(error):  # datasets' words for a file with no rows ("[]", a header)
-            raise empty from error
-        # datasets wraps the parser's error (JSON/CSV syntax, ...); the cause is what the user can fix.
-        cause = error.__cause__ or error
-        raise UserError(f"--{flag} {path_str}: could not be read as {builder}: {cause}") from error
+    # datasets logs "Failed to load JSON from file ..." before it raises: held, and dropped with the refusal.
+    with quiet.held("datasets"):
+        try:
+            kwargs = {"features": _csv_text_features(path)} if builder == "csv" else {}
+            loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+        except OSError as error:
+            raise UserError(f"--{flag} {path_str}: cannot be read ({error.strerror or error})") from None
+        except (datasets.exceptions.DatasetsError, ValueError) as error:
+            if "corresponds to no data" in str(error):  # datasets' words for a file with no rows ("[]", a header)
+                raise empty from error
+            # datasets wraps the parser's error (JSON/CSV syntax, ...); the cause is what the user can fix, and for
+            # JSON the line that is no row object, found by reading the file again (pyarrow names a block's row).
+            detail = (json_rows.first_problem(path) if builder == "json" else None) or (error.__cause__ or error)
+            raise UserError(f"--{flag} {path_str}: could not be read as {builder}: {detail}") from error
     if builder == "text":  # one example per line; blank lines separate, they are not examples
         loaded = loaded.filter(lambda batch: [bool(t.strip()) for t in batch["text"]], batched=True)
     return loaded

@@ -8,8 +8,6 @@ materialises the full weights.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 import os
 import pickle
@@ -18,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from hf_scale import rules
+from hf_scale import quiet, rules
 from hf_scale.errors import UserError
 from hf_scale.inputs import not_a_regular_file
 from hf_scale.train.model.arguments import ModelArguments
@@ -42,12 +40,38 @@ def load_pretrained_config(model_path: str, trust_remote_code: bool):
     from hf_scale.planner.model_shapes import CONFIG_ERRORS, check_dimensions
 
     where = f"--model_name_or_path={model_path}"
-    check_dimensions(_config_values(model_path, where), where)  # a Hub model's too
+    values = _config_values(model_path, where)
+    check_dimensions(values, where)  # a Hub model's too
+    _check_known_names(values, where)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (*CONFIG_ERRORS, OSError) as error:  # typed config fields, then the architecture's own checks
         detail = " ".join(str(error).split())[:200]
         raise UserError(f"{where}: transformers cannot build a model from its config.json ({detail})") from None
+
+
+def _check_known_names(values: dict, where: str) -> None:
+    """config.json's model_type and activation name things transformers knows (a model shipping its own code,
+    `auto_map`, may name others): one line naming the value and what is allowed, instead of transformers'
+    paragraph (model_type) or a bare KeyError from inside the architecture's constructor (hidden_act)."""
+    if "auto_map" in values:
+        return
+    from transformers import __version__
+    from transformers.activations import ACT2FN
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = values.get("model_type")
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        known = sorted(CONFIG_MAPPING.keys())
+        examples = ", ".join(t for t in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2") if t in known)
+        raise UserError(f"{where}: config.json: model_type={model_type!r} is not an architecture transformers "
+                        f"{__version__} knows; allowed: one of its {len(known)} model types (e.g. {examples}), or a "
+                        "model that ships its code (auto_map) with --trust_remote_code true")
+    for key in ("hidden_act", "hidden_activation"):
+        value = values.get(key)
+        if isinstance(value, str) and value not in ACT2FN:
+            raise UserError(f"{where}: config.json: {key}={value!r} is not an activation transformers knows; "
+                            f"allowed: {', '.join(sorted(ACT2FN))}")
 
 
 def _config_values(model_path: str, where: str) -> dict:
@@ -176,30 +200,6 @@ def _from_pretrained(path: str, model_args: ModelArguments, load_kwargs: dict):
     return model
 
 
-@contextlib.contextmanager
-def _load_report_held():
-    """transformers logs its load report (a table of every missing or mismatched tensor) before hf_scale judges
-    the load: held back here, shown as usual when the load is accepted, dropped when hf_scale refuses it in one
-    line that names the first problem."""
-    logger = logging.getLogger("transformers.modeling_utils")
-    held: list[logging.LogRecord] = []
-
-    def hold(record: logging.LogRecord) -> bool:
-        held.append(record)
-        return False
-
-    logger.addFilter(hold)
-    try:
-        yield
-    except UserError:
-        held.clear()
-        raise
-    finally:
-        logger.removeFilter(hold)
-        for record in held:
-            logger.handle(record)
-
-
 def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, on_mesh: dict | None = None,
                sharded_precision: str | None = None):
     """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
@@ -216,7 +216,9 @@ def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, on_m
         from hf_scale.train.model import quantization
 
         load_kwargs["quantization_config"] = quantization.bnb_config(sharded_precision)
-    with _load_report_held():
+    # transformers logs its load report (a table of every missing or mismatched tensor) before hf_scale judges
+    # the load: shown as usual when the load is accepted, dropped when one line names the first problem.
+    with quiet.held("transformers.modeling_utils"):
         model = _from_pretrained(path, model_args, load_kwargs)
     # Training never needs the KV cache, and with it on transformers ignores packed position_ids: packed
     # examples would silently attend to each other.
@@ -243,6 +245,14 @@ def apply_lora(model, model_args: ModelArguments, *, gradient_checkpointing: boo
         target_modules=target_modules,
         task_type="CAUSAL_LM",
     )
+    if target_modules != "all-linear":  # peft's own error names neither the model's modules nor all-linear
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"})
+        unknown = [t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n, _ in
+                                                        model.named_modules())]
+        if unknown:
+            raise UserError(f"--lora_target_modules={targets}: {', '.join(unknown)} is no module of the model; "
+                            f"allowed: all-linear or a comma-separated list of {', '.join(linear)}")
     try:
         model = get_peft_model(model, config)
     except ValueError as error:

@@ -39,11 +39,13 @@ def test_what_a_run_would_replace_is_foreign_unless_hf_scale_marked_it(tmp_path)
     assert ownership.foreign(tmp_path / "missing") == []
 
 
-def test_a_users_files_are_refused_in_one_line_and_replaced_only_with_overwrite_output_dir(tmp_path, capfd):
+@pytest.mark.parametrize("loop", ["accelerate", "trainer"])
+def test_a_users_files_are_refused_in_one_line_and_replaced_only_with_overwrite_output_dir(loop, tmp_path, capfd):
+    """Both loops: the refusal comes before either builds anything (ownership.claim, in prepare)."""
     out = tmp_path / "out"
     _users_files(out)
     before = tree(out)
-    argv = ["--max_steps", "1", "--save_steps", "1", "--loop", "accelerate", "--output_dir", str(out)]
+    argv = ["--max_steps", "1", "--save_steps", "1", "--loop", loop, "--output_dir", str(out)]
     capfd.readouterr()
     assert run_in_process(argv) == 2
     stderr = capfd.readouterr().err
