@@ -1,6 +1,7 @@
 """QLoRA (`train.py --load_in_4bit`) on CPU with bitsandbytes' own NF4 layers: the refusals, the quantization
 config transformers receives, a real one-process run (4-bit base, non-empty adapter), 2-process DDP, ZeRO-3 and
-FSDP2 runs (real torchrun, gloo) that equal it, and `hf-scale export --lora merged` of its checkpoint.
+FSDP2 runs (real torchrun, gloo) that equal it, and `hf-scale export --lora merged` (`--merge`) of the checkpoints
+of each loop and engine (the adapter read from wherever the checkpoint keeps its weights).
 
 Tolerance of the 2-process comparisons: the 4-bit base is the same on every process (NF4 quantization of the same
 weights is deterministic) and the LoRA math is the same; what differs is bf16 compute (the 4-bit layers' compute
@@ -121,29 +122,91 @@ def test_fsdp2_manual_loop_equals_one_process(one_process, tmp_path):
     adapter = load_file(out / "adapter_model.safetensors")
     assert adapter.keys() == load_file(one_process / "adapter_model.safetensors").keys()
     assert all(t.numel() > 0 for t in adapter.values())
+    # The checkpoint's adapter is only in the DCP shards (half per rank): `--merge` reads it there.
+    _export_merged(out / f"checkpoint-{STEPS}", tmp_path / "merged", flag=["--merge"])
+    _assert_merged_is_the_trained_model(tmp_path / "merged", out)
 
 
-def test_export_merged_matches_the_4bit_base_with_its_adapter(one_process, tmp_path):
-    """The merged bf16 model computes what the trained model (4-bit base + adapter) computes: within 0.02 on logits
-    of magnitude ~1 (each merged weight rounded once to bf16, 2**-9 relative), while the same adapter merged into
-    the unquantized base would be off by the quantization error (~0.1 here): so the merge used the 4-bit base."""
+def _zero3_json(tmp_path):
+    """The zero3 preset's DeepSpeed JSON for one process (as `hf-scale generate` writes it)."""
+    from hf_scale.config import validate_config
+    from hf_scale.generators.deepspeed_json import deepspeed_config
+
+    cfg = validate_config({"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}, "precision": "bf16",
+                           "batch": {"micro_batch_size": 8, "gradient_accumulation_steps": 1}})
+    path = tmp_path / "z3.json"
+    path.write_text(json.dumps(deepspeed_config(cfg, "auto")))
+    return path
+
+
+@pytest.fixture(scope="module")
+def manual_loop(tmp_path_factory):
+    """The manual loop's checkpoint: accelerate's save_state (model.safetensors: the 4-bit base and the adapter),
+    no adapter_model.safetensors."""
+    out = tmp_path_factory.mktemp("qlora") / "manual"
+    assert run_in_process([*COMMON, "--per_device_train_batch_size", "8", "--loop", "accelerate",
+                           "--output_dir", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero3_manual_loop(tmp_path_factory):
+    """ZeRO-3 (one process): the adapter is only in DeepSpeed's partitions."""
+    tmp = tmp_path_factory.mktemp("qlora")
+    out = tmp / "zero3"
+    assert run_in_process([*COMMON, "--per_device_train_batch_size", "8", "--loop", "accelerate",
+                           "--deepspeed", str(_zero3_json(tmp)), "--output_dir", str(out)]) == 0
+    return out
+
+
+def _export_merged(checkpoint, out, *, flag=("--lora", "merged")) -> None:
+    from hf_scale import cli
+
+    try:
+        code = cli.main(["export", str(checkpoint), str(out), *flag])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 0
+
+
+def _assert_merged_is_the_trained_model(merged_dir, run_dir):
+    """The merged bf16 model computes what the trained model (the 4-bit base + the run's final adapter) computes:
+    within 0.02 on logits of magnitude ~1 (each merged weight rounded once to bf16, 2**-9 relative), while the same
+    adapter merged into the unquantized base would be off by the quantization error (~0.1 here): so the merge used
+    the 4-bit base, and the adapter the run trained."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hf_scale.export import export
-
-    merged_dir = export(one_process / f"checkpoint-{STEPS}", tmp_path / "merged", lora="merged")
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     assert merged.dtype == torch.bfloat16 and "quantization_config" not in json.loads(
         (merged_dir / "config.json").read_text())
-    base = AutoModelForCausalLM.from_pretrained(
-        EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config())
-    trained = PeftModel.from_pretrained(base, str(one_process))
-    unquantized = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR),
-                                            str(one_process))
+    base = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config())
+    trained = PeftModel.from_pretrained(base, str(run_dir))
+    unquantized = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), str(run_dir))
     with torch.no_grad():
         want = trained(input_ids=PROBE_IDS).logits.float()
         got = merged(input_ids=PROBE_IDS).logits.float()
         off = unquantized(input_ids=PROBE_IDS).logits.float()
     torch.testing.assert_close(got, want, rtol=0, atol=0.02)
     assert (off - want).abs().max() > 5 * (got - want).abs().max()
+
+
+def test_export_merged_matches_the_4bit_base_with_its_adapter(one_process, tmp_path):
+    """The Trainer's checkpoint without DeepSpeed holds peft's adapter file only: the adapter is read from it."""
+    _export_merged(one_process / f"checkpoint-{STEPS}", tmp_path / "merged")
+    _assert_merged_is_the_trained_model(tmp_path / "merged", one_process)
+
+
+@pytest.mark.parametrize("run", ["manual_loop", "zero3_manual_loop"])
+def test_export_merge_reads_the_adapter_from_the_checkpoints_own_weights(run, request, tmp_path):
+    """The manual loop saves the adapter inside accelerate's model.safetensors (with the 4-bit base), ZeRO-3 in its
+    partitions: `--merge` reads it there (hf_scale.export.sources) and gives the trained model."""
+    from hf_scale.train.checkpoint import layout
+
+    run_dir = request.getfixturevalue(run)
+    checkpoint = run_dir / f"checkpoint-{STEPS}"
+    assert not (checkpoint / layout.ADAPTER_WEIGHTS).exists()
+    assert layout.detect_layout(checkpoint).weights == {"manual_loop": layout.FULL,
+                                                        "zero3_manual_loop": layout.DEEPSPEED}[run]
+    _export_merged(checkpoint, tmp_path / "merged", flag=["--merge"])
+    _assert_merged_is_the_trained_model(tmp_path / "merged", run_dir)
