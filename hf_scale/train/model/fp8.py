@@ -59,13 +59,33 @@ def check_can_run(backend: str) -> None:
         raise UserError(problem)
 
 
+def weight_shape(module) -> tuple[int, ...]:
+    """The linear layer's (out_features, in_features): under DeepSpeed's zero.Init (ZeRO-3, which accelerate hands
+    to torchao before DeepSpeed wraps the model) the weight is partitioned to shape (0,) and its real shape is
+    DeepSpeed's `ds_shape`."""
+    weight = module.weight
+    return tuple(getattr(weight, "ds_shape", None) or weight.shape)
+
+
 def module_filter(backend: str = "torchao") -> Callable:
     """torchao's `module_filter_fn(module, fqn) -> bool`: True converts the linear layer to fp8."""
     if backend != "torchao":
         raise ValueError(f"only torchao takes a module filter, not {backend}")
+    import torch
     from torchao.float8 import _auto_filter_for_recipe
 
-    return _auto_filter_for_recipe(TORCHAO_RECIPE, filter_fqns=list(KEEP_IN_BF16))
+    decide = _auto_filter_for_recipe(TORCHAO_RECIPE, filter_fqns=list(KEEP_IN_BF16))
+
+    def keep_in_fp8(module, fqn: str) -> bool:
+        # torchao's filter unpacks `module.weight.shape`; a ZeRO-3-partitioned layer is asked about through a
+        # weightless stand-in of its real shape (on the meta device), so the decision stays torchao's own.
+        if isinstance(module, torch.nn.Linear) and module.weight.dim() != 2:
+            out_features, in_features = weight_shape(module)
+            with torch.device("meta"):
+                module = torch.nn.Linear(in_features, out_features, bias=False)
+        return decide(module, fqn)
+
+    return keep_in_fp8
 
 
 @dataclass(frozen=True)
@@ -77,7 +97,7 @@ class Plan:
 
 
 def _why_kept(name: str, module) -> str:
-    out_features, in_features = module.weight.shape
+    out_features, in_features = weight_shape(module)
     if any(keep in name for keep in KEEP_IN_BF16):
         return "output head"
     if in_features % 16 or out_features % 16:
@@ -96,7 +116,7 @@ def plan(model, backend: str) -> Plan:
     else:
         # accelerate.utils.transformer_engine.convert_model swaps every nn.Linear whose dimensions are multiples
         # of 16 (the head included); MS-AMP casts every linear weight.
-        converts = {name: backend == "msamp" or not any(d % 16 for d in m.weight.shape) for name, m in linears}
+        converts = {name: backend == "msamp" or not any(d % 16 for d in weight_shape(m)) for name, m in linears}
     by_name = dict(linears)
     return Plan(backend=backend, converted=[n for n, c in converts.items() if c],
                 kept={n: _why_kept(n, by_name[n]) for n, c in converts.items() if not c})
