@@ -16,30 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hf_scale.errors import UserError
-from hf_scale.rules import FP8_BACKEND_MODULES, FP8_BACKENDS, FP8_MIN_COMPUTE_CAPABILITY
+from hf_scale.precision_rules import fp8_machine_refusal
+from hf_scale.rules import FP8_BACKEND_MODULES
 
 KEEP_IN_BF16 = ("lm_head",)
 """Kept in bf16 whatever their size: the output head's logits are where fp8's rounding costs the loss most."""
 TORCHAO_RECIPE = "tensorwise"
 """torchao's Float8LinearConfig() default scaling (dynamic, per tensor): what accelerate's AORecipeKwargs builds."""
-BACKEND_OF_ACCELERATE = {value: name for name, value in FP8_BACKENDS.items()}
-"""accelerate's ACCELERATE_FP8_BACKEND value -> the config's fp8.backend."""
-
-
-def refusal(backend: str, *, capability: tuple[int, int] | None, importable: bool) -> str | None:
-    """Why FP8 with ``backend`` cannot run here (None when it can). ``capability``: the GPU's compute capability,
-    None without a GPU."""
-    need = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
-    if capability is None:
-        return (f"precision=fp8 needs a GPU of compute capability >= {need} (Ada, Hopper or later); this machine has "
-                "none: use precision=bf16")
-    if tuple(capability) < FP8_MIN_COMPUTE_CAPABILITY:
-        return (f"precision=fp8 needs a GPU of compute capability >= {need} (Ada, Hopper or later); this GPU has "
-                f"{capability[0]}.{capability[1]}: use precision=bf16")
-    if not importable:
-        return (f"fp8.backend={backend}: the module {FP8_BACKEND_MODULES[backend]} is not importable; install it "
-                "(torchao: pip install hf-scale[fp8]) or choose another fp8.backend")
-    return None
 
 
 def gpu_capability() -> tuple[int, int] | None:
@@ -54,7 +37,7 @@ def backend_importable(backend: str) -> bool:
 
 def check_can_run(backend: str) -> None:
     """A one-line UserError (exit 2) when this machine cannot train in FP8: called before the model loads."""
-    problem = refusal(backend, capability=gpu_capability(), importable=backend_importable(backend))
+    problem = fp8_machine_refusal(backend, capability=gpu_capability(), importable=backend_importable(backend))
     if problem:
         raise UserError(problem)
 

@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from hf_scale import parallelism
+from hf_scale import parallelism, rules
 from hf_scale.errors import UserError
 from hf_scale.inputs import not_a_regular_file
 from hf_scale.train.setup.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
@@ -174,9 +174,7 @@ def _fp8_backend_from_env() -> str | None:
     one accelerate picks torchao first, as here."""
     if os.environ.get("ACCELERATE_MIXED_PRECISION") != "fp8":
         return None
-    from hf_scale.train.model.fp8 import BACKEND_OF_ACCELERATE
-
-    return BACKEND_OF_ACCELERATE.get(os.environ.get("ACCELERATE_FP8_BACKEND", "").upper(), "torchao")
+    return rules.fp8_backend_of_accelerate(os.environ.get("ACCELERATE_FP8_BACKEND"))
 
 
 def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backend: str | None):

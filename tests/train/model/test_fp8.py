@@ -164,7 +164,7 @@ def test_recipe_handler_carries_the_filter():
     ],
 )
 def test_refusal(capability, importable, expected):
-    problem = fp8.refusal("torchao", capability=capability, importable=importable)
+    problem = precision_rules.fp8_machine_refusal("torchao", capability=capability, importable=importable)
     assert problem is None if expected is None else expected in problem
 
 
