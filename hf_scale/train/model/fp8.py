@@ -1,5 +1,5 @@
 """FP8 training: whether this machine can run it, which linear layers run their matmuls in fp8, and the recipe
-accelerate applies (both loops hand :func:`recipe_handler` to their Accelerator).
+accelerate applies (both loops build their Accelerator through :func:`with_fp8`).
 
 Which modules are converted is decided here and nowhere else: torchao's own auto filter for its default
 (tensorwise) recipe, which keeps layers whose dimensions are not multiples of 16 (an fp8 GEMM requirement) or
@@ -117,9 +117,14 @@ def describe(fp8_plan: Plan) -> str:
     return line + (f"; kept in bf16: {kept}" if kept else "")
 
 
-def fp8_handlers(spec) -> list:
-    """The Accelerator's kwargs handlers for the run's FP8 recipe: none without fp8."""
-    return [recipe_handler(spec.fp8_backend)] if spec.fp8_backend else []
+def with_fp8(accelerator_kwargs: dict, spec) -> dict:
+    """The Accelerator's keyword arguments with the run's FP8 (unchanged without it): accelerate's fp8 mode and
+    hf_scale's recipe added to the kwargs handlers. Both loops build their Accelerator through it (the manual loop's
+    `Accelerator(...)`, the Trainer's `_build_accelerator_args`): TrainingArguments knows only bf16."""
+    if not spec.fp8_backend:
+        return dict(accelerator_kwargs)
+    handlers = [*(accelerator_kwargs.get("kwargs_handlers") or []), recipe_handler(spec.fp8_backend)]
+    return {**accelerator_kwargs, "mixed_precision": "fp8", "kwargs_handlers": handlers}
 
 
 def recipe_handler(backend: str):

@@ -145,6 +145,71 @@ def test_a_small_model_keeps_everything_in_bf16():
     assert not plan.converted and "lm_head" in plan.kept
 
 
+def _spec(fp8_backend, loop="trainer"):
+    from hf_scale.train.setup.run_spec import RunSpec
+
+    return RunSpec(launcher="python", strategy="single", world_size=1, loop=loop, micro_batch_size=1,
+                   gradient_accumulation_steps=1, global_batch_size=1, precision="bf16", seed=0, data_seed=0,
+                   packing=False, fp8_backend=fp8_backend)
+
+
+def _filters_like_the_plan(handler):
+    """The handler is accelerate's AO recipe with hf_scale's filter: a large layer converts, the head never does."""
+    from accelerate.utils import AORecipeKwargs
+
+    assert isinstance(handler, AORecipeKwargs)
+    with torch.device("meta"):
+        large, small = torch.nn.Linear(4096, 14336), torch.nn.Linear(64, 64)
+    assert handler.module_filter_func(large, "model.layers.0.mlp.up_proj") is True
+    assert handler.module_filter_func(large, "lm_head") is False
+    assert handler.module_filter_func(small, "model.layers.0.mlp.up_proj") is False
+
+
+def test_with_fp8_gives_accelerate_fp8_and_the_filtered_recipe():
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
+    given = {"mixed_precision": "bf16", "kwargs_handlers": [ddp], "step_scheduler_with_optimizer": False}
+    got = fp8.with_fp8(given, _spec("torchao"))
+    assert got["mixed_precision"] == "fp8" and got["step_scheduler_with_optimizer"] is False
+    assert got["kwargs_handlers"][0] is ddp and len(got["kwargs_handlers"]) == 2
+    _filters_like_the_plan(got["kwargs_handlers"][1])
+    assert given["mixed_precision"] == "bf16" and given["kwargs_handlers"] == [ddp]  # the caller's dict is kept
+    assert fp8.with_fp8(given, _spec(None)) == given
+    assert fp8.with_fp8({}, _spec("torchao"))["kwargs_handlers"][0].module_filter_func is not None
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, PartialState
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
+
+@pytest.mark.parametrize("loop", ["trainer", "accelerate"])
+def test_each_loops_accelerator_trains_fp8_with_the_filtered_recipe(loop, tmp_path, fresh_accelerate_state):
+    """The Accelerator each loop really builds (from real TrainingArguments, --bf16 as train.py sets it for fp8):
+    accelerate's own state says fp8 with the AO backend and hf_scale's filter (accelerate builds an fp8 Accelerator
+    on CPU too; train.py refuses to train without an fp8 GPU before it gets here)."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.train.loops import manual
+    from hf_scale.train.loops.trainer import HfScaleTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, report_to=[], use_cpu=True)
+    spec = _spec("torchao", loop)
+    if loop == "trainer":
+        accelerator = HfScaleTrainer(model=AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), args=args,
+                                     spec=spec).accelerator
+    else:
+        accelerator = manual._accelerator(args, spec, None, None, False)
+    assert accelerator.mixed_precision == "fp8" and accelerator.fp8_backend == "AO"
+    _filters_like_the_plan(accelerator.ao_recipe_handler)
+
+
 def test_recipe_handler_carries_the_filter():
     from accelerate.utils import AORecipeKwargs
 
