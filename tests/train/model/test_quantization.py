@@ -39,6 +39,45 @@ def test_refusals_name_the_combination():
     assert "fp8" in quantization.refusal(load_in_4bit=True, lora_r=8, fp8_backend="torchao")
 
 
+NEW = {"accelerate": "1.15.0", "peft": "0.21.2"}
+
+
+@pytest.mark.parametrize(("fsdp_version", "installed", "expected"), [
+    (None, {}, None),  # DDP, ZeRO-3, one process: no FSDP
+    (2, NEW, None),
+    (2, {"accelerate": "1.14.0", "peft": "0.19.0"}, None),
+    (2, {**NEW, "accelerate": "1.13.2"}, "needs accelerate >= 1.14 (installed: 1.13.2)"),
+    (2, {**NEW, "peft": "0.18.1"}, "needs peft >= 0.19 (installed: 0.18.1)"),
+    (2, {"accelerate": "1.6.0"}, "needs accelerate >= 1.14 (installed: 1.6.0) and peft >= 0.19 (installed: none)"),
+    (1, NEW, "--load_in_4bit with FSDP version 1"),
+], ids=["no-fsdp", "fsdp2", "fsdp2-first-releases", "fsdp2-old-accelerate", "fsdp2-old-peft", "fsdp2-both-old",
+        "fsdp1"])
+def test_sharding_refusal_names_fsdp1_and_the_versions_fsdp2_needs(fsdp_version, installed, expected):
+    problem = quantization.sharding_refusal(fsdp_version, installed)
+    assert problem is None if expected is None else expected in problem and "\n" not in problem
+    if expected and fsdp_version == 2:
+        assert "pip install -U 'accelerate>=1.14' 'peft>=0.19'" in problem
+
+
+def test_fsdp1_is_refused_by_train_py_before_anything_loads(tmp_path):
+    """`accelerate launch` (its own code, one process) with an FSDP YAML that leaves fsdp_version out: accelerate's
+    FSDP1. train.py refuses --load_in_4bit in one line, exit 2, on any machine (before the no-GPU FSDP refusal)."""
+    import yaml
+    from train_helpers import launcher_command, run, training_traceback_frames
+
+    launch = tmp_path / "fsdp.yaml"
+    launch.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+                                      "mixed_precision": "bf16", "num_machines": 1, "num_processes": 1,
+                                      "use_cpu": False, "fsdp_config": {"fsdp_state_dict_type": "FULL_STATE_DICT"}}))
+    out = tmp_path / "out"
+    result = run([*launcher_command("accelerate", config=launch), "--load_in_4bit", "--lora_r", "4",
+                  "--output_dir", str(out), "--max_steps", "1"], timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert errors == [f"train.py: error: {quantization.sharding_refusal(1, {})}"], result.stderr[-3000:]
+    assert "(exitcode: 2)" in result.stderr and not training_traceback_frames(result.stderr)  # accelerate's torchrun
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(("sharded_precision", "storage"), [
     (None, "uint8"), ("bf16", "bfloat16"), ("fp16", "float16"), ("no", "float32")])
 def test_quant_storage_matches_what_sharding_needs(sharded_precision, storage):
