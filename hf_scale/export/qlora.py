@@ -7,9 +7,9 @@ weights the run saw), dequantized (transformers' `dequantize`), then the adapter
 cast to the output dtype. Merging into the original full-precision weights instead would change every base weight
 by its quantization error.
 
-The adapter is read from wherever the checkpoint keeps its weights (`hf_scale.export.sources`, like any export):
-the manual loop's `model.safetensors`, DeepSpeed's ZeRO partitions, FSDP2's DCP shards; only a Trainer checkpoint
-without DeepSpeed or FSDP holds nothing but peft's adapter file, which is then read (checked non-empty).
+The adapter is peft's adapter file where the checkpoint has a sound one (the Trainer's), else it is read from
+wherever the checkpoint keeps its weights (`hf_scale.export.sources`, like any export): the manual loop's
+`model.safetensors`, DeepSpeed's ZeRO partitions, FSDP2's DCP shards (:func:`adapter_source`).
 """
 
 from __future__ import annotations
@@ -43,28 +43,40 @@ def quantization_of(checkpoint_dir: Path) -> dict | None:
     return found if isinstance(found, dict) and found.get("quant_method") == "bitsandbytes" else None
 
 
-def check_adapter(out: Path) -> None:
-    """The classic ZeRO-3 failure is an adapter file without tensors; never write (or merge) one."""
+def adapter_problem(directory: Path) -> str | None:
+    """What is wrong with `directory`'s adapter file (None when it holds tensors, none empty): the classic ZeRO-3
+    failure is an adapter file without tensors."""
     from safetensors import safe_open
 
-    file = out / ADAPTER_WEIGHTS
+    file = directory / ADAPTER_WEIGHTS
     if not file.is_file():
-        raise UserError(f"{out}: no {ADAPTER_WEIGHTS}")
+        return f"{directory}: no {ADAPTER_WEIGHTS}"
     with safe_open(str(file), framework="pt") as handle:
         keys = list(handle.keys())
         empty = [k for k in keys if 0 in handle.get_slice(k).get_shape()]
     if not keys or empty:
-        raise UserError(f"the adapter {file} has {len(keys)} tensors, {len(empty)} of them empty")
+        return f"the adapter {file} has {len(keys)} tensors, {len(empty)} of them empty"
+    return None
+
+
+def check_adapter(out: Path) -> None:
+    """Never write (or merge) an adapter file without tensors."""
+    problem = adapter_problem(out)
+    if problem:
+        raise UserError(problem)
 
 
 def adapter_source(found: Layout) -> Source:
-    """Where the adapter of QLoRA checkpoint `found` is: its weight source (every format export reads), or peft's
-    adapter file for a checkpoint that holds only that (the Trainer without DeepSpeed or FSDP)."""
+    """Where the adapter of QLoRA checkpoint `found` is read: peft's adapter file when the checkpoint has a sound one
+    (the Trainer's: a few MB, where DeepSpeed's reader would first concatenate the whole frozen 4-bit base of a ZeRO-3
+    checkpoint), else the checkpoint's own weights (every format export reads: the manual loop's, ZeRO partitions,
+    FSDP2 shards; also what rescues an empty ZeRO-3 adapter file)."""
     from hf_scale.train.checkpoint import layout
 
-    if found.weights == layout.ADAPTER_ONLY:
-        check_adapter(found.path)
+    if adapter_problem(found.path) is None:
         return safetensors_source(found.path / ADAPTER_WEIGHTS)
+    if found.weights == layout.ADAPTER_ONLY:
+        check_adapter(found.path)  # nothing else to read it from: the one-line refusal
     return find_source(found)
 
 

@@ -249,3 +249,21 @@ def test_export_merge_reads_the_adapter_from_the_checkpoints_own_weights(run, re
                                                         "zero3_manual_loop": layout.DEEPSPEED}[run]
     _export_merged(checkpoint, tmp_path / "merged", flag=["--merge"])
     _assert_merged_is_the_trained_model(tmp_path / "merged", run_dir)
+
+
+def test_an_empty_adapter_file_is_rescued_from_the_zero3_partitions(zero3_manual_loop, tmp_path):
+    """ZeRO-3's classic failure, an adapter file whose tensors are empty, beside the partitions that hold the trained
+    adapter: `--merge` reads the partitions and gives the trained model (the manifest does not list the planted
+    file, hence verify=False)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hf_scale.export import export
+
+    checkpoint = tmp_path / f"checkpoint-{STEPS}"
+    shutil.copytree(zero3_manual_loop / f"checkpoint-{STEPS}", checkpoint)
+    save_file({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.empty(0)},
+              checkpoint / "adapter_model.safetensors")
+    export(checkpoint, tmp_path / "merged", lora="merged", verify=False)
+    _assert_merged_is_the_trained_model(tmp_path / "merged", zero3_manual_loop)
