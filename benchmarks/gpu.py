@@ -120,6 +120,11 @@ class VariantFailed(RuntimeError):
         self.stderr = stderr
 
 
+class VariantRefused(VariantFailed):
+    """train.py refused the variant in one line before training (recorded as that line, not as a failure's stderr;
+    a failure of the run except under --cpu-smoke, where the GPU-only variants are refused by design)."""
+
+
 def flops_per_token(config: dict, mean_attended: float) -> tuple[float, int]:
     """(6N + 12·L·H·Q·T, N) with N = matmul parameters: everything but the input embedding table."""
     from transformers import LlamaConfig
@@ -387,6 +392,8 @@ def run_variant(name: str, args, model_dir: Path, data_file: Path, profile_dir: 
     code, stderr = run_process(command, env=env, timeout=args.variant_timeout, log_dir=run_dir)
     records = common.read_metrics(out_dir) if (out_dir / "metrics.jsonl").is_file() else []
     if len(records) < args.steps:
+        if not records and gpu_variants.refusal(stderr):
+            raise VariantRefused(gpu_variants.refusal(stderr), stderr)
         raise VariantFailed(f"exit {code} after {len(records)} of {args.steps} steps", stderr)
     row = _measure([r["step_time_s"] for r in records], [r["tokens"] for r in records],
                    [r["loss"] for r in records], args.warmup)
@@ -442,6 +449,9 @@ def _previous_rows(output: Path, setup: dict) -> dict:
 
 
 def _report_failure(name: str, error: VariantFailed, lines: int = 15) -> dict:
+    if isinstance(error, VariantRefused):
+        print(f"{name:22s} refused: {error}", flush=True)
+        return {"refused": str(error)}
     tail = error.stderr.rstrip().splitlines()[-lines:]
     print(f"{name:22s} FAILED ({error}); last lines of its stderr:", flush=True)
     for line in tail:
@@ -474,7 +484,7 @@ def _table(rows: dict) -> str:
              r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else "-", r["median_step_s"] * 1e3,
              r.get("attention") or "-"]
             if "tokens_per_s" in r
-            else [v, "FAILED", r["error"], "", "", "", ""]
+            else [v, "REFUSED" if "refused" in r else "FAILED", r.get("refused") or r["error"], "", "", "", ""]
             for v, r in rows.items()
         ],
     )  # fmt: skip
@@ -598,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
                                           data_file)
     common.write_results(args.output, payload)
     print(f"wrote {args.output}")
-    return 0 if all("error" not in r for r in rows.values()) else 1
+    failed = [r for r in rows.values() if "error" in r or ("refused" in r and not args.cpu_smoke)]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

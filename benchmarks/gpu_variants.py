@@ -41,6 +41,16 @@ def launcher(name: str, workdir: Path, args, learning_rate: float) -> Path:
     return workdir / "configs" / "launch" / f"{name}.{script}.sh"
 
 
+REFUSAL = "train.py: error: "
+
+
+def refusal(stderr: str) -> str | None:
+    """train.py's one-line refusal in a variant's stderr (e.g. precision=fp8 without an fp8 GPU: the hf_scale_fp8
+    variant of a --cpu-smoke run), without the launcher's report around it; None when the variant did not refuse."""
+    lines = [line.removeprefix(REFUSAL) for line in stderr.splitlines() if line.startswith(REFUSAL)]
+    return lines[0] if lines else None
+
+
 def comparisons(rows: dict) -> dict:
     """Each precision variant against its twin, where both were measured."""
     out = {}

@@ -28,7 +28,7 @@ from pathlib import Path
 from hf_scale import parallelism, rules
 from hf_scale.errors import UserError
 from hf_scale.inputs import read_text
-from hf_scale.precision_rules import fp8_backends
+from hf_scale.precision_rules import fp8_backends, precision_gpu_problems
 from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
 
 EPILOG = """\
@@ -236,8 +236,7 @@ def allreduce_report(gpu_list: list[dict], *, enabled: bool) -> dict:
 
 # --- a config's requirements and the verdict -----------------------------------------------------------------
 
-_ACCELERATE_STRATEGY = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp", "MULTI_GPU": "ddp", "NO": "single",
-                        "MULTI_CPU": "ddp"}
+_ACCELERATE_STRATEGY = rules.STRATEGY_OF_DISTRIBUTED_TYPE
 DEFAULT_OPS = ("cpu_adam", "fused_adam", "async_io")
 """What optimizer offload, deepspeed.fused_adam and NVMe offload would load; shown without --config too."""
 
@@ -287,6 +286,7 @@ def config_requirements(path: str) -> dict:
     return {"file": path, "kind": "DistributedConfig", "strategy": cfg.strategy,
             "processes_per_machine": cfg.topology.processes_per_machine, "num_machines": cfg.topology.num_machines,
             "use_cpu": False, "precision": cfg.precision,
+            "fp8_backend": cfg.fp8.backend if cfg.precision == rules.FP8 else None,
             "deepspeed": deepspeed_config(cfg, "auto") if cfg.strategy == "deepspeed" else None}
 
 
@@ -318,15 +318,21 @@ def _accelerate_requirements(path: str, file: Path, data: dict) -> dict:
                 ds["optimizer"] = {"type": "AdamW"}
     mixed = data.get("mixed_precision")
     precision = "no" if mixed in (None, False, "no") else str(mixed)
+    fp8_config = data.get("fp8_config") if isinstance(data.get("fp8_config"), dict) else {}
+    fp8_backend = rules.fp8_backend_of_accelerate(fp8_config.get("backend")) if precision == rules.FP8 else None
     return {"file": path, "kind": "accelerate YAML", "strategy": _ACCELERATE_STRATEGY[kind],
             "processes_per_machine": max(1, processes // machines), "num_machines": machines,
-            "use_cpu": bool(data.get("use_cpu")), "precision": _deepspeed_precision(ds or {}, precision),
+            "use_cpu": bool(data.get("use_cpu")),
+            # fp8 runs on DeepSpeed's bf16 block (hf_scale.rules.FP8_AUTOCAST): the YAML's fp8 is what the GPU needs.
+            "precision": precision if precision == rules.FP8 else _deepspeed_precision(ds or {}, precision),
+            "fp8_backend": fp8_backend,
             "deepspeed": ds}
 
 
-def config_verdict(req: dict, gpu_list: list[dict], op_statuses: dict[str, dict],
-                   environ: dict[str, str]) -> tuple[list[str], list[str]]:
-    """(problems that stop the config on this node, warnings). Pure: the node's facts are arguments."""
+def config_verdict(req: dict, gpu_list: list[dict], op_statuses: dict[str, dict], environ: dict[str, str],
+                   fp8_installed: dict[str, str | None] | None = None) -> tuple[list[str], list[str]]:
+    """(problems that stop the config on this node, warnings). Pure: the node's facts are arguments
+    (``fp8_installed``: :func:`fp8_backends`'s report)."""
     from hf_scale.deepspeed_ops import FIXES, GENERIC_FIX, required_ops
 
     problems: list[str] = []
@@ -341,12 +347,7 @@ def config_verdict(req: dict, gpu_list: list[dict], op_statuses: dict[str, dict]
     wanted = req["processes_per_machine"]
     if count and wanted and wanted > count:
         problems.append(f"{wanted} processes per machine but {count} GPU(s) visible here")
-    if req["precision"] == "bf16":
-        for gpu in gpu_list:
-            if not gpu["bf16"]:
-                problems.append(f"precision bf16 but GPU {gpu['index']} ({gpu['name']}, compute capability "
-                                f"{gpu['compute_capability']}) has no bf16; use precision fp16")
-                break
+    problems += precision_gpu_problems(req["precision"], req.get("fp8_backend"), gpu_list, fp8_installed or {})
     ds = req["deepspeed"]
     if ds is not None:
         if importlib.util.find_spec("deepspeed") is None:
@@ -392,7 +393,8 @@ def build_report(*, config: str | None, output_dir: str, allreduce: bool) -> dic
         "fp8": {"gpu": any(g["fp8"] for g in gpu_list), "backends": fp8_backends()},
     }
     if requirements:
-        problems, warnings = config_verdict(requirements, gpu_list, report["build"]["deepspeed_ops"], os.environ)
+        problems, warnings = config_verdict(requirements, gpu_list, report["build"]["deepspeed_ops"], os.environ,
+                                            report["fp8"]["backends"])
         report["config"] = {**{k: v for k, v in requirements.items() if k != "deepspeed"},
                             "can_run": not problems, "problems": problems, "warnings": warnings}
     return report

@@ -37,6 +37,11 @@ PRECISIONS = ("no", "bf16", "fp16")
 BOTH_PRECISIONS = "--bf16 and --fp16 are both set; choose one precision"
 
 
+STRATEGY_OF_DISTRIBUTED_TYPE = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp", "MULTI_GPU": "ddp", "NO": "single",
+                                "MULTI_CPU": "ddp"}
+"""An accelerate YAML's distributed_type -> the config's strategy (the ones hf_scale runs)."""
+
+
 FP8 = "fp8"
 FP8_AUTOCAST = "bf16"
 """accelerate trains fp8 on top of bf16 autocast (Accelerator: native_amp for fp8; DeepSpeedPlugin.set_mixed_precision
@@ -45,6 +50,16 @@ is not an fp8 matmul, the flags' --bf16."""
 FP8_BACKENDS = {"torchao": "AO", "te": "TE", "msamp": "MSAMP"}
 """The config's `fp8.backend` -> accelerate's FP8BackendType value (the YAML's fp8_config.backend,
 ACCELERATE_FP8_BACKEND)."""
+FP8_BACKEND_OF_ACCELERATE = {value: name for name, value in FP8_BACKENDS.items()}
+"""accelerate's FP8BackendType value -> the config's fp8.backend. Unset (or NO) means torchao: accelerate tries it
+first (Accelerator.__init__'s auto-detection), and hf_scale installs it (hf-scale[fp8])."""
+
+
+def fp8_backend_of_accelerate(value) -> str:
+    """The config's fp8.backend for accelerate's spelling (a YAML's fp8_config.backend, ACCELERATE_FP8_BACKEND)."""
+    return FP8_BACKEND_OF_ACCELERATE.get(str(value or "").upper(), "torchao")
+
+
 FP8_BACKEND_MODULES = {"torchao": "torchao", "te": "transformer_engine", "msamp": "msamp"}
 """The module each FP8 backend imports as (what `doctor` and train.py's refusal look for)."""
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)

@@ -120,6 +120,28 @@ def test_gpu_script_pipeline_runs_on_a_tiny_model_without_gpu(tmp_path):
     assert Path(profile["file"]).read_text().endswith(profile["top_kernels"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_gpu_fp8_variant_is_generated_and_refused_cleanly_without_a_gpu(tmp_path):
+    """hf_scale_fp8 runs through its generated accelerate launch script (precision: fp8 in the config and the YAML);
+    on a machine without an fp8 GPU train.py refuses before the model loads, and the results hold that one line, no
+    traceback (the launcher's report stays in the variant's stderr.log)."""
+    import yaml
+
+    from hf_scale.precision_rules import fp8_machine_refusal
+
+    data = _ok("gpu.py", tmp_path, "--cpu-smoke", "--variants", "hf_scale_fp8", "--steps", "3", "--warmup", "1",
+               "--seq-len", "256", "--budget", "512", "--rows", "64", "--threads", "1")
+    configs = tmp_path / "work" / "configs"
+    assert (configs / "launch" / "hf_scale_fp8.accelerate.sh").is_file()
+    launched = yaml.safe_load((configs / "accelerate_configs" / "hf_scale_fp8.yaml").read_text())
+    assert launched["mixed_precision"] == "fp8" and launched["fp8_config"]["backend"] == "AO"
+    assert yaml.safe_load((configs / "hf_scale_configs" / "hf_scale_fp8.yaml").read_text())["precision"] == "fp8"
+    assert data["results"] == {"hf_scale_fp8": {"refused": fp8_machine_refusal("torchao", capability=None,
+                                                                               importable=True)}}
+    assert "Traceback" not in json.dumps(data) and data["precision"] == {}
+    assert "train.py: error: precision=fp8" in (tmp_path / "work" / "hf_scale_fp8" / "stderr.log").read_text()
+
+
 def test_a_failed_command_keeps_its_whole_stderr_and_shows_the_last_lines():
     sys.path.insert(0, str(BENCH))
     try:

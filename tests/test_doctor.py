@@ -128,6 +128,38 @@ def test_config_verdicts_from_given_node_facts(config, gpus, environ, problem, w
     assert warning is None or any(warning in w for w in warnings)
 
 
+A100 = {"index": 0, "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 85 * 10**9, "compute_capability": "8.0",
+        "bf16": True, "fp8": False}
+L40S = {"index": 0, "name": "NVIDIA L40S", "memory_bytes": 48 * 10**9, "compute_capability": "8.9", "bf16": True,
+        "fp8": True}
+TORCHAO_ONLY = {"torchao": "0.18.0", "te": None, "msamp": None}
+
+
+@pytest.mark.parametrize(("gpu", "backend", "problem"), [
+    (A100, "torchao", "GPU 0 (NVIDIA A100-SXM4-80GB, compute capability 8.0): precision=fp8 needs a GPU of compute "
+                      "capability >= 8.9 (Ada, Hopper or later); this GPU has 8.0: use precision=bf16"),
+    (L40S, "torchao", None),
+    (H100, "torchao", None),
+    (H100, "te", "fp8.backend=te: the module transformer_engine is not importable"),
+], ids=["8.0", "8.9", "9.0", "9.0-backend-missing"])
+@pytest.mark.parametrize("kind", ["DistributedConfig", "accelerate YAML"])
+def test_an_fp8_config_needs_compute_capability_8_9_and_its_backend(gpu, backend, problem, kind, tmp_path):
+    """The node's GPUs and installed backends are data (what doctor reads from torch and importlib on a real node)."""
+    if kind == "DistributedConfig":
+        config = tmp_path / "fp8.yaml"
+        config.write_text(yaml.safe_dump({"strategy": "ddp", "precision": "fp8", "fp8": {"backend": backend},
+                                          "topology": {"processes_per_machine": 2}}))
+    else:
+        config = tmp_path / "accelerate.yaml"
+        config.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU", "num_processes": 2, "mixed_precision": "fp8",
+                                          "fp8_config": {"backend": {"torchao": "AO", "te": "TE"}[backend]}}))
+    req = doctor.config_requirements(str(config))
+    assert req["kind"] == kind and req["precision"] == "fp8" and req["fp8_backend"] == backend
+    problems, _ = doctor.config_verdict(req, [gpu, {**gpu, "index": 1}], {}, {}, TORCHAO_ONLY)
+    assert problems == ([] if problem is None else [p for p in problems if problem in p])
+    assert len(problems) == (problem is not None)
+
+
 def test_an_offload_op_that_cannot_build_on_a_gpu_node():
     req = doctor.config_requirements(str(REPO / "accelerate_configs" / "zero3_offload.yaml"))
     assert req["deepspeed"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"  # read from ds_configs/

@@ -1,5 +1,6 @@
-"""Checks of FP8 training: where it will run slower than bf16. (Where it cannot run at all, the config refuses it
-(hf_scale.precision_rules) and train.py stops before the model loads (hf_scale.train.model.fp8).)
+"""Checks of FP8 training: the combinations accelerate refuses at start, in a hand-written accelerate YAML (the rule
+the config applies when generating, hf_scale.precision_rules.fp8_refusal), and where fp8 will run slower than bf16.
+(A machine without an fp8 GPU is train.py's refusal before the model loads, and `doctor --config`'s.)
 """
 
 from __future__ import annotations
@@ -7,21 +8,64 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from hf_scale.check.findings import TRAINING_ARGS, WARNING, Finding, Source, get_path
+from hf_scale import precision_rules, rules
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, Source, get_path
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
+
+RAM_EFFICIENT_LOADING_KEY = "fsdp_config.fsdp_cpu_ram_efficient_loading"
+ACCELERATE_RAM_EFFICIENT_LOADING = "FSDP_CPU_RAM_EFFICIENT_LOADING"
+"""What accelerate launch exports for it (default true when the YAML leaves it out: its launch parser's default)."""
 
 
 def fp8_source(inp: CheckInputs) -> tuple[str, str, str] | None:
     """(file, key, backend) of whatever asks for fp8: the accelerate YAML or the --hf_scale_config."""
     if inp.accelerate.get("mixed_precision") == "fp8":
-        from hf_scale.train.model.fp8 import BACKEND_OF_ACCELERATE
-
-        backend = (inp.accelerate.get("fp8_config") or {}).get("backend", "AO")
-        return inp.accelerate_file, "mixed_precision", BACKEND_OF_ACCELERATE.get(str(backend).upper(), "torchao")
+        fp8_config = inp.accelerate.get("fp8_config")
+        backend = fp8_config.get("backend") if isinstance(fp8_config, dict) else None
+        return inp.accelerate_file, "mixed_precision", rules.fp8_backend_of_accelerate(backend)
     cfg = inp.hf_scale_config
     if cfg is not None and cfg.precision == "fp8":
         return inp.hf_scale_config_file or "", "precision", cfg.fp8.backend
     return None
+
+
+def _ram_efficient_loading(inp: CheckInputs) -> bool:
+    """Whether accelerate launch loads the FSDP model on rank 0 only, as its launch code exports it for this YAML."""
+    if inp.launch_env is not None and ACCELERATE_RAM_EFFICIENT_LOADING in inp.launch_env:
+        return inp.launch_env[ACCELERATE_RAM_EFFICIENT_LOADING] == "true"
+    return str(get_path(inp.accelerate, RAM_EFFICIENT_LOADING_KEY, True)).lower() == "true"
+
+
+def check_fp8_refused(inp: CheckInputs) -> Iterator[Finding]:
+    """`fp8-refused`: an accelerate YAML asks for an fp8 combination accelerate refuses at start (torchao with FSDP
+    and rank-0-only loading, `fsdp_cpu_ram_efficient_loading`, which accelerate launch turns on when the YAML leaves
+    it out; MS-AMP with FSDP or DeepSpeed): the rule `hf-scale generate` applies to the config."""
+    source = fp8_source(inp)
+    strategy = rules.STRATEGY_OF_DISTRIBUTED_TYPE.get(str(inp.accelerate.get("distributed_type")))
+    if source is None or not inp.accelerate_file or strategy is None:
+        return
+    file, key, backend = source
+    ram_loading = strategy == "fsdp" and _ram_efficient_loading(inp)
+    refusal = precision_rules.fp8_refusal(backend, strategy, cpu_ram_efficient_loading=ram_loading)
+    if refusal is None:
+        return
+    yaml = Path(inp.accelerate_file).name
+    asked = {f"{file}:{key}": "fp8", f"{inp.accelerate_file}:distributed_type": inp.accelerate["distributed_type"]}
+    if refusal.change == precision_rules.RAM_EFFICIENT_LOADING:
+        yield Finding(ERROR, "fp8-refused", inp.accelerate_file, RAM_EFFICIENT_LOADING_KEY,
+                      f"fp8 with backend torchao (AO) under FSDP with {RAM_EFFICIENT_LOADING_KEY}=true (accelerate "
+                      f"launch's default): {refusal.reason}; the run stops at start.",
+                      f"Set `fsdp_cpu_ram_efficient_loading: false` under fsdp_config in {yaml}, or set "
+                      f"`{key}` to bf16 in {Path(file).name}.",
+                      {**asked, f"{inp.accelerate_file}:{RAM_EFFICIENT_LOADING_KEY}": True})
+        return
+    where = (file, "fp8_config.backend") if key == "mixed_precision" else (file, "fp8.backend")
+    yield Finding(ERROR, "fp8-refused", *where,
+                  f"fp8 with backend {backend} under distributed_type={inp.accelerate['distributed_type']} in "
+                  f"{yaml}: {refusal.reason}; the run stops at start.",
+                  f"Set `backend` ({where[1]}) to {'AO or TE' if key == 'mixed_precision' else 'torchao or te'} in "
+                  f"{Path(file).name}, or train with distributed_type MULTI_GPU.",
+                  {**asked, ":".join(where): backend})
 
 
 def _offloaded(inp: CheckInputs) -> Source | None:

@@ -6,15 +6,26 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, Finding
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, Finding, get_path
 from hf_scale.check.fp8 import fp8_source
 from hf_scale.check.inputs import CheckInputs
 
+FSDP_VERSION_KEY = "fsdp_config.fsdp_version"
+
+
+def _fsdp_version(inp: CheckInputs) -> int | None:
+    """The FSDP version accelerate launch runs this YAML with (its FSDP_VERSION; 1 when the YAML leaves it out)."""
+    if inp.accelerate.get("distributed_type") != "FSDP":
+        return None
+    written = (inp.launch_env or {}).get("FSDP_VERSION") or get_path(inp.accelerate, FSDP_VERSION_KEY, 1)
+    return 2 if str(written) == "2" else 1
+
 
 def check_qlora(inp: CheckInputs) -> Iterator[Finding]:
-    """`qlora-no-lora`, `qlora-fp8`: --load_in_4bit without a LoRA rank (a 4-bit base cannot be fully fine-tuned) or
-    with fp8 (the 4-bit layers fix the compute dtype). DDP, ZeRO-3 and FSDP2 need nothing here: train.py stores the
-    4-bit weights in the dtype ZeRO-3/FSDP2 shard (tests/train/model/test_quantization.py runs all three on CPU)."""
+    """`qlora-no-lora`, `qlora-fp8`, `qlora-fsdp1`: --load_in_4bit without a LoRA rank (a 4-bit base cannot be fully
+    fine-tuned), with fp8 (the 4-bit layers fix the compute dtype), or under FSDP version 1 (accelerate's default when
+    the YAML has no fsdp_version). DDP, ZeRO-3 and FSDP2 need nothing here: train.py stores the 4-bit weights in the
+    dtype ZeRO-3/FSDP2 shard (tests/train/model/test_quantization.py runs all three on CPU)."""
     training = inp.training or {}
     if not training.get("load_in_4bit"):
         return
@@ -34,3 +45,9 @@ def check_qlora(inp: CheckInputs) -> Iterator[Finding]:
                       quantization.refusal(load_in_4bit=True, lora_r=16, fp8_backend=backend),
                       f"Set `{key}` to bf16 in {Path(file).name}, or drop --load_in_4bit.",
                       {**asked, f"{file}:{key}": "fp8"})
+    if _fsdp_version(inp) == 1:
+        file = inp.accelerate_file
+        yield Finding(ERROR, "qlora-fsdp1", file, FSDP_VERSION_KEY,
+                      quantization.sharding_refusal(1, {}),
+                      f"Set `fsdp_version: 2` under fsdp_config in {Path(file).name}, or drop --load_in_4bit.",
+                      {**asked, f"{file}:{FSDP_VERSION_KEY}": get_path(inp.accelerate, FSDP_VERSION_KEY, None)})

@@ -52,6 +52,7 @@ examples:
   hf-scale export outputs/run/checkpoint-500 exported-bf16/ --dtype bf16 --max-shard-size 2GB
   hf-scale export outputs/lora/checkpoint-200 adapter/                      # LoRA: the adapter only
   hf-scale export outputs/lora/checkpoint-200 merged/ --lora merged         # LoRA merged into the base
+  hf-scale export outputs/qlora/checkpoint-200 merged/ --merge              # the same; QLoRA: a bf16 model
   hf-scale export outputs/run/checkpoint-500 exported/ --push-to-hub me/my-model   # then upload it (HF_TOKEN)
   python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('exported/')"
 """
@@ -75,12 +76,15 @@ def register(subparsers) -> None:
         help="weights' dtype: bf16|bfloat16, fp16|float16, fp32|float32 (either spelling); auto (default) = the "
         "dtype in the checkpoint's config.json (what training loaded)",
     )
-    parser.add_argument(
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument(
         "--lora",
         choices=LORA_MODES,
         help="LoRA checkpoints: adapter (default; adapter_model.safetensors + adapter_config.json) or merged "
-        "(the adapter merged into the base weights: a plain model)",
+        "(the adapter merged into the base weights: a plain model; a QLoRA run's 4-bit base is dequantized)",
     )
+    lora.add_argument("--merge", dest="lora", action="store_const", const="merged",
+                      help="the same as --lora merged")
     parser.add_argument(
         "--max-shard-size",
         default="5GB",
@@ -151,13 +155,15 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     lora_mode = (lora or "adapter") if is_lora else None
 
     with _reading(checkpoint_dir):
+        # QLoRA merged: only the adapter is read from the checkpoint; the 4-bit base is loaded again, dequantized.
         qlora = qlora_export.quantization_of(checkpoint_dir) if lora_mode == "merged" else None
-        source = None if qlora else find_source(found)  # QLoRA: the 4-bit base is read again, dequantized
+        source = qlora_export.adapter_source(found) if qlora else find_source(found)
         torch_dtype = None if qlora and dtype == "auto" else _resolve_dtype(dtype, checkpoint_dir)
         if verify and not verified:  # after the cheap refusals: verifying reads the whole checkpoint (~1 TB at 70B)
             _verified(checkpoint_dir)
-    _log(f"reading {checkpoint_dir} " + (f"({source.description}, {len(source.names)} tensors)" if source else
-                                          "(a QLoRA adapter on a 4-bit base)"))
+    what = "the QLoRA adapter (its 4-bit base loaded again) from " if qlora else ""
+    count = sum("lora_" in n for n in source.names) if qlora else len(source.names)
+    _log(f"reading {what}{checkpoint_dir} ({source.description}, {count} tensors)")
 
     tmp = out_dir.parent / f".tmp-export-{out_dir.name}-{os.getpid()}"
     try:
@@ -165,16 +171,20 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         with _reading(checkpoint_dir):
-            model = qlora_export.merged_model(checkpoint_dir, qlora, torch_dtype) if qlora else _build_model(
-                checkpoint_dir, torch_dtype, is_lora)
-            if source is not None:
-                source = with_adapter_names(source, model) if is_lora else source
-                wanted = [n for n in source.names if "lora_" in n] if lora_mode == "adapter" else source.names
-                _fill(model, source, wanted, torch_dtype, only_adapter=lora_mode == "adapter")
+            if qlora:
+                model = qlora_export.dequantized_with_adapter(checkpoint_dir, qlora)
+            else:
+                model = _build_model(checkpoint_dir, torch_dtype, is_lora)
+            source = with_adapter_names(source, model) if is_lora else source
+            only_adapter = lora_mode == "adapter" or bool(qlora)
+            wanted = [n for n in source.names if "lora_" in n] if only_adapter else source.names
+            # QLoRA: the adapter in fp32, merged into the fp32 dequantized base, and only then cast.
+            _fill(model, source, wanted, qlora_export.merge_dtype() if qlora else torch_dtype,
+                  only_adapter=only_adapter)
             tokenizer = _load_tokenizer(checkpoint_dir)
-        if lora_mode == "merged" and not qlora:
+        if lora_mode == "merged":
             _log("merging the LoRA adapter into the base weights")
-            model = model.merge_and_unload()
+            model = qlora_export.merged(model, qlora, torch_dtype) if qlora else model.merge_and_unload()
         what = "LoRA adapter" if lora_mode == "adapter" else f"model ({str(model.dtype).removeprefix('torch.')})"
         _log(f"writing the {what} to {out_dir} (shards of at most {max_shard_size})")
         with _writing(out_dir):
@@ -376,6 +386,9 @@ def _fill(model, source: Source, names: list[str], torch_dtype, *, only_adapter:
     with tqdm(total=len(names), desc="loading tensors", unit="tensor", file=sys.stderr) as progress:
         for group in _batches(names):
             for name, tensor in source.read(group).items():
+                if tensor.shape != targets[name].shape:  # an empty ZeRO-3 adapter tensor, a foreign checkpoint
+                    raise UserError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model built "
+                                    f"from the checkpoint's config.json {tuple(targets[name].shape)}")
                 cast = torch_dtype if tensor.is_floating_point() else None
                 set_module_tensor_to_device(model, name, "cpu", value=tensor, dtype=cast)
                 progress.update(1)

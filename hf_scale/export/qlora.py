@@ -1,21 +1,37 @@
-"""`hf-scale export --lora merged` of a QLoRA checkpoint (`train.py --load_in_4bit`): the adapter merged into the
-base as the run trained it, written as a plain 16-bit model.
+"""`hf-scale export --lora merged` (`--merge`) of a QLoRA checkpoint (`train.py --load_in_4bit`): the adapter merged
+into the base as the run trained it, written as a plain 16-bit model.
 
 The model that trained is the 4-bit base plus the adapter, so the merge starts from that base: loaded again with
 the checkpoint's own quantization config (bitsandbytes' NF4 quantization is deterministic, so these are the
 weights the run saw), dequantized (transformers' `dequantize`), then the adapter is merged in fp32 and the result
 cast to the output dtype. Merging into the original full-precision weights instead would change every base weight
-by its quantization error. The adapter is the checkpoint's adapter file (peft's own save, checked non-empty).
+by its quantization error.
+
+The adapter is peft's adapter file where the checkpoint has a sound one (the Trainer's), else it is read from
+wherever the checkpoint keeps its weights (`hf_scale.export.sources`, like any export): the manual loop's
+`model.safetensors`, DeepSpeed's ZeRO partitions, FSDP2's DCP shards (:func:`adapter_source`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hf_scale.errors import UserError
+from hf_scale.export.sources import Source, find_source, safetensors_source
+
+if TYPE_CHECKING:
+    from hf_scale.train.checkpoint.layout import Layout
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def merge_dtype():
+    """The dtype the base is dequantized to and the adapter merged in: fp32, so the merge adds no rounding."""
+    import torch
+
+    return torch.float32
 
 
 def quantization_of(checkpoint_dir: Path) -> dict | None:
@@ -27,38 +43,69 @@ def quantization_of(checkpoint_dir: Path) -> dict | None:
     return found if isinstance(found, dict) and found.get("quant_method") == "bitsandbytes" else None
 
 
-def check_adapter(out: Path) -> None:
-    """The classic ZeRO-3 failure is an adapter file without tensors; never write (or merge) one."""
+def adapter_problem(directory: Path) -> str | None:
+    """What is wrong with `directory`'s adapter file (None when it holds tensors, none empty): the classic ZeRO-3
+    failure is an adapter file without tensors."""
     from safetensors import safe_open
 
-    file = out / ADAPTER_WEIGHTS
+    file = directory / ADAPTER_WEIGHTS
     if not file.is_file():
-        raise UserError(f"{out}: no {ADAPTER_WEIGHTS}")
+        return f"{directory}: no {ADAPTER_WEIGHTS}"
     with safe_open(str(file), framework="pt") as handle:
         keys = list(handle.keys())
         empty = [k for k in keys if 0 in handle.get_slice(k).get_shape()]
     if not keys or empty:
-        raise UserError(f"the adapter {file} has {len(keys)} tensors, {len(empty)} of them empty")
+        return f"the adapter {file} has {len(keys)} tensors, {len(empty)} of them empty"
+    return None
 
 
-def merged_model(checkpoint_dir: Path, quantization: dict, torch_dtype):
-    """The dequantized 4-bit base with the checkpoint's adapter merged in, in ``torch_dtype`` (None: the 4-bit
-    compute dtype)."""
-    import torch
-    from peft import PeftConfig, PeftModel
+def check_adapter(out: Path) -> None:
+    """Never write (or merge) an adapter file without tensors."""
+    problem = adapter_problem(out)
+    if problem:
+        raise UserError(problem)
+
+
+def adapter_source(found: Layout) -> Source:
+    """Where the adapter of QLoRA checkpoint `found` is read: peft's adapter file when the checkpoint has a sound one
+    (the Trainer's: a few MB, where DeepSpeed's reader would first concatenate the whole frozen 4-bit base of a ZeRO-3
+    checkpoint), else the checkpoint's own weights (every format export reads: the manual loop's, ZeRO partitions,
+    FSDP2 shards; also what rescues an empty ZeRO-3 adapter file)."""
+    from hf_scale.train.checkpoint import layout
+
+    if adapter_problem(found.path) is None:
+        return safetensors_source(found.path / ADAPTER_WEIGHTS)
+    if found.weights == layout.ADAPTER_ONLY:
+        check_adapter(found.path)  # nothing else to read it from: the one-line refusal
+    return find_source(found)
+
+
+def dequantized_with_adapter(checkpoint_dir: Path, quantization: dict):
+    """The 4-bit base as the run trained it, dequantized to fp32, with the checkpoint's LoRA adapter attached and its
+    weights left on the meta device: the caller puts the saved ones in place (a missing one stays meta, and is
+    named)."""
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    check_adapter(checkpoint_dir)
-    base_path = PeftConfig.from_pretrained(str(checkpoint_dir)).base_model_name_or_path
-    bnb = BitsAndBytesConfig.from_dict(quantization)
+    lora_config = LoraConfig.from_pretrained(str(checkpoint_dir))
+    base_path = lora_config.base_model_name_or_path
     try:
-        base = AutoModelForCausalLM.from_pretrained(base_path, quantization_config=bnb, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(
+            base_path, quantization_config=BitsAndBytesConfig.from_dict(quantization), dtype=merge_dtype())
     except OSError as error:
         raise UserError(f"the QLoRA base {base_path} (adapter_config.json base_model_name_or_path) cannot be "
                         f"loaded: {str(error).splitlines()[0][:200]}") from None
-    base = base.dequantize(dtype=torch.float32)  # the weights the run trained against, in full precision
-    model = PeftModel.from_pretrained(base, str(checkpoint_dir)).merge_and_unload()
-    out_dtype = torch_dtype or bnb.bnb_4bit_compute_dtype
+    base = base.dequantize(dtype=merge_dtype())  # the weights the run trained against, in full precision
+    return get_peft_model(base, lora_config, low_cpu_mem_usage=True)
+
+
+def merged(model, quantization: dict, torch_dtype):
+    """The adapter merged into the dequantized base in fp32, then cast to ``torch_dtype`` (None: the 4-bit compute
+    dtype, bf16 for train.py's runs)."""
+    from transformers import BitsAndBytesConfig
+
+    model = model.merge_and_unload()
+    out_dtype = torch_dtype or BitsAndBytesConfig.from_dict(quantization).bnb_4bit_compute_dtype
     model = model.to(out_dtype)
     model.config.dtype = out_dtype
     model.config.use_cache = True  # train.py turns the KV cache off for training; the export is for inference

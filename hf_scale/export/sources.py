@@ -42,7 +42,7 @@ def find_source(found: Layout) -> Source:
     if found.weights == layout.DEEPSPEED:
         return _deepspeed_source(path, found.deepspeed_tag)
     if found.weights == layout.FULL:
-        return _safetensors_source(path / layout.MODEL_WEIGHTS)
+        return safetensors_source(path / layout.MODEL_WEIGHTS)
     if found.weights == layout.ADAPTER_ONLY:
         raise UserError(
             f"CHECKPOINT_DIR {path}: holds only a LoRA adapter (the Trainer's save without DeepSpeed); it already "
@@ -133,7 +133,7 @@ def _torch_file_source(file: Path) -> Source:
     return Source(f"full FSDP state dict in {file.name}", list(saved), lambda ns: {n: state[saved[n]] for n in ns})
 
 
-def _safetensors_source(file: Path) -> Source:
+def safetensors_source(file: Path) -> Source:
     from safetensors import safe_open
 
     handle = safe_open(str(file), framework="pt")

@@ -132,18 +132,19 @@ def prepare(argv: list[str] | None) -> Run:
     _validate_flags(parsed)
     chat_template, hub_target = _checked_extras(parsed)
     launch = _reconcile_with_launcher(parsed, given)
+    if parsed.load_in_4bit:  # QLoRA: what it cannot be combined with (on any machine), before the process group
+        from hf_scale.train.model import quantization
+
+        problem = (quantization.refusal(load_in_4bit=True, lora_r=parsed.lora_r, fp8_backend=launch.request.fp8_backend)
+                   or quantization.sharding_refusal(launch.request.fsdp_version, quantization.installed_versions()))
+        if problem:
+            raise UserError(problem)
+        quantization.check_installed()
     guard.refuse_before_prepare(launch.request, has_gpu=distributed.has_gpu())  # before accelerate can fail
     if launch.request.fp8_backend is not None:  # before the process group and the model: one line, exit 2
         from hf_scale.train.model import fp8
 
         fp8.check_can_run(launch.request.fp8_backend)
-    if parsed.load_in_4bit:  # QLoRA: what it cannot be combined with, before the process group and the model
-        from hf_scale.train.model import quantization
-
-        problem = quantization.refusal(load_in_4bit=True, lora_r=parsed.lora_r, fp8_backend=launch.request.fp8_backend)
-        if problem:
-            raise UserError(problem)
-        quantization.check_installed()
     ns = launch.flags  # the parsed flags with what the launcher's config (and --hf_scale_config) filled
     if hub_target is not None:  # first whether there will be a model to push, then the token
         final_checkpoint.refuse_push(launch.deepspeed_config, hub_target.repo_id, ns.output_dir)

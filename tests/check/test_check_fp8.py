@@ -1,4 +1,5 @@
-"""`hf-scale check`, FP8 (hf_scale.check.fp8): where fp8 is asked for but will be slower than bf16."""
+"""`hf-scale check`, FP8 (hf_scale.check.fp8): fp8 combinations accelerate refuses at start (the config's own rule,
+applied to hand-written YAMLs), and where fp8 is asked for but will be slower than bf16."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from check_cases import (
     DDP_YAML,
     DS_JSON,
     DS_YAML,
+    FSDP_YAML,
     assert_every_fix_names_where_the_value_is,
     assert_reports_its_problem,
     check_json,
@@ -19,14 +21,25 @@ from check_cases import (
 pytest.importorskip("torchao")  # which layers are large enough is torchao's own filter
 
 FP8_YAML = merged(DDP_YAML, {"mixed_precision": "fp8", "fp8_config": {"backend": "AO"}})
-FP8_FSDP_OFFLOAD_YAML = merged(FP8_YAML, {"distributed_type": "FSDP",
-                                          "fsdp_config": {"fsdp_version": 2, "fsdp_offload_params": True}})
+FP8_FSDP_OFFLOAD_YAML = merged(FP8_YAML, {"distributed_type": "FSDP", "fsdp_config": {
+    "fsdp_version": 2, "fsdp_offload_params": True, "fsdp_cpu_ram_efficient_loading": False}})
+FP8_FSDP_RAM_LOADING_YAML = merged(FSDP_YAML, {"mixed_precision": "fp8", "fp8_config": {"backend": "AO"}})
+FP8_FSDP_UNWRITTEN_RAM_LOADING_YAML = merged(FP8_FSDP_RAM_LOADING_YAML,
+                                             {"fsdp_config": {"fsdp_cpu_ram_efficient_loading": None}})
+MSAMP_YAML = merged(FP8_YAML, {"fp8_config": {"backend": "MSAMP"}})
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
 TRIGGERS = {
     "fp8-without-compile": (FP8_YAML, None, ["--bf16"], None, [], "fp8-no-compile", "warning"),
     "fp8-with-fsdp-offload": (FP8_FSDP_OFFLOAD_YAML, None, [], None, [], "fp8-offload", "warning"),
     "fp8-on-a-small-model": (FP8_YAML, None, ["--torch_compile"], None, [], "fp8-small-layers", "warning"),
+    "torchao-fsdp-ram-efficient-loading": (FP8_FSDP_RAM_LOADING_YAML, None, [], None, [], "fp8-refused", "error"),
+    "torchao-fsdp-ram-efficient-loading-unwritten": (FP8_FSDP_UNWRITTEN_RAM_LOADING_YAML, None, [], None, [],
+                                                     "fp8-refused", "error"),
+    "msamp-fsdp": (merged(MSAMP_YAML, {"distributed_type": "FSDP", "fsdp_config": FSDP_YAML["fsdp_config"]}), None,
+                   [], None, [], "fp8-refused", "error"),
+    "msamp-deepspeed": (merged(DS_YAML, {"mixed_precision": "fp8", "fp8_config": {"backend": "MSAMP"}}), DS_JSON,
+                        [], None, [], "fp8-refused", "error"),
 }
 
 
@@ -78,3 +91,33 @@ def test_fp8_from_the_hf_scale_config_with_offload_warns(tmp_path, monkeypatch, 
 def test_bf16_is_not_looked_at(tmp_path, monkeypatch, capsys):
     _, payload = check_json(tmp_path, monkeypatch, capsys, DDP_YAML, train=["--bf16"])
     assert not [c for c in codes(payload) if c.startswith("fp8")]
+
+
+@pytest.mark.parametrize(("yaml_cfg", "refused"), [
+    (FP8_FSDP_RAM_LOADING_YAML, True),
+    (merged(FP8_FSDP_RAM_LOADING_YAML, {"fsdp_config": {"fsdp_cpu_ram_efficient_loading": False}}), False),
+    (merged(FP8_FSDP_RAM_LOADING_YAML, {"fp8_config": {"backend": "TE"}}), False),
+    (merged(MSAMP_YAML, {"distributed_type": "FSDP", "fsdp_config": FSDP_YAML["fsdp_config"]}), True),
+    (MSAMP_YAML, False),  # MS-AMP on DDP: accelerate runs it
+    (FP8_YAML, False),
+], ids=["ao-fsdp-ram", "ao-fsdp-no-ram", "te-fsdp-ram", "msamp-fsdp", "msamp-ddp", "ao-ddp"])
+def test_a_yaml_is_refused_exactly_where_the_config_is(yaml_cfg, refused, tmp_path, monkeypatch, capsys):
+    """The check and `hf-scale generate` ask the one rule (precision_rules.fp8_refusal): the same combination
+    written as a DistributedConfig is refused exactly when the YAML is; the YAML's refusal is an error (exit 1)."""
+    from hf_scale.config import validate_config
+    from hf_scale.errors import UserError
+
+    code, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, train=["--bf16", "--torch_compile"])
+    assert ("fp8-refused" in codes(payload)) == refused and (code == 1) == refused, codes(payload)
+    strategy = {"FSDP": "fsdp", "MULTI_GPU": "ddp"}[yaml_cfg["distributed_type"]]
+    fsdp = yaml_cfg.get("fsdp_config", {})
+    data = {"precision": "fp8", "strategy": strategy, "topology": {"processes_per_machine": 2},
+            "fp8": {"backend": {"AO": "torchao", "TE": "te", "MSAMP": "msamp"}[yaml_cfg["fp8_config"]["backend"]]}}
+    if strategy == "fsdp":
+        data["fsdp"] = {"cpu_ram_efficient_loading": fsdp.get("fsdp_cpu_ram_efficient_loading", True)}
+    try:
+        validate_config(data)
+    except UserError:
+        assert refused
+    else:
+        assert not refused

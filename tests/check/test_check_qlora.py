@@ -1,5 +1,5 @@
 """`hf-scale check`, QLoRA (hf_scale.check.qlora): --load_in_4bit in the training args with what train.py refuses
-(no LoRA rank, fp8); DDP, ZeRO-3 and FSDP, which it runs, are clean."""
+(no LoRA rank, fp8, FSDP version 1); DDP, ZeRO-3 and FSDP2, which it runs, are clean."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ QLORA = ["--load_in_4bit", "--lora_r", "16", "--bf16"]
 TRIGGERS = {
     "4bit-without-lora": (DDP_YAML, None, ["--load_in_4bit", "--bf16"], None, [], "qlora-no-lora", "error"),
     "4bit-with-fp8": (FP8_YAML, None, [*QLORA, "--torch_compile"], None, [], "qlora-fp8", "error"),
+    "4bit-with-fsdp1": (merged(FSDP_YAML, {"fsdp_config": {"fsdp_version": 1}}), None, QLORA, None, [],
+                        "qlora-fsdp1", "error"),
+    "4bit-with-fsdp-version-unwritten": (merged(FSDP_YAML, {"fsdp_config": {"fsdp_version": None}}), None, QLORA, None,
+                                         [], "qlora-fsdp1", "error"),
 }
 
 

@@ -35,7 +35,7 @@ from hf_scale.train.loops.manual_checkpoints import CheckpointSaver
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.loops.optimizer import optimizer_and_scheduler
 from hf_scale.train.model import fsdp, parallel, sequence_parallel
-from hf_scale.train.model.fp8 import fp8_handlers
+from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.model.liger import apply_liger
 from hf_scale.train.setup import guard
 from hf_scale.train.setup.distributed import has_gpu
@@ -141,10 +141,10 @@ def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard
     fsdp_plugin = None
     if spec.fsdp_settings is not None and not shard_ourselves:
         fsdp_plugin = fsdp.accelerate_plugin(model, spec.fsdp_settings)
-    return Accelerator(
+    return Accelerator(**with_fp8(dict(
         deepspeed_plugin=ds_plugin,
         fsdp_plugin=fsdp_plugin,
-        mixed_precision="fp8" if spec.fp8_backend else spec.precision,
+        mixed_precision=spec.precision,
         # This loop does the accumulation (like the Trainer), so accelerate must not divide the loss again.
         gradient_accumulation_steps=spec.gradient_accumulation_steps if ds_plugin else 1,
         # Every rank shuffles with the same seed (the Trainer's choice too: --data_seed, else --seed).
@@ -155,10 +155,10 @@ def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard
         log_with=[r for r in args.report_to if r != "none"] or None,
         project_dir=args.output_dir,
         dynamo_plugin=_dynamo_plugin(args),
-        kwargs_handlers=ddp_kwargs_handlers(args) + fp8_handlers(spec),
+        kwargs_handlers=ddp_kwargs_handlers(args),
         # sp > 1: accelerate wires DeepSpeed's Ulysses attention and data adapter in prepare (sequence_parallel.py).
         parallelism_config=sequence_parallel.accelerate_config(spec.layout),
-    )
+    ), spec))
 
 
 def ddp_kwargs_handlers(args: TrainingArguments) -> list:

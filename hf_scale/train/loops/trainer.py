@@ -25,7 +25,7 @@ from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.model import fsdp, parallel, sequence_parallel
-from hf_scale.train.model.fp8 import fp8_handlers
+from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.setup import guard
 from hf_scale.train.setup.distributed import has_gpu
 from hf_scale.train.setup.run_spec import RunSpec
@@ -56,10 +56,7 @@ class HfScaleTrainer(Trainer):
 
     def _build_accelerator_args(self, **kwargs):
         # FP8: accelerate's fp8 mode with hf_scale's recipe (train/model/fp8.py); TrainingArguments knows only bf16.
-        args = super()._build_accelerator_args(**kwargs)
-        if self.spec.fp8_backend:
-            args["mixed_precision"] = "fp8"
-            args["kwargs_handlers"] = [*args.get("kwargs_handlers", []), *fp8_handlers(self.spec)]
+        args = with_fp8(super()._build_accelerator_args(**kwargs), self.spec)
         if self.spec.layout.sp > 1:
             # DeepSpeed Ulysses: accelerate wires the attention and the data adapter (model/sequence_parallel.py).
             args["parallelism_config"] = sequence_parallel.accelerate_config(self.spec.layout)

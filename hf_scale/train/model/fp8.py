@@ -1,5 +1,5 @@
 """FP8 training: whether this machine can run it, which linear layers run their matmuls in fp8, and the recipe
-accelerate applies (both loops hand :func:`recipe_handler` to their Accelerator).
+accelerate applies (both loops build their Accelerator through :func:`with_fp8`).
 
 Which modules are converted is decided here and nowhere else: torchao's own auto filter for its default
 (tensorwise) recipe, which keeps layers whose dimensions are not multiples of 16 (an fp8 GEMM requirement) or
@@ -16,30 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hf_scale.errors import UserError
-from hf_scale.rules import FP8_BACKEND_MODULES, FP8_BACKENDS, FP8_MIN_COMPUTE_CAPABILITY
+from hf_scale.precision_rules import fp8_machine_refusal
+from hf_scale.rules import FP8_BACKEND_MODULES
 
 KEEP_IN_BF16 = ("lm_head",)
 """Kept in bf16 whatever their size: the output head's logits are where fp8's rounding costs the loss most."""
 TORCHAO_RECIPE = "tensorwise"
 """torchao's Float8LinearConfig() default scaling (dynamic, per tensor): what accelerate's AORecipeKwargs builds."""
-BACKEND_OF_ACCELERATE = {value: name for name, value in FP8_BACKENDS.items()}
-"""accelerate's ACCELERATE_FP8_BACKEND value -> the config's fp8.backend."""
-
-
-def refusal(backend: str, *, capability: tuple[int, int] | None, importable: bool) -> str | None:
-    """Why FP8 with ``backend`` cannot run here (None when it can). ``capability``: the GPU's compute capability,
-    None without a GPU."""
-    need = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
-    if capability is None:
-        return (f"precision=fp8 needs a GPU of compute capability >= {need} (Ada, Hopper or later); this machine has "
-                "none: use precision=bf16")
-    if tuple(capability) < FP8_MIN_COMPUTE_CAPABILITY:
-        return (f"precision=fp8 needs a GPU of compute capability >= {need} (Ada, Hopper or later); this GPU has "
-                f"{capability[0]}.{capability[1]}: use precision=bf16")
-    if not importable:
-        return (f"fp8.backend={backend}: the module {FP8_BACKEND_MODULES[backend]} is not importable; install it "
-                "(torchao: pip install hf-scale[fp8]) or choose another fp8.backend")
-    return None
 
 
 def gpu_capability() -> tuple[int, int] | None:
@@ -54,18 +37,38 @@ def backend_importable(backend: str) -> bool:
 
 def check_can_run(backend: str) -> None:
     """A one-line UserError (exit 2) when this machine cannot train in FP8: called before the model loads."""
-    problem = refusal(backend, capability=gpu_capability(), importable=backend_importable(backend))
+    problem = fp8_machine_refusal(backend, capability=gpu_capability(), importable=backend_importable(backend))
     if problem:
         raise UserError(problem)
+
+
+def weight_shape(module) -> tuple[int, ...]:
+    """The linear layer's (out_features, in_features): under DeepSpeed's zero.Init (ZeRO-3, which accelerate hands
+    to torchao before DeepSpeed wraps the model) the weight is partitioned to shape (0,) and its real shape is
+    DeepSpeed's `ds_shape`."""
+    weight = module.weight
+    return tuple(getattr(weight, "ds_shape", None) or weight.shape)
 
 
 def module_filter(backend: str = "torchao") -> Callable:
     """torchao's `module_filter_fn(module, fqn) -> bool`: True converts the linear layer to fp8."""
     if backend != "torchao":
         raise ValueError(f"only torchao takes a module filter, not {backend}")
+    import torch
     from torchao.float8 import _auto_filter_for_recipe
 
-    return _auto_filter_for_recipe(TORCHAO_RECIPE, filter_fqns=list(KEEP_IN_BF16))
+    decide = _auto_filter_for_recipe(TORCHAO_RECIPE, filter_fqns=list(KEEP_IN_BF16))
+
+    def keep_in_fp8(module, fqn: str) -> bool:
+        # torchao's filter unpacks `module.weight.shape`; a ZeRO-3-partitioned layer is asked about through a
+        # weightless stand-in of its real shape (on the meta device), so the decision stays torchao's own.
+        if isinstance(module, torch.nn.Linear) and module.weight.dim() != 2:
+            out_features, in_features = weight_shape(module)
+            with torch.device("meta"):
+                module = torch.nn.Linear(in_features, out_features, bias=False)
+        return decide(module, fqn)
+
+    return keep_in_fp8
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Plan:
 
 
 def _why_kept(name: str, module) -> str:
-    out_features, in_features = module.weight.shape
+    out_features, in_features = weight_shape(module)
     if any(keep in name for keep in KEEP_IN_BF16):
         return "output head"
     if in_features % 16 or out_features % 16:
@@ -96,7 +99,7 @@ def plan(model, backend: str) -> Plan:
     else:
         # accelerate.utils.transformer_engine.convert_model swaps every nn.Linear whose dimensions are multiples
         # of 16 (the head included); MS-AMP casts every linear weight.
-        converts = {name: backend == "msamp" or not any(d % 16 for d in m.weight.shape) for name, m in linears}
+        converts = {name: backend == "msamp" or not any(d % 16 for d in weight_shape(m)) for name, m in linears}
     by_name = dict(linears)
     return Plan(backend=backend, converted=[n for n, c in converts.items() if c],
                 kept={n: _why_kept(n, by_name[n]) for n, c in converts.items() if not c})
@@ -114,9 +117,14 @@ def describe(fp8_plan: Plan) -> str:
     return line + (f"; kept in bf16: {kept}" if kept else "")
 
 
-def fp8_handlers(spec) -> list:
-    """The Accelerator's kwargs handlers for the run's FP8 recipe: none without fp8."""
-    return [recipe_handler(spec.fp8_backend)] if spec.fp8_backend else []
+def with_fp8(accelerator_kwargs: dict, spec) -> dict:
+    """The Accelerator's keyword arguments with the run's FP8 (unchanged without it): accelerate's fp8 mode and
+    hf_scale's recipe added to the kwargs handlers. Both loops build their Accelerator through it (the manual loop's
+    `Accelerator(...)`, the Trainer's `_build_accelerator_args`): TrainingArguments knows only bf16."""
+    if not spec.fp8_backend:
+        return dict(accelerator_kwargs)
+    handlers = [*(accelerator_kwargs.get("kwargs_handlers") or []), recipe_handler(spec.fp8_backend)]
+    return {**accelerator_kwargs, "mixed_precision": "fp8", "kwargs_handlers": handlers}
 
 
 def recipe_handler(backend: str):

@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from hf_scale import parallelism
+from hf_scale import parallelism, rules
 from hf_scale.errors import UserError
 from hf_scale.inputs import not_a_regular_file
 from hf_scale.train.setup.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
@@ -64,6 +64,17 @@ class LaunchRequest:
     fp8_backend: str | None = None
     """FP8 training's backend (torchao | te | msamp: the config's fp8.backend) when the YAML's mixed_precision or
     the --hf_scale_config asks for fp8; None otherwise."""
+    accelerate_fsdp_version: int | None = None
+    """`accelerate launch`'s FSDP_VERSION for a YAML with distributed_type FSDP (its fsdp_version, default 1)."""
+
+    @property
+    def fsdp_version(self) -> int | None:
+        """The FSDP this run shards with: 2 when hf_scale shards (fsdp_settings: torch's fully_shard on CPU,
+        accelerate's FSDP2 plugin on GPUs, hf_scale.train.model.fsdp), else accelerate's plugin for the YAML's FSDP;
+        None without FSDP."""
+        if self.strategy != "fsdp":
+            return None
+        return 2 if self.fsdp_settings is not None else self.accelerate_fsdp_version or 1
 
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:
@@ -166,6 +177,7 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         deepspeed_inline=inline,
         fp8_backend=_fp8_backend_from_env() if by_accelerate else None,
         layout=launched_layout,
+        accelerate_fsdp_version=int(os.environ.get("FSDP_VERSION") or 1) if strategy == "fsdp" else None,
     )
 
 
@@ -174,9 +186,7 @@ def _fp8_backend_from_env() -> str | None:
     one accelerate picks torchao first, as here."""
     if os.environ.get("ACCELERATE_MIXED_PRECISION") != "fp8":
         return None
-    from hf_scale.train.model.fp8 import BACKEND_OF_ACCELERATE
-
-    return BACKEND_OF_ACCELERATE.get(os.environ.get("ACCELERATE_FP8_BACKEND", "").upper(), "torchao")
+    return rules.fp8_backend_of_accelerate(os.environ.get("ACCELERATE_FP8_BACKEND"))
 
 
 def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backend: str | None):

@@ -1,6 +1,7 @@
 """QLoRA (`train.py --load_in_4bit`) on CPU with bitsandbytes' own NF4 layers: the refusals, the quantization
 config transformers receives, a real one-process run (4-bit base, non-empty adapter), 2-process DDP, ZeRO-3 and
-FSDP2 runs (real torchrun, gloo) that equal it, and `hf-scale export --lora merged` of its checkpoint.
+FSDP2 runs (real torchrun, gloo) that equal it, and `hf-scale export --lora merged` (`--merge`) of the checkpoints
+of each loop and engine (the adapter read from wherever the checkpoint keeps its weights).
 
 Tolerance of the 2-process comparisons: the 4-bit base is the same on every process (NF4 quantization of the same
 weights is deterministic) and the LoRA math is the same; what differs is bf16 compute (the 4-bit layers' compute
@@ -36,6 +37,45 @@ def test_refusals_name_the_combination():
     no_lora = quantization.refusal(load_in_4bit=True, lora_r=0, fp8_backend=None)
     assert "--lora_r=0" in no_lora and "cannot be fully fine-tuned" in no_lora
     assert "fp8" in quantization.refusal(load_in_4bit=True, lora_r=8, fp8_backend="torchao")
+
+
+NEW = {"accelerate": "1.15.0", "peft": "0.21.2"}
+
+
+@pytest.mark.parametrize(("fsdp_version", "installed", "expected"), [
+    (None, {}, None),  # DDP, ZeRO-3, one process: no FSDP
+    (2, NEW, None),
+    (2, {"accelerate": "1.14.0", "peft": "0.19.0"}, None),
+    (2, {**NEW, "accelerate": "1.13.2"}, "needs accelerate >= 1.14 (installed: 1.13.2)"),
+    (2, {**NEW, "peft": "0.18.1"}, "needs peft >= 0.19 (installed: 0.18.1)"),
+    (2, {"accelerate": "1.6.0"}, "needs accelerate >= 1.14 (installed: 1.6.0) and peft >= 0.19 (installed: none)"),
+    (1, NEW, "--load_in_4bit with FSDP version 1"),
+], ids=["no-fsdp", "fsdp2", "fsdp2-first-releases", "fsdp2-old-accelerate", "fsdp2-old-peft", "fsdp2-both-old",
+        "fsdp1"])
+def test_sharding_refusal_names_fsdp1_and_the_versions_fsdp2_needs(fsdp_version, installed, expected):
+    problem = quantization.sharding_refusal(fsdp_version, installed)
+    assert problem is None if expected is None else expected in problem and "\n" not in problem
+    if expected and fsdp_version == 2:
+        assert "pip install -U 'accelerate>=1.14' 'peft>=0.19'" in problem
+
+
+def test_fsdp1_is_refused_by_train_py_before_anything_loads(tmp_path):
+    """`accelerate launch` (its own code, one process) with an FSDP YAML that leaves fsdp_version out: accelerate's
+    FSDP1. train.py refuses --load_in_4bit in one line, exit 2, on any machine (before the no-GPU FSDP refusal)."""
+    import yaml
+    from train_helpers import launcher_command, run, training_traceback_frames
+
+    launch = tmp_path / "fsdp.yaml"
+    launch.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+                                      "mixed_precision": "bf16", "num_machines": 1, "num_processes": 1,
+                                      "use_cpu": False, "fsdp_config": {"fsdp_state_dict_type": "FULL_STATE_DICT"}}))
+    out = tmp_path / "out"
+    result = run([*launcher_command("accelerate", config=launch), "--load_in_4bit", "--lora_r", "4",
+                  "--output_dir", str(out), "--max_steps", "1"], timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert errors == [f"train.py: error: {quantization.sharding_refusal(1, {})}"], result.stderr[-3000:]
+    assert "(exitcode: 2)" in result.stderr and not training_traceback_frames(result.stderr)  # accelerate's torchrun
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(("sharded_precision", "storage"), [
@@ -121,29 +161,109 @@ def test_fsdp2_manual_loop_equals_one_process(one_process, tmp_path):
     adapter = load_file(out / "adapter_model.safetensors")
     assert adapter.keys() == load_file(one_process / "adapter_model.safetensors").keys()
     assert all(t.numel() > 0 for t in adapter.values())
+    # The checkpoint's adapter is only in the DCP shards (half per rank): `--merge` reads it there.
+    _export_merged(out / f"checkpoint-{STEPS}", tmp_path / "merged", flag=["--merge"])
+    _assert_merged_is_the_trained_model(tmp_path / "merged", out)
 
 
-def test_export_merged_matches_the_4bit_base_with_its_adapter(one_process, tmp_path):
-    """The merged bf16 model computes what the trained model (4-bit base + adapter) computes: within 0.02 on logits
-    of magnitude ~1 (each merged weight rounded once to bf16, 2**-9 relative), while the same adapter merged into
-    the unquantized base would be off by the quantization error (~0.1 here): so the merge used the 4-bit base."""
+def _zero3_json(tmp_path):
+    """The zero3 preset's DeepSpeed JSON for one process (as `hf-scale generate` writes it)."""
+    from hf_scale.config import validate_config
+    from hf_scale.generators.deepspeed_json import deepspeed_config
+
+    cfg = validate_config({"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}, "precision": "bf16",
+                           "batch": {"micro_batch_size": 8, "gradient_accumulation_steps": 1}})
+    path = tmp_path / "z3.json"
+    path.write_text(json.dumps(deepspeed_config(cfg, "auto")))
+    return path
+
+
+@pytest.fixture(scope="module")
+def manual_loop(tmp_path_factory):
+    """The manual loop's checkpoint: accelerate's save_state (model.safetensors: the 4-bit base and the adapter),
+    no adapter_model.safetensors."""
+    out = tmp_path_factory.mktemp("qlora") / "manual"
+    assert run_in_process([*COMMON, "--per_device_train_batch_size", "8", "--loop", "accelerate",
+                           "--output_dir", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero3_manual_loop(tmp_path_factory):
+    """ZeRO-3 (one process): the adapter is only in DeepSpeed's partitions."""
+    tmp = tmp_path_factory.mktemp("qlora")
+    out = tmp / "zero3"
+    assert run_in_process([*COMMON, "--per_device_train_batch_size", "8", "--loop", "accelerate",
+                           "--deepspeed", str(_zero3_json(tmp)), "--output_dir", str(out)]) == 0
+    return out
+
+
+def _export_merged(checkpoint, out, *, flag=("--lora", "merged")) -> None:
+    from hf_scale import cli
+
+    try:
+        code = cli.main(["export", str(checkpoint), str(out), *flag])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 0
+
+
+def _assert_merged_is_the_trained_model(merged_dir, run_dir):
+    """The merged bf16 model computes what the trained model (the 4-bit base + the run's final adapter) computes:
+    within 0.02 on logits of magnitude ~1 (each merged weight rounded once to bf16, 2**-9 relative), while the same
+    adapter merged into the unquantized base would be off by the quantization error (~0.1 here): so the merge used
+    the 4-bit base, and the adapter the run trained."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hf_scale.export import export
-
-    merged_dir = export(one_process / f"checkpoint-{STEPS}", tmp_path / "merged", lora="merged")
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     assert merged.dtype == torch.bfloat16 and "quantization_config" not in json.loads(
         (merged_dir / "config.json").read_text())
-    base = AutoModelForCausalLM.from_pretrained(
-        EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config())
-    trained = PeftModel.from_pretrained(base, str(one_process))
-    unquantized = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR),
-                                            str(one_process))
+    base = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR, quantization_config=quantization.bnb_config())
+    trained = PeftModel.from_pretrained(base, str(run_dir))
+    unquantized = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), str(run_dir))
     with torch.no_grad():
         want = trained(input_ids=PROBE_IDS).logits.float()
         got = merged(input_ids=PROBE_IDS).logits.float()
         off = unquantized(input_ids=PROBE_IDS).logits.float()
     torch.testing.assert_close(got, want, rtol=0, atol=0.02)
     assert (off - want).abs().max() > 5 * (got - want).abs().max()
+
+
+def test_export_merged_matches_the_4bit_base_with_its_adapter(one_process, tmp_path):
+    """The Trainer's checkpoint without DeepSpeed holds peft's adapter file only: the adapter is read from it."""
+    _export_merged(one_process / f"checkpoint-{STEPS}", tmp_path / "merged")
+    _assert_merged_is_the_trained_model(tmp_path / "merged", one_process)
+
+
+@pytest.mark.parametrize("run", ["manual_loop", "zero3_manual_loop"])
+def test_export_merge_reads_the_adapter_from_the_checkpoints_own_weights(run, request, tmp_path):
+    """The manual loop saves the adapter inside accelerate's model.safetensors (with the 4-bit base), ZeRO-3 in its
+    partitions: `--merge` reads it there (hf_scale.export.sources) and gives the trained model."""
+    from hf_scale.train.checkpoint import layout
+
+    run_dir = request.getfixturevalue(run)
+    checkpoint = run_dir / f"checkpoint-{STEPS}"
+    assert not (checkpoint / layout.ADAPTER_WEIGHTS).exists()
+    assert layout.detect_layout(checkpoint).weights == {"manual_loop": layout.FULL,
+                                                        "zero3_manual_loop": layout.DEEPSPEED}[run]
+    _export_merged(checkpoint, tmp_path / "merged", flag=["--merge"])
+    _assert_merged_is_the_trained_model(tmp_path / "merged", run_dir)
+
+
+def test_an_empty_adapter_file_is_rescued_from_the_zero3_partitions(zero3_manual_loop, tmp_path):
+    """ZeRO-3's classic failure, an adapter file whose tensors are empty, beside the partitions that hold the trained
+    adapter: `--merge` reads the partitions and gives the trained model (the manifest does not list the planted
+    file, hence verify=False)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hf_scale.export import export
+
+    checkpoint = tmp_path / f"checkpoint-{STEPS}"
+    shutil.copytree(zero3_manual_loop / f"checkpoint-{STEPS}", checkpoint)
+    save_file({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.empty(0)},
+              checkpoint / "adapter_model.safetensors")
+    export(checkpoint, tmp_path / "merged", lora="merged", verify=False)
+    _assert_merged_is_the_trained_model(tmp_path / "merged", zero3_manual_loop)

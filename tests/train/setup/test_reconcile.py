@@ -1,6 +1,7 @@
 """`--hf_scale_config` (hf_scale.train.setup.reconcile): every DistributedConfig field the launch scripts deliver
 through it fills the train.py flag left unset, is accepted when the flag says the same, and is refused in
-one line naming the field, both values, when the flag says otherwise. In process, on train.py's own parser.
+one line naming the field, both values, when the flag says otherwise. In process, on train.py's own parser (the fp8
+backend against the accelerate YAML: through `accelerate launch`).
 """
 
 from __future__ import annotations
@@ -293,3 +294,25 @@ def test_train_py_prepare_builds_the_run_flags_as_a_new_namespace(tmp_path, monk
     assert vars(parsed) == before
     assert launch.flags is not parsed and launch.flags.warmup_steps == 0.1 and launch.flags.learning_rate == 3e-4
     assert (launch.flags.per_device_train_batch_size, launch.flags.gradient_accumulation_steps) == (1, 3)
+
+
+def test_an_fp8_backend_other_than_the_accelerate_yamls_is_refused_by_train_py(tmp_path):
+    """`accelerate launch` (its own code, one process) exports the YAML's fp8_config backend; train.py refuses a
+    --hf_scale_config that asks for another one in one line, exit 2, before the process group, the output directory
+    or the model (and before the no-fp8-GPU refusal that would follow on this machine)."""
+    from train_helpers import launcher_command, run, training_traceback_frames
+
+    launch = tmp_path / "te.yaml"
+    launch.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO",
+                                      "mixed_precision": "fp8", "fp8_config": {"backend": "TE"}, "num_machines": 1,
+                                      "num_processes": 1, "use_cpu": False}))
+    config = tmp_path / "ao.yaml"
+    config.write_text("precision: fp8\nfp8: {backend: torchao}\n")
+    out = tmp_path / "out"
+    result = run([*launcher_command("accelerate", config=launch), "--hf_scale_config", str(config),
+                  "--output_dir", str(out), "--max_steps", "1"], timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert errors == [f"train.py: error: --hf_scale_config={config}: fp8.backend=torchao but the accelerate "
+                      "config's fp8_config asks for te"], result.stderr[-3000:]
+    assert "exit status 2" in result.stderr and not training_traceback_frames(result.stderr)
+    assert not out.exists()
