@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.parallelism import Layout
 from hf_scale.train.data.batches import count_target_tokens, make_collator
+from hf_scale.train.data.packing import model_inputs
 from hf_scale.train.model import context_parallel
 
 LENGTHS = (13, 7, 21, 9, 16, 11, 5, 18)  # unequal rows: padding to a multiple of 2 x cp, prompts masked
@@ -86,6 +87,14 @@ def main(model_dir: str, output: str) -> None:
         dist.all_reduce(parameter.grad)
         parameter.grad /= world
     cp_grads = [parameter.grad.clone() for parameter in model.parameters()]
+    # The ring kernel itself, on a fresh copy of a batch: on CPU torch stops here (what train.py's refusal names).
+    try:
+        batch = {key: value.clone() for key, value in wholes[0].items()}
+        with context_parallel.sharded(accelerator, batch, layout):
+            model(**model_inputs(batch), num_items_in_batch=global_targets)
+        ring_error = None
+    except Exception as error:  # noqa: BLE001 - the failure is the result on CPU
+        ring_error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
     step_loss = accelerator.reduce(torch.stack(losses).sum(), reduction="sum") / layout.whole_batch_copies
 
     # One process: every data-parallel rank's whole batches, one token-loss sum over the global target count.
@@ -108,7 +117,7 @@ def main(model_dir: str, output: str) -> None:
                        "global_targets": int(global_targets), "one_process_targets":
                            sum(count_target_tokens({"labels": torch.tensor(b["labels"])}) for b in unique.values()),
                        "step_loss": float(step_loss), "one_process_loss": float(total),
-                       "max_relative_grad_error": max(errors)}, f)
+                       "max_relative_grad_error": max(errors), "ring_attention_error": ring_error}, f)
     dist.barrier()
     dist.destroy_process_group()
 

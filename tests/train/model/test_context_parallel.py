@@ -144,3 +144,8 @@ def test_accelerate_shards_each_cp_groups_batch_and_the_loss_rule_gives_one_proc
     assert seen["global_targets"] == seen["one_process_targets"]
     assert seen["step_loss"] == pytest.approx(seen["one_process_loss"], rel=1e-6)
     assert seen["max_relative_grad_error"] < 1e-5
+    # The ring attention itself on CPU: torch's error is the reason train.py refuses cp without a GPU. When torch
+    # learns to shard the CPU kernel this fails, and the refusal should go.
+    kernel = "aten._scaled_dot_product_flash_attention_for_cpu"
+    assert kernel in seen["ring_attention_error"] and "sharding strategy" in seen["ring_attention_error"]
+    assert kernel in train_refusal(CP2, "x", gpu_present=False)
