@@ -30,13 +30,17 @@ CP_ATTENTION = ("sdpa",)
 flash_attention_2 bypass it and would attend only to the local chunk."""
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
 
-# What each kind needs (accelerate/utils/constants.py: BETA_TP/BETA_CP_AVAILABLE_PYTORCH_VERSION; ParallelismConfig
-# appeared in accelerate 1.10, its DeepSpeed sp backend in 1.12; transformers' tp_plan="auto" with a device_mesh
-# argument in 4.54).
+# What each kind needs. torch: accelerate/utils/constants.py (BETA_TP/BETA_CP_AVAILABLE_PYTORCH_VERSION).
+# accelerate: ParallelismConfig (tp, cp, maybe_context_parallel) appeared in 1.10, its DeepSpeed sp backend in 1.12.
+# deepspeed: accelerate's BETA_SP_AVAILABLE_DEEPSPEED_VERSION. transformers for tp: train.py builds the model with
+# `from_pretrained(distributed_config=DistributedConfig(tp_size, fsdp_size, dp_replicate_size))` and clips with
+# `Trainer._mixed_mesh_grad_norm`; transformers 4.x's DistributedConfig has only `enable_expert_parallel`, the sizes
+# arrived during 5.x (huggingface/transformers#44996, then dp_replicate_size), so the floor is the release this path
+# is proven with (tests/train/model/test_parallel.py), not an older one it might run on.
 NEEDS: dict[str, dict[str, str]] = {
-    "tp": {"torch": "2.3.0", "accelerate": "1.10.0", "transformers": "4.54.0"},
+    "tp": {"torch": "2.3.0", "accelerate": "1.10.0", "transformers": "5.24.0"},
     "cp": {"torch": "2.6.0", "accelerate": "1.10.0"},
-    "sp": {"accelerate": "1.12.0", "deepspeed": "0.18.0", "transformers": "4.54.0"},
+    "sp": {"accelerate": "1.12.0", "deepspeed": "0.18.2", "transformers": "4.54.0"},
     "hsdp": {"torch": "2.6.0", "accelerate": "1.10.0"},
 }
 
@@ -98,6 +102,13 @@ class Layout:
         """Ranks of one group that hold the same rows whole (TP's): a count summed over all ranks is divided by
         this. CP and SP ranks hold disjoint pieces of the sequences, whose sum is the whole once."""
         return self.tp
+
+    @property
+    def loader_copies(self) -> int:
+        """Ranks of one group that get the same loader batch whole (TP's, and CP's: context parallelism shards it
+        only inside the forward): a count taken from the loader's batches, summed over all ranks, is divided by this.
+        SP's adapter shards the batches before the loop sees them."""
+        return self.tp * self.cp
 
     @property
     def active(self) -> bool:
@@ -247,9 +258,17 @@ def config_layout(cfg: Any) -> Layout:
 
 
 def _config_problems(cfg: Any) -> tuple[list[str], list[str]]:
-    return layout_problems(config_layout(cfg), strategy=cfg.strategy, fsdp_version=cfg.fsdp.version,
-                           processes_per_machine=cfg.topology.processes_per_machine,
-                           tp_across_machines=cfg.parallelism.tp_across_machines)
+    layout = config_layout(cfg)
+    errors, warnings = layout_problems(layout, strategy=cfg.strategy, fsdp_version=cfg.fsdp.version,
+                                       processes_per_machine=cfg.topology.processes_per_machine,
+                                       tp_across_machines=cfg.parallelism.tp_across_machines)
+    if layout.tp > 1 and layout.cp > 1:
+        # accelerate composes them on its own mesh; hf_scale's TP is built by transformers at load, on a mesh
+        # accelerate's context_parallel does not share (train/model/parallel.py). The planner offers neither.
+        errors.append(f"parallelism.tp={layout.tp} with parallelism.cp={layout.cp}: hf_scale's train.py runs TP or "
+                      "CP, not both (its TP mesh is transformers', which context parallelism does not use); set "
+                      "one of them to 1")
+    return errors, warnings
 
 
 def checked_layout(cfg: Any) -> Layout:
@@ -327,27 +346,40 @@ _NEEDS_GPU = {
 }
 
 
+# What train.py does with a kind this node can run, and how far hf_scale has proven it.
+_PROVEN = {
+    "tp": "train.py runs it in both loops (equal to one process on CPU: tests/train/model/test_parallel.py)",
+    "cp": "train.py runs it over FSDP2 with SDPA in both loops; proven on CPU up to the ring kernel, the cp=2 run "
+          "against one process is benchmarks/gpu_cp.py (2 GPUs)",
+    "sp": "train.py runs it in both loops (equal to one process on CPU: test_sequence_parallel_train.py)",
+    "hsdp": "train.py runs it (FSDP2 hybrid sharding)",
+}
+
+
 def node_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
-    """For `hf-scale doctor`: whether this node's torch/accelerate/transformers/deepspeed run each kind, and why not."""
+    """For `hf-scale doctor`: whether train.py can run each kind on this node (its torch/accelerate/transformers/
+    deepspeed, and a GPU where one is needed), and why not; the same rules train.py refuses with (train_refusal)."""
     support = {}
     for kind in NEEDS:
         problem = version_problem(kind)
         if problem is None and not gpu_present and kind in _NEEDS_GPU:
             problem = _NEEDS_GPU[kind]
-        support[kind] = {"usable": problem is None, "why": problem or "installed versions support it"}
+        support[kind] = {"usable": problem is None, "why": problem or f"installed versions support it; {_PROVEN[kind]}"}
     return support
 
 
 def train_refusal(layout: Layout, where: str, *, gpu_present: bool) -> str | None:
-    """Why train.py refuses this layout (from --hf_scale_config, or `accelerate launch`'s PARALLELISM_CONFIG_*),
-    or None. train.py runs TP (alone, or under FSDP2's dp_shard /
-    dp_replicate) and SP in both loops, under torchrun or accelerate launch, the mesh built from
-    --hf_scale_config (train/model/parallel.py, sequence_parallel.py); HSDP (dp_replicate x dp_shard) is FSDP2's
-    hybrid sharding, which it runs too."""
-    if layout.cp > 1:
-        why = ("hf_scale proves cp only with benchmarks/gpu_cp.py on GPUs so far" if gpu_present
-               else _NEEDS_GPU["cp"])
-        return f"{where}: cp={layout.cp}: train.py does not run context parallelism ({why}); set cp to 1"
+    """Why train.py refuses this layout on this machine, or None: a torch/accelerate/transformers/deepspeed too old
+    for one of its kinds (:func:`version_problem` names the version needed), or cp without a GPU (the ring kernel
+    has no CPU implementation). train.py calls it after its flag refusals (train/setup/reconcile.py), before the
+    process group and the model; what it runs otherwise: TP (alone, or under FSDP2's dp_shard / dp_replicate), CP
+    over FSDP2 (train/model/context_parallel.py) and SP (sequence_parallel.py), in both loops."""
+    for kind in kinds_of(layout):
+        problem = version_problem(kind)
+        if problem:
+            return f"{where}: {layout.describe()}: {problem}"
+    if layout.cp > 1 and not gpu_present:
+        return f"{where}: cp={layout.cp} cannot run on this machine: {_NEEDS_GPU['cp']}; run it on GPUs, or set cp to 1"
     return None
 
 

@@ -200,34 +200,46 @@ def test_version_problem_names_the_version_needed(monkeypatch):
     assert "not installed" in parallelism.version_problem("sp")
 
 
-def test_accelerate_launch_sizes_are_taken_over_by_train_py_and_cp_refused_in_one_line(monkeypatch):
-    """`accelerate launch` with a parallelism_config block sets PARALLELISM_CONFIG_*: cp stops train.py before
-    loading; tp/sp become the request's layout, and accelerate's own ParallelismConfig (and, under TP, its FSDP
-    plugin) are turned off: train.py builds the mesh from --hf_scale_config, as under torchrun."""
+def test_accelerate_launch_sizes_are_taken_over_by_train_py(monkeypatch):
+    """`accelerate launch` with a parallelism_config block sets PARALLELISM_CONFIG_*: tp/cp/sp become the request's
+    layout (--hf_scale_config must say the same; cp without a GPU is refused there, before loading), and accelerate's
+    own ParallelismConfig (and, under TP, its FSDP plugin) are turned off: train.py builds the mesh from
+    --hf_scale_config, as under torchrun."""
     from hf_scale.train.setup.distributed import detect_launch
 
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "alltoall")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
-    with pytest.raises(UserError, match="parallelism_config: cp=2: train.py does not run context parallelism"):
-        detect_launch(None)
-    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "1")
-    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     monkeypatch.setenv("WORLD_SIZE", "4")
+    request = detect_launch(None)
+    assert (request.layout, request.cp_comm_strategy, request.strategy) == (
+        parallelism.Layout(dp_shard=2, cp=2), "alltoall", "fsdp")
+    assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "false" and os.environ["ACCELERATE_USE_FSDP"] == "true"
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "1")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
     request = detect_launch(None)
     assert (request.layout, request.strategy) == (parallelism.Layout(dp_shard=2, tp=2), "fsdp")
     assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == os.environ["ACCELERATE_USE_FSDP"] == "false"
 
 
-def test_train_runs_tp_and_sp_and_refuses_cp():
-    """What train.py runs of each kind (the reasons are measured facts: see parallelism.train_refusal)."""
+def test_train_runs_tp_sp_and_cp_on_gpus_and_refuses_cp_on_cpu():
+    """What train.py runs of each kind (the CPU reason is a measured fact: parallelism.train_refusal)."""
     tp, cp, sp = parallelism.Layout(tp=2), parallelism.Layout(dp_shard=2, cp=2), parallelism.Layout(sp=2)
     assert parallelism.train_refusal(tp, "x", gpu_present=False) is None
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in parallelism.train_refusal(cp, "x", gpu_present=False)
-    assert "benchmarks/gpu_cp.py" in parallelism.train_refusal(cp, "x", gpu_present=True)
+    assert parallelism.train_refusal(cp, "x", gpu_present=True) is None
     assert parallelism.train_refusal(sp, "x", gpu_present=False) is None
+
+
+def test_tp_with_cp_is_refused_by_the_config_with_hf_scales_reason():
+    """accelerate composes TP and CP on its own mesh; train.py's TP is transformers' (built at load): one of them."""
+    with pytest.raises(UserError, match="hf_scale's train.py runs TP or CP, not both"):
+        config_from_data({"strategy": "fsdp", "topology": {"processes_per_machine": 8},
+                          "parallelism": {"tp": 2, "cp": 2}})
 
 
 def test_train_py_needs_the_config_that_says_the_same_sizes_under_accelerate_launch(tmp_path):

@@ -62,6 +62,7 @@ CHECKS: list[Check] = [
     accelerate_yaml.check_accelerate_values,
     parallelism.check_parallelism_block,
     parallelism.check_parallelism_layout,
+    parallelism.check_parallelism_model,
     deepspeed_json.check_deepspeed_values,
 ]
 

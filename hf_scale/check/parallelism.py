@@ -65,8 +65,9 @@ def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
     if layout is None or world is None:
         return
     where = {f"{inp.accelerate_file}:{key}": inp.accelerate[SECTION].get(key, 1) for key in _size_keys()}
-    deepspeed_sp = inp.accelerate.get("distributed_type") == "DEEPSPEED" and layout.sp > 1
-    if layout.world_size != world and not deepspeed_sp:
+    # accelerate skips its own total-size check for DeepSpeed's sp (DeepSpeed builds the groups); train.py does not:
+    # its --hf_scale_config's sizes multiply to the world size, and the launcher's must be the same.
+    if layout.world_size != world:
         shown = " x ".join(f"{name}({size})" for name, size in layout.sizes().items())
         yield Finding(
             ERROR, "parallelism-size-mismatch", inp.accelerate_file, SECTION,
@@ -96,3 +97,47 @@ def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
                 "says (`hf-scale generate --preset fsdp2_tp` / `fsdp2_cp` write valid layouts).",
                 {**where, f"{inp.accelerate_file}:distributed_type": inp.accelerate.get("distributed_type")},
             )
+
+
+def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
+    """`parallelism-unsupported` (error): what train.py refuses for the layout before the model loads, said from
+    the files when training args are given: tp or sp not dividing the model's attention and key/value heads,
+    attention context parallelism cannot compute (a local config.json, or the embedded model train.py defaults
+    to), cp with --packing or a kernel other than SDPA (hf_scale.train.model.parallel.model_problem,
+    context_parallel.flag_refusal: train.py's words)."""
+    if inp.training is None:
+        return
+    layout, file, key = _layout(inp), inp.accelerate_file, SECTION
+    if (layout is None or layout.model_parallel_size == 1) and inp.hf_scale_config is not None:
+        layout, file, key = inp.hf_scale_config.layout, inp.hf_scale_config_file, "parallelism"
+    if layout is None or layout.model_parallel_size == 1:
+        return
+    from hf_scale.train.model import context_parallel, parallel
+
+    problem = context_parallel.flag_refusal(layout, packing=bool(inp.training.get("packing")),
+                                            attn_implementation=str(inp.training.get("attn_implementation", "auto")),
+                                            where=key)
+    config = None if problem else _model_config(inp)
+    if config is not None:
+        problem = parallel.model_problem(layout, config, key)
+    if problem:
+        yield Finding(ERROR, "parallelism-unsupported", file, key, f"{problem} (train.py stops on it before the "
+                      "model loads).", f"{in_file(file)}change `{key}` as the problem says, or the flag it names.",
+                      {f"{file}:{key}": layout.describe()})
+
+
+def _model_config(inp: CheckInputs):
+    """The model's config when its config.json is on this machine (a Hub id is not fetched), else None."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+
+    path = inp.training.get("model_name_or_path") or str(EMBEDDED_MODEL_DIR)
+    if not (Path(path) / "config.json").is_file():
+        return None
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None  # not a config transformers reads: train.py says so itself

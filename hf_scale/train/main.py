@@ -34,7 +34,7 @@ from hf_scale.train.data.batches import make_collator
 from hf_scale.train.data.packing import maybe_pack
 from hf_scale.train.loops import evaluation
 from hf_scale.train.loops.metrics import flops_per_token, matmul_parameters, mean_example_length
-from hf_scale.train.model import attention, parallel, sequence_parallel
+from hf_scale.train.model import attention, context_parallel, parallel, sequence_parallel
 from hf_scale.train.model.liger import check_liger
 from hf_scale.train.model.load import (
     load_model,
@@ -112,6 +112,8 @@ def build(run: Run) -> Built | None:
         pad_to=data_args.max_seq_length if attention.compiles(model_args.attn_implementation, run.args) else None,
         varlen_kwargs=model_args.attn_implementation in attention.VARLEN_KERNELS,
     )
+    if run.spec.layout.cp > 1:
+        collator = context_parallel.collator(collator, run.spec.layout, tokenizer)
     if run.spec.layout.sp > 1:
         collator = sequence_parallel.collator(collator, run.spec.layout, tokenizer, packing=data_args.packing,
                                               attn_implementation=model_args.attn_implementation,
@@ -151,11 +153,16 @@ def _model_and_data_choices(run: Run):
               f"{DEFAULT_MAX_SEQ_LENGTH} and the model's max_position_embeddings "
               f"{getattr(model_config, 'max_position_embeddings', None)})", file=sys.stderr)
     check_liger(run.args, zero_stage=run.spec.zero_stage)
+    problem = parallel.model_problem(run.spec.layout, model_config, "--hf_scale_config: parallelism")
+    if problem:  # before the model loads (a local config.json was already asked in prepare)
+        raise UserError(problem)
     model_args = dataclasses.replace(model_args, attn_implementation=attention.resolve(
         model_args.attn_implementation,
         packing=data_args.packing,
         half_precision=run.spec.precision != "no" or rules.is_half_dtype(model_args.torch_dtype),
         announce=run.state.is_main_process,
+        # Ring attention (cp) and Ulysses (sp) wrap SDPA: `auto` must not pick flash-attention under them.
+        required="sdpa" if run.spec.layout.cp > 1 or run.spec.layout.sp > 1 else None,
     ))
     return model_config, model_args, data_args
 

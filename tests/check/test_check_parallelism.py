@@ -48,6 +48,31 @@ TRIGGERS = {
     "cp-with-ddp": (
         merged(DDP_YAML, block(cp=2)), None, [], None, [], "parallelism-unsupported", "error",
     ),
+    # A DeepSpeed Ulysses block too (accelerate skips its own size check for it; train.py does not).
+    "sp-sizes-do-not-multiply-to-num-processes": (
+        merged(DS_YAML, {"num_processes": 4, **block(dp_shard=7, sp=2)}), DS_JSON, [], None, [],
+        "parallelism-size-mismatch", "error",
+    ),
+    "sp-without-deepspeed": (
+        merged(FSDP4, block(dp_shard=2, sp=2)), None, [], None, [], "parallelism-unsupported", "error",
+    ),
+    "cp-with-sp": (
+        merged(DS_YAML, {"num_processes": 4, **block(cp=2, sp=2)}), DS_JSON, [], None, [], "parallelism-unsupported",
+        "error",
+    ),
+    "hsdp-over-pure-replication-with-tp": (
+        merged(FSDP4, block(dp_replicate=2, dp_shard=1, tp=2)), None, [], None, [], "parallelism-unsupported",
+        "error",
+    ),
+    # train.py's refusals before the model loads, from the training args (the embedded model: 4 heads, 2 KV heads)
+    "tp-not-dividing-the-key-value-heads": (
+        merged(FSDP4, {"num_processes": 8, **block(dp_shard=2, tp=4)}), None, ["--output_dir", "out"], None, [],
+        "parallelism-unsupported", "error",
+    ),
+    "cp-with-packing": (
+        merged(FSDP4, block(dp_shard=2, cp=2)), None, ["--output_dir", "out", "--packing"], None, [],
+        "parallelism-unsupported", "error",
+    ),
     "tp-across-machines": (
         merged(FSDP4, {"num_machines": 2, "main_process_ip": "10.0.0.1", **block(dp_shard=1, cp=1, tp=4)}),
         None, [], None, [], "parallelism-unsupported", "error",
@@ -79,3 +104,28 @@ def test_what_generate_writes_passes_check(data, tmp_path, monkeypatch, capsys):
     yaml_cfg = accelerate_config(config_from_data(data), deepspeed_config_file=None)
     _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg)
     assert not [code for code in codes(payload) if code.startswith("parallelism")]
+
+
+def _problems(payload, code="parallelism-unsupported") -> list[str]:
+    return [f["problem"] for f in payload["findings"] if f["code"] == code]
+
+
+def test_heads_and_cp_flags_are_train_pys_refusals_from_the_yaml_or_the_hf_scale_config(tmp_path, monkeypatch,
+                                                                                          capsys):
+    yaml_cfg, _, train, *_ = TRIGGERS["tp-not-dividing-the-key-value-heads"]
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, None, train)
+    assert _problems(payload) == [
+        "parallelism_config.tp=4 does not divide the model's num_key_value_heads=2: each rank must hold whole heads; "
+        "allowed tp: 1, 2 (train.py stops on it before the model loads)."]
+    _, payload = check_json(tmp_path, monkeypatch, capsys, *TRIGGERS["cp-with-packing"][:3])
+    assert any("cp=2 with --packing: ring attention takes no document mask" in p for p in _problems(payload))
+    # The layout of --hf_scale_config (no parallelism_config block in the YAML), and no finding without training args
+    (tmp_path / "sp.yaml").write_text("strategy: deepspeed\ntopology: {processes_per_machine: 4}\n"
+                                      "parallelism: {sp: 4}\n")
+    _, payload = check_json(tmp_path, monkeypatch, capsys, merged(DS_YAML, {"num_processes": 4}), DS_JSON,
+                            ["--output_dir", "out", "--hf_scale_config", "sp.yaml"])
+    found = [f for f in payload["findings"] if f["code"] == "parallelism-unsupported"]
+    assert [(f["file"], f["key"]) for f in found] == [("sp.yaml", "parallelism")]
+    assert "parallelism.sp=4 does not divide the model's num_key_value_heads=2" in found[0]["problem"]
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg)
+    assert not _problems(payload)

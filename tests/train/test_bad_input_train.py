@@ -288,11 +288,45 @@ CASES: dict[str, Case] = {
     "hf-scale-config-world-size": Case(
         ["--hf_scale_config", "{d}/c.yaml"], "world_size=2",
         files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2}})}),
+    # --- parallelism: refused before the process group, the flags' and the model's reasons before the machine's ---
     "hf-scale-config-context-parallel-on-cpu": Case(
         ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
-        "parallelism: cp=2: train.py does not run context parallelism (torch's context_parallel has no sharding",
+        "parallelism: cp=2 cannot run on this machine: torch's context_parallel has no sharding strategy for the "
+        "CPU SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu)",
         files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 4},
                                          "parallelism": {"cp": 2}})}),
+    "context-parallel-with-packing": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate", "--packing"],
+        "parallelism.cp=2 with --packing: ring attention takes no document mask",
+        files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 2},
+                                         "parallelism": {"cp": 2}})}),
+    "context-parallel-with-eager-attention": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate", "--attn_implementation", "eager"],
+        "parallelism.cp=2 with --attn_implementation eager: context parallelism shards only SDPA attention",
+        files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 2},
+                                         "parallelism": {"cp": 2}})}),
+    "context-parallel-with-a-sliding-window-model": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate", "--model_name_or_path", "{d}/model"],
+        "parallelism.cp=2: the model has sliding_attention layers; context parallelism computes full causal",
+        files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 2},
+                                         "parallelism": {"cp": 2}})},
+        prepare=model(edit_config(sliding_window=16))),
+    "tensor-and-context-parallel-together": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
+        "parallelism.tp=2 with parallelism.cp=2: hf_scale's train.py runs TP or CP, not both",
+        files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 8},
+                                         "parallelism": {"tp": 2, "cp": 2}})}),
+    "tensor-parallel-not-dividing-the-heads": Case(  # the embedded model: 4 attention heads, 2 key/value heads
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
+        "parallelism.tp=4 does not divide the model's num_key_value_heads=2: each rank must hold whole heads; "
+        "allowed tp: 1, 2",
+        files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 4},
+                                         "parallelism": {"tp": 4}})}),
+    "sequence-parallel-not-dividing-the-heads": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
+        "parallelism.sp=4 does not divide the model's num_key_value_heads=2",
+        files={"c.yaml": yaml.safe_dump({"strategy": "deepspeed", "topology": {"processes_per_machine": 4},
+                                         "parallelism": {"sp": 4}})}),
     "hf-scale-config-conflicting-micro": Case(
         ["--hf_scale_config", "{d}/c.yaml", "--per_device_train_batch_size", "3"],
         "batch.micro_batch_size=4 but --per_device_train_batch_size=3",
@@ -762,3 +796,26 @@ def test_bad_input_in_a_real_process_has_no_traceback(name, tmp_path, checkpoint
     assert "LOAD REPORT" not in result.stderr and "MISMATCH" not in result.stderr, result.stderr[-4000:]
     assert not (tmp_path / "out").exists()
     assert tree(tmp_path / "ckpt") == before
+
+
+@pytest.mark.parametrize(("kind", "config"), [
+    ("tp", {"strategy": "ddp", "topology": {"processes_per_machine": 2}, "parallelism": {"tp": 2}}),
+    ("cp", {"strategy": "fsdp", "topology": {"processes_per_machine": 2}, "parallelism": {"cp": 2}}),
+])
+def test_a_layout_the_installed_versions_cannot_run_is_one_line_naming_the_version(kind, config, tmp_path, capfd,
+                                                                                  monkeypatch):
+    """parallelism.version_problem before the process group: the package, the version needed and the one installed
+    (a floor above every release stands in for an old install)."""
+    from hf_scale import parallelism
+
+    monkeypatch.setitem(parallelism.NEEDS, kind, {"torch": "99.0.0"})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    capfd.readouterr()
+    code = run_in_process(["--max_steps", "1", "--hf_scale_config", str(tmp_path / "c.yaml"), "--loop", "accelerate",
+                           "--output_dir", str(tmp_path / "out")])
+    stderr = capfd.readouterr().err
+    assert code == 2, stderr[-4000:]
+    line = _error_line(stderr, f"parallelism: {kind}=2: {kind} needs torch >= 99.0.0 ({torch.__version__} is "
+                               "installed); pip install 'torch>=99.0.0'")
+    assert str(tmp_path / "c.yaml") in line
+    assert not (tmp_path / "out").exists()

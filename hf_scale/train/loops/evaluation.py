@@ -23,8 +23,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from hf_scale.errors import UserError
+from hf_scale.parallelism import Layout
 from hf_scale.train.data.batches import count_target_tokens
 from hf_scale.train.data.packing import model_inputs
+from hf_scale.train.model import context_parallel
 
 
 @dataclass(frozen=True)
@@ -102,13 +104,20 @@ def rank_batches(num_examples: int, batch_size: int, rank: int, world_size: int)
     return mine
 
 
+ONE_PROCESS = Layout()
+"""No TP/CP/SP group: every rank evaluates its own batches."""
+
+
 @torch.no_grad()
 def evaluate(model, dataset, collator, accelerator, *, batch_size: int, num_workers: int = 0,
-             inputs=model_inputs, progress_bar: bool = True, model_parallel: int = 1) -> EvalResult:
+             inputs=model_inputs, progress_bar: bool = True, layout: Layout = ONE_PROCESS) -> EvalResult:
     """Every rank must call this (collective). `model` is the prepared (wrapped) model; `inputs` turns a
     collated batch into the model's keyword arguments, as the training step does; `progress_bar`: false for
-    --disable_tqdm; `model_parallel`: the ranks of one TP group (neighbours), which evaluate the same batches."""
+    --disable_tqdm; `layout`: the ranks of one TP/CP/SP group (neighbours) evaluate the same batches; a CP group
+    shards each of them as in training (the whole sequence may not fit one rank), SP evaluates them whole
+    (accelerate's Ulysses is off in eval)."""
     start = time.perf_counter()
+    model_parallel = layout.model_parallel_size
     plan = rank_batches(len(dataset), batch_size, accelerator.process_index // model_parallel,
                         accelerator.num_processes // model_parallel)
     loader = DataLoader(dataset, batch_sampler=[indices for indices, _ in plan], collate_fn=collator,
@@ -127,11 +136,14 @@ def evaluate(model, dataset, collator, accelerator, *, batch_size: int, num_work
             # times the target count it is the batch's summed token loss either way. No KV cache: with one,
             # transformers ignores packed rows' position ids and packed examples would attend to each other.
             n_targets = torch.tensor(targets, device=device)
-            loss = model(**inputs(batch), num_items_in_batch=n_targets, use_cache=False).loss
+            with context_parallel.sharded(accelerator, batch, layout):  # counted before: the batch shards in place
+                loss = model(**inputs(batch), num_items_in_batch=n_targets, use_cache=False).loss
             if counts:
                 totals += torch.stack([loss.detach().double() * targets, totals.new_tensor(targets)])
     finally:
         if was_training:
             model.train()
-    loss_sum, tokens = (accelerator.reduce(totals, reduction="sum") / model_parallel).tolist()
+    # Each rank of a group counted the whole batch's targets; a CP rank's loss is its chunks' share of the sum.
+    copies = totals.new_tensor([model_parallel // layout.cp, model_parallel])
+    loss_sum, tokens = (accelerator.reduce(totals, reduction="sum") / copies).tolist()
     return EvalResult(loss=loss_sum / tokens, tokens=int(tokens), seconds=time.perf_counter() - start)

@@ -34,7 +34,7 @@ from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.manual_checkpoints import CheckpointSaver
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
 from hf_scale.train.loops.optimizer import optimizer_and_scheduler
-from hf_scale.train.model import fsdp, parallel, sequence_parallel
+from hf_scale.train.model import context_parallel, fsdp, parallel, sequence_parallel
 from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.model.liger import apply_liger
 from hf_scale.train.setup import guard
@@ -156,8 +156,10 @@ def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard
         project_dir=args.output_dir,
         dynamo_plugin=_dynamo_plugin(args),
         kwargs_handlers=ddp_kwargs_handlers(args),
-        # sp > 1: accelerate wires DeepSpeed's Ulysses attention and data adapter in prepare (sequence_parallel.py).
-        parallelism_config=sequence_parallel.accelerate_config(spec.layout),
+        # sp > 1: accelerate wires DeepSpeed's Ulysses attention and data adapter in prepare (sequence_parallel.py);
+        # cp > 1: FSDP2 over dp_shard x cp and the ring attention's hooks (context_parallel.py).
+        parallelism_config=(sequence_parallel.accelerate_config(spec.layout)
+                            or context_parallel.accelerate_config(spec.layout, spec.cp_comm_strategy)),
     ), spec))
 
 
@@ -322,9 +324,9 @@ class _Loop:
         sp = self.spec.layout.sp > 1
         targets = sequence_parallel.target_count if sp else count_target_tokens
         local_targets = torch.tensor(sum(targets(b) for b in window), device=accelerator.device)
-        # The ranks of one TP group hold the same batch: count each data-parallel rank's tokens once (SP ranks
-        # hold disjoint shards of theirs).
-        copies = self.spec.layout.whole_batch_copies
+        # The ranks of one TP or CP group hold the same batch here: count each data-parallel rank's tokens once (SP
+        # ranks hold disjoint shards of theirs already; CP ranks shard theirs in the forward).
+        copies = self.spec.layout.loader_copies
         global_targets = accelerator.reduce(local_targets, reduction="sum") // copies
         local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this update (read before the scheduler moves)
@@ -338,7 +340,8 @@ class _Loop:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad()
-        step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / copies
+        # Each rank's loss is its share of the whole batch's (CP and SP shares disjoint; TP's copies of one).
+        step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / self.spec.layout.whole_batch_copies
         tokens = int(accelerator.reduce(local_tokens, reduction="sum").item()) // copies
         return step_loss, tokens, lr, grad_norm
 
@@ -352,14 +355,16 @@ class _Loop:
             fsdp.set_gradient_sync(model, last)
         no_sync_needed = not (last or self.is_deepspeed or self.shard_ourselves)
         sync_context = accelerator.no_sync(model) if no_sync_needed else contextlib.nullcontext()
-        with sync_context:
+        # cp > 1: the batch is sharded over the cp group (in place) and attention is ring attention, for the forward
+        # and the backward.
+        with sync_context, context_parallel.sharded(accelerator, batch, self.spec.layout):
             # The loss is sum(token losses) / global_targets; gradients are averaged over data-parallel ranks.
             if self.spec.layout.sp > 1:
                 loss = sequence_parallel.shard_loss(model, batch, global_targets)
                 multiplier = sequence_parallel.loss_multiplier(self.spec.layout, self.spec.zero_stage)
             else:
                 loss = model(**model_inputs(batch), num_items_in_batch=global_targets).loss
-                multiplier = self.spec.data_parallel_size
+                multiplier = context_parallel.loss_multiplier(self.spec.layout, self.spec.data_parallel_size)
             loss = loss * multiplier
             backward_kwargs = {"scale_wrt_gas": False} if self.is_deepspeed else {}
             accelerator.backward(loss, **backward_kwargs)
@@ -369,7 +374,7 @@ class _Loop:
         result = evaluation.evaluate(
             self.model, self.eval_dataset, self.collator, self.accelerator,
             batch_size=self.args.per_device_eval_batch_size, num_workers=self.args.dataloader_num_workers,
-            progress_bar=not self.args.disable_tqdm, model_parallel=self.spec.layout.model_parallel_size,
+            progress_bar=not self.args.disable_tqdm, layout=self.spec.layout,
         )
         self._log(self.metrics.log_eval(step=self.step, epoch=epoch_now, result=result))
 

@@ -24,7 +24,7 @@ from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
-from hf_scale.train.model import fsdp, parallel, sequence_parallel
+from hf_scale.train.model import context_parallel, fsdp, parallel, sequence_parallel
 from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.setup import guard
 from hf_scale.train.setup.distributed import has_gpu
@@ -60,6 +60,12 @@ class HfScaleTrainer(Trainer):
         if self.spec.layout.sp > 1:
             # DeepSpeed Ulysses: accelerate wires the attention and the data adapter (model/sequence_parallel.py).
             args["parallelism_config"] = sequence_parallel.accelerate_config(self.spec.layout)
+        if self.spec.layout.cp > 1:
+            # Context parallelism: FSDP2 over dp_shard x cp and the ring attention's hooks; the Trainer shards each
+            # batch itself (_prepare_context_parallel_inputs) and scales the loss by num_processes // tp
+            # (model/context_parallel.py has the rule).
+            args["parallelism_config"] = context_parallel.accelerate_config(self.spec.layout,
+                                                                            self.spec.cp_comm_strategy)
         if parallel.sharded_at_load(self.spec.layout) and not has_gpu():
             # The Trainer hands accelerate a ParallelismConfig for a model built on a TP mesh; accelerate 1.15
             # refuses one on DistributedType.MULTI_CPU. The mesh it would build is set after (create_accelerator_...).
@@ -123,10 +129,10 @@ class HfScaleTrainer(Trainer):
     @property
     def _loss_multiplier(self) -> int:
         """What each rank's loss is multiplied by before backward: the Trainer's own num_processes // tp (the
-        data-parallel size), or under SP sequence_parallel.loss_multiplier."""
+        data-parallel size, times cp), or under SP sequence_parallel.loss_multiplier."""
         if self.spec.layout.sp > 1:
             return sequence_parallel.loss_multiplier(self.spec.layout, self.spec.zero_stage)
-        return self.spec.data_parallel_size
+        return context_parallel.loss_multiplier(self.spec.layout, self.spec.data_parallel_size)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
         """hf_scale's exact token-weighted eval loss (the Trainer's own averages per-batch means over
@@ -140,7 +146,7 @@ class HfScaleTrainer(Trainer):
             batch_size=self.args.per_device_eval_batch_size,
             num_workers=self.args.dataloader_num_workers,
             progress_bar=not self.args.disable_tqdm,
-            model_parallel=self.spec.layout.model_parallel_size,
+            layout=self.spec.layout,
         )
         self.last_eval = result
         metrics = {k: v for k, v in result.metrics(metric_key_prefix).items() if v is not None}
@@ -371,7 +377,7 @@ class GuardAndMetricsCallback(TrainerCallback):
         totals = torch.tensor(
             [trainer.window_loss, float(trainer.window_tokens)], dtype=torch.float64, device=device
         )
-        totals[1] /= self.spec.layout.whole_batch_copies  # each rank of a TP group counted its group's batch
+        totals[1] /= self.spec.layout.loader_copies  # each rank of a TP/CP group counted its group's batch
         loss, tokens = trainer.accelerator.reduce(totals, reduction="sum").tolist()
         grad_norm = trainer.last_grad_norm
         record = self.metrics.log_step(

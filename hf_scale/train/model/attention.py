@@ -213,9 +213,13 @@ def compiles(implementation: str, args) -> bool:
     return bool(args.torch_compile) or implementation == "flex_attention"
 
 
-def resolve(requested: str, *, packing: bool, half_precision: bool, announce: bool) -> str:
-    """The implementation this run uses; registers ``torch_varlen`` when chosen and says which in one line."""
-    implementation, why = choose(requested, packing=packing, env=observe_environment(half_precision=half_precision))
+def resolve(requested: str, *, packing: bool, half_precision: bool, announce: bool, required: str | None = None) -> str:
+    """The implementation this run uses; registers ``torch_varlen`` when chosen and says which in one line.
+    ``required``: the kernel the run's parallelism wraps (``auto`` takes it; another choice was refused before)."""
+    if required is not None and requested in ("auto", required):
+        implementation, why = required, "the run's context/sequence parallelism wraps it"
+    else:
+        implementation, why = choose(requested, packing=packing, env=observe_environment(half_precision=half_precision))
     if implementation == TORCH_VARLEN:
         register_torch_varlen()
     if announce:

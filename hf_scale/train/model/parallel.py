@@ -72,6 +72,22 @@ def prepare_data(accelerator, dataloader, layout: Layout):
     return prepared
 
 
+def model_problem(layout: Layout, model_config, where: str) -> str | None:
+    """What the model's config rules out for the layout, or None: heads that tp or sp cannot split whole
+    (parallelism.head_problem), attention that context parallelism cannot compute (context_parallel.model_refusal).
+    train.py asks before the model loads: in prepare when config.json is local, else once it has been read."""
+    from hf_scale.parallelism import head_problem
+    from hf_scale.train.model.context_parallel import model_refusal
+
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = getattr(config, "num_attention_heads", None)
+    if heads and (layout.tp > 1 or layout.sp > 1):
+        problem = head_problem(layout, heads, getattr(config, "num_key_value_heads", None) or heads, where=where)
+        if problem:
+            return problem
+    return model_refusal(layout, model_config, where)
+
+
 def has_dtensors(model) -> bool:
     from torch.distributed.tensor import DTensor
 

@@ -61,6 +61,9 @@ class LaunchRequest:
     layout: parallelism.Layout = parallelism.Layout()
     """The mesh sizes (tp, dp_shard, ...): `accelerate launch`'s parallelism_config, then the `--hf_scale_config`'s
     (which must agree); one data-parallel dimension otherwise."""
+    cp_comm_strategy: str | None = None
+    """How context-parallel ranks exchange keys/values: `accelerate launch`'s parallelism_config (None: not given),
+    then the `--hf_scale_config`'s (which must agree)."""
     fp8_backend: str | None = None
     """FP8 training's backend (torchao | te | msamp: the config's fp8.backend) when the YAML's mixed_precision or
     the --hf_scale_config asks for fp8; None otherwise."""
@@ -108,11 +111,7 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
     """Read the launcher's request from the environment and `--deepspeed`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     by_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
-    launched_layout = parallelism.launch_layout(dict(os.environ))
-    refusal = parallelism.train_refusal(launched_layout, "the accelerate config's parallelism_config",
-                                        gpu_present=has_gpu())
-    if refusal:
-        raise UserError(refusal)
+    launched_layout = parallelism.launch_layout(dict(os.environ))  # refused without --hf_scale_config (prepare)
     if by_accelerate:
         launcher = "accelerate"
     elif "CROSS_RANK" in os.environ:  # set by deepspeed/launcher/launch.py only
@@ -159,11 +158,11 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
     else:
         strategy = "single"
     if launched_layout.model_parallel_size > 1:
-        # accelerate launch with a TP/SP parallelism_config: train.py builds the mesh itself from --hf_scale_config
-        # (which must say the same), as under torchrun: the model on the mesh by transformers (model/parallel.py),
-        # Ulysses through the ParallelismConfig it hands accelerate (model/sequence_parallel.py). accelerate must
-        # not build its own from these variables (refused without GPUs), nor under TP shard with its FSDP plugin
-        # the model transformers has already sharded.
+        # accelerate launch with a TP/CP/SP parallelism_config: train.py builds the mesh itself from
+        # --hf_scale_config (which must say the same), as under torchrun: the model on the mesh by transformers
+        # (model/parallel.py), CP and Ulysses through the ParallelismConfig it hands accelerate
+        # (model/context_parallel.py, sequence_parallel.py). accelerate must not build its own from these variables
+        # (refused without GPUs), nor under TP shard with its FSDP plugin the model transformers has already sharded.
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
         if launched_layout.tp > 1:
             os.environ["ACCELERATE_USE_FSDP"] = "false"
@@ -178,6 +177,7 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         fp8_backend=_fp8_backend_from_env() if by_accelerate else None,
         layout=launched_layout,
         accelerate_fsdp_version=int(os.environ.get("FSDP_VERSION") or 1) if strategy == "fsdp" else None,
+        cp_comm_strategy=os.environ.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY") if launched_layout.cp > 1 else None,
     )
 
 

@@ -36,6 +36,8 @@ class Expected:
     """ZeRO-3 should have built the model partitioned (HfDeepSpeedConfig alive before from_pretrained)."""
     tp: int = 1
     """Tensor-parallel size: the model's weights must be DTensors split tp ways (transformers' tp_size)."""
+    cp: int = 1
+    """Context-parallel size: accelerate's ParallelismConfig must have it (its prepare applies the ring attention)."""
     sp: int = 1
     """Sequence-parallel size: DeepSpeed's batch counts the data-parallel ranks only (world size / sp)."""
 
@@ -58,6 +60,8 @@ class Observed:
     """accelerate's simple launcher started 1 process although num_processes > 1 was asked (use_cpu)."""
     tp: int = 1
     """The model's tensor-parallel size (transformers' tp_size; 1 when not built on a mesh)."""
+    cp: int = 1
+    """The context-parallel size of accelerate's ParallelismConfig (1 without one)."""
 
 
 def deepspeed_engine_facts(engine) -> dict:
@@ -128,6 +132,7 @@ def observe(
         zero3_partitioned=loaded_partitioned,
         single_process_cpu_launch=single_cpu_launch,
         tp=getattr(model, "tp_size", None) or 1,
+        cp=getattr(getattr(state, "parallelism_config", None), "cp_size", None) or 1,
     )
 
 
@@ -171,6 +176,9 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
     if observed.tp != expected.tp:
         problems.append(f"tensor parallelism of {expected.tp} was requested but the model is built with tp_size "
                         f"{observed.tp}")
+    if observed.cp != expected.cp:
+        problems.append(f"context parallelism of {expected.cp} was requested but accelerate runs cp_size "
+                        f"{observed.cp}: its prepare would not apply the ring attention")
 
     ds = observed.deepspeed
     if ds is not None:

@@ -69,13 +69,26 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
 
     cfg = load_config(path)
     where = f"--hf_scale_config={path}"
+    # What the flags and the model cannot run with the layout first (on any machine), then what this machine cannot
+    # run (its versions; cp without a GPU).
+    from hf_scale.train.model import context_parallel
+
+    refusal = context_parallel.flag_refusal(cfg.layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
+                                            where=f"{where}: parallelism")
+    if refusal:
+        raise UserError(refusal)
+    _refuse_layout_for_local_model(cfg.layout, ns, f"{where}: parallelism")
     refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism", gpu_present=has_gpu())
     if refusal:
         raise UserError(refusal)
     if request.layout.active and request.layout != cfg.layout:  # accelerate launch's parallelism_config
         raise UserError(f"{where}: parallelism {cfg.layout.describe()} but the accelerate config's "
                         f"parallelism_config has {request.layout.describe()}")
-    request = dataclasses.replace(request, layout=cfg.layout)
+    comm = cfg.parallelism.cp_comm_strategy
+    if cfg.layout.cp > 1 and request.cp_comm_strategy not in (None, comm):
+        raise UserError(f"{where}: parallelism.cp_comm_strategy={comm} but the accelerate config's "
+                        f"parallelism_config has cp_comm_strategy {request.cp_comm_strategy}")
+    request = dataclasses.replace(request, layout=cfg.layout, cp_comm_strategy=comm)
 
     if cfg.world_size != request.world_size:
         raise UserError(
@@ -137,6 +150,24 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
         raise UserError("; ".join(flags.contradictions))
     _launch_agrees(cfg, request, where)
     return ConfigFills(request, {**flags.fills, "deepspeed": deepspeed_value})
+
+
+def _refuse_layout_for_local_model(layout, ns, where: str) -> None:
+    """Heads tp/sp cannot split, attention cp cannot compute: asked here, before the process group, when the model's
+    config.json is on this machine (a Hub model's is asked once build() has read it)."""
+    from pathlib import Path
+
+    from hf_scale.train.model import parallel
+    from hf_scale.train.model.load import load_pretrained_config, resolve_model_path
+
+    if layout.model_parallel_size == 1:
+        return
+    path = resolve_model_path(ns)
+    if not (Path(path) / "config.json").is_file():
+        return
+    problem = parallel.model_problem(layout, load_pretrained_config(path, ns.trust_remote_code), where)
+    if problem:
+        raise UserError(problem)
 
 
 def checkpointing_flag(ns) -> str:

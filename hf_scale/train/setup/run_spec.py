@@ -48,6 +48,8 @@ class RunSpec:
     layout: Layout = Layout()
     """The mesh: dp_replicate x dp_shard x tp x cp x sp (hf_scale.parallelism); data parallel only unless a
     --hf_scale_config says otherwise."""
+    cp_comm_strategy: str = "allgather"
+    """How context-parallel ranks exchange keys/values (the config's parallelism.cp_comm_strategy; cp > 1 only)."""
     final_save_is_checkpoint: bool = False
     """ZeRO-3 without 16-bit gathering on save: the run ends with the final step's checkpoint, not a safetensors
     model (hf_scale.train.checkpoint.final_checkpoint)."""
@@ -79,6 +81,7 @@ class RunSpec:
             zero_stage=self.zero_stage,
             zero3_init=self.zero3_init,
             tp=self.layout.tp,
+            cp=self.layout.cp,
             sp=self.layout.sp,
         )
 
@@ -125,6 +128,7 @@ def build(request, args, *, loop: str, packing: bool) -> RunSpec:
         fsdp_settings=request.fsdp_settings,
         fp8_backend=request.fp8_backend,
         layout=request.layout,
+        cp_comm_strategy=request.cp_comm_strategy or "allgather",
         # The config as DeepSpeed will run it ("auto" filled by accelerate's plugin).
         final_save_is_checkpoint=rules.zero3_without_gathering(plugin.deepspeed_config if plugin else None),
     )

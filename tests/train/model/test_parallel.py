@@ -2,16 +2,17 @@
 transformers (DTensor weights; train.py's runtime guard checks the model's tp_size), each data-parallel group
 on its own data, the ranks of one TP group on the same batches.
 
-The Trainer (`--loop trainer`) runs the same layouts: tp=2 and dp_shard=2 x tp=2 give the one-process Trainer's
-per-step losses, and its tp=2 checkpoint (DCP shards written by HfScaleTrainer, since transformers' Trainer has no
-writer for a mesh-built model's optimizer state) resumes bit-identically.
+The Trainer (`--loop trainer`) runs the same layouts: tp=2 (packed too) and dp_shard=2 x tp=2 give the one-process
+Trainer's per-step losses and gradient norms, and its tp=2 checkpoint (DCP shards written by HfScaleTrainer, since
+transformers' Trainer has no writer for a mesh-built model's optimizer state) resumes bit-identically.
 
 Every run trains 5 steps of a global batch of 8 (one process: micro 8; tp=2: micro 4 x accumulation 2 on one
 data-parallel rank; dp_shard=2 x tp=2: micro 2 x accumulation 2 on two) and must give the one-process per-step
-losses, token counts and eval losses (rtol 1e-4), pass train.py's own save check and save a model with the
-one-process model's logits. The tp=2 run saves checkpoint-3, which must resume at tp=2 bit-identically, resume
-at dp_shard=2 (FSDP2, DCP resharding) with the uninterrupted losses, and export to Hub safetensors; the
-dp_shard=2 x tp=2 run's checkpoint resumes on 2 processes at tp=2.
+losses, gradient norms, token counts and eval losses (rtol 1e-4), pass train.py's own save check and save a model
+with the one-process model's logits. The tp=2 run saves checkpoint-3, which must resume at tp=2 bit-identically,
+resume at dp_shard=2 (FSDP2, DCP resharding) with the uninterrupted losses, and export to Hub safetensors; the
+dp_shard=2 x tp=2 run's checkpoint resumes on 2 processes at tp=2. HSDP x TP is not run here: with dp_shard=1
+accelerate refuses TP over pure replication, so it needs dp_replicate=2 x dp_shard=2 x tp=2 = 8 processes.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def _assert_same_run(out, reference_dir) -> None:
     got, want = read_metrics(out), read_metrics(reference_dir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
+    # The gradient norm over every rank's shards (Adam's update would hide a wrong gradient scale; the norm does not)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
     assert [r["tokens"] for r in got] == [r["tokens"] for r in want]  # each data-parallel rank's rows once
     got_eval, want_eval = read_eval_metrics(out), read_eval_metrics(reference_dir)
     assert [r["eval_tokens"] for r in got_eval] == [r["eval_tokens"] for r in want_eval]
@@ -179,6 +182,13 @@ def test_trainer_dp_shard2_x_tp2_on_four_processes_equals_one_process(reference_
     result = _train(out, [], nproc=4, config=FSDP2_TP2, loop="trainer")
     assert "fsdp (dp_shard=2 x tp=2) on 4 process(es) (torchrun), trainer loop" in result.stderr
     _assert_same_run(out, reference_dir)
+
+
+def test_trainer_tp2_packed_equals_one_packed_trainer_process(tmp_path):
+    reference, out = tmp_path / "trainer_packed_reference", tmp_path / "trainer_packed_tp2"
+    _train(reference, PACKED + ["--per_device_train_batch_size", "8"], loop="trainer")
+    _train(out, PACKED, nproc=2, config=TP2, loop="trainer")
+    _assert_same_run(out, reference)
 
 
 def test_trainer_tp2_loads_the_best_checkpoint_at_the_end_on_every_rank(tmp_path):
