@@ -43,8 +43,10 @@ with --targets (comma-separated; settings in the config's `cluster` section):
   pytorchjob  DIR/launch/NAME.pytorchjob.yaml  Training Operator PyTorchJob (kubectl apply -f)
   skypilot    DIR/launch/NAME.sky.yaml         SkyPilot task (sky jobs launch)
   ray         DIR/launch/NAME.ray.sh           python -m hf_scale.ray_train (Ray Train TorchTrainer)
-  docker      DIR/Dockerfile, DIR/.dockerignore, DIR/docker-requirements.txt (also with kubeflow/pytorchjob)
-  kubeflow, pytorchjob and skypilot also write DIR/launch/NAME.node.sh, each node's entry point.
+  docker      DIR/Dockerfile, DIR/.dockerignore (also with kubeflow/pytorchjob)
+  kubeflow, pytorchjob and skypilot also write DIR/launch/NAME.node.sh, each node's entry point; docker,
+  kubeflow, pytorchjob and skypilot DIR/hf-scale-source.tar.gz (this hf_scale, which the image and the
+  SkyPilot nodes install: it is not on PyPI) and DIR/hf-scale-requirements.txt (its dependencies, pinned).
 
 --deepspeed-mode auto (default) leaves "auto" exactly where the HF Trainer fills values from its
 flags (batch sizes, accumulation, clipping, AdamW lr/betas/eps/weight_decay); resolved writes the
@@ -249,7 +251,7 @@ def _planned_config(args: argparse.Namespace) -> tuple[str, dict, dict]:
     return plan.recommended.slug, planned_config_data(plan, plan.recommended), train_flags(plan)
 
 
-def _plan_writes(output_dir: Path, files: dict[str, str], *, force: bool) -> set[str]:
+def _plan_writes(output_dir: Path, files: dict[str, str | bytes], *, force: bool) -> set[str]:
     """Check every target before anything is written; return the relative paths that need writing."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output-dir {output_dir} is not a directory")
@@ -269,7 +271,7 @@ def _plan_writes(output_dir: Path, files: dict[str, str], *, force: bool) -> set
         if path.exists() or path.is_symlink():
             # Never blocks on a FIFO; a file that is not UTF-8 text simply differs.
             current = read_bytes(path, "existing file")
-            if current == text.encode("utf-8"):
+            if current == (text if isinstance(text, bytes) else text.encode("utf-8")):
                 continue
             if not force:
                 raise UserError(
