@@ -56,8 +56,8 @@ def cluster_files(
         files[layout.DOCKERFILE] = dockerfile.dockerfile(cfg, header=header)
         files[layout.DOCKERIGNORE] = dockerfile.dockerignore()
     if {"kubeflow", "pytorchjob", "docker", "skypilot"} & set(targets):
-        files[install.REQUIREMENTS_FILE] = install.requirements()
-        files[install.SOURCE_ARCHIVE] = install.source_archive()
+        files[layout.REQUIREMENTS_FILE] = install.requirements()
+        files[layout.SOURCE_ARCHIVE] = install.source_archive()
     return files
 
 

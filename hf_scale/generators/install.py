@@ -23,10 +23,9 @@ from pathlib import Path
 import hf_scale
 from hf_scale import __version__
 from hf_scale.errors import UserError
+from hf_scale.generators.layout import REQUIREMENTS_FILE, SOURCE_ARCHIVE
 
 DISTRIBUTION = "hf-scale"
-SOURCE_ARCHIVE = "hf-scale-source.tar.gz"
-REQUIREMENTS_FILE = "hf-scale-requirements.txt"
 PINNED = ("transformers", "accelerate", "deepspeed", "datasets", "peft", "pydantic", "pyyaml", "safetensors", "tqdm")
 """hf_scale's dependencies besides torch (which the CUDA base image provides), pinned."""
 ARCHIVE_TIME = 1_577_836_800
