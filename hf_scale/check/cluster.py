@@ -176,7 +176,13 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
     if problem:
         fix = "kubectl would refuse it" if kind != "SkyPilot" else "sky launch would refuse it"
         yield Finding(ERROR, "manifest-invalid", path, kind, problem, f"fix the {kind} ({fix})")
-    facts = manifest_facts(kind, data)
+    try:
+        facts = manifest_facts(kind, data)
+    except (AttributeError, TypeError, ValueError):
+        if problem:  # a structure the platform refuses (reported above) has nothing more to compare
+            return
+        raise UserError(f"--manifest {path}: its {kind} structure cannot be read (a mapping or list where the "
+                        "other is expected?)") from None
     named, named_deepspeed, ds_label = _named_references(path, facts, {Path(f).resolve() for f in given_files})
     if deepspeed is not None or named_deepspeed is not None:
         yield from _deepspeed_batch(path, kind, facts, deepspeed if deepspeed is not None else named_deepspeed,

@@ -253,3 +253,12 @@ def test_a_trainjob_against_the_configs_its_command_names(tmp_path, capsys):
     assert "configs/acc.yaml" in by_code["manifest-nodes"]  # 2 nodes, the accelerate config 3
     assert "configs/hf.yaml" in by_code["manifest-processes"]  # 8 per node, the hf_scale config 4
     assert "configs/hf.yaml" in by_code["manifest-gpus"]
+
+
+@pytest.mark.parametrize("broken", [{"trainer": "oops"}, {"trainer": {"numNodes": 2}, "runtimePatches": ["x"]}])
+def test_a_trainjob_of_the_wrong_shape_is_one_finding(broken, tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+                                   "metadata": {"name": "x"}, "spec": {"runtimeRef": {"name": "r"}, **broken}}))
+    code, findings = _run(capsys, "--manifest", str(job))
+    assert code == 1 and [f["code"] for f in findings][:1] == ["manifest-invalid"]
