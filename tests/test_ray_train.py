@@ -59,6 +59,16 @@ def test_parse_adds_the_config_output_dir_and_resume(tmp_path):
         ray_train.parse(["--output_dir", "o"])
 
 
+def test_a_loopback_node_turns_rays_cluster_mode_off():
+    """Ray would replace 127.0.0.1 with the machine's network address (and hand that to the workers as MASTER_ADDR)
+    unless its cluster mode is off; the two-worker test below proves the traffic then stays on loopback."""
+    assert ray_train.local_only_env("local", "127.0.0.1") == {ray_train.LOCAL_ONLY_ENV: "0"}
+    assert ray_train.local_only_env("local", "localhost") == {ray_train.LOCAL_ONLY_ENV: "0"}
+    assert ray_train.local_only_env("local", "10.0.0.5") == {}
+    assert ray_train.local_only_env("local", None) == {}
+    assert ray_train.local_only_env("ray://head:10001", "127.0.0.1") == {}  # an existing cluster: its own settings
+
+
 def _ray_workers() -> list[psutil.Process]:
     """The Ray Train worker processes (their process title names the actor)."""
     found = []
