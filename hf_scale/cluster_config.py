@@ -29,6 +29,8 @@ _ACCELERATOR = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 _MOUNT = re.compile(r"/[A-Za-z0-9_./-]*")
 _TRAIN_ARG = re.compile(r"[^\x00-\x1f\x7f]{1,4096}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_ENV_VALUE = re.compile(r"[^\x00-\x1f\x7f]{0,4096}")
 
 DEFAULT_IMAGE_HOME = "/opt/hf-scale/run"
 """Where the image holds the generated directory (the Dockerfile copies it there; the manifests run from it)."""
@@ -65,6 +67,16 @@ def _image(value: str) -> str:
     problem = image_problem(value)
     if problem:
         raise ValueError(problem)
+    return value
+
+
+def _environment(value: dict[str, str]) -> dict[str, str]:
+    for key, setting in value.items():
+        if not _ENV_NAME.fullmatch(key):
+            raise ValueError(f"{key!r} is not an environment variable name (a letter or '_', then letters, digits, "
+                             "'_')")
+        if not _ENV_VALUE.fullmatch(setting):
+            raise ValueError(f"{key}: the value must be one line without control characters, at most 4096 long")
     return value
 
 
@@ -137,6 +149,13 @@ class ClusterConfig(_Section):
     )
     """train.py flags every node passes after the generated ones, e.g. [--model_name_or_path, meta-llama/...,
     --dataset, /data/train.jsonl]."""
+    env: Annotated[dict[str, Annotated[str, Strict()]], AfterValidator(_environment), Field(max_length=128)] = Field(
+        default_factory=dict
+    )
+    """Environment variables of every node (TrainJob/PyTorchJob container env, SkyPilot envs), e.g.
+    {NCCL_SOCKET_IFNAME: eth0, NCCL_IB_HCA: mlx5}; on Kubernetes HF_HOME defaults to OUTPUT_DIR/.cache/huggingface
+    (the volume: a restarted pod does not download the model again). Secrets (HF_TOKEN) do not belong here: add a
+    secretKeyRef to the manifest (kubectl) or pass --secret HF_TOKEN (sky)."""
     termination_grace_period_s: Annotated[StrictInt, Field(ge=30, le=86_400)] = 600
     """Seconds between SIGTERM and SIGKILL (pods' terminationGracePeriodSeconds): must cover the rest of the
     current optimizer step plus saving one checkpoint (`hf-scale check` compares it with a measured save)."""

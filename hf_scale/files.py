@@ -26,9 +26,13 @@ def file_mode(*, executable: bool = False) -> int:
     return (0o777 if executable else 0o666) & ~current_umask()
 
 
-def _write_new(path: Path, text: str, mode: int) -> None:
-    with open(path, "x", encoding="utf-8", newline="\n") as handle:
-        handle.write(text)
+def _write_new(path: Path, text: str | bytes, mode: int) -> None:
+    if isinstance(text, bytes):  # a binary file (hf_scale's source archive for the cluster targets)
+        with open(path, "xb") as handle:
+            handle.write(text)
+    else:
+        with open(path, "x", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
     os.chmod(path, mode)  # mkstemp-style 0600 would ignore the umask; chmod after writing sets it exactly
 
 
@@ -44,11 +48,14 @@ def _missing_dirs(root: Path, rel_paths: list[str]) -> list[Path]:
     return sorted(missing, key=lambda d: len(d.parts))
 
 
-def write_files_together(root: Path, files: dict[str, str], *, executable: set[str] = frozenset()) -> None:
-    """Write ``files`` (path relative to ``root`` -> text) so that either all of them are in place or none
-    is changed: everything is written into a staging directory inside ``root`` first (a full disk fails
-    there), then renamed into place (same file system: no data is written). On any failure the renames
-    already done are undone and the directories created for them removed. An OSError is a UserError."""
+def write_files_together(
+    root: Path, files: dict[str, str] | dict[str, str | bytes], *, executable: set[str] = frozenset()
+) -> None:
+    """Write ``files`` (path relative to ``root`` -> text, or bytes for a binary file) so that either all of
+    them are in place or none is changed: everything is written into a staging directory inside ``root``
+    first (a full disk fails there), then renamed into place (same file system: no data is written). On any
+    failure the renames already done are undone and the directories created for them removed. An OSError is a
+    UserError."""
     created: list[Path] = []
     staging: Path | None = None
     done: list[tuple[Path, Path | None]] = []  # (target, backup of the file it replaced)

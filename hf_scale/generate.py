@@ -44,8 +44,10 @@ with --targets (comma-separated; settings in the config's `cluster` section):
   pytorchjob  DIR/launch/NAME.pytorchjob.yaml  Training Operator PyTorchJob (kubectl apply -f)
   skypilot    DIR/launch/NAME.sky.yaml         SkyPilot task (sky jobs launch)
   ray         DIR/launch/NAME.ray.sh           python -m hf_scale.ray_train (Ray Train TorchTrainer)
-  docker      DIR/Dockerfile, DIR/.dockerignore, DIR/docker-requirements.txt (also with kubeflow/pytorchjob)
-  kubeflow, pytorchjob and skypilot also write DIR/launch/NAME.node.sh, each node's entry point.
+  docker      DIR/Dockerfile, DIR/.dockerignore (also with kubeflow/pytorchjob)
+  kubeflow, pytorchjob and skypilot also write DIR/launch/NAME.node.sh, each node's entry point; docker,
+  kubeflow, pytorchjob and skypilot DIR/hf-scale-source.tar.gz (this hf_scale, which the image and the
+  SkyPilot nodes install: it is not on PyPI) and DIR/hf-scale-requirements.txt (its dependencies, pinned).
 
 --deepspeed-mode auto (default) leaves "auto" exactly where the HF Trainer fills values from its
 flags (batch sizes, accumulation, clipping, AdamW lr/betas/eps/weight_decay); resolved writes the
@@ -263,7 +265,7 @@ def _refuse_heads(cfg: DistributedConfig, plan) -> None:
         raise UserError(f"--set {problem} of {shapes.name}")
 
 
-def _plan_writes(output_dir: Path, files: dict[str, str], *, force: bool) -> set[str]:
+def _plan_writes(output_dir: Path, files: dict[str, str | bytes], *, force: bool) -> set[str]:
     """Check every target before anything is written; return the relative paths that need writing."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output-dir {output_dir} is not a directory")
@@ -283,7 +285,7 @@ def _plan_writes(output_dir: Path, files: dict[str, str], *, force: bool) -> set
         if path.exists() or path.is_symlink():
             # Never blocks on a FIFO; a file that is not UTF-8 text simply differs.
             current = read_bytes(path, "existing file")
-            if current == text.encode("utf-8"):
+            if current == (text if isinstance(text, bytes) else text.encode("utf-8")):
                 continue
             if not force:
                 raise UserError(

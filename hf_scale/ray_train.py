@@ -9,13 +9,16 @@ and train.py resumes from the newest complete checkpoint there (``--resume_from_
 the flags already say where to resume from).
 
 Ray is an optional dependency (``pip install 'hf-scale[ray]'``). Without RAY_ADDRESS or --ray_address a local Ray
-instance is started; --ray_node_ip pins the address that Ray (and so the workers' rendezvous, Ray's MASTER_ADDR) use,
-e.g. 127.0.0.1 to keep a one-machine run on the loopback interface.
+instance is started; --ray_node_ip pins the address that Ray (and so the workers' rendezvous, Ray's MASTER_ADDR) use.
+A loopback address (127.0.0.1, localhost) keeps a one-machine run on the loopback interface: Ray itself would replace
+it with the machine's network address (a node other machines can reach), so hf_scale turns Ray's cluster mode off for
+that instance (LOCAL_ONLY_ENV). Gloo picks its own interface: set GLOO_SOCKET_IFNAME=lo too.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -26,6 +29,10 @@ from hf_scale.exit_codes import EXIT_PREEMPTED
 
 PROG = "python -m hf_scale.ray_train"
 DEFAULT_MAX_FAILURES = 3
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch for cluster mode (read when ray is imported; its name is historical: off is how Ray runs on laptops).
+Off, the node's address is 127.0.0.1 for the raylet, every worker and Ray Train's MASTER_ADDR; on (Linux's default),
+ray.init(_node_ip_address="127.0.0.1") is turned into the machine's network address."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,8 +116,21 @@ def scaling(cfg: DistributedConfig, cluster_gpus: float) -> dict:
             "resources_per_worker": {"GPU": 1} if use_gpu else {"CPU": 1}}
 
 
+def local_only_env(address: str, node_ip: str | None) -> dict[str, str]:
+    """What the environment needs before ray is imported: cluster mode off for a new local instance on loopback."""
+    if address != "local" or node_ip is None:
+        return {}
+    try:
+        loopback = node_ip == "localhost" or ipaddress.ip_address(node_ip).is_loopback
+    except ValueError:  # a host name: Ray resolves it
+        loopback = False
+    return {LOCAL_ONLY_ENV: "0"} if loopback else {}
+
+
 def run(argv: list[str]) -> int:
     ns, cfg, train_args = parse(argv)
+    address = ns.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+    os.environ.update(local_only_env(address, ns.ray_node_ip))  # before `import ray`, which reads it
     try:
         import ray
         from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -118,8 +138,7 @@ def run(argv: list[str]) -> int:
     except ImportError:
         raise UserError("Ray is not installed: pip install 'hf-scale[ray]'") from None
 
-    init: dict = {"address": ns.ray_address or os.environ.get("RAY_ADDRESS") or "local",
-                  "include_dashboard": False, "log_to_driver": True}
+    init: dict = {"address": address, "include_dashboard": False, "log_to_driver": True}
     if init["address"] == "local":
         if ns.ray_node_ip:
             init["_node_ip_address"] = ns.ray_node_ip

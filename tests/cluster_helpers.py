@@ -1,8 +1,12 @@
-"""Shared by the cluster-target tests: generating every target for a config."""
+"""Shared by the cluster-target tests: generating every target for a config, and keeping their traffic on the
+loopback interface (and proving it)."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
+
+import psutil
 
 from hf_scale.cli import main
 
@@ -15,6 +19,9 @@ CONFIGS = {
                         "cluster.train_args=[--max_steps, '100', --dataset, /data/a b.jsonl]"]),
     "fsdp": ("fsdp2_hybrid_multinode", ["topology.main_process_ip=node-0"]),
 }
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
+"""gloo's interface: by default gloo takes the interface of the host name's address (this machine's network
+address), so two "nodes" on one machine would talk over it; the rendezvous address alone does not keep it on lo."""
 
 
 def generate_all(root: Path, name: str, targets: str = "kubeflow,pytorchjob,skypilot,ray,docker") -> Path:
@@ -24,3 +31,34 @@ def generate_all(root: Path, name: str, targets: str = "kubeflow,pytorchjob,skyp
     assert main(["generate", "--preset", preset, *args, "--name", name, "--targets", targets,
                  "--output-dir", str(root)]) == 0
     return root
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+class Connections:
+    """The established TCP connections of process trees, sampled while they run: (local, remote) addresses."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+
+    def sample(self, pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                root = psutil.Process(pid)
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:  # it ended meanwhile
+                continue
+            for process in tree:
+                try:
+                    connections = process.net_connections(kind="inet")
+                except psutil.Error:
+                    continue
+                self.seen |= {(c.laddr.ip, c.raddr.ip) for c in connections
+                              if c.status == psutil.CONN_ESTABLISHED and c.raddr}
+
+    def off_loopback(self) -> list[tuple[str, str]]:
+        return sorted(pair for pair in self.seen if not all(map(_loopback, pair)))

@@ -1,5 +1,6 @@
 """`python -m hf_scale.ray_train`: a real local Ray instance on 127.0.0.1, 2 workers over gloo, each running
-train.py's own train function. One Ray run, during which one worker is killed (SIGKILL) after the first checkpoint:
+train.py's own train function, gloo pinned to lo (every TCP connection of the workers is checked to be on the
+loopback interface). One Ray run, during which one worker is killed (SIGKILL) after the first checkpoint:
 Ray restarts the worker group, train.py resumes from the newest complete checkpoint, and every logged step's loss
 and the final weights equal a torchrun --nproc_per_node 2 run of the same config and flags. Parsing is tested in
 process."""
@@ -16,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from cluster_helpers import LOOPBACK_ENV, Connections
 from safetensors.torch import load_file
 from train_helpers import child_env, launcher_command, read_metrics, run_ok
 
@@ -57,6 +59,16 @@ def test_parse_adds_the_config_output_dir_and_resume(tmp_path):
         ray_train.parse(["--output_dir", "o"])
 
 
+def test_a_loopback_node_turns_rays_cluster_mode_off():
+    """Ray would replace 127.0.0.1 with the machine's network address (and hand that to the workers as MASTER_ADDR)
+    unless its cluster mode is off; the two-worker test below proves the traffic then stays on loopback."""
+    assert ray_train.local_only_env("local", "127.0.0.1") == {ray_train.LOCAL_ONLY_ENV: "0"}
+    assert ray_train.local_only_env("local", "localhost") == {ray_train.LOCAL_ONLY_ENV: "0"}
+    assert ray_train.local_only_env("local", "10.0.0.5") == {}
+    assert ray_train.local_only_env("local", None) == {}
+    assert ray_train.local_only_env("ray://head:10001", "127.0.0.1") == {}  # an existing cluster: its own settings
+
+
 def _ray_workers() -> list[psutil.Process]:
     """The Ray Train worker processes (their process title names the actor)."""
     found = []
@@ -78,7 +90,8 @@ def test_two_ray_workers_train_like_torchrun_and_survive_a_killed_worker(tmp_pat
 
     output = tmp_path / "ray"
     env = child_env()
-    env.update(RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0", PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+    env.update(LOOPBACK_ENV, RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0",
+               PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
     env.pop("RAY_ADDRESS", None)
     # The generated driver script, on a new local Ray instance bound to the loopback address (its MASTER_ADDR).
     driver = subprocess.Popen(
@@ -94,6 +107,9 @@ def test_two_ray_workers_train_like_torchrun_and_survive_a_killed_worker(tmp_pat
             time.sleep(0.05)
         workers = _ray_workers()
         assert len(workers) == 2
+        connections = Connections()
+        connections.sample([worker.pid for worker in workers])  # mid-run: the process group is connected
+        assert connections.seen and not connections.off_loopback(), connections.seen
         workers[1].send_signal(signal.SIGKILL)  # a lost worker: Ray restarts the whole group
         assert not (output / "model.safetensors").exists()  # killed mid-run, not after the end
         log, _ = driver.communicate(timeout=420)

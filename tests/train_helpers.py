@@ -54,6 +54,12 @@ def path_without_compilers(directory: Path) -> str:
     """A PATH of links to every program on PATH (and next to this interpreter) except compilers. ninja stays:
     on a machine without GPUs DeepSpeed loads its shared-memory comm op through torch's JIT loader, which
     runs ninja even when the build is cached (it then compiles nothing)."""
+    return path_without(directory, COMPILER)
+
+
+def path_without(directory: Path, left_out: re.Pattern) -> str:
+    """A PATH of links to every program on PATH (and next to this interpreter) whose name ``left_out`` does not
+    match: a machine without those programs."""
     directory.mkdir(parents=True, exist_ok=True)
     folders = [os.path.dirname(sys.executable), *os.environ.get("PATH", "").split(os.pathsep)]
     for folder in filter(os.path.isdir, folders):
@@ -61,7 +67,7 @@ def path_without_compilers(directory: Path) -> str:
             continue
         for entry in os.scandir(folder):
             target = directory / entry.name
-            if COMPILER.match(entry.name) or target.exists() or not os.access(entry.path, os.X_OK):
+            if left_out.match(entry.name) or target.exists() or not os.access(entry.path, os.X_OK):
                 continue
             if entry.is_file():
                 target.symlink_to(os.path.realpath(entry.path))

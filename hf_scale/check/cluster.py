@@ -1,35 +1,40 @@
 """`hf-scale check --manifest FILE`: a TrainJob, PyTorchJob or SkyPilot task (generated or hand-written, recognized
-by its content) against the accelerate YAML it runs, and against what a restartable job needs.
+by its content) against the configs of the run it starts, and against what a restartable job needs.
 
-`manifest-invalid`: the Kubernetes kinds are read with Kubeflow's own API models (kubeflow_trainer_api's TrainJob,
-the Training Operator SDK's PyTorchJob); a key they drop or a type they refuse is an error. `manifest-nodes`,
-`manifest-processes`: node count vs the YAML's num_machines, processes per node (numProcPerNode / nprocPerNode)
-vs num_processes / num_machines. `manifest-gpus`: GPUs per node (the GPU resource, the SkyPilot accelerator
-count) vs processes per node. `manifest-image`: the image has a version tag or digest (not `latest`, not none).
-`manifest-output-volume`: --output_dir is on a writable persistent volume (a PVC, a bucket in MOUNT mode), so a
-restarted node finds the checkpoints. `manifest-grace-period` (Kubernetes): terminationGracePeriodSeconds vs
-saving one checkpoint: measured from ``--checkpoint DIR`` (from its oldest file to its manifest, written last),
-else at least GRACE_FLOOR_S (the documented estimate: the rest of a step plus one save of a multi-GB state).
-`manifest-deepspeed-batch`: a DeepSpeed JSON's concrete `train_batch_size` against the world size the manifest
-starts (nodes x processes per node): DeepSpeed asserts train_batch_size = micro batch x accumulation x world size
-at start, on the cluster, after the job has queued.
+The configs: the accelerate YAML and the hf_scale config given to check, and the files the manifest's command names
+where they can be found here (``accelerate launch --config_file``, ``--hf_scale_config``, a DeepSpeed JSON, a
+generated ``launch/NAME.node.sh``'s hf_scale config: hf_scale.check.manifest_facts); each is compared.
+
+`manifest-invalid`: the platform's own definitions refuse the manifest (Kubeflow's API models, SkyPilot's schemas:
+hf_scale.check.manifest_schema). `manifest-nodes`, `manifest-processes`: node count vs num_machines /
+topology.num_machines, processes per node (the command's launcher count, else numProcPerNode / nprocPerNode) vs
+num_processes / num_machines or topology.processes_per_machine. `manifest-gpus`: GPUs per node (the GPU resource,
+the SkyPilot accelerator count) vs processes per node. `manifest-image`: the image has a version tag or digest (not
+`latest`, not none). `manifest-output-volume`: --output_dir is on a writable persistent volume (a PVC, a bucket in
+MOUNT mode), so a restarted node finds the checkpoints. `manifest-grace-period` (Kubernetes):
+terminationGracePeriodSeconds vs saving one checkpoint: measured from ``--checkpoint DIR`` (from its oldest file to
+its manifest, written last), else at least GRACE_FLOOR_S (the documented estimate: the rest of a step plus one save
+of a multi-GB state). `manifest-deepspeed-batch`: a DeepSpeed JSON's concrete `train_batch_size` against the world
+size the manifest starts (nodes x processes per node): DeepSpeed asserts train_batch_size = micro batch x
+accumulation x world size at start, on the cluster, after the job has queued.
 """
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hf_scale.check.batch import deepspeed_accepts_batch
 from hf_scale.check.findings import ERROR, WARNING, Finding
+from hf_scale.check.manifest_facts import Facts, manifest_facts, named_files, output_dir
+from hf_scale.check.manifest_schema import manifest_problem
 from hf_scale.cluster_config import image_problem
 from hf_scale.errors import UserError
 
 GRACE_FLOOR_S = 120
 """Without a measured save: the least grace period we call safe (Kubernetes' default, 30 s, is not)."""
-KUBERNETES_DEFAULT_GRACE_S = 30
 GRACE_MARGIN = 2.0
 """The grace period must cover the measured save this many times (the step in progress, a slower filesystem)."""
 
@@ -43,103 +48,6 @@ def manifest_kind(data: Any) -> str:
     raise UserError("the manifest is neither a TrainJob, a PyTorchJob (kind:) nor a SkyPilot task (run:, num_nodes:)")
 
 
-def _model_problem(kind: str, data: dict) -> str | None:
-    """What Kubeflow's API models refuse or drop; None when they read the manifest back unchanged."""
-    try:
-        if kind == "TrainJob":
-            from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
-
-            back = TrainerV1alpha1TrainJob.from_dict(data).to_dict()
-        elif kind == "PyTorchJob":
-            from kubeflow.training.api_client import ApiClient
-
-            client = ApiClient()
-            # The SDK's OpenAPI marks runPolicy required (Go's inline struct); the CRD defaults it, and most
-            # hand-written jobs leave it out: read it as the operator would.
-            spec = data.get("spec")
-            if isinstance(spec, dict) and "runPolicy" not in spec:
-                data = {**data, "spec": {**spec, "runPolicy": {}}}
-            back = client.sanitize_for_serialization(client._ApiClient__deserialize(data, "KubeflowOrgV1PyTorchJob"))
-        else:
-            return None
-    except ImportError:
-        raise UserError(f"checking a {kind} needs Kubeflow's API models: pip install 'hf-scale[k8s]'") from None
-    except (ValueError, TypeError) as error:
-        return " ".join(str(error).split())[:300]
-    lost = _first_difference(data, back)
-    return f"{lost} is not a field of the {kind} API (a misspelled key is dropped silently)" if lost else None
-
-
-def _first_difference(want: Any, got: Any, where: str = "") -> str | None:
-    if isinstance(want, dict) and isinstance(got, dict):
-        for key, value in want.items():
-            if key not in got:
-                return f"{where}.{key}".lstrip(".")
-            found = _first_difference(value, got[key], f"{where}.{key}")
-            if found:
-                return found
-    elif isinstance(want, list) and isinstance(got, list):
-        for index, (a, b) in enumerate(zip(want, got, strict=False)):
-            found = _first_difference(a, b, f"{where}[{index}]")
-            if found:
-                return found
-    return None
-
-
-def _pods(kind: str, data: dict) -> list[dict]:
-    spec = data.get("spec") or {}
-    if kind == "PyTorchJob":
-        return [(replica.get("template") or {}).get("spec") or {} for replica in
-                (spec.get("pytorchReplicaSpecs") or {}).values()]
-    pods = []
-    for patch in spec.get("runtimePatches") or []:
-        jobset = ((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {}
-        for job in jobset.get("replicatedJobs") or []:
-            pod = (((job.get("template") or {}).get("spec") or {}).get("template") or {}).get("spec")
-            if pod:
-                pods.append(pod)
-    return pods
-
-
-def _facts(kind: str, data: dict) -> dict[str, Any]:
-    """Nodes, processes and GPUs per node, image, container args, the grace period, writable persistent mounts."""
-    spec = data.get("spec") or {}
-    if kind == "SkyPilot":
-        resources = data.get("resources") or {}
-        accelerators = str(resources.get("accelerators") or "")
-        gpus = int(accelerators.rpartition(":")[2]) if accelerators.rpartition(":")[2].isdigit() else (
-            1 if accelerators else None)
-        mounts = [path for path, mount in (data.get("file_mounts") or {}).items()
-                  if isinstance(mount, dict) and str(mount.get("mode", "MOUNT")).upper() in ("MOUNT", "MOUNT_CACHED")]
-        return {"nodes": data.get("num_nodes", 1), "procs": None, "gpus": gpus, "image": None,
-                "args": shlex.split(str(data.get("run") or ""), comments=True), "grace": None, "mounts": mounts}
-    pods = _pods(kind, data)
-    if kind == "TrainJob":
-        trainer = spec.get("trainer") or {}
-        container = trainer
-        nodes, procs = trainer.get("numNodes"), trainer.get("numProcPerNode")
-        resources = trainer.get("resourcesPerNode") or {}
-        containers = [c for pod in pods for c in pod.get("containers") or []]
-    else:
-        replicas = spec.get("pytorchReplicaSpecs") or {}
-        nodes = sum(int(replica.get("replicas", 1)) for replica in replicas.values())
-        procs = spec.get("nprocPerNode")
-        containers = [c for pod in pods for c in pod.get("containers") or []]
-        container = containers[0] if containers else {}
-        resources = container.get("resources") or {}
-    gpu_counts = [int(str(v)) for k, v in (resources.get("limits") or resources.get("requests") or {}).items()
-                  if "gpu" in k.lower() and str(v).isdigit()]
-    claims = {v.get("name") for pod in pods for v in pod.get("volumes") or [] if v.get("persistentVolumeClaim")}
-    mounts = [m.get("mountPath") for c in containers for m in c.get("volumeMounts") or []
-              if m.get("name") in claims and not m.get("readOnly")]
-    graces = [pod.get("terminationGracePeriodSeconds") for pod in pods]
-    return {"nodes": nodes, "procs": int(procs) if str(procs).isdigit() else None,
-            "gpus": gpu_counts[0] if gpu_counts else None, "image": container.get("image"),
-            "args": [*(container.get("command") or []), *(container.get("args") or [])],
-            "grace": min((g for g in graces if isinstance(g, int)), default=KUBERNETES_DEFAULT_GRACE_S),
-            "mounts": mounts}
-
-
 def _count(value: Any) -> int | None:
     """A count as `accelerate launch` reads it (int()), None when it is none (`auto`, a word: other findings)."""
     try:
@@ -148,11 +56,37 @@ def _count(value: Any) -> int | None:
         return None
 
 
-def _deepspeed_batch(path: str, kind: str, facts: dict[str, Any], deepspeed: dict) -> Iterator[Finding]:
+@dataclass(frozen=True)
+class Reference:
+    """One config of the run the manifest starts: its sizes."""
+
+    label: str
+    """e.g. "the accelerate config a.yaml", "the hf_scale config x.yaml (named by job.yaml's command as ...)"."""
+    key: str
+    nodes: int | None
+    per_node: int | None
+    cpu: bool = False
+
+
+def accelerate_reference(label: str, data: dict) -> Reference:
+    machines = _count(data.get("num_machines", 1)) or 1
+    # `num_processes: auto` (one per GPU, torchrun's choice) or a value the YAML checks report: nothing to compare.
+    processes = _count(data.get("num_processes", 1))
+    return Reference(f"the accelerate config {label}", "accelerate", machines,
+                     processes // machines if processes else None, data.get("use_cpu") is True)
+
+
+def hf_scale_reference(label: str, cfg: Any) -> Reference:
+    topology = cfg.topology
+    return Reference(f"the hf_scale config {label}", "hf_scale", topology.num_machines,
+                     topology.processes_per_machine)
+
+
+def _deepspeed_batch(path: str, kind: str, facts: Facts, deepspeed: dict, label: str) -> Iterator[Finding]:
     """DeepSpeed's start-up assertion, train_batch_size == micro x accumulation x world size, with the world size
     this manifest starts; "auto" values are resolved by the Trainer from the real world size (nothing to compare)."""
-    per_node = facts["procs"] or facts["gpus"]
-    nodes = _count(facts["nodes"])
+    per_node = facts.procs or facts.gpus
+    nodes = _count(facts.nodes)
     batch = _count(deepspeed.get("train_batch_size"))
     if not (per_node and nodes and batch):
         return
@@ -167,9 +101,34 @@ def _deepspeed_batch(path: str, kind: str, facts: dict[str, Any], deepspeed: dic
     else:
         return
     yield Finding(ERROR, "manifest-deepspeed-batch", path, "train_batch_size",
-                  f"{kind} starts {world} processes and the DeepSpeed config says {problem}: DeepSpeed stops at start",
-                  'set train_batch_size (and the micro batch / accumulation) to "auto", or to values whose product '
-                  "is this world size's", {f"{path}:world_size": world, "deepspeed:train_batch_size": batch})
+                  f"{kind} starts {world} processes and the DeepSpeed config{label} says {problem}: DeepSpeed stops "
+                  "at start", 'set train_batch_size (and the micro batch / accumulation) to "auto", or to values '
+                  "whose product is this world size's",
+                  {f"{path}:world_size": world, "deepspeed:train_batch_size": batch})
+
+
+def _size_findings(path: str, kind: str, facts: Facts, ref: Reference) -> Iterator[Finding]:
+    """`manifest-nodes`, `manifest-processes`, `manifest-gpus` against one config."""
+    where = {"TrainJob": "spec.trainer", "PyTorchJob": "spec", "SkyPilot": "resources"}[kind]
+    per_machine = ref.per_node
+    nodes = [count for count in (_count(facts.nodes), facts.launcher_nodes) if count is not None]
+    wrong = next((count for count in nodes if count != ref.nodes), None) if ref.nodes is not None else None
+    if wrong is not None or (ref.nodes is not None and not nodes):
+        yield Finding(ERROR, "manifest-nodes", path, "numNodes/replicas/num_nodes",
+                      f"{kind} runs {wrong if wrong is not None else facts.nodes} node(s); {ref.label} has "
+                      f"{ref.nodes}", "make them equal (world size = nodes x processes per node)",
+                      {f"{path}:nodes": wrong if wrong is not None else facts.nodes, f"{ref.key}:nodes": ref.nodes})
+    if None not in (facts.procs, per_machine) and facts.procs != per_machine:
+        yield Finding(ERROR, "manifest-processes", path, f"{where} processes per node",
+                      f"{kind} starts {facts.procs} process(es) per node ({facts.procs_where}); {ref.label} has "
+                      f"{per_machine} per machine", "make them equal",
+                      {f"{path}:processes": facts.procs, f"{ref.key}:per_machine": per_machine})
+    if None not in (facts.gpus, per_machine) and facts.gpus != per_machine and not ref.cpu:
+        yield Finding(ERROR, "manifest-gpus", path, f"{where} GPUs",
+                      f"{kind} gives each node {facts.gpus} GPU(s); {ref.label} has {per_machine} process(es) "
+                      "per machine",
+                      "one GPU per process: set the GPU count to the processes per machine",
+                      {f"{path}:gpus": facts.gpus, f"{ref.key}:per_machine": per_machine})
 
 
 def measured_save_seconds(checkpoint_dir: Path) -> float:
@@ -183,62 +142,78 @@ def measured_save_seconds(checkpoint_dir: Path) -> float:
     return max(0.0, manifest.stat().st_mtime - min(f.stat().st_mtime for f in files))
 
 
-def check_manifest(path: str, data: Any, accelerate: dict | None, *, save_seconds: float | None = None,
-                   deepspeed: dict | None = None) -> Iterator[Finding]:
+def _named_references(path: str, facts: Facts, known: set[Path]) -> tuple[list[Reference], dict | None, str]:
+    """The configs the manifest's command names and that exist here (skipping those already given), and its
+    DeepSpeed JSON with a label, if it names one."""
+    from hf_scale.config import load_config
+    from hf_scale.inputs import load_json, load_yaml, read_text
+
+    references, deepspeed, ds_label = [], None, ""
+    for kind, (written, file) in named_files(facts, Path(path)).items():
+        if file.resolve() in known:
+            continue
+        label = f"{file} (the command's {written})"
+        if kind == "accelerate":
+            data = load_yaml(read_text(file, "check:"), f"check: {file}")
+            if isinstance(data, dict):
+                references.append(accelerate_reference(label, data))
+        elif kind == "hf_scale":
+            references.append(hf_scale_reference(label, load_config(file)))
+        else:
+            data = load_json(read_text(file, "check:"), f"check: {file}")
+            deepspeed, ds_label = (data, f" {file}") if isinstance(data, dict) else (None, "")
+    return references, deepspeed, ds_label
+
+
+def check_manifest(path: str, data: Any, references: list[Reference], *, save_seconds: float | None = None,
+                   deepspeed: dict | None = None, given_files: tuple[str, ...] = ()) -> Iterator[Finding]:
     """`manifest-invalid`, `manifest-nodes`, `manifest-processes`, `manifest-gpus`, `manifest-image`,
-    `manifest-output-volume`, `manifest-grace-period`, `manifest-deepspeed-batch`: see the module docstring."""
+    `manifest-output-volume`, `manifest-grace-period`, `manifest-deepspeed-batch`: see the module docstring.
+    ``references``: the configs given to check; ``given_files`` their paths (a file the command names too is
+    compared once)."""
     kind = manifest_kind(data)
-    problem = _model_problem(kind, data)
+    problem = manifest_problem(kind, data)
     if problem:
-        yield Finding(ERROR, "manifest-invalid", path, kind, problem, f"fix the {kind} (kubectl would refuse it)")
-    facts = _facts(kind, data)
-    if deepspeed is not None:
-        yield from _deepspeed_batch(path, kind, facts, deepspeed)
-    where = {"TrainJob": "spec.trainer", "PyTorchJob": "spec", "SkyPilot": "resources"}[kind]
-    if accelerate is not None:
-        machines = _count(accelerate.get("num_machines", 1)) or 1
-        # `num_processes: auto` (one per GPU, torchrun's choice) or a value the YAML checks report: nothing to compare.
-        processes = _count(accelerate.get("num_processes", 1))
-        per_machine = processes // machines if processes else None
-        if facts["nodes"] != machines:
-            yield Finding(ERROR, "manifest-nodes", path, "numNodes/replicas/num_nodes",
-                          f"{kind} runs {facts['nodes']} node(s), the accelerate config num_machines={machines}",
-                          "make them equal (world size = nodes x processes per node)",
-                          {f"{path}:nodes": facts["nodes"], "accelerate:num_machines": machines})
-        if None not in (facts["procs"], per_machine) and facts["procs"] != per_machine:
-            yield Finding(ERROR, "manifest-processes", path, f"{where} processes per node",
-                          f"{kind} starts {facts['procs']} process(es) per node, the accelerate config "
-                          f"{per_machine} (num_processes / num_machines)", "make them equal",
-                          {f"{path}:processes": facts["procs"], "accelerate:per_machine": per_machine})
-        if None not in (facts["gpus"], per_machine) and facts["gpus"] != per_machine and accelerate.get(
-                "use_cpu") is not True:
-            yield Finding(ERROR, "manifest-gpus", path, f"{where} GPUs",
-                          f"{kind} gives each node {facts['gpus']} GPU(s) for {per_machine} process(es)",
-                          "one GPU per process: set the GPU count to the processes per machine",
-                          {f"{path}:gpus": facts["gpus"], "accelerate:per_machine": per_machine})
+        fix = "kubectl would refuse it" if kind != "SkyPilot" else "sky launch would refuse it"
+        yield Finding(ERROR, "manifest-invalid", path, kind, problem, f"fix the {kind} ({fix})")
+    try:
+        facts = manifest_facts(kind, data)
+    except (AttributeError, TypeError, ValueError):
+        if problem:  # a structure the platform refuses (reported above) has nothing more to compare
+            return
+        raise UserError(f"--manifest {path}: its {kind} structure cannot be read (a mapping or list where the "
+                        "other is expected?)") from None
+    named, named_deepspeed, ds_label = _named_references(path, facts, {Path(f).resolve() for f in given_files})
+    if deepspeed is not None or named_deepspeed is not None:
+        yield from _deepspeed_batch(path, kind, facts, deepspeed if deepspeed is not None else named_deepspeed,
+                                    "" if deepspeed is not None else ds_label)
+    compared = set()
+    for reference in [*references, *named]:
+        sizes = (reference.nodes, reference.per_node, reference.cpu)
+        if sizes not in compared:  # configs that agree (a generated YAML and its hf_scale config): one finding
+            compared.add(sizes)
+            yield from _size_findings(path, kind, facts, reference)
     if kind != "SkyPilot":
-        image = facts["image"] or ""
+        image = facts.image or ""
         image_issue = image_problem(image) if image else "is missing"
         if image_issue:
             yield Finding(ERROR, "manifest-image", path, "image", f"image {image!r} {image_issue}",
                           "use a pinned image, e.g. registry.example.com/team/hf-scale:0.1.0")
-    args = facts["args"]
-    output = next((arg.split("=", 1)[1] if "=" in arg else args[i + 1] for i, arg in enumerate(args)
-                   if arg.split("=")[0] == "--output_dir" and ("=" in arg or i + 1 < len(args))), None)
+    output = output_dir(facts.args)
     on_volume = output is not None and any(
-        mount and (output == mount or output.startswith(mount.rstrip("/") + "/")) for mount in facts["mounts"])
+        mount and (output == mount or output.startswith(mount.rstrip("/") + "/")) for mount in facts.mounts)
     if not on_volume:
         yield Finding(ERROR, "manifest-output-volume", path, "--output_dir",
                       f"--output_dir {output!r} is not on a writable persistent volume "
-                      f"({'mounts: ' + ', '.join(facts['mounts']) if facts['mounts'] else 'none mounted'}): "
+                      f"({'mounts: ' + ', '.join(facts.mounts) if facts.mounts else 'none mounted'}): "
                       "a restarted node would start afresh", "mount a PVC (Kubernetes) or a bucket in MOUNT mode "
                       "(SkyPilot) and put --output_dir under it")
-    if facts["grace"] is not None:
+    if facts.grace is not None:
         need = GRACE_MARGIN * save_seconds if save_seconds is not None else GRACE_FLOOR_S
-        if facts["grace"] < need:
+        if facts.grace < need:
             basis = (f"{GRACE_MARGIN:g} x the measured save of {save_seconds:.0f} s" if save_seconds is not None
                      else f"{GRACE_FLOOR_S} s (no --checkpoint to measure a save)")
             yield Finding(ERROR if save_seconds is not None else WARNING, "manifest-grace-period", path,
                           "terminationGracePeriodSeconds",
-                          f"a grace period of {facts['grace']} s may end before the checkpoint is saved; needs "
+                          f"a grace period of {facts.grace} s may end before the checkpoint is saved; needs "
                           f"{basis}", f"set terminationGracePeriodSeconds >= {need:.0f}")

@@ -182,18 +182,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_check, passthrough=[])
 
 
-def _manifest_findings(manifests: list[str], checkpoint: str | None, accelerate: dict | None,
-                       deepspeed: dict | None) -> list[Finding]:
+def _manifest_findings(manifests: list[str], checkpoint: str | None, inputs: CheckInputs,
+                       accelerate_file: str | None) -> list[Finding]:
+    """Each manifest against the configs given to check (the accelerate YAML, the hf_scale config) and those its
+    command names (hf_scale.check.cluster)."""
     from pathlib import Path
 
-    from hf_scale.check.cluster import check_manifest, measured_save_seconds
+    from hf_scale.check.cluster import accelerate_reference, check_manifest, hf_scale_reference, measured_save_seconds
     from hf_scale.inputs import load_yaml, read_text
 
+    references = []
+    if accelerate_file is not None:
+        references.append(accelerate_reference(accelerate_file, inputs.accelerate))
+    if inputs.hf_scale_config is not None:
+        references.append(hf_scale_reference(str(inputs.hf_scale_config_file), inputs.hf_scale_config))
+    given = tuple(str(f) for f in (accelerate_file, inputs.hf_scale_config_file, inputs.deepspeed_file) if f)
     save = measured_save_seconds(Path(checkpoint)) if checkpoint else None
     findings: list[Finding] = []
     for path in manifests:
         data = load_yaml(read_text(Path(path), "--manifest"), f"--manifest {path}")
-        findings += check_manifest(path, data, accelerate, save_seconds=save, deepspeed=deepspeed)
+        findings += check_manifest(path, data, references, save_seconds=save, deepspeed=inputs.deepspeed,
+                                   given_files=given)
     return findings
 
 
@@ -216,10 +225,10 @@ def run_check(args: argparse.Namespace) -> int:
         gpus_per_machine=args.gpus_per_machine,
         hf_scale_file=files.hf_scale,
     )
-    findings = run_checks(inputs) + _manifest_findings([*args.manifest, *files.manifests], args.checkpoint,
-                                                       inputs.accelerate if files.accelerate else None,
-                                                       inputs.deepspeed)
+    manifests = [*args.manifest, *files.manifests]
+    findings = run_checks(inputs) + _manifest_findings(manifests, args.checkpoint, inputs, files.accelerate)
     summary = summarize(inputs, findings)
+    summary["checked"] += manifests
     if args.json:
         payload = {"findings": [{**asdict(f), "where": f.where} for f in findings], "summary": summary}
         print(json.dumps(payload, indent=2, default=str))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hf_scale.config import DistributedConfig
-from hf_scale.generators import dockerfile, kubernetes, layout, node_entry, skypilot
+from hf_scale.generators import dockerfile, install, kubernetes, layout, node_entry, skypilot
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
 from hf_scale.generators.deepspeed_json import Mode, deepspeed_json
 from hf_scale.generators.launch import launch_files
@@ -31,13 +31,17 @@ TARGETS = ("kubeflow", "pytorchjob", "skypilot", "ray", "docker")
 """Cluster targets of `hf-scale generate --targets` (each writes its own files; see cluster_files)."""
 
 
-def cluster_files(cfg: DistributedConfig, name: str, targets: tuple[str, ...], *, header: str) -> dict[str, str]:
+def cluster_files(
+    cfg: DistributedConfig, name: str, targets: tuple[str, ...], *, header: str
+) -> dict[str, str | bytes]:
     """Relative path -> text for the cluster targets: the manifests, the node and Ray entry scripts and, for the
-    targets that run a container image, the Dockerfile that builds it."""
+    targets that run a container image, the Dockerfile that builds it; for those and SkyPilot (whose nodes
+    install from the synced directory), hf_scale itself as a source archive (bytes) with its pinned dependencies
+    (hf_scale.generators.install)."""
     unknown = [target for target in targets if target not in TARGETS]
     if unknown:
         raise ValueError(f"unknown target {unknown[0]!r}; allowed: {', '.join(TARGETS)}")
-    files: dict[str, str] = {}
+    files: dict[str, str | bytes] = {}
     if {"kubeflow", "pytorchjob", "skypilot"} & set(targets):
         files[layout.launch_file(f"{name}.node.sh")] = node_entry.node_script(cfg, name, header=header)
     if "kubeflow" in targets:
@@ -51,21 +55,24 @@ def cluster_files(cfg: DistributedConfig, name: str, targets: tuple[str, ...], *
     if {"kubeflow", "pytorchjob", "docker"} & set(targets):
         files[layout.DOCKERFILE] = dockerfile.dockerfile(cfg, header=header)
         files[layout.DOCKERIGNORE] = dockerfile.dockerignore()
-        files[dockerfile.REQUIREMENTS_FILE] = dockerfile.requirements()
+    if {"kubeflow", "pytorchjob", "docker", "skypilot"} & set(targets):
+        files[layout.REQUIREMENTS_FILE] = install.requirements()
+        files[layout.SOURCE_ARCHIVE] = install.source_archive()
     return files
 
 
 def render_files(
     cfg: DistributedConfig, *, name: str, deepspeed_mode: Mode, header: str, recipe: bool = False,
     targets: tuple[str, ...] = (), train_flags: dict | None = None,
-) -> dict[str, str]:
-    """Relative path (under the output directory) -> file text, for everything ``hf-scale generate`` writes.
+) -> dict[str, str | bytes]:
+    """Relative path (under the output directory) -> file text (bytes for the one binary file, hf_scale's source
+    archive), for everything ``hf-scale generate`` writes.
 
     ``header`` (plain text, one or more lines) is written as a comment at the top of the YAMLs and the scripts.
     ``recipe``: also a starter train.py recipe, ``recipes/NAME.yaml``, with ``train_flags`` (the plan's LoRA/QLoRA
     choice) in it. ``targets``: cluster targets (TARGETS).
     """
-    files: dict[str, str] = {}
+    files: dict[str, str | bytes] = {}
     ds_file = None
     if cfg.strategy == "deepspeed":
         ds_file = layout.deepspeed_config(name)

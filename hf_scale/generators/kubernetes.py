@@ -7,10 +7,13 @@ directory lives on a PersistentVolumeClaim mounted at ``cluster.output_dir`` so 
 the newest complete checkpoint; ``terminationGracePeriodSeconds`` gives the training time to save it after SIGTERM.
 The pods run as the image's non-root user, with that user's group owning the volume (fsGroup).
 
+Every container gets ``env``: HF_HOME on the volume (a restarted pod finds the model it downloaded), then the
+config's ``cluster.env`` (NCCL settings and the like), which may override it.
+
 Restarts: a PyTorchJob restarts a failed container in place (``restartPolicy: OnFailure``: exit 75 after a
 checkpoint counts as a failure) up to ``runPolicy.backoffLimit`` times, and recreates pods lost with their node.
-A TrainJob's restart policy belongs to its runtime (the ClusterTrainingRuntime's JobSet failurePolicy and Jobs'
-backoffLimit), which a TrainJob cannot change: the header says so.
+A TrainJob cannot say whether it is restarted: that is its runtime's (the ClusterTrainingRuntime's JobSet
+``failurePolicy.maxRestarts``), and runtimePatches reach only the pods. The header says so, and what to do.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ PYTORCHJOB_API = "kubeflow.org/v1"
 MANAGER = "hf-scale"
 """runtimePatches' manager: who owns the patch (the TrainJob API keys patches by it)."""
 OUTPUT_VOLUME = "output"
+HF_CACHE = ".cache/huggingface"
+"""HF_HOME under cluster.output_dir: one download per volume, kept across restarts."""
 
 
 def job_name(name: str) -> str:
@@ -48,6 +53,12 @@ def node_command(cfg: DistributedConfig, name: str) -> tuple[list[str], list[str
     script = f"{DEFAULT_IMAGE_HOME}/{layout.launch_file(f'{name}.node.sh')}"
     output = f"{cfg.cluster.output_dir.rstrip('/')}/{name}"
     return ["bash", script], ["--output_dir", output, *cfg.cluster.train_args]
+
+
+def node_env(cfg: DistributedConfig) -> list[dict[str, str]]:
+    """The containers' env: HF_HOME on the output volume, then cluster.env (which may override it)."""
+    env = {"HF_HOME": f"{cfg.cluster.output_dir.rstrip('/')}/{HF_CACHE}", **cfg.cluster.env}
+    return [{"name": name, "value": value} for name, value in env.items()]
 
 
 def _gpus(cfg: DistributedConfig) -> dict[str, Any]:
@@ -100,6 +111,7 @@ def trainjob(cfg: DistributedConfig, name: str) -> dict[str, Any]:
                 "resourcesPerNode": _gpus(cfg),
                 "command": command,
                 "args": args,
+                "env": node_env(cfg),
             },
             "runtimePatches": [{
                 "manager": MANAGER,
@@ -121,6 +133,7 @@ def pytorchjob(cfg: DistributedConfig, name: str) -> dict[str, Any]:
         "image": _require_image(cfg, "pytorchjob"),
         "command": command,
         "args": args,
+        "env": node_env(cfg),
         "resources": _gpus(cfg),
         # The operator reads MASTER_PORT from this port of the Master's container.
         "ports": [{"name": "pytorchjob-port", "containerPort": cfg.topology.main_process_port}],
@@ -158,8 +171,11 @@ def trainjob_yaml(cfg: DistributedConfig, name: str, *, header: str) -> str:
 Needs the image {cfg.cluster.image} (built from the generated Dockerfile) and a ReadWriteMany
 PersistentVolumeClaim {cfg.cluster.kubernetes.output_claim} in namespace {cfg.cluster.kubernetes.namespace}.
 Preemption: SIGTERM -> checkpoint -> exit 75 within terminationGracePeriodSeconds; a restarted pod resumes from
-{cfg.cluster.output_dir}/{name}. How often pods are restarted is the runtime's (its JobSet failurePolicy.maxRestarts):
-a TrainJob cannot set it."""
+{cfg.cluster.output_dir}/{name}. Whether pods are restarted at all is NOT set by this file (a TrainJob cannot set it):
+it is the runtime's JobSet failurePolicy.maxRestarts. See yours with
+  kubectl get clustertrainingruntime {cfg.cluster.kubernetes.runtime} -o yaml
+Without a failurePolicy a preempted TrainJob ends Failed: delete it and apply this file again; the new pods resume
+from the volume. To have it restart by itself, set failurePolicy.maxRestarts in the runtime (an administrator's)."""
     return _manifest(header, usage, trainjob(cfg, name))
 
 

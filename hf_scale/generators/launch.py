@@ -98,11 +98,35 @@ launcher=""
 repeater=""
 stop_requested=0
 trap 'if [ -n "$repeater" ]; then kill "$repeater" 2>/dev/null || true; fi; rm -rf -- "$status_dir"' EXIT
+# Every process with its parent, "PID PPID" per line: read from /proc on Linux (no procps needed: slim and
+# CUDA base images ship without pgrep/ps), from POSIX ps elsewhere (macOS). One snapshot per stop request.
+process_table() {{
+  local stat line pid rest
+  if [ -r /proc/self/stat ]; then
+    for stat in /proc/[0-9]*/stat; do
+      {{ read -r line <"$stat"; }} 2>/dev/null || continue  # the process may have ended meanwhile
+      pid=${{stat#/proc/}}
+      rest=${{line##*) }}  # after "PID (COMM) ": COMM may itself hold spaces and parentheses
+      rest=${{rest#* }}    # after the state letter: the parent's PID comes first
+      echo "${{pid%/stat}} ${{rest%% *}}"
+    done
+  else
+    ps -A -o pid= -o ppid= 2>/dev/null || true
+  fi
+}}
+# Every descendant of $1 (children, grandchildren, ...): torchrun's workers run in sessions of their own, so a
+# signal to a process group would miss them; walking the parent links finds them all.
 descendants() {{
-  local child
-  for child in $(pgrep -P "$1" || true); do
-    echo "$child"
-    descendants "$child"
+  local table pid ppid found=" $1 " added=1
+  table=$(process_table)
+  while [ "$added" -eq 1 ]; do
+    added=0
+    while read -r pid ppid; do
+      case "$found" in
+        *" $pid "*) ;;
+        *" $ppid "*) found+="$pid "; echo "$pid"; added=1 ;;
+      esac
+    done <<<"$table"
   done
 }}
 forward_stop() {{
@@ -131,8 +155,8 @@ request_stop() {{
 }}
 trap request_stop TERM USR1
 trap 'if [ -n "$launcher" ]; then kill -INT "$launcher" 2>/dev/null || true; fi' INT
-if ! command -v pgrep >/dev/null; then
-  echo "hf-scale: warning: pgrep (procps) not found: stop requests cannot reach the training processes" >&2
+if [ ! -r /proc/self/stat ] && ! command -v ps >/dev/null; then
+  echo "hf-scale: warning: neither /proc nor ps: stop requests cannot reach the training processes" >&2
 fi
 (trap '' USR1; exec "${{{launch}[@]}}" "${{train[@]}}" {train_args}"$@") &
 launcher=$!

@@ -32,3 +32,7 @@ def recipe(name: str) -> str:
 DOCKERFILE = "Dockerfile"
 """The image's Dockerfile, at the top of the output directory (the generated files are its build context)."""
 DOCKERIGNORE = ".dockerignore"
+SOURCE_ARCHIVE = "hf-scale-source.tar.gz"
+"""hf_scale itself, packed by `hf-scale generate` for the image and the SkyPilot nodes (hf_scale.generators.install)."""
+REQUIREMENTS_FILE = "hf-scale-requirements.txt"
+"""hf_scale's dependencies, pinned (installed with SOURCE_ARCHIVE)."""

@@ -2,7 +2,9 @@
 that survives spot preemption).
 
 SkyPilot syncs the generated directory (``workdir: .``: launch it from the output directory of `hf-scale
-generate`) to every node, ``setup`` installs hf_scale there, and ``run`` starts ``launch/NAME.node.sh`` on each of
+generate`) to every node, ``setup`` installs hf_scale from it (``hf-scale-source.tar.gz``, the hf_scale that
+generated the files, with its pinned dependencies: hf_scale.generators.install; never from a package index),
+and ``run`` starts ``launch/NAME.node.sh`` on each of
 ``num_nodes`` nodes, which reads SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS / SKYPILOT_NUM_NODES /
 SKYPILOT_NUM_GPUS_PER_NODE (hf_scale.generators.node_entry). Checkpoints go to a bucket mounted at
 ``cluster.output_dir``: a managed job recovered on new nodes (preemption, or exit 75 after a stop request, listed
@@ -16,15 +18,12 @@ from typing import Any
 
 import yaml
 
-from hf_scale import __version__
 from hf_scale.config import DistributedConfig
 from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.generators import layout
+from hf_scale.generators.install import REQUIREMENTS_FILE, SOURCE_ARCHIVE, pip_install
 from hf_scale.generators.kubernetes import job_name
 from hf_scale.generators.launch import _check_name
-
-HF_SCALE_SPEC_ENV = "HF_SCALE_SPEC"
-"""The pip requirement `setup` installs hf_scale from (override with `--env HF_SCALE_SPEC=...`)."""
 
 
 def sky_task(cfg: DistributedConfig, name: str) -> dict[str, Any]:
@@ -46,8 +45,8 @@ def sky_task(cfg: DistributedConfig, name: str) -> dict[str, Any]:
         },
         "workdir": ".",
         "file_mounts": {cluster.output_dir: {"name": sky.bucket, "mode": "MOUNT"}},
-        "envs": {HF_SCALE_SPEC_ENV: f"hf-scale=={__version__}"},
-        "setup": f'python -m pip install "${HF_SCALE_SPEC_ENV}"',
+        **({"envs": dict(cluster.env)} if cluster.env else {}),
+        "setup": pip_install(),
         "run": run,
     }
 
@@ -56,7 +55,7 @@ def sky_yaml(cfg: DistributedConfig, name: str, *, header: str) -> str:
     usage = f"""Launch from the directory holding launch/ (workdir: . is synced to every node):
   sky jobs launch launch/{name}.sky.yaml        (managed: recovers from preemption, resumes from the bucket)
   sky launch -c {job_name(name)} launch/{name}.sky.yaml   (a cluster you manage)
-setup installs ${HF_SCALE_SPEC_ENV} (hf-scale=={__version__}); to install from a wheel or a git URL instead:
-  --env {HF_SCALE_SPEC_ENV}=git+https://.../hf_scale@TAG"""
+setup installs hf_scale from the synced {SOURCE_ARCHIVE} with {REQUIREMENTS_FILE} (written beside
+launch/ by hf-scale generate: the hf_scale that generated these files)."""
     comment = "".join(f"# {line}".rstrip() + "\n" for line in f"{header}\n{usage}".splitlines())
     return comment + yaml.safe_dump(sky_task(cfg, name), sort_keys=False, default_flow_style=False)

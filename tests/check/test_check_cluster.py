@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -154,3 +156,109 @@ def test_unrecognized_files_are_bad_input(tmp_path):
     with pytest.raises(UserError, match="neither a TrainJob"):
         manifest_kind({"kind": "Deployment"})
     assert manifest_kind({"run": "python x.py"}) == "SkyPilot"
+
+
+SKY_TASK = """\
+name: mine
+num_nodes: 2
+resorces:
+  accelerators: H100:4
+file_mounts:
+  /ckpt: {name: my-bucket, mode: MOUNT}
+setup: pip install -r requirements.txt
+run: |
+  torchrun --nnodes=$SKYPILOT_NUM_NODES --nproc_per_node=8 \\
+    --node_rank=$SKYPILOT_NODE_RANK --master_addr=$(echo "$SKYPILOT_NODE_IPS" | head -n1) \\
+    train.py --output_dir /ckpt/run1
+"""
+ACCELERATE_2X4 = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+num_machines: 2
+num_processes: 8
+machine_rank: 0
+main_process_ip: 10.0.0.1
+main_process_port: 29500
+mixed_precision: bf16
+"""
+TRAINJOB = """\
+apiVersion: trainer.kubeflow.org/v1alpha1
+kind: TrainJob
+metadata: {name: mine}
+spec:
+  runtimeRef: {name: torch-distributed}
+  trainer:
+    image: registry.example.com/me/train:1.0
+    numNodes: 2
+    numProcPerNode: 8
+    resourcesPerNode: {limits: {nvidia.com/gpu: "8"}}
+    command: [accelerate, launch, --config_file, configs/acc.yaml, train.py, --hf_scale_config, configs/hf.yaml,
+              --output_dir, /scratch/out]
+"""
+
+
+def _run(capsys, *argv) -> tuple[int, list[dict]]:
+    capsys.readouterr()
+    try:
+        code = main(["check", "--json", *argv])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, [f for f in json.loads(capsys.readouterr().out)["findings"] if f["code"].startswith("manifest-")]
+
+
+def test_a_hand_written_skypilot_task(tmp_path, capsys):
+    """A misspelled key (SkyPilot's own schema refuses it) and a run command starting 8 processes per node where the
+    accelerate config runs 4 per machine."""
+    task, accelerate = tmp_path / "task.yaml", tmp_path / "acc.yaml"
+    task.write_text(SKY_TASK)
+    accelerate.write_text(ACCELERATE_2X4)
+    code, findings = _run(capsys, str(accelerate), "--manifest", str(task))
+    assert code == 1 and [f["code"] for f in findings] == ["manifest-invalid", "manifest-processes"]
+    assert "'resorces' is not a SkyPilot field (did you mean 'resources'?)" in findings[0]["problem"]
+    assert "8 process(es) per node (the run command's torchrun --nproc_per_node)" in findings[1]["problem"]
+
+
+def _hf_scale_2x4(tmp_path) -> Path:
+    out = tmp_path / "generated"
+    assert main(["generate", "--preset", "ddp", "--set", "topology.num_machines=2", "--set",
+                 "topology.processes_per_machine=4", "--set", "topology.main_process_ip=10.0.0.1", "--name", "hf",
+                 "--output-dir", str(out)]) == 0
+    return out / "hf_scale_configs" / "hf.yaml"
+
+
+def test_a_trainjob_against_a_given_hf_scale_config(tmp_path, capsys):
+    """8 processes (and GPUs) per node against an hf_scale config of 2 machines x 4: reported without an accelerate
+    YAML."""
+    job = tmp_path / "job.yaml"
+    job.write_text(TRAINJOB)
+    code, findings = _run(capsys, str(_hf_scale_2x4(tmp_path)), "--manifest", str(job))
+    found = {f["code"]: f["problem"] for f in findings}
+    assert code == 1 and {"manifest-processes", "manifest-gpus"} <= set(found) and "manifest-nodes" not in found
+    assert "the hf_scale config" in found["manifest-processes"]
+    assert found["manifest-processes"].endswith("has 4 per machine")
+
+
+def test_a_trainjob_against_the_configs_its_command_names(tmp_path, capsys):
+    """Given only the manifest, check reads the --config_file and --hf_scale_config its command names (relative to
+    the manifest here) and compares both."""
+    job = tmp_path / "job.yaml"
+    job.write_text(TRAINJOB)
+    (tmp_path / "configs").mkdir()
+    shutil.copy(_hf_scale_2x4(tmp_path), tmp_path / "configs" / "hf.yaml")
+    (tmp_path / "configs" / "acc.yaml").write_text(
+        ACCELERATE_2X4.replace("num_machines: 2", "num_machines: 3").replace("num_processes: 8", "num_processes: 24"))
+    code, findings = _run(capsys, "--manifest", str(job))
+    by_code = {f["code"]: f["problem"] for f in findings}
+    assert code == 1
+    assert "configs/acc.yaml" in by_code["manifest-nodes"]  # 2 nodes, the accelerate config 3
+    assert "configs/hf.yaml" in by_code["manifest-processes"]  # 8 per node, the hf_scale config 4
+    assert "configs/hf.yaml" in by_code["manifest-gpus"]
+
+
+@pytest.mark.parametrize("broken", [{"trainer": "oops"}, {"trainer": {"numNodes": 2}, "runtimePatches": ["x"]}])
+def test_a_trainjob_of_the_wrong_shape_is_one_finding(broken, tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+                                   "metadata": {"name": "x"}, "spec": {"runtimeRef": {"name": "r"}, **broken}}))
+    code, findings = _run(capsys, "--manifest", str(job))
+    assert code == 1 and [f["code"] for f in findings][:1] == ["manifest-invalid"]

@@ -235,7 +235,8 @@ def test_process_exit_0_and_pure_json_on_stdout_for_a_clean_config(tmp_path):
 def test_process_exit_2_one_line_for_a_missing_file(tmp_path):
     result = run_process(["--accelerate-config", "missing.yaml"], tmp_path)
     assert result.returncode == 2
-    assert result.stderr == "hf-scale: error: --accelerate-config missing.yaml: not found\n"
+    assert result.stderr == ("hf-scale: error: --accelerate-config missing.yaml: not found; "
+                             "expected an accelerate config YAML\n")
     assert result.stdout == ""
 
 

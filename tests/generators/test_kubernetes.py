@@ -39,6 +39,8 @@ def test_manifests_are_what_kubeflow_models_read(name, tmp_path):
     assert trainer["args"][2:] == cfg.cluster.train_args
     pod = trainjob["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
     assert pod["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 600
+    assert trainer["env"] == kubernetes.node_env(cfg)
+    assert trainer["env"][0] == {"name": "HF_HOME", "value": "/output/.cache/huggingface"}  # on the volume
 
     job = yaml.safe_load((root / "launch" / f"{name}.pytorchjob.yaml").read_text())
     assert pytorchjob_round_trip(job) == job
@@ -49,6 +51,7 @@ def test_manifests_are_what_kubeflow_models_read(name, tmp_path):
     container = specs["Master"]["template"]["spec"]["containers"][0]
     assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": cfg.topology.main_process_port}]
     assert specs["Master"]["restartPolicy"] == "OnFailure"
+    assert container["env"] == trainer["env"]
     assert job["spec"]["runPolicy"]["backoffLimit"] == cfg.cluster.max_restarts
 
 
@@ -88,3 +91,27 @@ def test_image_targets_need_a_pinned_image(tmp_path, capsys):
     err = _refused(["generate", "--preset", "ddp", "--targets", "kubeflow,k8s", *out], capsys)
     assert "unknown target 'k8s'" in err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_cluster_env_reaches_every_container_and_may_override_hf_home(tmp_path):
+    cfg = load_config(overrides=[f"cluster.image={IMAGE}", "cluster.output_dir=/mnt/runs",
+                                 "cluster.env={NCCL_SOCKET_IFNAME: eth0, HF_HOME: /cache/hf}"])
+    want = [{"name": "HF_HOME", "value": "/cache/hf"}, {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}]
+    trainjob = kubernetes.trainjob(cfg, "run")
+    assert trainjob["spec"]["trainer"]["env"] == want
+    assert trainjob_round_trip(trainjob) == trainjob  # an EnvVar list the TrainJob API reads
+    job = kubernetes.pytorchjob(cfg, "run")
+    assert all(spec["template"]["spec"]["containers"][0]["env"] == want
+               for spec in job["spec"]["pytorchReplicaSpecs"].values())
+    assert pytorchjob_round_trip(job) == job
+    assert kubernetes.node_env(load_config(overrides=["cluster.output_dir=/mnt/runs"]))[0]["value"] == (
+        "/mnt/runs/.cache/huggingface")
+
+
+def test_the_trainjob_says_that_restarts_are_the_runtimes(tmp_path):
+    """A TrainJob cannot set its restarts (runtimePatches reach only the pods): its header says so and what to do."""
+    text = (generate_all(tmp_path, "one", "kubeflow") / "launch" / "one.trainjob.yaml").read_text()
+    header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    assert "is NOT set by this file" in header and "failurePolicy.maxRestarts" in header
+    assert "kubectl get clustertrainingruntime torch-distributed -o yaml" in header
+    assert "delete it and apply this file again" in header

@@ -8,19 +8,22 @@ config reaches the run through the script alone: started from another directory,
 optimizer, precision or checkpointing flag, each run's hf_scale_live.json (read from the live objects) holds
 the config's non-default values; torchrun's DeepSpeed JSON is "resolved" (its optimizer block carries the
 same lr/betas/eps/weight decay as the flags --hf_scale_config fills, so transformers finds no mismatch).
+The scripts run with a PATH that has no procps (no pgrep, no ps), as in the CUDA PyTorch base images: the
+stop request still reaches the training processes (the scripts read the process tree from /proc).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from train_helpers import assert_live_values, child_env, free_port
+from train_helpers import assert_live_values, child_env, free_port, path_without
 
 from hf_scale.cli import main
 from hf_scale.train.checkpoint import store as checkpoint
@@ -32,6 +35,8 @@ CPU_2PROC = ["topology.processes_per_machine=2", "deepspeed.torch_adam=true", "p
              "batch.micro_batch_size=1", "batch.gradient_accumulation_steps=3", "gradient_clipping=0.7",
              "optimizer.lr=3e-4", "optimizer.betas=[0.85,0.97]", "optimizer.eps=1e-7", "optimizer.weight_decay=0.05",
              "activation_checkpointing=true"]
+PROCPS = re.compile(r"^(?:pgrep|pkill|ps|pidof)$")
+"""What the pytorch/pytorch runtime images lack (no procps): the launch scripts must not need it."""
 TRAIN_ARGS = ["--max_steps", "500", "--save_steps", "1000", "--seed", "3", "--warmup_ratio", "0"]
 
 CASES = [
@@ -63,11 +68,13 @@ def test_a_signal_to_the_script_checkpoints_and_exits_75(preset, kind, sig, loop
     env = child_env()
     env.pop("TRAIN_SCRIPT", None)  # the script's default: python -m hf_scale.train
     env.update(
-        PATH=f"{Path(sys.executable).parent}:{env['PATH']}",  # this interpreter's accelerate/torchrun/deepspeed
+        # this interpreter's accelerate/torchrun/deepspeed first, and no procps
+        PATH=path_without(tmp_path / "bin", PROCPS),
         MAIN_PROCESS_PORT=port,
         MASTER_PORT=port,
         TMPDIR=str(tmp_path),
     )
+    assert not [tool for tool in ("pgrep", "ps") if shutil.which(tool, path=env["PATH"])]
     script = root / "launch" / f"run.{kind}.sh"
     proc = subprocess.Popen(
         ["bash", str(script), *TRAIN_ARGS, "--loop", loop, "--output_dir", "out"],

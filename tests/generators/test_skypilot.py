@@ -1,37 +1,27 @@
 """The SkyPilot task, validated by SkyPilot itself.
 
 SkyPilot cannot be installed next to hf_scale (skypilot 0.14 pins click<8.2, huggingface-hub 2.x needs
-click>=8.4.2), so CI validates against SkyPilot's own JSON schemas (sky.utils.schemas.get_task_schema,
-get_resources_schema, get_storage_schema of skypilot 0.14.1, dumped into tests/data/skypilot_task_schemas.json)
-with jsonschema, as sky.Task.from_yaml does; with HF_SCALE_SKYPILOT_PYTHON pointing at an interpreter that has
-skypilot, sky.Task.from_yaml itself loads every generated task too."""
+click>=8.4.2), so every task is validated against SkyPilot's own JSON schemas as sky.Task.from_yaml applies them
+(hf_scale.check.manifest_schema, which `hf-scale check` uses too; the shipped copy is compared with skypilot's
+own in tests/check/test_manifest_schema.py); with HF_SCALE_SKYPILOT_PYTHON pointing at an interpreter that has
+skypilot (CI: .ci/run), sky.Task.from_yaml itself loads every generated task too."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
 
-import jsonschema
 import pytest
 import yaml
 from cluster_helpers import CONFIGS, generate_all
-from paths import TEST_DATA
 
+from hf_scale.check.manifest_schema import skypilot_problem
 from hf_scale.config import load_config
 from hf_scale.exit_codes import EXIT_PREEMPTED
+from hf_scale.generators import install
 
-SCHEMAS = json.loads((TEST_DATA / "skypilot_task_schemas.json").read_text())
 SKY_PYTHON = os.environ.get("HF_SCALE_SKYPILOT_PYTHON")
-
-
-def validate(task: dict) -> None:
-    jsonschema.validate(task, SCHEMAS["task"])
-    jsonschema.validate(task["resources"], SCHEMAS["resources"])
-    for mount in task.get("file_mounts", {}).values():
-        if isinstance(mount, dict):
-            jsonschema.validate(mount, SCHEMAS["storage"])
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -39,7 +29,7 @@ def test_the_task_is_valid_for_skypilot(name, tmp_path):
     root = generate_all(tmp_path, name, "skypilot")
     cfg = load_config(root / "hf_scale_configs" / f"{name}.yaml")
     task = yaml.safe_load((root / "launch" / f"{name}.sky.yaml").read_text())
-    validate(task)
+    assert skypilot_problem(task) is None
     assert task["num_nodes"] == cfg.topology.num_machines
     assert task["resources"]["accelerators"] == f"H100:{cfg.topology.processes_per_machine}"
     assert task["resources"]["job_recovery"]["recover_on_exit_codes"] == [EXIT_PREEMPTED]
@@ -47,14 +37,26 @@ def test_the_task_is_valid_for_skypilot(name, tmp_path):
     run = shlex.split(task["run"])
     assert run[:4] == ["bash", f"launch/{name}.node.sh", "--output_dir", f"/output/{name}"]
     assert run[4:] == cfg.cluster.train_args  # quoted for bash: "/data/a b.jsonl" stays one argument
+    # hf_scale from the synced workdir (it is not on PyPI): the archive and pins generate wrote beside launch/.
+    assert task["workdir"] == "."
+    assert task["setup"] == (f"python -m pip install --requirement {install.REQUIREMENTS_FILE} "
+                             f"./{install.SOURCE_ARCHIVE}")
+    assert (root / install.SOURCE_ARCHIVE).is_file() and (root / install.REQUIREMENTS_FILE).is_file()
+    assert "envs" not in task  # no cluster.env set
+
+
+def test_cluster_env_becomes_the_tasks_envs(tmp_path):
+    from hf_scale.generators.skypilot import sky_task
+
+    cfg = load_config(overrides=["cluster.env={NCCL_DEBUG: WARN}"])
+    task = sky_task(cfg, "run")
+    assert task["envs"] == {"NCCL_DEBUG": "WARN"} and skypilot_problem(task) is None
 
 
 def test_the_schemas_refuse_a_broken_task(tmp_path):
     task = yaml.safe_load((generate_all(tmp_path, "one", "skypilot") / "launch" / "one.sky.yaml").read_text())
-    with pytest.raises(jsonschema.ValidationError):
-        validate({**task, "num_node": 2})
-    with pytest.raises(jsonschema.ValidationError):
-        validate({**task, "resources": {**task["resources"], "use_spot": "yes"}})
+    assert "'num_node' is not a SkyPilot field" in skypilot_problem({**task, "num_node": 2})
+    assert "use_spot" in skypilot_problem({**task, "resources": {**task["resources"], "use_spot": "yes"}})
 
 
 @pytest.mark.skipif(not SKY_PYTHON, reason="HF_SCALE_SKYPILOT_PYTHON (an interpreter with skypilot) not set")

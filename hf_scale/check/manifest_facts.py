@@ -1,0 +1,230 @@
+"""What a job manifest (TrainJob, PyTorchJob, SkyPilot task) says about the run it starts, read from its fields and
+from the command its nodes run: nodes, processes and GPUs per node, image, grace period, writable persistent
+mounts, and the files the command names (``accelerate launch --config_file``, ``--hf_scale_config``, a DeepSpeed
+JSON, a generated ``launch/NAME.node.sh``), found on this machine where they can be (hf_scale.check.cluster
+compares them).
+
+Processes per node: a count the command's launcher is given (``torchrun --nproc_per_node``, ``accelerate launch
+--num_processes`` / ``--num_machines``, ``deepspeed --num_gpus``) is what runs; else the manifest's own
+(numProcPerNode, nprocPerNode: the operator hands it to torchrun as PET_NPROC_PER_NODE). ``$VAR`` values are read
+from the manifest's env; SkyPilot's SKYPILOT_NUM_GPUS_PER_NODE, Kubeflow's PET_NPROC_PER_NODE and torchrun's
+``gpu``/``auto`` are the platform's own count (the manifest's field and the GPU check cover them).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hf_scale.cluster_config import DEFAULT_IMAGE_HOME
+
+KUBERNETES_DEFAULT_GRACE_S = 30
+FROM_PLATFORM = "from the platform"
+"""A launcher count the platform fills in ($SKYPILOT_NUM_GPUS_PER_NODE, $PET_NNODES, torchrun's `gpu`/`auto`:
+one process per GPU): it agrees with the manifest's own count by construction."""
+_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))$")
+_GPU_VARIABLES = {"SKYPILOT_NUM_GPUS_PER_NODE", "PET_NPROC_PER_NODE"}
+_NODE_VARIABLES = {"SKYPILOT_NUM_NODES", "PET_NNODES"}
+_NODE_SCRIPT = re.compile(r"(?:^|/)launch/(?P<name>[A-Za-z0-9_.-]+)\.node\.sh$")
+
+
+@dataclass(frozen=True)
+class Facts:
+    nodes: Any
+    procs: int | None
+    """Processes per node: the launcher's count in the command, else the manifest's field; None when unknown."""
+    procs_where: str
+    gpus: int | None
+    image: str | None
+    args: list[str]
+    grace: int | None
+    mounts: list[str]
+    launcher_nodes: int | None = None
+    """A node count the command's launcher is given (torchrun --nnodes, accelerate --num_machines)."""
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+
+
+def _words(command: str) -> list[str]:
+    """A shell command's words (SkyPilot's `run`): continuations joined, comments dropped."""
+    text = command.replace("\\\n", " ")
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError:  # unbalanced quotes: SkyPilot's bash would refuse it too; read what can be read
+        return text.split()
+
+
+def _value(args: list[str], names: tuple[str, ...]) -> str | None:
+    for index, arg in enumerate(args):
+        flag, equals, value = arg.partition("=")
+        if flag in names:
+            if equals:
+                return value
+            if index + 1 < len(args):
+                return args[index + 1]
+    return None
+
+
+def _count(value: str | None, env: dict[str, str], platform: set[str]) -> int | str | None:
+    """A launcher flag's value as a count: an int, FROM_PLATFORM (one of the ``platform`` variables), or None
+    (unknown: another variable, a word)."""
+    if value is None:
+        return None
+    match = _VARIABLE.fullmatch(value)
+    if match:
+        variable = match[1] or match[2]
+        if variable in platform:
+            return FROM_PLATFORM
+        value = env.get(variable, value)
+    if value in ("gpu", "auto"):
+        return FROM_PLATFORM
+    return int(value) if value.isdigit() else None
+
+
+def launcher_counts(args: list[str], env: dict[str, str]) -> tuple[int | str | None, int | str | None, str]:
+    """(processes per node, nodes, which launcher) of the first launcher in the command's words."""
+    for index, word in enumerate(args):
+        rest = args[index + 1:]
+        base = word.rsplit("/", 1)[-1]
+        if base == "torchrun" or (word == "-m" and rest[:1] in (["torch.distributed.run"],
+                                                                 ["torch.distributed.launch"])):
+            return (_count(_value(rest, ("--nproc_per_node", "--nproc-per-node")), env, _GPU_VARIABLES),
+                    _count(_value(rest, ("--nnodes",)), env, _NODE_VARIABLES), "torchrun --nproc_per_node")
+        if base == "accelerate" and rest[:1] == ["launch"]:
+            total = _count(_value(rest, ("--num_processes", "--num-processes")), env, set())
+            machines = _count(_value(rest, ("--num_machines", "--num-machines")), env, set())
+            # --num_processes alone is a total whose split comes from the config file: nothing to compare.
+            both = isinstance(total, int) and isinstance(machines, int) and machines > 0
+            return (total // machines if both else None), machines, "accelerate launch --num_processes / --num_machines"
+        if base == "deepspeed":
+            return (_count(_value(rest, ("--num_gpus", "--num-gpus")), env, _GPU_VARIABLES),
+                    _count(_value(rest, ("--num_nodes", "--num-nodes")), env, _NODE_VARIABLES), "deepspeed --num_gpus")
+    return None, None, ""
+
+
+def _gpu_count(accelerators: Any) -> int | None:
+    """SkyPilot's accelerators: "H100:8", "H100" (one), {H100: 8}, or a list/set of alternatives (the first)."""
+    if isinstance(accelerators, dict):
+        accelerators = next(iter(accelerators.items()), None)
+        return int(accelerators[1]) if accelerators and str(accelerators[1]).isdigit() else (
+            1 if accelerators else None)
+    if isinstance(accelerators, list) and accelerators:
+        return _gpu_count(accelerators[0])
+    if isinstance(accelerators, str) and accelerators:
+        name, _, count = accelerators.partition(":")
+        return int(count) if count.isdigit() else (1 if name and not count else None)
+    return None
+
+
+def _pods(kind: str, spec: dict) -> list[dict]:
+    if kind == "PyTorchJob":
+        return [(replica.get("template") or {}).get("spec") or {} for replica in
+                (spec.get("pytorchReplicaSpecs") or {}).values() if isinstance(replica, dict)]
+    pods = []
+    for patch in spec.get("runtimePatches") or []:
+        jobset = ((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {}
+        for job in jobset.get("replicatedJobs") or []:
+            pod = (((job.get("template") or {}).get("spec") or {}).get("template") or {}).get("spec")
+            if pod:
+                pods.append(pod)
+    return pods
+
+
+def _env(items: Any) -> dict[str, str]:
+    if isinstance(items, dict):  # SkyPilot envs
+        return {str(k): str(v) for k, v in items.items() if v is not None}
+    return {str(item.get("name")): str(item["value"]) for item in items or []
+            if isinstance(item, dict) and "value" in item}
+
+
+def manifest_facts(kind: str, data: dict) -> Facts:
+    spec = data.get("spec") or {}
+    if kind == "SkyPilot":
+        resources = data.get("resources") or {}
+        resources = resources if isinstance(resources, dict) else {}
+        mounts = [path for path, mount in (data.get("file_mounts") or {}).items()
+                  if isinstance(mount, dict) and str(mount.get("mode", "MOUNT")).upper() in ("MOUNT", "MOUNT_CACHED")]
+        env = _env(data.get("envs"))
+        args = _words(str(data.get("run") or ""))
+        procs, launcher_nodes, launcher = launcher_counts(args, env)
+        workdir = data.get("workdir") if isinstance(data.get("workdir"), str) else None
+        return Facts(data.get("num_nodes", 1), procs if isinstance(procs, int) else None,
+                     f"the run command's {launcher}", _gpu_count(resources.get("accelerators", resources.get("gpus"))),
+                     None, args, None, mounts, launcher_nodes if isinstance(launcher_nodes, int) else None, env,
+                     workdir)
+    pods = _pods(kind, spec)
+    containers = [c for pod in pods for c in pod.get("containers") or []]
+    if kind == "TrainJob":
+        container = spec.get("trainer") or {}
+        nodes, procs, where = container.get("numNodes"), container.get("numProcPerNode"), "spec.trainer.numProcPerNode"
+        resources = container.get("resourcesPerNode") or {}
+    else:
+        replicas = [r for r in (spec.get("pytorchReplicaSpecs") or {}).values() if isinstance(r, dict)]
+        nodes = sum(int(replica.get("replicas", 1)) for replica in replicas)
+        procs, where = spec.get("nprocPerNode"), "spec.nprocPerNode"
+        container = containers[0] if containers else {}
+        resources = container.get("resources") or {}
+    env = _env(container.get("env"))
+    args = [str(arg) for arg in [*(container.get("command") or []), *(container.get("args") or [])]]
+    if len(args) >= 3 and args[0].rsplit("/", 1)[-1] in ("bash", "sh") and args[1] == "-c":
+        args = [*args[:2], *_words(args[2]), *args[3:]]  # a shell command line: its words
+    command_procs, launcher_nodes, launcher = launcher_counts(args, env)
+    if isinstance(command_procs, int):
+        procs, where = command_procs, f"the container command's {launcher}"
+    gpu_counts = [int(str(v)) for k, v in (resources.get("limits") or resources.get("requests") or {}).items()
+                  if "gpu" in k.lower() and str(v).isdigit()]
+    claims = {v.get("name") for pod in pods for v in pod.get("volumes") or [] if v.get("persistentVolumeClaim")}
+    mounts = [m.get("mountPath") for c in containers for m in c.get("volumeMounts") or []
+              if m.get("name") in claims and not m.get("readOnly")]
+    graces = [pod.get("terminationGracePeriodSeconds") for pod in pods]
+    return Facts(nodes, int(procs) if str(procs).isdigit() else None, where, gpu_counts[0] if gpu_counts else None,
+                 container.get("image"), args,
+                 min((g for g in graces if isinstance(g, int)), default=KUBERNETES_DEFAULT_GRACE_S), mounts,
+                 launcher_nodes if isinstance(launcher_nodes, int) else None, env)
+
+
+def output_dir(args: list[str]) -> str | None:
+    return _value(args, ("--output_dir", "--output-dir"))
+
+
+def _resolve(written: str, manifest: Path, workdir: str | None) -> Path | None:
+    """A path in the command as a file on this machine: the image's generated directory (DEFAULT_IMAGE_HOME) is
+    the one the manifest was generated into (the parent of its launch/); a relative path is tried against the
+    SkyPilot workdir, that directory, the manifest's own and the current one. None when none exists."""
+    folder = manifest.parent
+    generated = [folder.parent] if folder.name == "launch" else []
+    if written.startswith(f"{DEFAULT_IMAGE_HOME}/"):
+        written, bases = written[len(DEFAULT_IMAGE_HOME) + 1:], [*generated, folder, Path.cwd()]
+    elif Path(written).is_absolute():
+        return Path(written) if Path(written).is_file() else None
+    else:
+        bases = [folder / workdir] if workdir else []
+        bases += [*generated, folder, Path.cwd()]
+    return next((base / written for base in bases if (base / written).is_file()), None)
+
+
+def named_files(facts: Facts, manifest: Path) -> dict[str, tuple[str, Path]]:
+    """The files the command names that exist here: {"accelerate"|"hf_scale"|"deepspeed": (flag and path as
+    written, path here)}.
+    A generated launch/NAME.node.sh names its hf_scale_configs/NAME.yaml (it passes it to train.py)."""
+    found: dict[str, tuple[str, Path]] = {}
+    wanted = {"accelerate": ("--config_file", "--config-file"), "hf_scale": ("--hf_scale_config",),
+              "deepspeed": ("--deepspeed", "--deepspeed_config_file")}
+    for kind, flags in wanted.items():
+        written = _value(facts.args, flags)
+        path = _resolve(written, manifest, facts.workdir) if written else None
+        if path is not None:
+            flag = next(arg.partition("=")[0] for arg in facts.args if arg.partition("=")[0] in flags)
+            found[kind] = (f"{flag} {written}", path)
+    if "hf_scale" not in found:
+        for word in facts.args:
+            match = _NODE_SCRIPT.search(word)
+            script = _resolve(word, manifest, facts.workdir) if match else None
+            config = script.parent.parent / "hf_scale_configs" / f"{match['name']}.yaml" if script else None
+            if config is not None and config.is_file():
+                found["hf_scale"] = (f"{word}, which passes it as --hf_scale_config", config)
+                break
+    return found

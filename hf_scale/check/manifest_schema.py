@@ -1,0 +1,145 @@
+"""`manifest-invalid`: a job manifest read by the platform's own definitions, not by hand-written rules.
+
+* TrainJob / PyTorchJob: Kubeflow's API models (kubeflow_trainer_api's TrainJob, the Training Operator SDK's
+  PyTorchJob; ``pip install 'hf-scale[k8s]'``). A model drops what it does not know, so a manifest that does not
+  come back unchanged has a key the API does not have.
+* SkyPilot task: SkyPilot's own JSON schemas (``sky.utils.schemas``: the task, its resources, its storage mounts,
+  dumped from skypilot SKYPILOT_SCHEMA_VERSION into hf_scale/assets/skypilot_schemas.json), applied as
+  ``sky.Task.from_yaml`` applies them (its validator: Draft 7 plus SkyPilot's two enum keywords; envs and secrets
+  read as strings; top-level nulls dropped) with jsonschema (``pip install 'hf-scale[sky]'``). SkyPilot itself
+  cannot be installed beside hf_scale (skypilot pins click<8.2, huggingface-hub needs click>=8.4.2), so its schemas
+  travel with hf_scale; the tests check the copy against a real skypilot whenever one is at hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+from hf_scale.errors import UserError
+
+SKYPILOT_SCHEMAS = "skypilot_schemas.json"
+"""In hf_scale/assets: {"skypilot_version", "task", "resources", "storage"}."""
+SKYPILOT_SCHEMA_VERSION = "0.14.1"
+
+
+def manifest_problem(kind: str, data: dict) -> str | None:
+    """What the platform's own definitions refuse in the manifest; None when they accept it."""
+    if kind == "SkyPilot":
+        return skypilot_problem(data)
+    return _kubeflow_problem(kind, data)
+
+
+def _kubeflow_problem(kind: str, data: dict) -> str | None:
+    try:
+        if kind == "TrainJob":
+            from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+            back = TrainerV1alpha1TrainJob.from_dict(data).to_dict()
+        else:
+            from kubeflow.training.api_client import ApiClient
+
+            client = ApiClient()
+            # The SDK's OpenAPI marks runPolicy required (Go's inline struct); the CRD defaults it, and most
+            # hand-written jobs leave it out: read it as the operator would.
+            spec = data.get("spec")
+            if isinstance(spec, dict) and "runPolicy" not in spec:
+                data = {**data, "spec": {**spec, "runPolicy": {}}}
+            back = client.sanitize_for_serialization(client._ApiClient__deserialize(data, "KubeflowOrgV1PyTorchJob"))
+    except ImportError:
+        raise UserError(f"checking a {kind} needs Kubeflow's API models: pip install 'hf-scale[k8s]'") from None
+    except (ValueError, TypeError) as error:
+        return " ".join(str(error).split())[:300]
+    lost = _first_difference(data, back)
+    return f"{lost} is not a field of the {kind} API (a misspelled key is dropped silently)" if lost else None
+
+
+def _first_difference(want: Any, got: Any, where: str = "") -> str | None:
+    if isinstance(want, dict) and isinstance(got, dict):
+        for key, value in want.items():
+            if key not in got:
+                return f"{where}.{key}".lstrip(".")
+            found = _first_difference(value, got[key], f"{where}.{key}")
+            if found:
+                return found
+    elif isinstance(want, list) and isinstance(got, list):
+        for index, (a, b) in enumerate(zip(want, got, strict=False)):
+            found = _first_difference(a, b, f"{where}[{index}]")
+            if found:
+                return found
+    return None
+
+
+@functools.cache
+def skypilot_schemas() -> dict[str, Any]:
+    return json.loads(resources.files("hf_scale").joinpath("assets", SKYPILOT_SCHEMAS).read_text())
+
+
+@functools.cache
+def _validator_class() -> Any:
+    """sky.utils.validator.get_schema_validator: Draft 7 with SkyPilot's case-(in)sensitive enum keywords."""
+    try:
+        import jsonschema
+    except ImportError:
+        raise UserError("checking a SkyPilot task needs jsonschema: pip install 'hf-scale[sky]'") from None
+
+    def enum(case_sensitive: bool):
+        def check(validator, enums, instance, schema):
+            fold = (lambda value: value) if case_sensitive else (lambda value: str(value).lower())
+            if fold(instance) not in [fold(value) for value in enums]:
+                yield jsonschema.ValidationError(f"{instance!r} is not one of {enums!r}")
+
+        return check
+
+    return jsonschema.validators.extend(
+        jsonschema.Draft7Validator,
+        validators={"case_insensitive_enum": enum(False), "case_sensitive_enum": enum(True)},
+    )
+
+
+def _schema_error(instance: dict, schema: dict, where: str) -> str | None:
+    """The first error of ``instance`` against ``schema``, worded for a person: an unknown key names the closest
+    known one (SkyPilot's own message does too)."""
+    instance = {key: value for key, value in instance.items() if value is not None}  # as SkyPilot: skip_none
+    error = next(iter(sorted(_validator_class()(schema).iter_errors(instance), key=lambda e: list(e.path))), None)
+    if error is None:
+        return None
+    path = ".".join([where, *map(str, error.absolute_path)]).strip(".") or "the task"
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        known = sorted((error.schema or {}).get("properties") or {})
+        unknown = [key for key in error.instance if key not in known]
+        if unknown and known:
+            close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+            return f"{path}: {unknown[0]!r} is not a SkyPilot field{hint}"
+    return f"{path}: {' '.join(error.message.split())[:240]}"
+
+
+def skypilot_problem(task: dict) -> str | None:
+    """The task as ``sky.Task.from_yaml`` validates it: the task schema, its resources, every storage mount."""
+    schemas = skypilot_schemas()
+    task = copy.deepcopy(task)
+    for key in ("envs", "secrets"):  # SkyPilot reads these as strings before validating (`A: 1` is "1")
+        if isinstance(task.get(key), dict):
+            task[key] = {str(k): None if v is None else str(v) for k, v in task[key].items()}
+    problem = _schema_error(task, schemas["task"], "")
+    if problem:
+        return problem
+    resources_config = task.get("resources")
+    if isinstance(resources_config, dict):
+        if "gpus" in resources_config and "accelerators" not in resources_config:  # SkyPilot's alias
+            resources_config["accelerators"] = resources_config.pop("gpus")
+        resources_config.pop("hooks", None)  # task-scoped, routed around the resources schema by SkyPilot
+        problem = _schema_error(resources_config, schemas["resources"], "resources")
+        if problem:
+            return problem
+    for target, mount in (task.get("file_mounts") or {}).items():
+        if isinstance(mount, dict):
+            problem = _schema_error(mount, schemas["storage"], f"file_mounts.{target}")
+            if problem:
+                return problem
+    return None
