@@ -293,6 +293,12 @@ CASES: dict[str, Case] = {
         "parallelism: cp=2: train.py does not run context parallelism (torch's context_parallel has no sharding",
         files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 4},
                                          "parallelism": {"cp": 2}})}),
+    # No silent FSDP2 in its place: without a GPU train.py shards with torch's fully_shard only.
+    "hf-scale-config-fsdp1-on-cpu": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
+        "c.yaml: fsdp.version=1: this machine has no GPU, and train.py runs FSDP1 only through accelerate's FSDP "
+        "plugin on GPUs; allowed here: fsdp.version=2",
+        files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "precision": "no", "fsdp": {"version": 1}})}),
     "hf-scale-config-conflicting-micro": Case(
         ["--hf_scale_config", "{d}/c.yaml", "--per_device_train_batch_size", "3"],
         "batch.micro_batch_size=4 but --per_device_train_batch_size=3",

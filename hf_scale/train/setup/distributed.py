@@ -69,12 +69,14 @@ class LaunchRequest:
 
     @property
     def fsdp_version(self) -> int | None:
-        """The FSDP this run shards with: 2 when hf_scale shards (fsdp_settings: torch's fully_shard on CPU,
-        accelerate's FSDP2 plugin on GPUs, hf_scale.train.model.fsdp), else accelerate's plugin for the YAML's FSDP;
-        None without FSDP."""
+        """The FSDP this run shards with: the --hf_scale_config's fsdp.version when hf_scale sets FSDP up
+        (fsdp_settings: torch's fully_shard on CPU, version 2 only; accelerate's plugin with that version on GPUs;
+        hf_scale.train.model.fsdp), else accelerate's plugin for the YAML's FSDP; None without FSDP."""
         if self.strategy != "fsdp":
             return None
-        return 2 if self.fsdp_settings is not None else self.accelerate_fsdp_version or 1
+        if self.fsdp_settings is not None:
+            return self.fsdp_settings["version"]
+        return self.accelerate_fsdp_version or 1
 
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:

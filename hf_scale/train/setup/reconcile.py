@@ -10,8 +10,8 @@ anything it disagrees with is an error — never a silent override.
   values (lr, betas, eps, weight decay) fill the flags left unset and must match the flags that were given
   (a recipe's values count as given); the global batch is micro x accumulation x WORLD_SIZE, each checked;
 - what train.py cannot deliver is refused: --auto_find_batch_size (it would change the micro batch at run
-  time), an --optim that ignores the betas/eps, FSDP's own activation checkpointing where train.py shards
-  with torch's fully_shard (no GPU).
+  time), an --optim that ignores the betas/eps, FSDP's own activation checkpointing and fsdp.version 1 where
+  train.py shards with torch's fully_shard (no GPU).
 
 :func:`follow_launcher_config` does the same for the launcher's own config (accelerate YAML precision,
 every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scale.launch_values.
@@ -103,6 +103,11 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
                 f"{where}: strategy=fsdp under {request.launcher} runs in the manual loop only; add --loop "
                 "accelerate, or launch the Trainer with `accelerate launch --config_file accelerate_configs/NAME.yaml`"
             )
+        if cfg.fsdp.version == 1 and not has_gpu():
+            # No silent FSDP2: the accelerate YAML path runs fsdp_version 1 (on GPUs), so must this one.
+            raise UserError(f"{where}: fsdp.version=1: this machine has no GPU, and train.py runs FSDP1 only through "
+                            "accelerate's FSDP plugin on GPUs; allowed here: fsdp.version=2 (torch's fully_shard, "
+                            "which runs on CPU)")
         request = dataclasses.replace(request, strategy="fsdp", fsdp_settings=cfg.fsdp.model_dump())
     inline = request.deepspeed_inline  # DeepSpeed settings inline in the accelerate YAML (already in ns.deepspeed)
     if wanted == "deepspeed":
