@@ -82,6 +82,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
             f"{where}: world_size={cfg.world_size} ({cfg.topology.num_machines} machines x "
             f"{cfg.topology.processes_per_machine} processes_per_machine) but the {request.launcher} launcher "
             f"started WORLD_SIZE={request.world_size}"
+            + (_how_to_launch(cfg, path) if request.launcher == "python" else "")
         )
 
     launcher_chose_engine = request.strategy in ("deepspeed", "fsdp")
@@ -142,6 +143,20 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
         raise UserError("; ".join(flags.contradictions))
     _launch_agrees(cfg, request, where)
     return ConfigFills(request, {**flags.fills, "deepspeed": deepspeed_value})
+
+
+def _how_to_launch(cfg, path: str) -> str:
+    """For `python train.py` (one process, no launcher): the generated scripts that start the config's processes."""
+    from pathlib import Path
+
+    from hf_scale.generators.launch import launchers
+
+    name = Path(path).stem
+    scripts = " or ".join(f"launch/{name}.{launcher}.sh" for launcher in launchers(cfg))
+    machines = cfg.topology.num_machines
+    return (f"; plain python starts one process: start its {cfg.world_size} processes with {scripts}"
+            + (f" on each of the {machines} machines" if machines > 1 else "")
+            + f" (written by `hf-scale generate` with hf_scale_configs/{name}.yaml)")
 
 
 def checkpointing_flag(ns) -> str:
