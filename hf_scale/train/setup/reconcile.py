@@ -11,7 +11,8 @@ anything it disagrees with is an error — never a silent override.
   (a recipe's values count as given); the global batch is micro x accumulation x WORLD_SIZE, each checked;
 - what train.py cannot deliver is refused: --auto_find_batch_size (it would change the micro batch at run
   time), an --optim that ignores the betas/eps, FSDP's own activation checkpointing and fsdp.version 1 where
-  train.py shards with torch's fully_shard (no GPU).
+  train.py shards with torch's fully_shard (no GPU), FSDP2's hybrid_shard where train.py sets FSDP up itself (no
+  accelerate launch: no HSDP mesh).
 
 :func:`follow_launcher_config` does the same for the launcher's own config (accelerate YAML precision,
 every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scale.launch_values.
@@ -29,6 +30,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Set
+from pathlib import Path
 from typing import Any
 
 from hf_scale import launch_values, parallelism
@@ -104,6 +106,14 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
                 f"{where}: strategy=fsdp under {request.launcher} runs in the manual loop only; add --loop "
                 "accelerate, or launch the Trainer with `accelerate launch --config_file accelerate_configs/NAME.yaml`"
             )
+        if cfg.layout.dp_replicate > 1 and cfg.layout.dp_shard > 1 and cfg.layout.tp == 1:
+            # HSDP is a 2-D mesh that accelerate builds from the YAML's parallelism_config (and transformers under
+            # TP); neither torch's fully_shard here nor the plugin alone has one: FSDP2 would shard over every rank.
+            raise UserError(f"{where}: fsdp.sharding=hybrid_shard (dp_replicate={cfg.layout.dp_replicate} x dp_shard="
+                            f"{cfg.layout.dp_shard}) under {request.launcher}: train.py's own FSDP2 setup has no "
+                            f"2-D mesh and would shard over all {cfg.world_size} ranks; launch it with "
+                            f"launch/{Path(path).stem}.accelerate.sh (its YAML's parallelism_config gives accelerate "
+                            "the HSDP mesh)")
         if cfg.fsdp.version == 1 and not has_gpu():
             # No silent FSDP2: the accelerate YAML path runs fsdp_version 1 (on GPUs), so must this one.
             raise UserError(f"{where}: fsdp.version=1: this machine has no GPU, and train.py runs FSDP1 only through "
@@ -147,8 +157,6 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
 
 def _how_to_launch(cfg, path: str) -> str:
     """For `python train.py` (one process, no launcher): the generated scripts that start the config's processes."""
-    from pathlib import Path
-
     from hf_scale.generators.launch import launchers
 
     name = Path(path).stem
