@@ -19,6 +19,7 @@ the next variant runs:
 * ``torch_packed``: plain PyTorch, no hf_scale: one row of --budget (16,384) tokens per step, examples packed
   greedily in a shuffled order, sdpa with the dense document mask transformers builds from restarting position
   ids, fp32 master weights + bf16 autocast, fused AdamW. ``torch_packed_bf16``: the same with bf16 parameters.
+  These references (and ``baseline``) are benchmarks/gpu_workers.py; this file runs and measures the variants.
 * ``hf_scale``: ``train.py --loop trainer --bf16 --packing``, --micro-batch rows of --seq-len tokens,
   ``--attn_implementation auto``. ``hf_scale_gc`` / ``hf_scale_compile`` / ``hf_scale_gc_compile``: the same with
   ``--gradient_checkpointing`` and/or ``--torch_compile``. ``hf_scale_loop``: the manual loop. ``hf_scale_zero3``:
@@ -51,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -63,6 +63,8 @@ import common
 import gpu_variants
 
 RESULTS = common.RESULTS_DIR / "gpu.json"
+WORKERS = Path(__file__).with_name("gpu_workers.py")
+"""The baseline and torch_packed* variants: the references without hf_scale, each its own process."""
 MFU_GOAL = 0.40
 SPEEDUP_GOAL = 3.0
 # TinyLlama-1.1B's shapes; positions up to the packing budget (random init: RoPE has no trained range).
@@ -137,166 +139,6 @@ def flops_per_token(config: dict, mean_attended: float) -> tuple[float, int]:
     return 6.0 * n + 12.0 * layers * hidden * mean_attended, n
 
 
-# ------------------------------------------------------------------------------------------- workers
-def _tokenized(ns: argparse.Namespace):
-    from transformers import AutoTokenizer
-
-    from hf_scale.train.data.arguments import DataArguments
-    from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
-
-    tokenizer = AutoTokenizer.from_pretrained(ns.model)
-    data_args = DataArguments(train_file=ns.data, max_seq_length=ns.seq_len)
-    return tokenizer, tokenize_dataset(load_raw_datasets(data_args)["train"], tokenizer, data_args)
-
-
-def _clock(cuda: bool):
-    import time
-
-    import torch
-
-    def now() -> float:
-        if cuda:
-            torch.cuda.synchronize()  # a step's time is its GPU work, not the kernel launches
-        return time.perf_counter()
-
-    return now
-
-
-def _baseline_worker(ns: argparse.Namespace) -> dict:
-    """The plain HF Trainer in this process: step times, real tokens per step, losses."""
-    import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        DataCollatorForSeq2Seq,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-        set_seed,
-    )
-
-    set_seed(0)
-    tokenizer, dataset = _tokenized(ns)
-    pad = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding="longest", return_tensors="pt")
-    batch_tokens: list[int] = []
-
-    def collate(features):
-        batch = pad(features)
-        batch_tokens.append(int(batch["attention_mask"].sum()))  # real tokens; GA 1: batch k is step k
-        return batch
-
-    now = _clock(torch.cuda.is_available())
-
-    class StepClock(TrainerCallback):
-        times: list[float] = []
-        losses: list[float] = []
-        last = 0.0
-
-        def on_train_begin(self, *_, **__):
-            self.last = now()
-
-        def on_step_end(self, *_, **__):
-            self.times.append(now() - self.last)
-            self.last = now()
-
-        def on_log(self, _args, _state, _control, logs=None, **__):
-            if logs and "loss" in logs:
-                self.losses.append(logs["loss"])
-
-    args = TrainingArguments(
-        output_dir=ns.output_dir,
-        per_device_train_batch_size=ns.micro_batch,
-        max_steps=ns.steps,
-        bf16=ns.bf16,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-    )
-    clock = StepClock()
-    model = AutoModelForCausalLM.from_pretrained(ns.model)
-    Trainer(model=model, args=args, train_dataset=dataset, data_collator=collate, callbacks=[clock]).train()
-    return {"step_times": clock.times, "tokens": batch_tokens[: len(clock.times)], "losses": clock.losses}
-
-
-def _greedy_rows(lengths: list[int], budget: int, seed: int = 0) -> list[list[int]]:
-    """Example indices in a shuffled order, cut into rows of at most `budget` tokens (first fit in order)."""
-    order = list(range(len(lengths)))
-    random.Random(seed).shuffle(order)
-    rows, row, used = [], [], 0
-    for index in order:
-        if used + lengths[index] > budget and row:
-            rows.append(row)
-            row, used = [], 0
-        row.append(index)
-        used += lengths[index]
-    return rows + ([row] if row else [])
-
-
-def _torch_packed_batch(dataset, members: list[int], budget: int, pad_id: int, device):
-    import torch
-
-    ids, labels, positions = [], [], []
-    for index in members:
-        example = dataset[index]
-        ids += example["input_ids"]
-        labels += [-100] + example["labels"][1:]  # no example predicts the next one's first token
-        positions += range(len(example["input_ids"]))
-    real, padding = len(ids), budget - len(ids)
-    ids, labels, positions = ids + [pad_id] * padding, labels + [-100] * padding, positions + list(range(padding))
-    batch = {k: torch.tensor([v], device=device) for k, v in (("input_ids", ids), ("labels", labels),
-                                                                   ("position_ids", positions))}
-    return batch, real
-
-
-def _torch_packed_worker(ns: argparse.Namespace) -> dict:
-    """Plain PyTorch: one packed row of --budget tokens per step, sdpa + dense document mask, fused AdamW."""
-    import torch
-    from transformers import AutoModelForCausalLM, set_seed
-
-    from hf_scale.train.loops.profile import StepProfiler
-
-    set_seed(0)
-    tokenizer, dataset = _tokenized(ns)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if ns.bf16_params else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(ns.model, attn_implementation="sdpa", dtype=dtype).to(device)
-    model.config.use_cache = False  # else transformers ignores the packed position ids
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    rows = _greedy_rows([len(ids) for ids in dataset["input_ids"]], ns.budget)
-    profiler = StepProfiler(Path(ns.profile_dir), wait=ns.warmup, active=3) if ns.profile_dir else None
-    now, times, tokens, losses = _clock(cuda), [], [], []
-    last = now()
-    for step in range(ns.steps):
-        batch, real = _torch_packed_batch(dataset, rows[step % len(rows)], ns.budget, tokenizer.pad_token_id, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=ns.bf16):
-            loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        times.append(now() - last)
-        last = now()
-        tokens.append(real)
-        if profiler:
-            profiler.step()
-    if profiler:
-        profiler.finish()
-    return {"step_times": times, "tokens": tokens, "losses": losses}
-
-
-def _worker(ns: argparse.Namespace) -> int:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    result = _baseline_worker(ns) if ns.worker == "baseline" else _torch_packed_worker(ns)
-    result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
-    Path(ns.worker_out).write_text(json.dumps(result))
-    return 0
-
-
 # ------------------------------------------------------------------------------------------ variants
 def run_process(command: list[str], *, env: dict, timeout: float, log_dir: Path) -> tuple[int, str]:
     """Run a variant in its own process group; its whole stdout/stderr go to LOG_DIR/{stdout,stderr}.log.
@@ -331,7 +173,7 @@ def _train_flags(variant: Variant, args, model_dir: Path, data_file: Path, out_d
 def _worker_command(variant: Variant, args, model_dir: Path, data_file: Path, run_dir: Path,
                     profile_dir: Path | None) -> list[str]:
     command = [
-        sys.executable, __file__, "--worker", variant.kind, "--worker-out", str(run_dir / "result.json"),
+        sys.executable, str(WORKERS), variant.kind, "--worker-out", str(run_dir / "result.json"),
         "--model", str(model_dir), "--data", str(data_file), "--output-dir", str(run_dir / "out"),
         "--seq-len", str(args.seq_len), "--budget", str(args.budget), "--micro-batch", str(args.micro_batch),
         "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -530,19 +372,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU, fp32: check the script runs")
     parser.add_argument("--workdir", type=Path, default=common.WORK_DIR / "gpu")
     parser.add_argument("--output", type=Path, default=RESULTS)
-    for hidden in ("--worker-out", "--model", "--data", "--output-dir", "--profile-dir"):
-        parser.add_argument(hidden, help=argparse.SUPPRESS)
-    parser.add_argument("--worker", choices=("baseline", "torch"), help=argparse.SUPPRESS)
-    parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--bf16-params", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.worker:
-        return _worker(args)
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must be larger than --warmup {args.warmup}")
 

@@ -1,5 +1,5 @@
-"""No module of hf_scale over 500 lines: a module that grows past it is split along a seam of its concern
-(CONTRIBUTING.md), not cut anywhere."""
+"""No module of hf_scale, and no benchmark script, over 500 lines: a module that grows past it is split along a
+seam of its concern (CONTRIBUTING.md), not cut anywhere."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import hf_scale
 
 MAX_LINES = 500
 PACKAGE = Path(hf_scale.__file__).parent
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def over_the_limit(package: Path, limit: int = MAX_LINES) -> dict[str, int]:
@@ -20,6 +21,10 @@ def over_the_limit(package: Path, limit: int = MAX_LINES) -> dict[str, int]:
 
 def test_no_module_of_hf_scale_is_over_500_lines():
     assert over_the_limit(PACKAGE) == {}
+
+
+def test_no_benchmark_script_is_over_500_lines():
+    assert over_the_limit(BENCHMARKS) == {}
 
 
 def test_the_check_sees_every_module_at_any_depth(tmp_path):

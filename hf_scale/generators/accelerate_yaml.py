@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from hf_scale.config import DistributedConfig
+from hf_scale.config import DistributedConfig, FSDPSettings
 from hf_scale.parallelism import yaml_block
 from hf_scale.precision_rules import fp8_accelerate_section
 from hf_scale.rules import FP8
@@ -100,29 +100,50 @@ def _deepspeed_section(cfg: DistributedConfig, deepspeed_config_file: str | None
     return section
 
 
-def _fsdp_section(cfg: DistributedConfig) -> dict[str, Any]:
-    fsdp = cfg.fsdp
-    section: dict[str, Any] = {
+def fsdp_plugin_fields(fsdp: FSDPSettings) -> dict[str, Any]:
+    """accelerate's ``FullyShardedDataParallelPlugin`` fields (its own names) for a config's fsdp section: what
+    ``accelerate launch`` makes of the YAML's fsdp_config (written from these by :func:`_fsdp_section`) and what
+    train.py hands the plugin itself under --hf_scale_config (hf_scale.train.model.fsdp): one choice, two paths.
+    Without ``transformer_cls_names_to_wrap`` accelerate wraps the classes in the model's _no_split_modules."""
+    fields: dict[str, Any] = {
         "fsdp_version": fsdp.version,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_state_dict_type": _STATE_DICT_TYPE[fsdp.state_dict_type],
-        "fsdp_cpu_ram_efficient_loading": fsdp.cpu_ram_efficient_loading,
-        "fsdp_offload_params": fsdp.offload_params,
-        "fsdp_activation_checkpointing": fsdp.activation_checkpointing,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "state_dict_type": _STATE_DICT_TYPE[fsdp.state_dict_type],
+        "cpu_ram_efficient_loading": fsdp.cpu_ram_efficient_loading,
+        "cpu_offload": fsdp.offload_params,
+        "activation_checkpointing": fsdp.activation_checkpointing,
     }
     if fsdp.transformer_layer_cls_to_wrap:
-        # Absent = accelerate wraps the classes in the model's _no_split_modules.
-        section["fsdp_transformer_layer_cls_to_wrap"] = ",".join(fsdp.transformer_layer_cls_to_wrap)
+        fields["transformer_cls_names_to_wrap"] = list(fsdp.transformer_layer_cls_to_wrap)
     if fsdp.version == 2:
         # FSDP2 only knows "reshard after forward" (full_shard) or not (shard_grad_op); hybrid sharding is the
         # parallelism_config mesh, which reshards within the machine.
-        section["fsdp_reshard_after_forward"] = fsdp.sharding != "shard_grad_op"
+        fields["reshard_after_forward"] = fsdp.sharding != "shard_grad_op"
     else:
-        section["fsdp_reshard_after_forward"] = _FSDP1_SHARDING[fsdp.sharding]
-        section["fsdp_backward_prefetch"] = "BACKWARD_PRE"
-        section["fsdp_forward_prefetch"] = False
+        # accelerate 1.x wraps an FSDP1 model with `sharding_strategy or reshard_after_forward`, and
+        # `accelerate launch` exports FSDP_SHARDING_STRATEGY=FULL_SHARD unless the YAML names one: without it
+        # shard_grad_op, hybrid_shard and no_shard would silently run FULL_SHARD.
+        fields["sharding_strategy"] = _FSDP1_SHARDING[fsdp.sharding]
+        fields["backward_prefetch"] = "BACKWARD_PRE"
+        fields["forward_prefetch"] = False
         # use_orig_params keeps PEFT/LoRA and per-parameter optimizer groups working under FSDP1.
-        section["fsdp_use_orig_params"] = True
+        fields["use_orig_params"] = True
         # Required by accelerate when cpu_ram_efficient_loading is on (rank 0 loads, the rest receive).
-        section["fsdp_sync_module_states"] = True
+        fields["sync_module_states"] = True
+    return fields
+
+
+_YAML_KEY = {"cpu_offload": "fsdp_offload_params",
+             "transformer_cls_names_to_wrap": "fsdp_transformer_layer_cls_to_wrap"}
+"""The YAML keys (``accelerate launch``'s --fsdp_* arguments) whose names are not ``fsdp_`` + the plugin's field."""
+
+
+def _fsdp_section(cfg: DistributedConfig) -> dict[str, Any]:
+    section: dict[str, Any] = {}
+    for field, value in fsdp_plugin_fields(cfg.fsdp).items():
+        key = _YAML_KEY.get(field, field if field.startswith("fsdp_") else f"fsdp_{field}")
+        section[key] = ",".join(value) if isinstance(value, list) else value  # accelerate splits it at commas
+    if cfg.fsdp.version == 1:
+        # The key `accelerate config` writes for FSDP1's strategy; accelerate reads fsdp_sharding_strategy first.
+        section["fsdp_reshard_after_forward"] = section["fsdp_sharding_strategy"]
     return section

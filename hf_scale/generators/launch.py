@@ -359,14 +359,19 @@ exit "$status"
     )
 
 
+def launchers(cfg: DistributedConfig) -> list[str]:
+    """The launchers with a one-machine script (``NAME.LAUNCHER.sh``) for the config: accelerate always, torchrun
+    except for FSDP (configured by the accelerate YAML), the deepspeed launcher for DeepSpeed."""
+    return ["accelerate"] + ["torchrun"] * (cfg.strategy != "fsdp") + ["deepspeed"] * (cfg.strategy == "deepspeed")
+
+
+_SCRIPTS = {"accelerate": accelerate_script, "torchrun": torchrun_script, "deepspeed": deepspeed_script}
+
+
 def launch_files(cfg: DistributedConfig, name: str, *, header: str) -> dict[str, str]:
     """File name (inside ``launch/``) -> text, for every launch file that applies to the config."""
-    files = {f"{name}.accelerate.sh": accelerate_script(cfg, name, header=header)}
-    if cfg.strategy != "fsdp":
-        files[f"{name}.torchrun.sh"] = torchrun_script(cfg, name, header=header)
-    if cfg.strategy == "deepspeed":
-        files[f"{name}.deepspeed.sh"] = deepspeed_script(cfg, name, header=header)
-        if cfg.topology.num_machines > 1:
-            files[f"{name}.hostfile"] = hostfile(cfg, name)
+    files = {f"{name}.{launcher}.sh": _SCRIPTS[launcher](cfg, name, header=header) for launcher in launchers(cfg)}
+    if cfg.strategy == "deepspeed" and cfg.topology.num_machines > 1:
+        files[f"{name}.hostfile"] = hostfile(cfg, name)
     files[f"{name}.sbatch"] = sbatch_script(cfg, name, header=header)
     return files

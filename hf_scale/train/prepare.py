@@ -136,7 +136,8 @@ def prepare(argv: list[str] | None) -> Run:
         from hf_scale.train.model import quantization
 
         problem = (quantization.refusal(load_in_4bit=True, lora_r=parsed.lora_r, fp8_backend=launch.request.fp8_backend)
-                   or quantization.sharding_refusal(launch.request.fsdp_version, quantization.installed_versions()))
+                   or quantization.sharding_refusal(launch.request.fsdp_version, quantization.installed_versions(),
+                                                    from_hf_scale_config=launch.request.fsdp_settings is not None))
         if problem:
             raise UserError(problem)
         quantization.check_installed()

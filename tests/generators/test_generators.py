@@ -12,11 +12,11 @@ import stat
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
+from accelerate_launch import launch_environment
 
 from hf_scale.config import DistributedConfig, load_config, validate_config
 from hf_scale.errors import UserError
@@ -482,35 +482,6 @@ def test_yaml_starts_with_the_header_comment():
 # --- accelerate's own launch-argument processing -------------------------------------------------------
 
 
-@contextmanager
-def launch_environment(name: str, port: int):
-    """Run accelerate's own `accelerate launch` argument processing on a generated config (in the current
-    directory) and yield the environment it would give the training processes."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils import patch_environment
-    from accelerate.utils.launch import (
-        prepare_deepspeed_cmd_env,
-        prepare_multi_gpu_env,
-        prepare_simple_launcher_cmd_env,
-    )
-
-    args = launch_command_parser().parse_args(
-        ["--config_file", f"accelerate_configs/{name}.yaml", "--main_process_port", str(port), "train.py"]
-    )
-    args, defaults, mixed_precision_from_config = _validate_launch_command(args)
-    if args.use_deepspeed:
-        # What `launch_command` does before `deepspeed_launcher`: these names are checked by DeepSpeedPlugin.
-        fields = list(defaults.deepspeed_config) + ["mixed_precision"] * mixed_precision_from_config
-        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-        _, env = prepare_deepspeed_cmd_env(args)
-    elif args.multi_gpu or args.use_fsdp:
-        env = prepare_multi_gpu_env(args)
-    else:
-        _, env = prepare_simple_launcher_cmd_env(args)
-    with patch_environment(**env):
-        yield args, env
-
-
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_accelerate_launch_accepts_every_preset(preset, tmp_path, monkeypatch, unset_hf_deepspeed_config):
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
@@ -520,7 +491,7 @@ def test_accelerate_launch_accepts_every_preset(preset, tmp_path, monkeypatch, u
     for rel_path, text in render_files(cfg, name=preset, deepspeed_mode="auto", header="t").items():
         (tmp_path / rel_path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel_path).write_text(text)
-    with launch_environment(preset, free_port()) as (args, env):
+    with launch_environment(f"accelerate_configs/{preset}.yaml", free_port()) as (args, env):
         assert args.num_processes == cfg.world_size
         if cfg.strategy == "deepspeed":
             assert env["ACCELERATE_USE_DEEPSPEED"] == "true"

@@ -288,6 +288,19 @@ CASES: dict[str, Case] = {
     "hf-scale-config-world-size": Case(
         ["--hf_scale_config", "{d}/c.yaml"], "world_size=2",
         files={"c.yaml": yaml.safe_dump({"strategy": "ddp", "topology": {"processes_per_machine": 2}})}),
+    # `python train.py` with a multi-process config: which generated script starts it (FSDP has no torchrun.sh)
+    "hf-scale-config-fsdp-under-python": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
+        "c.yaml: world_size=2 (1 machines x 2 processes_per_machine) but the python launcher started WORLD_SIZE=1; "
+        "plain python starts one process: start its 2 processes with launch/c.accelerate.sh (written by",
+        files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 2}})}),
+    "hf-scale-config-zero3-under-python-on-2-machines": Case(
+        ["--hf_scale_config", "{d}/z3.yaml"],
+        "start its 4 processes with launch/z3.accelerate.sh or launch/z3.torchrun.sh or launch/z3.deepspeed.sh on "
+        "each of the 2 machines (written by `hf-scale generate` with hf_scale_configs/z3.yaml)",
+        files={"z3.yaml": yaml.safe_dump({"strategy": "deepspeed", "deepspeed": {"zero_stage": 3},
+                                          "topology": {"num_machines": 2, "processes_per_machine": 2,
+                                                       "main_process_ip": "10.0.0.1"}})}),
     # --- parallelism: refused before the process group, the flags' and the model's reasons before the machine's ---
     "hf-scale-config-context-parallel-on-cpu": Case(
         ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
@@ -295,6 +308,12 @@ CASES: dict[str, Case] = {
         "CPU SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu)",
         files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "topology": {"processes_per_machine": 4},
                                          "parallelism": {"cp": 2}})}),
+    # No silent FSDP2 in its place: without a GPU train.py shards with torch's fully_shard only.
+    "hf-scale-config-fsdp1-on-cpu": Case(
+        ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate"],
+        "c.yaml: fsdp.version=1: this machine has no GPU, and train.py runs FSDP1 only through accelerate's FSDP "
+        "plugin on GPUs; allowed here: fsdp.version=2",
+        files={"c.yaml": yaml.safe_dump({"strategy": "fsdp", "precision": "no", "fsdp": {"version": 1}})}),
     "context-parallel-with-packing": Case(
         ["--hf_scale_config", "{d}/c.yaml", "--loop", "accelerate", "--packing"],
         "parallelism.cp=2 with --packing: ring attention takes no document mask",
@@ -782,7 +801,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(name, tmp_path, checkpo
 # dataset-scalar-rows: datasets' "Failed to load JSON ..." log line and progress bars neither (they reach a real
 # process's stderr through datasets' own handler); model-weights-truncated: nor the tokenizing bar before it.
 SUBPROCESS_CASES = ["lr-nan", "text-int", "resume-weights-flipped", "model-config-does-not-match-the-weights",
-                    "dataset-scalar-rows", "model-weights-truncated"]
+                    "dataset-scalar-rows", "model-weights-truncated", "hf-scale-config-fsdp-under-python"]
 
 
 @pytest.mark.parametrize("name", SUBPROCESS_CASES)

@@ -1,10 +1,12 @@
-"""FSDP2 for the manual loop when the strategy comes from `--hf_scale_config` (not accelerate's YAML).
+"""FSDP for the manual loop when the strategy comes from `--hf_scale_config` (not accelerate's YAML).
 
 With GPUs, accelerate does the sharding: :func:`accelerate_plugin` turns the config's `fsdp` section into
-accelerate's `FullyShardedDataParallelPlugin`. Without GPUs accelerate cannot run FSDP at all (it
-ignores the plugin and trains unsharded), while torch's own `fully_shard` runs over gloo; so on CPU
-:func:`shard_on_cpu` applies FSDP2 directly with the same choices (each decoder layer, then the root).
-That keeps FSDP2 testable on CPU-only machines and CI.
+accelerate's `FullyShardedDataParallelPlugin` with the fields the generated accelerate YAML gives `accelerate
+launch` (hf_scale.generators.accelerate_yaml.fsdp_plugin_fields), so fsdp.version 1 runs FSDP1 as it does there.
+Without GPUs accelerate cannot run FSDP at all (it ignores the plugin and trains unsharded), while torch's own
+`fully_shard` runs over gloo; so on CPU :func:`shard_on_cpu` applies FSDP2 directly with the same choices (each
+decoder layer, then the root). That keeps FSDP2 testable on CPU-only machines and CI; FSDP1 has no such path,
+and fsdp.version 1 is refused on CPU before anything loads (hf_scale.train.setup.reconcile).
 """
 
 from __future__ import annotations
@@ -19,27 +21,30 @@ def layer_classes(model, settings: dict) -> list[str]:
     return list(settings.get("transformer_layer_cls_to_wrap") or []) or decoder_layer_classes(model)
 
 
+def plugin_fields(model, settings: dict) -> dict:
+    """accelerate's FSDP plugin fields for the config's `fsdp` section: the ones the generated accelerate YAML gives
+    `accelerate launch` (fsdp_version 1 or 2 with its sharding), with the layer classes resolved for `model`."""
+    from hf_scale.config import FSDPSettings
+    from hf_scale.generators.accelerate_yaml import fsdp_plugin_fields
+
+    fields = fsdp_plugin_fields(FSDPSettings(**settings))
+    return {**fields, "transformer_cls_names_to_wrap": layer_classes(model, settings)}
+
+
 def accelerate_plugin(model, settings: dict):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    return FullyShardedDataParallelPlugin(
-        fsdp_version=2,
-        auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=layer_classes(model, settings),
-        reshard_after_forward=settings.get("sharding", "full_shard") == "full_shard",
-        state_dict_type="SHARDED_STATE_DICT" if settings.get("state_dict_type") == "sharded" else "FULL_STATE_DICT",
-        cpu_ram_efficient_loading=settings.get("cpu_ram_efficient_loading", False),
-        cpu_offload=settings.get("offload_params", False),
-        activation_checkpointing=settings.get("activation_checkpointing", False),
-    )
+    return FullyShardedDataParallelPlugin(**plugin_fields(model, settings))
 
 
 def shard_on_cpu(model, settings: dict):
     """`fully_shard` every decoder layer, then the root (FSDP2's documented recipe)."""
     from torch.distributed.fsdp import fully_shard
 
+    if settings.get("version", 2) != 2:  # refused before (hf_scale.train.setup.reconcile): FSDP1 needs GPUs
+        raise ValueError(f"fully_shard is FSDP2; fsdp.version={settings.get('version')}")
     names = set(layer_classes(model, settings))
-    reshard = settings.get("sharding", "full_shard") == "full_shard"
+    reshard = settings.get("sharding", "full_shard") != "shard_grad_op"  # as the plugin's (accelerate_yaml)
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         from hf_scale.errors import UserError

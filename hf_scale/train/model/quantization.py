@@ -45,9 +45,14 @@ dict into a 4-bit model under cpu_ram_efficient_loading (huggingface/accelerate#
 Params4bit), peft 0.19 is the first tested with FSDP2 and 4-bit (huggingface/peft#3092)."""
 
 
-def sharding_refusal(fsdp_version: int | None, installed: dict[str, str]) -> str | None:
+def sharding_refusal(fsdp_version: int | None, installed: dict[str, str], *,
+                     from_hf_scale_config: bool = False) -> str | None:
     """Why a 4-bit base cannot be sharded by the run's FSDP (None when it can, or without FSDP). ``installed``: the
-    package versions here (data, so that the rule is tested with any)."""
+    package versions here (data, so that the rule is tested with any); ``from_hf_scale_config``: the version is the
+    --hf_scale_config's fsdp.version (else the accelerate config's)."""
+    if fsdp_version == 1 and from_hf_scale_config:
+        return ("--load_in_4bit with FSDP version 1 (the --hf_scale_config's fsdp.version): hf_scale shards a 4-bit "
+                "base with FSDP2 or DeepSpeed ZeRO-3 only; set fsdp.version: 2, or use strategy deepspeed with ZeRO-3")
     if fsdp_version == 1:
         # FSDP1 flattens every parameter of a wrapped unit into one flat tensor; a 4-bit base then needs peft's wrap
         # policy and a quant-storage mixed-precision override that only transformers' Trainer applies, and no CPU

@@ -72,12 +72,14 @@ class LaunchRequest:
 
     @property
     def fsdp_version(self) -> int | None:
-        """The FSDP this run shards with: 2 when hf_scale shards (fsdp_settings: torch's fully_shard on CPU,
-        accelerate's FSDP2 plugin on GPUs, hf_scale.train.model.fsdp), else accelerate's plugin for the YAML's FSDP;
-        None without FSDP."""
+        """The FSDP this run shards with: the --hf_scale_config's fsdp.version when hf_scale sets FSDP up
+        (fsdp_settings: torch's fully_shard on CPU, version 2 only; accelerate's plugin with that version on GPUs;
+        hf_scale.train.model.fsdp), else accelerate's plugin for the YAML's FSDP; None without FSDP."""
         if self.strategy != "fsdp":
             return None
-        return 2 if self.fsdp_settings is not None else self.accelerate_fsdp_version or 1
+        if self.fsdp_settings is not None:
+            return self.fsdp_settings["version"]
+        return self.accelerate_fsdp_version or 1
 
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:
@@ -202,11 +204,13 @@ def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backen
     if request.strategy == "deepspeed":
         # What TrainingArguments does for `--deepspeed` too: accelerate decides DEEPSPEED from this variable.
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        if "MASTER_ADDR" not in os.environ:
-            # `python train.py --deepspeed …`: DeepSpeed needs a process group even for one process; give it
-            # the single-process rendezvous a launcher would have set (what the HF docs do in notebooks).
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+    if (request.strategy == "deepspeed" or request.fsdp_settings is not None) and "MASTER_ADDR" not in os.environ:
+        # `python train.py --deepspeed …` or with a one-process FSDP --hf_scale_config: DeepSpeed and FSDP (torch's
+        # fully_shard, accelerate's plugin) need a process group even for one process; give them the
+        # single-process rendezvous a launcher would have set (what the HF docs do in notebooks), as
+        # `torchrun --nproc_per_node 1` would. Without it fully_shard dies in its own traceback (RANK not set).
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
     kwargs: dict = {"timeout": timedelta(seconds=ddp_timeout_s)}
     if not has_gpu():
         # FSDP from --hf_scale_config is sharded by torch's fully_shard on CPU (train/fsdp.py); accelerate

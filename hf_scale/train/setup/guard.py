@@ -34,6 +34,8 @@ class Expected:
     zero_stage: int | None = None
     zero3_init: bool = False
     """ZeRO-3 should have built the model partitioned (HfDeepSpeedConfig alive before from_pretrained)."""
+    fsdp_version: int | None = None
+    """FSDP's version (1 or 2) the model must be wrapped with, when the strategy is fsdp and the request knows it."""
     tp: int = 1
     """Tensor-parallel size: the model's weights must be DTensors split tp ways (transformers' tp_size)."""
     cp: int = 1
@@ -167,6 +169,9 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"FSDP was requested but the model is not sharded (accelerate runs {observed.distributed_type}, "
                 f"model wrapper {observed.wrapper!r}); FSDP through accelerate needs GPUs"
             )
+        elif expected.fsdp_version is not None and observed.wrapper != f"fsdp{expected.fsdp_version}":
+            problems.append(f"FSDP version {expected.fsdp_version} was requested but the model is wrapped by "
+                            f"{observed.wrapper.upper()}")
     elif wanted == "ddp" and observed.wrapper != "ddp" and expected.tp == 1:  # tp = world: no DDP (tp check below)
         problems.append(
             f"DDP over {expected.world_size} processes was requested but the model is wrapped as "

@@ -10,8 +10,9 @@ anything it disagrees with is an error — never a silent override.
   values (lr, betas, eps, weight decay) fill the flags left unset and must match the flags that were given
   (a recipe's values count as given); the global batch is micro x accumulation x WORLD_SIZE, each checked;
 - what train.py cannot deliver is refused: --auto_find_batch_size (it would change the micro batch at run
-  time), an --optim that ignores the betas/eps, FSDP's own activation checkpointing where train.py shards
-  with torch's fully_shard (no GPU).
+  time), an --optim that ignores the betas/eps, FSDP's own activation checkpointing and fsdp.version 1 where
+  train.py shards with torch's fully_shard (no GPU), FSDP2's hybrid_shard where train.py sets FSDP up itself (no
+  accelerate launch: no HSDP mesh).
 
 :func:`follow_launcher_config` does the same for the launcher's own config (accelerate YAML precision,
 every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scale.launch_values.
@@ -29,6 +30,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Set
+from pathlib import Path
 from typing import Any
 
 from hf_scale import launch_values, parallelism
@@ -95,6 +97,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
             f"{where}: world_size={cfg.world_size} ({cfg.topology.num_machines} machines x "
             f"{cfg.topology.processes_per_machine} processes_per_machine) but the {request.launcher} launcher "
             f"started WORLD_SIZE={request.world_size}"
+            + (_how_to_launch(cfg, path) if request.launcher == "python" else "")
         )
 
     launcher_chose_engine = request.strategy in ("deepspeed", "fsdp")
@@ -116,6 +119,19 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
                 f"{where}: strategy=fsdp under {request.launcher} runs in the manual loop only; add --loop "
                 "accelerate, or launch the Trainer with `accelerate launch --config_file accelerate_configs/NAME.yaml`"
             )
+        if cfg.layout.dp_replicate > 1 and cfg.layout.dp_shard > 1 and cfg.layout.tp == 1:
+            # HSDP is a 2-D mesh that accelerate builds from the YAML's parallelism_config (and transformers under
+            # TP); neither torch's fully_shard here nor the plugin alone has one: FSDP2 would shard over every rank.
+            raise UserError(f"{where}: fsdp.sharding=hybrid_shard (dp_replicate={cfg.layout.dp_replicate} x dp_shard="
+                            f"{cfg.layout.dp_shard}) under {request.launcher}: train.py's own FSDP2 setup has no "
+                            f"2-D mesh and would shard over all {cfg.world_size} ranks; launch it with "
+                            f"launch/{Path(path).stem}.accelerate.sh (its YAML's parallelism_config gives accelerate "
+                            "the HSDP mesh)")
+        if cfg.fsdp.version == 1 and not has_gpu():
+            # No silent FSDP2: the accelerate YAML path runs fsdp_version 1 (on GPUs), so must this one.
+            raise UserError(f"{where}: fsdp.version=1: this machine has no GPU, and train.py runs FSDP1 only through "
+                            "accelerate's FSDP plugin on GPUs; allowed here: fsdp.version=2 (torch's fully_shard, "
+                            "which runs on CPU)")
         request = dataclasses.replace(request, strategy="fsdp", fsdp_settings=cfg.fsdp.model_dump())
     inline = request.deepspeed_inline  # DeepSpeed settings inline in the accelerate YAML (already in ns.deepspeed)
     if wanted == "deepspeed":
@@ -155,8 +171,6 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
 def _refuse_layout_for_local_model(layout, ns, where: str) -> None:
     """Heads tp/sp cannot split, attention cp cannot compute: asked here, before the process group, when the model's
     config.json is on this machine (a Hub model's is asked once build() has read it)."""
-    from pathlib import Path
-
     from hf_scale.train.model import parallel
     from hf_scale.train.model.load import load_pretrained_config, resolve_model_path
 
@@ -168,6 +182,18 @@ def _refuse_layout_for_local_model(layout, ns, where: str) -> None:
     problem = parallel.model_problem(layout, load_pretrained_config(path, ns.trust_remote_code), where)
     if problem:
         raise UserError(problem)
+
+
+def _how_to_launch(cfg, path: str) -> str:
+    """For `python train.py` (one process, no launcher): the generated scripts that start the config's processes."""
+    from hf_scale.generators.launch import launchers
+
+    name = Path(path).stem
+    scripts = " or ".join(f"launch/{name}.{launcher}.sh" for launcher in launchers(cfg))
+    machines = cfg.topology.num_machines
+    return (f"; plain python starts one process: start its {cfg.world_size} processes with {scripts}"
+            + (f" on each of the {machines} machines" if machines > 1 else "")
+            + f" (written by `hf-scale generate` with hf_scale_configs/{name}.yaml)")
 
 
 def checkpointing_flag(ns) -> str:

@@ -43,6 +43,8 @@ class RunSpec:
     """ZeRO-3 builds the model partitioned (the DeepSpeed config is registered before from_pretrained)."""
     fsdp_settings: dict | None = field(default=None, compare=False)
     """The `fsdp` section of a --hf_scale_config when it (not accelerate's YAML) asks for FSDP."""
+    fsdp_version: int | None = None
+    """The FSDP (1 or 2) the model must be wrapped with (the launch request's); None without FSDP."""
     fp8_backend: str | None = None
     """FP8 training (precision stays bf16: the autocast outside the fp8 matmuls) with this backend, or None."""
     layout: Layout = Layout()
@@ -80,6 +82,7 @@ class RunSpec:
             precision=rules.FP8 if self.fp8_backend else self.precision,  # accelerate's mixed_precision
             zero_stage=self.zero_stage,
             zero3_init=self.zero3_init,
+            fsdp_version=self.fsdp_version,
             tp=self.layout.tp,
             cp=self.layout.cp,
             sp=self.layout.sp,
@@ -126,6 +129,7 @@ def build(request, args, *, loop: str, packing: bool) -> RunSpec:
         zero_stage=request.zero_stage,
         zero3_init=request.zero_stage == 3 and bool(plugin) and bool(plugin.zero3_init_flag),
         fsdp_settings=request.fsdp_settings,
+        fsdp_version=request.fsdp_version,
         fp8_backend=request.fp8_backend,
         layout=request.layout,
         cp_comm_strategy=request.cp_comm_strategy or "allgather",

@@ -323,6 +323,20 @@ def test_fsdp2_from_hf_scale_config_matches_one_process(reference, reference_dir
     assert_saved_model_verified(out, like=reference_dir)
 
 
+def test_fsdp_under_plain_python_runs_one_process(reference, reference_dir, tmp_path):
+    """`python train.py --hf_scale_config` with a one-process FSDP config (no launcher: no RANK, no MASTER_ADDR) is
+    one FSDP2 process, as under `torchrun --nproc_per_node 1` (once fully_shard died in a RANK traceback); the
+    runtime guard checks the model is FSDP2-wrapped."""
+    config = tmp_path / "fsdp_one.yaml"
+    config.write_text("strategy: fsdp\nprecision: 'no'\nbatch: {micro_batch_size: 2, gradient_accumulation_steps: 4}\n"
+                      "optimizer: {lr: 0.001}\n")
+    out = tmp_path / "out"
+    got = _train("python", out, ["--hf_scale_config", str(config), "--loop", "accelerate"])
+    _assert_same_losses(got, reference)
+    _assert_same_eval(out, reference_dir)
+    assert_saved_model_verified(out, like=reference_dir)
+
+
 def test_deepspeed_under_plain_python_runs_one_process(configs, reference, reference_dir, no_compiler, tmp_path):
     """`python train.py --deepspeed …` (no launcher): one DeepSpeed process, same training, no compiler."""
     got = _train_without_compiler(

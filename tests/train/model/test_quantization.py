@@ -59,6 +59,12 @@ def test_sharding_refusal_names_fsdp1_and_the_versions_fsdp2_needs(fsdp_version,
         assert "pip install -U 'accelerate>=1.14' 'peft>=0.19'" in problem
 
 
+def test_sharding_refusal_names_the_hf_scale_configs_fsdp_version_when_it_set_fsdp1():
+    problem = quantization.sharding_refusal(1, NEW, from_hf_scale_config=True)
+    assert "(the --hf_scale_config's fsdp.version)" in problem and "set fsdp.version: 2" in problem
+    assert "accelerate config" not in problem
+
+
 def test_fsdp1_is_refused_by_train_py_before_anything_loads(tmp_path):
     """`accelerate launch` (its own code, one process) with an FSDP YAML that leaves fsdp_version out: accelerate's
     FSDP1. train.py refuses --load_in_4bit in one line, exit 2, on any machine (before the no-GPU FSDP refusal)."""

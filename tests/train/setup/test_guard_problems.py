@@ -19,8 +19,10 @@ HEALTHY = {
     "deepspeed": (Expected("deepspeed", 2, 2, 4, "bf16", zero_stage=3, zero3_init=True),
                   Observed(2, "DEEPSPEED", 2, "deepspeed", micro_batch_size=2, mixed_precision="bf16",
                            deepspeed=ENGINE, zero3_partitioned=True)),
-    "fsdp": (Expected("fsdp", 2, 2, 4, "bf16"),
+    "fsdp": (Expected("fsdp", 2, 2, 4, "bf16", fsdp_version=2),
              Observed(2, "FSDP", 2, "fsdp2", micro_batch_size=2, mixed_precision="bf16")),
+    "fsdp1": (Expected("fsdp", 2, 2, 4, "bf16", fsdp_version=1),
+              Observed(2, "FSDP", 2, "fsdp1", micro_batch_size=2, mixed_precision="bf16")),
     "single": (Expected("single", 1, 2, 4, "no"), Observed(1, "NO", 1, "none", micro_batch_size=2,
                                                             mixed_precision="no")),
 }
@@ -44,6 +46,11 @@ CASES = {
     "deepspeed-not-running": (_observed("deepspeed", distributed_type="MULTI_GPU", wrapper="ddp", deepspeed=None),
                               "DeepSpeed was requested but accelerate runs MULTI_GPU"),
     "fsdp-not-sharded": (_observed("fsdp", wrapper="ddp"), "FSDP was requested but the model is not sharded"),
+    # --hf_scale_config's fsdp.version 1 once ran FSDP2 (hf_scale.train.model.fsdp hard-coded it), and back
+    "fsdp1-run-as-fsdp2": (_observed("fsdp1", wrapper="fsdp2"), "FSDP version 1 was requested but the model is "
+                                                                 "wrapped by FSDP2"),
+    "fsdp2-run-as-fsdp1": (_observed("fsdp", wrapper="fsdp1"), "FSDP version 2 was requested but the model is "
+                                                                "wrapped by FSDP1"),
     "ddp-not-wrapped": (_observed("ddp", wrapper="none"), "DDP over 2 processes was requested"),
     "zero-stage": (_observed("deepspeed", deepspeed={**ENGINE, "zero_stage": 2}),
                    "ZeRO stage 3 was requested but the engine runs stage 2"),

@@ -316,3 +316,21 @@ def test_an_fp8_backend_other_than_the_accelerate_yamls_is_refused_by_train_py(t
                       "config's fp8_config asks for te"], result.stderr[-3000:]
     assert "exit status 2" in result.stderr and not training_traceback_frames(result.stderr)
     assert not out.exists()
+
+
+HSDP = {"strategy": "fsdp", "precision": "no", "fsdp": {"sharding": "hybrid_shard"},
+        "topology": {"num_machines": 2, "processes_per_machine": 2, "main_process_ip": "10.0.0.1"}}
+
+
+def test_fsdp2_hybrid_shard_is_refused_where_train_py_sets_fsdp_up_itself(tmp_path):
+    """Under torchrun train.py shards with fully_shard (CPU) or hands accelerate a plugin without a mesh (GPU):
+    either would shard over all 4 ranks, not HSDP's 2 x 2; accelerate launch with the generated YAML has the mesh."""
+    with pytest.raises(UserError) as refused:
+        _apply(tmp_path, ["--loop", "accelerate"], HSDP, _request(4))
+    assert str(refused.value) == (
+        f"--hf_scale_config={tmp_path / 'run.yaml'}: fsdp.sharding=hybrid_shard (dp_replicate=2 x dp_shard=2) under "
+        "torchrun: train.py's own FSDP2 setup has no 2-D mesh and would shard over all 4 ranks; launch it with "
+        "launch/run.accelerate.sh (its YAML's parallelism_config gives accelerate the HSDP mesh)")
+    full_shard = {**HSDP, "fsdp": {"sharding": "full_shard"}}  # the same world, one dimension: train.py runs it
+    _, request, _ = _apply(tmp_path, ["--loop", "accelerate"], full_shard, _request(4))
+    assert request.fsdp_settings["sharding"] == "full_shard"
