@@ -20,7 +20,7 @@ The manual loop (`--loop accelerate`) resumes at any world size; every part of t
 - **Sequence parallelism (DeepSpeed Ulysses).** The position counts the adapter's micro-batches (each a whole
   batch of rows); the loop skips them on the loader under the adapter (`sequence_parallel.Batches.resumed`).
   Another sp, data-parallel size or micro batch takes it up where it is a prefix of the epoch's order
-  (`_check_sp_position`); the ZeRO state does not depend on sp.
+  (`_check_sp`); the ZeRO state does not depend on sp; another world size is refused.
 - **RNG.** Every rank that existed before gets its own generator states back; a rank that did not
   keeps its seeded generators.
 
@@ -113,8 +113,8 @@ def _check_sp(path: Path, state: dict, spec: RunSpec, sp: int, convert: str) -> 
     group), so at the same world size the engine loads it as saved, at another sp too. At another world size it
     cannot: DeepSpeed's Ulysses process groups alias model parallelism to the sp group (parallel_state_sp), so the
     checkpoint records tp_degree=sp and DeepSpeed's universal converter fails ("Checkpoint model-state file count 1
-    does not match pp_degree=1 * tp_degree=2"), and a universal load at sp > 1 would slice the weights as tensor
-    parallel.
+    does not match pp_degree=1 * tp_degree=2", observed); and a universal load under the Ulysses groups would take
+    the sp rank for a tensor-parallel rank (deepspeed.utils.bwc; not tried).
 
     The data position: loader batch g of an epoch goes to rank g % world, and the adapter of sp group d trains, in
     round k, the batches k x world + d x sp + j (j < sp) one after the other. A position of b micro-batches per
