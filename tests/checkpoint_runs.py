@@ -1,5 +1,5 @@
 """Real training runs that leave checkpoints, shared by tests/export/test_export.py and
-tests/train/checkpoint/test_reshard.py.
+tests/train/checkpoint/test_reshard.py, and resuming one of a run's checkpoints in a new directory.
 
 Every run trains 4 optimizer steps and saves `checkpoint-2` and `checkpoint-4` (the global batch is 8 in
 all of them: 2 processes x micro 2 x accumulation 2, or 1 process x micro 2 x accumulation 4). Runs are
@@ -12,7 +12,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from train_helpers import generate_config, launcher_command, run_ok
+from train_helpers import generate_config, launcher_command, read_metrics, run_ok
+
+from hf_scale.train.checkpoint import layout as checkpoint_layout
 
 STEPS = 4
 COMMON = ["--max_steps", str(STEPS), "--save_steps", "2", "--learning_rate", "1e-3", "--seed", "11",
@@ -64,3 +66,13 @@ def trained(tmp_path_factory, strategy: str, procs: int, *, extra: tuple[str, ..
                + ["--output_dir", str(out)])
         _done[key] = out
     return _done[key]
+
+
+def resumed(saved: Path, step: int, out: Path, command: list[str], **kwargs) -> list[dict]:
+    """The metrics of `command` resuming `checkpoint-STEP` of run `saved`, copied alone into a new `out`."""
+    out.mkdir()
+    checkpoint = checkpoint_layout.checkpoint_dir(out, step)
+    shutil.copytree(checkpoint_layout.checkpoint_dir(saved, step), checkpoint)
+    result = run_ok(command + ["--output_dir", str(out), "--resume_from_checkpoint", "auto"], **kwargs)
+    assert f"resuming from {checkpoint}" in result.stderr
+    return read_metrics(out)

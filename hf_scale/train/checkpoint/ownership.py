@@ -69,10 +69,8 @@ def claim(args, spec, state, hub_target, *, overwrite: bool) -> Path | None:
             hub.create_repo(hub_target, "--push_to_hub")
     state.wait_for_everyone()
     resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir, state)
-    if resume_dir is not None:  # refuse what cannot resume (another loop, strategy, or world size for the Trainer)
-        reshard.check_resumable(resume_dir, loop=spec.loop, world_size=spec.world_size,
-                                strategy=spec.strategy, zero_stage=spec.zero_stage, tp=spec.layout.tp,
-                                sp=spec.layout.sp)
+    if resume_dir is not None:  # refuse what cannot resume (reshard.check_resumable)
+        reshard.check_resumable(resume_dir, spec)
         if state.is_main_process:
             print(f"hf_scale: resuming from {resume_dir}", file=sys.stderr)
     return resume_dir

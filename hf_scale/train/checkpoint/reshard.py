@@ -17,12 +17,17 @@ The manual loop (`--loop accelerate`) resumes at any world size; every part of t
   temporary directory is removed afterwards (or, after a crash, at the next start like any
   interrupted save).
 - **FSDP2.** torch.distributed.checkpoint reshards natively on load.
+- **Sequence parallelism (DeepSpeed Ulysses).** The position counts the adapter's micro-batches (each a whole
+  batch of rows); the loop skips them on the loader under the adapter (`sequence_parallel.Batches.resumed`).
+  Another sp, data-parallel size or micro batch takes it up where it is a prefix of the epoch's order
+  (`_check_sp`); the ZeRO state does not depend on sp; another world size is refused.
 - **RNG.** Every rank that existed before gets its own generator states back; a rank that did not
   keeps its seeded generators.
 
 Refused before training starts, with what to do instead: the Trainer path at another world size (the
 Trainer skips whole steps of the new run's batches, so its data position would be wrong, and it loads
-DeepSpeed partitions rigidly), and a checkpoint of another loop or strategy.
+DeepSpeed partitions rigidly) or with sp > 1 on either side, an sp position inside an adapter round at another
+layout, and a checkpoint of another loop or strategy.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pathlib import Path
 from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MANIFEST, staging_dir, step_of
+from hf_scale.train.setup.run_spec import RunSpec
 
 _FULL_STATES = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
 
@@ -51,42 +57,95 @@ def _state_layout(strategy: str, zero_stage: int | None, tp: int = 1) -> str:
     return _FULL_STATES.get(strategy, strategy)
 
 
-def check_resumable(path: Path, *, loop: str, world_size: int, strategy: str, zero_stage: int | None,
-                    tp: int = 1, sp: int = 1) -> dict:
-    """The saved `hf_scale_state.json` if this run can resume `path`; a one-line UserError otherwise.
+def check_resumable(path: Path, spec: RunSpec) -> dict:
+    """The saved `hf_scale_state.json` if this run (`spec`) can resume `path`; a one-line UserError otherwise.
 
     Runs before the model is built, so a refusal costs nothing.
     """
-    if sp > 1:
-        # DeepSpeed's Ulysses adapter turns each loader batch into sp micro-batches: neither loop can skip to the
-        # saved data position through it yet (the Trainer's skip fails inside the adapter).
-        raise UserError(f"--resume_from_checkpoint={path}: sp={sp}: resuming a sequence-parallel run is not "
-                        "supported yet; start it again, or resume with sp=1")
     state = checkpoint.read_state(path)
     convert = (
         f"or convert it with `hf-scale export {path} EXPORT_DIR` and start a new run from it "
         "(--model_name_or_path EXPORT_DIR; the optimizer state starts fresh)"
     )
+    loop = spec.loop
     saved_loop = state.get("loop", "accelerate")
     if saved_loop != loop:
         raise UserError(
             f"--resume_from_checkpoint={path}: written by --loop {saved_loop}, resumed with --loop {loop}; "
             f"the two loops keep different checkpoint layouts: resume with --loop {saved_loop}, {convert}"
         )
-    saved = _state_layout(state["strategy"], state.get("zero_stage"), state.get("parallelism", {}).get("tp", 1))
-    wanted = _state_layout(strategy, zero_stage, tp)
+    saved_sizes = state.get("parallelism", {})
+    saved = _state_layout(state["strategy"], state.get("zero_stage"), saved_sizes.get("tp", 1))
+    wanted = _state_layout(spec.strategy, spec.zero_stage, spec.layout.tp)
     if saved != wanted:
         raise UserError(
             f"--resume_from_checkpoint={path}: saved with {saved}, resumed with {wanted}; "
             f"resume with the same strategy, {convert}"
         )
-    if state["world_size"] != world_size and loop == "trainer":
+    sp = max(saved_sizes.get("sp", 1), spec.layout.sp)
+    if sp > 1 and loop == "trainer":
+        # transformers' Trainer (_run_epoch) skips the resumed epoch's batches with accelerate's skip_first_batches
+        # on its train loader, which under sp is DeepSpeed's Ulysses adapter: it has no dataset or sampler to skip
+        # (AttributeError), and the count is in adapter micro-batches, sp of them per loader batch. No Trainer hook
+        # reaches that call short of copying _run_epoch. The manual loop skips on the loader under the adapter
+        # (sequence_parallel.Batches.resumed). A Trainer checkpoint of an sp run is refused at sp=1 too: its
+        # position is in that run's steps, a prefix of the epoch's order only for some layouts (_check_sp).
+        raise UserError(
+            f"--resume_from_checkpoint={path}: sp={sp}: the Trainer path does not resume sequence-parallel runs "
+            f"(its data skip cannot pass DeepSpeed's Ulysses adapter); train them with --loop accelerate, which "
+            f"resumes them exactly, {convert}"
+        )
+    if state["world_size"] != spec.world_size and loop == "trainer":
         raise UserError(
             f"--resume_from_checkpoint={path}: saved by {state['world_size']} processes, resumed with "
-            f"{world_size}; the Trainer path resumes only at the same world size: launch "
+            f"{spec.world_size}; the Trainer path resumes only at the same world size: launch "
             f"{state['world_size']} processes, train with --loop accelerate (resumes at any world size), {convert}"
         )
+    if sp > 1:
+        _check_sp(path, state, spec, sp, convert)
     return state
+
+
+def _check_sp(path: Path, state: dict, spec: RunSpec, sp: int, convert: str) -> None:
+    """What the manual loop resumes when either run has sp > 1 (DeepSpeed Ulysses).
+
+    The ZeRO state does not depend on sp: ZeRO partitions over all ranks (DeepSpeed's sequence x data-parallel
+    group), so at the same world size the engine loads it as saved, at another sp too. At another world size it
+    cannot: DeepSpeed's Ulysses process groups alias model parallelism to the sp group (parallel_state_sp), so the
+    checkpoint records tp_degree=sp and DeepSpeed's universal converter fails ("Checkpoint model-state file count 1
+    does not match pp_degree=1 * tp_degree=2", observed); and a universal load under the Ulysses groups would take
+    the sp rank for a tensor-parallel rank (deepspeed.utils.bwc; not tried).
+
+    The data position: loader batch g of an epoch goes to rank g % world, and the adapter of sp group d trains, in
+    round k, the batches k x world + d x sp + j (j < sp) one after the other. A position of b micro-batches per
+    rank is a prefix of the epoch's order when it ends a round (b % sp == 0) or when there is one sp group
+    (dp == 1). The same layout takes up any position (it skips the same rounds and drops the same micro-batches
+    of the round); another must find a prefix and skip exactly it."""
+    if state["world_size"] != spec.world_size:
+        raise UserError(
+            f"--resume_from_checkpoint={path}: sp={sp}: saved by {state['world_size']} processes, resumed with "
+            f"{spec.world_size}; DeepSpeed records the Ulysses sp group as tensor parallelism, which its "
+            f"universal-checkpoint converter cannot reshard: launch {state['world_size']} processes (sp and the "
+            f"micro batch may change), {convert}"
+        )
+    samples = state["samples_consumed_in_epoch"]
+    saved_sp = state.get("parallelism", {}).get("sp", 1)  # sp excludes tp and cp (parallelism.layout_problems)
+    saved = (saved_sp, state["world_size"] // saved_sp, state["micro_batch_size"])
+    wanted = (spec.layout.sp, spec.data_parallel_size, spec.micro_batch_size)
+    if saved == wanted:
+        return
+
+    def a_prefix(sp: int, dp: int, micro: int) -> bool:
+        rows = micro * dp  # samples per adapter micro-batch on all ranks together
+        return samples % rows != 0 or (samples // rows) % sp == 0 or dp == 1  # not whole: CheckpointSaver.load's
+
+    if not (a_prefix(*saved) and a_prefix(*wanted)):
+        raise UserError(
+            f"--resume_from_checkpoint={path}: step {state['step']} ends inside a round of the Ulysses adapter's "
+            f"micro-batches ({samples} samples into epoch {state['epoch']}), which only the layout that saved it "
+            f"can take up: resume with sp={saved[0]} and --per_device_train_batch_size {saved[2]}, or from a "
+            "checkpoint whose micro-batches per rank are a multiple of sp"
+        )
 
 
 @contextlib.contextmanager

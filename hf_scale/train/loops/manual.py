@@ -276,7 +276,7 @@ class _Loop:
         """The rest of the current epoch (or of the run); True when a signal stopped it."""
         self.dataloader.set_epoch(self.epoch)
         skip, self.skip_batches = self.skip_batches, 0
-        batches = iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
+        batches = iter(self._rest_of_epoch(skip))
         batches_in_epoch = skip
         while self.step < self.length.total_steps:
             waited = time.perf_counter()
@@ -316,6 +316,14 @@ class _Loop:
             if preempted:
                 return True
         return False
+
+    def _rest_of_epoch(self, skip: int):
+        """The epoch's micro-batches after this rank's first `skip` (a resumed checkpoint's data position)."""
+        if not skip:
+            return self.dataloader
+        if isinstance(self.dataloader, sequence_parallel.Batches):  # sp > 1: skipped under DeepSpeed's adapter
+            return self.dataloader.resumed(self.accelerator, skip)
+        return self.accelerator.skip_first_batches(self.dataloader, skip)
 
     def _optimizer_step(self, window: list) -> tuple[float, int, float, Any]:
         """One optimizer step over an accumulation window: (its loss, its real tokens on all ranks, the learning

@@ -16,6 +16,8 @@ all-gathers the losses differentiably instead, whose backward doubles the gradie
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from hf_scale.parallelism import Layout
@@ -102,7 +104,8 @@ def shard_loss(model, batch: dict, num_items_in_batch: torch.Tensor) -> torch.Te
 
 
 class Batches:
-    """The adapter as the loop uses a loader: ``set_epoch`` reaches the loader it wraps."""
+    """The adapter as the loop uses a loader: ``set_epoch`` reaches the loader it wraps; one pass per epoch; and a
+    resumed epoch that skips on the loader under the adapter."""
 
     def __init__(self, adapter):
         self.adapter = adapter
@@ -114,4 +117,21 @@ class Batches:
         return len(self.adapter)
 
     def __iter__(self):
-        return iter(self.adapter)
+        # One pass: after the StopIteration that ends an epoch the adapter starts its loader again, so a window cut
+        # short by the epoch's end would otherwise be followed by the next pass's batches, not by the epoch's end.
+        yield from self.adapter
+
+    def resumed(self, accelerator, micro_batches: int):
+        """The rest of the epoch after this rank's first `micro_batches` adapter micro-batches (a checkpoint's data
+        position). The adapter makes sp micro-batches of each round of loader batches (one from every rank of the sp
+        group, in sp-rank order), so: skip whole rounds on the loader it wraps with accelerate's
+        ``skip_first_batches`` (indices only, nothing loaded), then drop the round's first micro-batches already
+        trained. accelerate's skip cannot be applied to the adapter itself (no sampler, and sp micro-batches per
+        loader batch)."""
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+        old = self.adapter
+        rounds, rest = divmod(micro_batches, old.sp_world_size)
+        adapter = UlyssesSPDataLoaderAdapter(accelerator.skip_first_batches(old.dl, rounds), sp_rank=old.sp_rank,
+                                             sp_group=old.sp_group, sp_world_size=old.sp_world_size, device=old.device)
+        return itertools.islice(Batches(adapter), rest, None)

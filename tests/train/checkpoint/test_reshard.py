@@ -2,6 +2,8 @@
 
 Both runs of a pair have the same global batch (2 processes x accumulation 2 = 1 process x accumulation
 4), so the resumed steps must equal the uninterrupted run's (rtol 1e-4: the reduction order differs).
+What check_resumable decides for sequence-parallel checkpoints is tested here without processes; the resumes it
+allows run in tests/train/model/test_sequence_parallel_train.py.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import pytest
 from checkpoint_runs import COMMON, launcher, strategy_args, trained
 from train_helpers import TRAIN_PY, launcher_command, read_metrics, run, run_ok, training_traceback_frames
 
+from hf_scale.errors import UserError
+from hf_scale.parallelism import Layout
 from hf_scale.train.checkpoint import layout as checkpoint_layout
-
-pytestmark = pytest.mark.multiprocess
+from hf_scale.train.checkpoint import reshard
+from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.setup.run_spec import RunSpec
 
 
 def _resume(tmp_path_factory, tmp_path, strategy: str, saved_procs: int, new_procs: int):
@@ -30,6 +35,7 @@ def _resume(tmp_path_factory, tmp_path, strategy: str, saved_procs: int, new_pro
     return read_metrics(full), read_metrics(out), result
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("strategy", "saved_procs", "new_procs"),
     # DeepSpeed: ZeRO-2 grows (1 -> 2), ZeRO-3 shrinks (2 -> 1); both go through DeepSpeed's universal checkpoint.
@@ -54,6 +60,7 @@ def test_resume_at_another_world_size_continues_the_uninterrupted_run(
     assert [p.name for p in saved] == ["checkpoint-2", "checkpoint-4"]
 
 
+@pytest.mark.multiprocess
 def test_trainer_path_refuses_another_world_size_before_training(tmp_path):
     out = tmp_path / "run"
     base = ["--max_steps", "2", "--save_steps", "2", "--per_device_train_batch_size", "2", "--loop", "trainer"]
@@ -70,6 +77,7 @@ def test_trainer_path_refuses_another_world_size_before_training(tmp_path):
     assert not (out / "metrics.jsonl").read_text().count('"step": 3')  # refused before any training step
 
 
+@pytest.mark.multiprocess
 def test_resume_with_another_strategy_is_refused_with_how_to_convert(tmp_path_factory, tmp_path):
     full = trained(tmp_path_factory, "ddp", 1)
     out = tmp_path / "resumed"
@@ -81,3 +89,54 @@ def test_resume_with_another_strategy_is_refused_with_how_to_convert(tmp_path_fa
     assert "saved with full states (DDP / one process), resumed with DeepSpeed ZeRO-2" in result.stderr
     assert f"hf-scale export {out / 'checkpoint-2'} EXPORT_DIR" in result.stderr
     assert not (out / "metrics.jsonl").exists()
+
+
+def _spec(loop: str, world: int, sp: int, micro: int) -> RunSpec:
+    dp = world // sp
+    return RunSpec(launcher="torchrun", strategy="deepspeed", world_size=world, loop=loop, micro_batch_size=micro,
+                   gradient_accumulation_steps=1, global_batch_size=micro * dp, precision="no", seed=11,
+                   data_seed=11, packing=False, zero_stage=2, layout=Layout(dp_shard=dp, sp=sp))
+
+
+# (saved world, sp, micro; micro-batches per rank at the save) -> (resumed world, sp, micro): None if it resumes.
+SP_CASES = {
+    "same layout, inside a round": ((4, 2, 2, 3), (4, 2, 2), None),
+    "one sp group, inside a round, at sp=1": ((2, 2, 4, 3), (2, 1, 2), None),
+    "round ends, at sp=1": ((4, 2, 2, 4), (4, 1, 2), None),
+    "round ends, sp=4 -> sp=2": ((4, 4, 1, 8), (4, 2, 1), None),
+    "sp=1 into sp=2, round ends": ((4, 1, 2, 4), (4, 2, 2), None),
+    "two sp groups, inside a round, at sp=1": ((4, 2, 2, 3), (4, 1, 2), "step 3 ends inside a round"),
+    "sp=1 into a round of two sp groups": ((4, 1, 1, 3), (4, 2, 2), "step 3 ends inside a round"),
+    "another micro batch, inside a round": ((4, 2, 2, 3), (4, 2, 1), "step 3 ends inside a round"),
+    "another world size": ((2, 2, 4, 2), (1, 1, 4), "sp=2: saved by 2 processes, resumed with 1; DeepSpeed records"),
+    "sp=1 into sp=2 at another world size": ((2, 1, 2, 2), (4, 2, 2), "sp=2: saved by 2 processes, resumed with 4"),
+}
+
+
+@pytest.mark.parametrize("case", SP_CASES, ids=str)
+def test_which_sequence_parallel_positions_resume_at_another_layout(case, tmp_path):
+    """The manual loop: an sp position (saved with one step per micro-batch) at another sp, data-parallel size or
+    micro batch is taken up where it is a prefix of the epoch's batch order on both sides; never at another world
+    size (DeepSpeed's converter reads the sp group as tensor parallelism)."""
+    (world, sp, micro, batches), resumed_as, refusal = SP_CASES[case]
+    saved = _spec("accelerate", world, sp, micro)
+    checkpoint.write_state(tmp_path, step=batches, spec=saved, epoch=0,
+                           samples_consumed_in_epoch=batches * micro * saved.data_parallel_size)
+    resumed = _spec("accelerate", *resumed_as)
+    if refusal is None:
+        assert reshard.check_resumable(tmp_path, resumed)["step"] == batches
+        return
+    with pytest.raises(UserError) as error:
+        reshard.check_resumable(tmp_path, resumed)
+    assert str(error.value).startswith(f"--resume_from_checkpoint={tmp_path}: {refusal}")
+    assert "\n" not in str(error.value)
+    if "inside a round" in refusal:
+        assert f"resume with sp={sp} and --per_device_train_batch_size {micro}" in str(error.value)
+
+
+@pytest.mark.parametrize(("saved_sp", "resumed_sp"), [(2, 2), (2, 1), (1, 2)])
+def test_the_trainer_path_refuses_sequence_parallel_checkpoints_either_way(saved_sp, resumed_sp, tmp_path):
+    checkpoint.write_state(tmp_path, step=2, spec=_spec("trainer", 2, saved_sp, 2))
+    with pytest.raises(UserError, match="^--resume_from_checkpoint=.*: sp=2: the Trainer path does not resume "
+                                        "sequence-parallel runs .*; train them with --loop accelerate"):
+        reshard.check_resumable(tmp_path, _spec("trainer", 2, resumed_sp, 2))
