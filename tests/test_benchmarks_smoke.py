@@ -7,6 +7,7 @@ environment, every variant produced a number, and compared variants computed the
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -319,3 +320,77 @@ def test_gpu_cp_comparison_names_every_step_that_differs():
     assert compare(one, two, 1e-3) == ["step 1: grad_norm 1.01 against one process's 1.0",
                                        "step 2: 11 tokens against one process's 12"]
     assert compare(one, two[:1], 1e-3) == ["steps [1] against [1, 2]"]
+
+
+def _session_plan(*stages: str) -> dict[str, list[list[str]]]:
+    """benchmarks/gpu_session.sh --dry-run: each stage's commands, split into words."""
+    result = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "--dry-run", *stages], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    plan: dict[str, list[list[str]]] = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("# "):
+            plan[line.split()[1]] = []
+        else:
+            plan[list(plan)[-1]].append(line.split())
+    return plan
+
+
+def test_the_gpu_session_plans_every_check_of_the_gpu_issue_with_arguments_its_scripts_take():
+    """The one device call a session with a GPU makes: every stage's command names a script, variant, candidate,
+    preset and train.py flags that exist, all gpu.py calls share one setup (so --merge keeps the earlier rows),
+    and the stages' limits fit one device call."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from gpu import VARIANTS
+        from planner_gpu_memory import DEFAULT_CANDIDATES
+    finally:
+        sys.path.remove(str(BENCH))
+    from hf_scale.presets import PRESETS
+    from hf_scale.train.setup.parser import build_parser
+
+    plan = _session_plan()
+    assert list(plan) == ["install", "doctor", "throughput", "memory", "saves", "precision", "fsdp_save"]
+    gpu_setups, variants = set(), []
+    for stage, commands in plan.items():
+        for words in commands:
+            scripts = [w for w in words if w.startswith("benchmarks/")]
+            assert all((REPO / s).is_file() for s in scripts), (stage, words)
+            if "benchmarks/gpu.py" in words:
+                at = words.index("--variants")
+                variants.append(words[at + 1])
+                setup = [w for w in words[at + 2:] if w not in ("--merge", "--profile")]
+                gpu_setups.add(tuple(setup[:setup.index("--output")]))
+                assert "--merge" in words
+            if "benchmarks/planner_gpu_memory.py" in words:
+                assert words[words.index("--candidates") + 1] in DEFAULT_CANDIDATES
+            if "generate" in words:
+                assert words[words.index("--preset") + 1] in PRESETS
+            if words[0] == "bash":  # a generated launch script: the rest is train.py's flags
+                namespace, unknown = build_parser().parse_known_args(words[2:])
+                assert unknown == [] and namespace.max_steps == 4, words
+    assert len(gpu_setups) == 1
+    assert set(variants) <= set(VARIANTS) and {"baseline", "hf_scale_best", "hf_scale_fp8", "hf_scale_qlora"} <= set(
+        variants)
+    text = (BENCH / "gpu_session.sh").read_text()
+    assert "DEADLINE_S=${DEADLINE_S:-570}" in text  # inside one device call's 600 s
+
+
+def test_the_gpu_session_runs_its_stages_keeps_their_logs_and_refuses_an_unknown_stage(tmp_path):
+    """The runner itself, on CPU: the doctor stage runs for real, its log and the summary land in $OUT; a stage
+    past the session's deadline is skipped, not started; an unknown stage is one line, exit 2."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
+           "DEADLINE_S": "300"}
+    result = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "doctor"], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    summary = (tmp_path / "out" / "session.tsv").read_text().splitlines()
+    assert summary[0] == "stage\texit\tseconds" and summary[1].startswith("doctor\t")
+    log = (tmp_path / "out" / "doctor.log").read_text()
+    assert "$ python3 -m hf_scale.cli doctor --config" in log and "zero2" in log
+    late = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "fsdp_save"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={**env, "DEADLINE_S": "3"})
+    assert "fsdp_save\tskipped (no time left)" in (tmp_path / "out" / "session.tsv").read_text(), late.stdout
+    wrong = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "nope"], cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "'nope' is not one of" in wrong.stderr
