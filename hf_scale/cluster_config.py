@@ -148,7 +148,8 @@ class ClusterConfig(_Section):
         default_factory=list, max_length=256
     )
     """train.py flags every node passes after the generated ones, e.g. [--model_name_or_path, meta-llama/...,
-    --dataset, /data/train.jsonl]."""
+    --train_file, /data/train.jsonl]; refused by `hf-scale generate` where train.py would refuse them (an unknown flag,
+    a value contradicting this config), and --output_dir / --hf_scale_config, which every node passes itself."""
     env: Annotated[dict[str, Annotated[str, Strict()]], AfterValidator(_environment), Field(max_length=128)] = Field(
         default_factory=dict
     )

@@ -186,8 +186,59 @@ def manifest_facts(kind: str, data: dict) -> Facts:
                  launcher_nodes if isinstance(launcher_nodes, int) else None, env)
 
 
-def output_dir(args: list[str]) -> str | None:
-    return _value(args, ("--output_dir", "--output-dir"))
+OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir")
+_TRAIN_SCRIPT = re.compile(r"(?:^|/)train\.py$")
+_SHELL_SEPARATORS = {";", "&&", "||", "|", "&"}
+_EXPANSION = re.compile(r"[$`]")
+
+
+@dataclass(frozen=True)
+class TrainCommand:
+    """What the command hands train.py."""
+
+    args: list[str]
+    """The words after ``train.py``, ``-m hf_scale.train`` or a generated ``launch/NAME.node.sh`` (which passes them
+    on), up to the end of that shell command; whole-word ``$VAR``s read from the manifest's env."""
+    unresolved: list[str]
+    """Words with a shell expansion this machine cannot know (``$OTHER``, ``$(...)``): the flags are then not
+    parsed (their values are the job's), only --output_dir is read."""
+    passes_config: bool
+    """An hf_scale config reaches train.py: ``--hf_scale_config`` among the arguments, or NAME.node.sh's own."""
+
+
+def train_command(facts: Facts) -> TrainCommand | None:
+    """The train.py invocation of the command; None when it runs none that can be recognized (a script of its own:
+    nothing to parse)."""
+    args = facts.args
+    for index, word in enumerate(args):
+        module = word == "-m" and args[index + 1:index + 2] == ["hf_scale.train"]
+        if not (module or _TRAIN_SCRIPT.search(word) or _NODE_SCRIPT.search(word)):
+            continue
+        words = []
+        for arg in args[index + (2 if module else 1):]:
+            if arg in _SHELL_SEPARATORS:
+                break
+            words.append(arg.removesuffix(";"))
+            if arg.endswith(";"):
+                break
+        words = [_substituted(arg, facts.env) for arg in words]
+        passes = bool(_NODE_SCRIPT.search(word)) or any(a.partition("=")[0] == "--hf_scale_config" for a in words)
+        return TrainCommand(words, [arg for arg in words if _EXPANSION.search(arg)], passes)
+    return None
+
+
+def _substituted(word: str, env: dict[str, str]) -> str:
+    match = _VARIABLE.fullmatch(word)
+    return env.get(match[1] or match[2], word) if match else word
+
+
+def output_dir(facts: Facts) -> str | None:
+    """--output_dir as train.py reads it: the last one given (argparse's rule), among train.py's arguments when the
+    command's train.py is recognized, else among all its words."""
+    from hf_scale.check.train_flags import last_value
+
+    command = train_command(facts)
+    return last_value(command.args if command else facts.args, OUTPUT_DIR_FLAGS)
 
 
 def _resolve(written: str, manifest: Path, workdir: str | None) -> Path | None:

@@ -262,3 +262,50 @@ def test_a_trainjob_of_the_wrong_shape_is_one_finding(broken, tmp_path, capsys):
                                    "metadata": {"name": "x"}, "spec": {"runtimeRef": {"name": "r"}, **broken}}))
     code, findings = _run(capsys, "--manifest", str(job))
     assert code == 1 and [f["code"] for f in findings][:1] == ["manifest-invalid"]
+
+
+@pytest.mark.parametrize("manifest", ["one.trainjob.yaml", "one.sky.yaml"])
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        # train.py's parser keeps the last --output_dir: the checkpoints land off the volume, and the micro batch
+        # contradicts the config train.py gets from NAME.node.sh.
+        (["--output_dir", "/elsewhere", "--per_device_train_batch_size", "4"],
+         "batch.micro_batch_size=1 but --per_device_train_batch_size=4"),
+        (["--output_dir=/elsewhere", "--bogus"], "unrecognized arguments: --bogus"),
+        (["--output-dir", "/elsewhere", "--learning_rate", "fast"], "invalid float value: 'fast'"),
+    ],
+    ids=["contradiction", "unknown-flag", "bad-value"],
+)
+def test_the_arguments_a_manifest_hands_train_py_are_read_as_train_py_reads_them(manifest, extra, problem, tmp_path,
+                                                                                   capsys):
+    """A second --output_dir wins in train.py (argparse keeps the last), so it is the one that must be on the volume;
+    a flag train.py refuses, or one contradicting the hf_scale config the node script passes, fails the job at start
+    on the cluster: both are reported before it queues."""
+    root = generate_all(tmp_path, "one", "kubeflow,skypilot")
+    path = root / "launch" / manifest
+    data = yaml.safe_load(path.read_text())
+    if manifest.endswith(".sky.yaml"):
+        data["run"] += " " + " ".join(extra)
+    else:
+        data["spec"]["trainer"]["args"] += extra
+    path.write_text(yaml.safe_dump(data))
+    code, findings = _run(capsys, "--manifest", str(path))
+    by_code = {f["code"]: f["problem"] for f in findings}
+    assert code == 1 and sorted(by_code) == ["manifest-output-volume", "manifest-train-args"], findings
+    assert problem in by_code["manifest-train-args"]
+    assert "--output_dir '/elsewhere'" in by_code["manifest-output-volume"]
+
+
+def test_train_py_arguments_with_values_the_job_decides_are_not_parsed(tmp_path, capsys):
+    """$VARs the manifest's env does not define are the job's: nothing certain to parse (one of the manifest's own
+    is read)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(TRAINJOB.replace("/scratch/out]", "/scratch/out, --max_steps, $STEPS, --seed, $SEED]")
+                   + '    env: [{name: STEPS, value: "100"}]\n')
+    code, findings = _run(capsys, "--manifest", str(job))
+    assert "manifest-train-args" not in {f["code"] for f in findings}
+    job.write_text(TRAINJOB.replace("/scratch/out]", "/scratch/out, --max_steps, $STEPS]")
+                   + '    env: [{name: STEPS, value: "many"}]\n')
+    code, findings = _run(capsys, "--manifest", str(job))
+    assert [f["problem"] for f in findings if f["code"] == "manifest-train-args"][0].count("'many'") == 1
