@@ -7,7 +7,8 @@ generated ``launch/NAME.node.sh``'s hf_scale config: hf_scale.check.manifest_fac
 
 `manifest-invalid`: the platform's own definitions refuse the manifest (Kubeflow's API models, SkyPilot's schemas:
 hf_scale.check.manifest_schema). `manifest-nodes`, `manifest-processes`: node count vs num_machines /
-topology.num_machines, processes per node (the command's launcher count, else numProcPerNode / nprocPerNode) vs
+topology.num_machines, processes per node (the command's launcher count, else numProcPerNode / nprocPerNode; an
+``accelerate launch --num_processes`` total split by the num_machines of the accelerate config it launches) vs
 num_processes / num_machines or topology.processes_per_machine. `manifest-gpus`: GPUs per node (the GPU resource,
 the SkyPilot accelerator count) vs processes per node. `manifest-image`: the image has a version tag or digest (not
 `latest`, not none). `manifest-output-volume`: --output_dir is on a writable persistent volume (a PVC, a bucket in
@@ -25,7 +26,7 @@ gets is what train.py stops on, at start. --output_dir is read as train.py reads
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,19 @@ def _size_findings(path: str, kind: str, facts: Facts, ref: Reference) -> Iterat
                       "per machine",
                       "one GPU per process: set the GPU count to the processes per machine",
                       {f"{path}:gpus": facts.gpus, f"{ref.key}:per_machine": per_machine})
+
+
+def _accelerate_split(facts: Facts, references: list[Reference]) -> Facts:
+    """``accelerate launch --num_processes N`` alone overrides the config file's total: accelerate starts N //
+    num_machines per machine, num_machines read from the file it launches (the one the command names, else the
+    accelerate config given to check). Without such a file here the split is unknown: nothing to compare."""
+    total = facts.launcher_total
+    yaml = next((ref for ref in references if ref.key == "accelerate" and ref.nodes), None)
+    if total is None or yaml is None:
+        return facts
+    return replace(facts, procs=total // yaml.nodes,
+                   procs_where=f"the command's accelerate launch --num_processes {total} over num_machines="
+                   f"{yaml.nodes} of {yaml.label.removeprefix('the accelerate config ')}")
 
 
 def measured_save_seconds(checkpoint_dir: Path) -> float:
@@ -241,6 +255,7 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
         yield from _deepspeed_batch(path, kind, facts, deepspeed if deepspeed is not None else named.deepspeed,
                                     "" if deepspeed is not None else named.deepspeed_label)
     yield from _train_args_findings(path, kind, facts, named.hf_scale or hf_scale_config)
+    facts = _accelerate_split(facts, [*named.references, *references])
     compared = set()
     for reference in [*references, *named.references]:
         sizes = (reference.nodes, reference.per_node, reference.cpu)

@@ -46,6 +46,9 @@ class Facts:
     """A node count the command's launcher is given (torchrun --nnodes, accelerate --num_machines)."""
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    launcher_total: int | None = None
+    """``accelerate launch --num_processes N`` without --num_machines: the processes of all machines, which accelerate
+    splits by the num_machines of the config file it launches (hf_scale.check.cluster does, with that file)."""
 
 
 def _words(command: str) -> list[str]:
@@ -105,6 +108,22 @@ def launcher_counts(args: list[str], env: dict[str, str]) -> tuple[int | str | N
     return None, None, ""
 
 
+def accelerate_total(args: list[str], env: dict[str, str]) -> int | None:
+    """:attr:`Facts.launcher_total` of the command's first launcher, when it is `accelerate launch`."""
+    for index, word in enumerate(args):
+        base = word.rsplit("/", 1)[-1]
+        module = args[index + 1:index + 2] if word == "-m" else []
+        if base in ("torchrun", "deepspeed") or module in (["torch.distributed.run"], ["torch.distributed.launch"]):
+            return None  # launcher_counts reads the first launcher; so does this
+        if base == "accelerate" and args[index + 1:index + 2] == ["launch"]:
+            rest = args[index + 2:]
+            if _value(rest, ("--num_machines", "--num-machines")) is not None:
+                return None  # both given: launcher_counts splits them
+            total = _count(_value(rest, ("--num_processes", "--num-processes")), env, set())
+            return total if isinstance(total, int) and total > 0 else None
+    return None
+
+
 def _gpu_count(accelerators: Any) -> int | None:
     """SkyPilot's accelerators: "H100:8", "H100" (one), {H100: 8}, or a list/set of alternatives (the first)."""
     if isinstance(accelerators, dict):
@@ -154,7 +173,7 @@ def manifest_facts(kind: str, data: dict) -> Facts:
         return Facts(data.get("num_nodes", 1), procs if isinstance(procs, int) else None,
                      f"the run command's {launcher}", _gpu_count(resources.get("accelerators", resources.get("gpus"))),
                      None, args, None, mounts, launcher_nodes if isinstance(launcher_nodes, int) else None, env,
-                     workdir)
+                     workdir, accelerate_total(args, env))
     pods = _pods(kind, spec)
     containers = [c for pod in pods for c in pod.get("containers") or []]
     if kind == "TrainJob":
@@ -183,7 +202,8 @@ def manifest_facts(kind: str, data: dict) -> Facts:
     return Facts(nodes, int(procs) if str(procs).isdigit() else None, where, gpu_counts[0] if gpu_counts else None,
                  container.get("image"), args,
                  min((g for g in graces if isinstance(g, int)), default=KUBERNETES_DEFAULT_GRACE_S), mounts,
-                 launcher_nodes if isinstance(launcher_nodes, int) else None, env)
+                 launcher_nodes if isinstance(launcher_nodes, int) else None, env,
+                 launcher_total=accelerate_total(args, env))
 
 
 OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir")
