@@ -39,7 +39,7 @@ writes (DIR defaults to the current directory):
   DIR/launch/NAME.sbatch             SLURM: one task per node, USR1 before the time limit, requeue
   DIR/recipes/NAME.yaml              with --recipe: a starter train.py recipe with the config's batch,
                                      precision, clipping and optimizer values (bash launch/NAME.*.sh recipes/NAME.yaml)
-with --targets (comma-separated; settings in the config's `cluster` section):
+with --targets (comma-separated, or repeated; settings in the config's `cluster` section):
   kubeflow    DIR/launch/NAME.trainjob.yaml    Kubeflow Trainer v2 TrainJob (kubectl apply -f)
   pytorchjob  DIR/launch/NAME.pytorchjob.yaml  Training Operator PyTorchJob (kubectl apply -f)
   skypilot    DIR/launch/NAME.sky.yaml         SkyPilot task (sky jobs launch)
@@ -116,9 +116,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     generate.add_argument(
         "--targets",
         type=_targets,
-        default=(),
+        action="extend",  # repeated --targets add up (a later one must not silently drop an earlier one's)
+        default=[],
         metavar="T1,T2",
-        help=f"also write cluster files: {', '.join(TARGETS)} (see below)",
+        help=f"also write cluster files: {', '.join(TARGETS)} (see below; repeatable: the targets add up)",
     )
     generate.add_argument(
         "--strategy",
@@ -198,6 +199,7 @@ def _default_name(args: argparse.Namespace, planned_name: str | None = None) -> 
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    args.targets = tuple(dict.fromkeys(args.targets))  # every --targets given, each target once, in order
     planned_name, train_flags, plan = None, None, None
     if args.strategy == "auto":
         plan = _plan(args)
