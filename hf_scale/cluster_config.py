@@ -14,6 +14,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 
+from hf_scale.config_errors import UnshownValueError
+
 # A container image reference: [registry[:port]/]path[:tag][@digest] (Docker's reference grammar, simplified to
 # the characters it allows).
 _IMAGE = re.compile(
@@ -70,13 +72,58 @@ def _image(value: str) -> str:
     return value
 
 
+RESERVED_ENV = frozenset({
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "NODE_RANK", "MACHINE_RANK", "MAIN_PROCESS_IP",
+    "MAIN_PROCESS_PORT", "RDZV_ID",
+})
+"""Variables the runtime sets on every node or process for the rendezvous: the Training Operator's pod-level
+MASTER_*/RANK/WORLD_SIZE, torchrun's per-process ranks, launch/NAME.node.sh's MACHINE_RANK / MAIN_PROCESS_IP /
+MAIN_PROCESS_PORT (the generated launch scripts read them; topology.main_process_port is the port). One set in
+cluster.env would override the platform's value (or the config's) on every node alike: the nodes would disagree on
+who they are, or meet on the wrong address or port."""
+RESERVED_ENV_PREFIXES = ("PET_", "SKYPILOT_", "TORCHELASTIC_")
+"""Kubeflow's PET_* (torchrun's settings per node), SkyPilot's SKYPILOT_* (node rank, IPs, GPUs), torchrun's own."""
+_SECRET_SUFFIXES = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY",
+                    "SECRET_KEY", "AUTH_KEY")
+"""Name endings of credentials (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...). Hand-
+written: no library lists them. The ending, not any part: TOKENIZERS_PARALLELISM and HF_TOKEN_PATH are not secrets."""
+_SWITCH_VALUES = ("", "0", "1", "true", "false", "yes", "no", "on", "off")
+"""Values that are switches, not secrets (HF_HUB_DISABLE_IMPLICIT_TOKEN=1)."""
+
+
+def reserved_env_problem(name: str) -> str | None:
+    """Why ``name`` may not be set in cluster.env (None when it may): the runtime sets it."""
+    if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES):
+        return (f"the variable {name} is set by the runtime for the rendezvous (the platform on each node, or "
+                "launch/NAME.node.sh); overriding it on every node breaks the rendezvous: remove it (the node "
+                "count and processes come from topology, the port from topology.main_process_port)")
+    return None
+
+
+def secret_env_problem(name: str, value: str) -> str | None:
+    """Why ``name=value`` looks like a secret (None when it does not)."""
+    if not name.upper().endswith(_SECRET_SUFFIXES) or value.strip().lower() in _SWITCH_VALUES:
+        return None
+    return (f"the variable {name} looks like a secret, and cluster.env is written in plain text into every manifest "
+            "(committed with the generated files): remove it and pass it from a Kubernetes secret (kubectl create "
+            f"secret generic ...; env valueFrom.secretKeyRef in the manifest) or with sky jobs launch --secret {name}")
+
+
 def _environment(value: dict[str, str]) -> dict[str, str]:
     for key, setting in value.items():
         if not _ENV_NAME.fullmatch(key):
             raise ValueError(f"{key!r} is not an environment variable name (a letter or '_', then letters, digits, "
                              "'_')")
         if not _ENV_VALUE.fullmatch(setting):
-            raise ValueError(f"{key}: the value must be one line without control characters, at most 4096 long")
+            raise UnshownValueError(f"the value of {key} must be one line without control characters, at most "
+                                    "4096 long")
+        problem = reserved_env_problem(key)
+        if problem:
+            raise ValueError(problem)
+        problem = secret_env_problem(key, setting)
+        if problem:
+            raise UnshownValueError(problem)  # the one line names the variable, never its value
     return value
 
 
@@ -148,14 +195,16 @@ class ClusterConfig(_Section):
         default_factory=list, max_length=256
     )
     """train.py flags every node passes after the generated ones, e.g. [--model_name_or_path, meta-llama/...,
-    --dataset, /data/train.jsonl]."""
+    --train_file, /data/train.jsonl]; refused by `hf-scale generate` where train.py would refuse them (an unknown flag,
+    a value contradicting this config), and --output_dir / --hf_scale_config, which every node passes itself."""
     env: Annotated[dict[str, Annotated[str, Strict()]], AfterValidator(_environment), Field(max_length=128)] = Field(
         default_factory=dict
     )
     """Environment variables of every node (TrainJob/PyTorchJob container env, SkyPilot envs), e.g.
     {NCCL_SOCKET_IFNAME: eth0, NCCL_IB_HCA: mlx5}; on Kubernetes HF_HOME defaults to OUTPUT_DIR/.cache/huggingface
-    (the volume: a restarted pod does not download the model again). Secrets (HF_TOKEN) do not belong here: add a
-    secretKeyRef to the manifest (kubectl) or pass --secret HF_TOKEN (sky)."""
+    (the volume: a restarted pod does not download the model again). Refused: secrets (HF_TOKEN, *_API_KEY, ...:
+    they would be written in plain text; add a secretKeyRef to the manifest, or pass --secret HF_TOKEN to sky) and
+    the variables the runtime sets for the rendezvous (PET_*, SKYPILOT_*, MASTER_ADDR, RANK, ...: RESERVED_ENV)."""
     termination_grace_period_s: Annotated[StrictInt, Field(ge=30, le=86_400)] = 600
     """Seconds between SIGTERM and SIGKILL (pods' terminationGracePeriodSeconds): must cover the rest of the
     current optimizer step plus saving one checkpoint (`hf-scale check` compares it with a measured save)."""

@@ -11,6 +11,10 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 
+class UnshownValueError(ValueError):
+    """A refusal whose value must not be echoed (it may hold a secret): the one line names the field, not the value."""
+
+
 def show(value: Any) -> str:
     """Values as a user would type them in YAML."""
     if isinstance(value, str):
@@ -58,6 +62,8 @@ def one_line(error: ValidationError, root: type[BaseModel]) -> str:
         return f"{first['ctx']['error']}{more}"
     message = str(first["ctx"]["error"]) if kind == "value_error" else first["msg"]
     message = message[0].lower() + message[1:] if message else message
+    if kind == "value_error" and isinstance(first["ctx"]["error"], UnshownValueError):
+        return f"{field} is invalid: {message}{more}"
     if kind == "missing":
         return f"{field} is required{more}"
     return f"{field}={show(first['input'])} is invalid: {message}{more}"

@@ -39,7 +39,7 @@ writes (DIR defaults to the current directory):
   DIR/launch/NAME.sbatch             SLURM: one task per node, USR1 before the time limit, requeue
   DIR/recipes/NAME.yaml              with --recipe: a starter train.py recipe with the config's batch,
                                      precision, clipping and optimizer values (bash launch/NAME.*.sh recipes/NAME.yaml)
-with --targets (comma-separated; settings in the config's `cluster` section):
+with --targets (comma-separated, or repeated; settings in the config's `cluster` section):
   kubeflow    DIR/launch/NAME.trainjob.yaml    Kubeflow Trainer v2 TrainJob (kubectl apply -f)
   pytorchjob  DIR/launch/NAME.pytorchjob.yaml  Training Operator PyTorchJob (kubectl apply -f)
   skypilot    DIR/launch/NAME.sky.yaml         SkyPilot task (sky jobs launch)
@@ -116,9 +116,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     generate.add_argument(
         "--targets",
         type=_targets,
-        default=(),
+        action="extend",  # repeated --targets add up (a later one must not silently drop an earlier one's)
+        default=[],
         metavar="T1,T2",
-        help=f"also write cluster files: {', '.join(TARGETS)} (see below)",
+        help=f"also write cluster files: {', '.join(TARGETS)} (see below; repeatable: the targets add up)",
     )
     generate.add_argument(
         "--strategy",
@@ -198,6 +199,7 @@ def _default_name(args: argparse.Namespace, planned_name: str | None = None) -> 
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    args.targets = tuple(dict.fromkeys(args.targets))  # every --targets given, each target once, in order
     planned_name, train_flags, plan = None, None, None
     if args.strategy == "auto":
         plan = _plan(args)
@@ -224,6 +226,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if image_targets and cfg.cluster.image is None:
         raise UserError(f"--targets {image_targets[0]} needs cluster.image: the image the pods run, with a version "
                         "tag, e.g. --set cluster.image=registry.example.com/team/hf-scale:0.1.0")
+    _check_train_args(cfg, name)
     files = render_files(cfg, name=name, deepspeed_mode=args.deepspeed_mode, header=header, recipe=args.recipe,
                          targets=args.targets, train_flags=train_flags)
     changed = _plan_writes(Path(args.output_dir), files, force=args.force)
@@ -237,6 +240,35 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"{'wrote' if rel_path in changed else 'unchanged'} {output_dir / rel_path}")
     _print_summary(cfg, name)
     return 0
+
+
+def _check_train_args(cfg: DistributedConfig, name: str) -> None:
+    """cluster.train_args as train.py reads them on every node (hf_scale.check.train_flags: its parser, its value
+    ranges, the config's fills): what train.py would refuse at start, after the job queued, is refused here. The
+    manifests pass --output_dir (on the volume) and the generated hf_scale config themselves: a second one would
+    win (argparse keeps the last) and put the checkpoints off the volume, or train another config."""
+    train_args = cfg.cluster.train_args
+    if not train_args:
+        return
+    from hf_scale.check.train_flags import against_config, parse_train_flags
+
+    output = f"{cfg.cluster.output_dir.rstrip('/')}/{name}"
+    owned = {"--output_dir": f"every node passes --output_dir {output} (cluster.output_dir/NAME, on the output "
+                             "volume); a second one would put the checkpoints off it: change cluster.output_dir or "
+                             "--name instead",
+             "--hf_scale_config": f"every node passes the generated hf_scale_configs/{name}.yaml; a second one would "
+                                  "train another config: change this config instead"}
+    for arg in train_args:
+        flag = arg.partition("=")[0].replace("-", "_").replace("__", "--", 1)
+        if flag in owned:
+            raise UserError(f"cluster.train_args: {arg.partition('=')[0]} is not allowed: {owned[flag]}")
+    try:
+        flags = parse_train_flags(["--output_dir", output, *train_args], read_recipe=False)
+    except UserError as error:
+        raise UserError(f"cluster.train_args: {error} (train.py would refuse them on every node)") from None
+    contradictions = against_config(flags, cfg, "cluster.train_args").contradictions
+    if contradictions:
+        raise UserError("; ".join(contradictions) + " (train.py would stop on this on every node)")
 
 
 def _plan(args: argparse.Namespace):

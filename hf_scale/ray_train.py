@@ -13,6 +13,10 @@ instance is started; --ray_node_ip pins the address that Ray (and so the workers
 A loopback address (127.0.0.1, localhost) keeps a one-machine run on the loopback interface: Ray itself would replace
 it with the machine's network address (a node other machines can reach), so hf_scale turns Ray's cluster mode off for
 that instance (LOCAL_ONLY_ENV). Gloo picks its own interface: set GLOO_SOCKET_IFNAME=lo too.
+
+Everything that can be decided before Ray starts is (one line, exit 2): train.py's flags read as train.py reads them
+(a refusal in a worker would be retried by Ray, max_failures times), this module's own values, and for a new local
+instance the workers it can place (:func:`local_placement`: Ray would otherwise wait for them forever).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from hf_scale.config import DistributedConfig, load_config
 from hf_scale.errors import UserError, exit_with_user_error
 from hf_scale.exit_codes import EXIT_PREEMPTED
+from hf_scale.precision_rules import fp8_machine_refusal
 
 PROG = "python -m hf_scale.ray_train"
 DEFAULT_MAX_FAILURES = 3
@@ -38,6 +43,7 @@ ray.init(_node_ip_address="127.0.0.1") is turned into the machine's network addr
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
+        allow_abbrev=False,  # an abbreviation is train.py's to refuse (--output would otherwise be --output_dir)
         description="Run train.py with Ray Train's TorchTrainer: one worker per process of --hf_scale_config. "
         "Every other flag goes to train.py.",
         epilog="example:\n  python -m hf_scale.ray_train --hf_scale_config hf_scale_configs/zero2.yaml "
@@ -55,21 +61,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ray_address", metavar="ADDRESS",
                         help="Ray cluster to join (default: $RAY_ADDRESS, else a new local instance)")
     parser.add_argument("--ray_node_ip", metavar="IP",
-                        help="a new local instance's node address (Ray's MASTER_ADDR for the workers), e.g. "
-                        "127.0.0.1")
+                        help="a new local instance's node address, an IPv4/IPv6 address or localhost (Ray's "
+                        "MASTER_ADDR for the workers), e.g. 127.0.0.1")
     parser.add_argument("--ray_num_cpus", type=int, metavar="N",
-                        help="CPUs a new local instance offers (default: all)")
+                        help="CPUs a new local instance offers, 1 or more (default: all of this machine's); without "
+                        "GPUs each worker takes one, so N may exceed the cores to run more workers than cores")
     return parser
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[str]]:
     """This module's options, the loaded config and train.py's arguments (everything else, plus the config,
-    the output directory and --resume_from_checkpoint auto unless given)."""
+    the output directory and --resume_from_checkpoint auto unless given), each checked before Ray starts: train.py's
+    arguments as train.py reads them (hf_scale.check.train_flags), so that a flag it refuses is one line here, not a
+    worker failure that Ray retries."""
+    from hf_scale.check.train_flags import against_config, parse_train_flags
+
     parser = build_parser()
     parser.error = _one_line_error  # type: ignore[method-assign]
     ns, train_args = parser.parse_known_args(argv)
     if ns.max_failures < -1:
         raise UserError(f"--max_failures={ns.max_failures} is invalid: allowed -1 (unlimited) or 0 and more")
+    if ns.ray_num_cpus is not None and ns.ray_num_cpus < 1:
+        raise UserError(f"--ray_num_cpus={ns.ray_num_cpus} is invalid: allowed 1 or more (leave it out to offer all "
+                        "of this machine's CPUs)")
+    ns.ray_node_ip = _node_ip(ns.ray_node_ip)
+    address = ns.ray_address or os.environ.get("RAY_ADDRESS")
+    local_only = [flag for flag, value in (("--ray_node_ip", ns.ray_node_ip), ("--ray_num_cpus", ns.ray_num_cpus))
+                  if value is not None]
+    if address not in (None, "", "local") and local_only:
+        raise UserError(f"{local_only[0]} sets up a new local Ray instance, but --ray_address/RAY_ADDRESS={address} "
+                        "joins an existing cluster (its own addresses and CPUs count): drop one of them")
     cfg = load_config(ns.hf_scale_config)
     if cfg.world_size < 1:  # pragma: no cover - the config's own validation guarantees it
         raise UserError("the config's world size must be at least 1")
@@ -78,8 +99,46 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[
                   *train_args]
     if not any(arg.split("=")[0] == "--resume_from_checkpoint" for arg in train_args):
         train_args += ["--resume_from_checkpoint", "auto"]
+    try:
+        flags = parse_train_flags(train_args)
+    except UserError as error:
+        raise UserError(f"train.py's arguments: {error}") from None
+    contradictions = against_config(flags, cfg, f"--hf_scale_config={ns.hf_scale_config}").contradictions
+    if contradictions:
+        raise UserError("; ".join(contradictions))
     ns.output_dir = output_dir
     return ns, cfg, train_args
+
+
+def _node_ip(value: str | None) -> str | None:
+    """--ray_node_ip as an address Ray can bind (localhost is 127.0.0.1)."""
+    if value is None or value == "localhost":
+        return None if value is None else "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise UserError(f"--ray_node_ip={value!r} is invalid: allowed an IPv4 or IPv6 address (e.g. 127.0.0.1) or "
+                        "localhost") from None
+
+
+def local_placement(cfg: DistributedConfig, *, gpus: int, cpus: int, cpus_given: bool) -> None:
+    """Refuse what a new local Ray instance cannot place: Ray would wait for resources that never come (retrying
+    forever), so this is decided before it starts. ``gpus``: this machine's (one worker each); ``cpus``: what the
+    instance offers (--ray_num_cpus, else Ray's count of this machine's)."""
+    world = cfg.world_size
+    if gpus:
+        if gpus < world:
+            raise UserError(f"the config's world_size={world} needs {world} GPUs (one per worker); this machine has "
+                            f"{gpus}: lower topology.processes_per_machine, or join a cluster with --ray_address")
+        return
+    if cfg.precision == "fp8":
+        raise UserError(fp8_machine_refusal(cfg.fp8.backend, capability=None, importable=True))
+    if world > cpus:
+        offered = f"--ray_num_cpus {cpus}" if cpus_given else f"this machine's {cpus} CPU(s)"
+        raise UserError(f"the config's world_size={world} needs {world} CPU workers (one CPU each: this machine has no "
+                        f"GPU) but the new local Ray instance offers {offered}: give --ray_num_cpus {world} (more "
+                        "workers than cores), lower topology.processes_per_machine, or join a cluster with "
+                        "--ray_address")
 
 
 def _one_line_error(message: str) -> None:
@@ -138,6 +197,12 @@ def run(argv: list[str]) -> int:
     except ImportError:
         raise UserError("Ray is not installed: pip install 'hf-scale[ray]'") from None
 
+    if address == "local":
+        import torch
+        from ray._private.utils import get_num_cpus  # what ray.init offers by default (cgroup limits included)
+
+        local_placement(cfg, gpus=torch.cuda.device_count(), cpus=ns.ray_num_cpus or get_num_cpus(),
+                        cpus_given=ns.ray_num_cpus is not None)
     init: dict = {"address": address, "include_dashboard": False, "log_to_driver": True}
     if init["address"] == "local":
         if ns.ray_node_ip:
@@ -169,8 +234,13 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from hf_scale import quiet
+
+    if not quiet.verbose_requested(argv):  # train.py's parser loads the libraries here too: their known noise
+        quiet.quiet_training(replica=False)
     try:
-        code = run(sys.argv[1:] if argv is None else list(argv))
+        code = run(argv)
     except UserError as error:
         exit_with_user_error(PROG, error)
     sys.exit(code)

@@ -16,7 +16,7 @@ CONFIGS = {
     "one": ("ddp", ["topology.processes_per_machine=4"]),
     "multi": ("zero3", ["topology.num_machines=4", "topology.processes_per_machine=8",
                         "topology.main_process_ip=10.0.0.1", "cluster.kubernetes.node_selector={gpu: h100}",
-                        "cluster.train_args=[--max_steps, '100', --dataset, /data/a b.jsonl]"]),
+                        "cluster.train_args=[--max_steps, '100', --train_file, /data/a b.jsonl]"]),
     "fsdp": ("fsdp2_hybrid_multinode", ["topology.main_process_ip=node-0"]),
 }
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}

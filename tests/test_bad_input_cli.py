@@ -202,6 +202,33 @@ GENERATE = [
     gen_set("set-unknown-field", "zero2", ["deepspeed.stage=3"], "unknown key deepspeed.stage"),
     gen_set("set-literal", "ddp", ["strategy=megatron"], "strategy='megatron'"),
     gen_set("set-offload-device", "zero3", ["deepspeed.offload_params=gpu"], "deepspeed.offload_params='gpu'"),
+    # cluster.train_args: what train.py would refuse on every node, and the flags every node passes itself.
+    gen_set("train-args-unknown", "zero3", ["cluster.train_args=[--bogus]"],
+            "cluster.train_args: unrecognized arguments: --bogus"),
+    gen_set("train-args-bad-value", "zero3", ["cluster.train_args=[--max_steps, many]"],
+            "cluster.train_args: argument --max_steps/--max-steps: invalid int value: 'many'"),
+    gen_set("train-args-contradiction", "zero3", ["cluster.train_args=[--per_device_train_batch_size, '4']"],
+            "cluster.train_args: batch.micro_batch_size=1 but --per_device_train_batch_size=4"),
+    gen_set("train-args-output-dir", "zero3", ["cluster.train_args=[--output_dir, /elsewhere]"],
+            "cluster.train_args: --output_dir is not allowed: every node passes --output_dir /output/zero3"),
+    gen_set("train-args-output-dir-dashed", "zero3", ["cluster.train_args=[--output-dir=/elsewhere]"],
+            "cluster.train_args: --output-dir is not allowed"),
+    gen_set("train-args-hf-scale-config", "zero3", ["cluster.train_args=[--hf_scale_config, x.yaml]"],
+            "cluster.train_args: --hf_scale_config is not allowed"),
+    # cluster.env: a secret would be written in plain text into every manifest (and is never echoed back); the
+    # variables the runtime sets for the rendezvous are its own.
+    gen_set("env-hf-token", "zero3", ["cluster.env={HF_TOKEN: hf_AbCdEf0123456789}"],
+            "cluster.env is invalid: the variable HF_TOKEN looks like a secret"),
+    gen_set("env-api-key", "zero3", ["cluster.env={NCCL_DEBUG: WARN, WANDB_API_KEY: k0123}"],
+            "with sky jobs launch --secret WANDB_API_KEY"),
+    gen_set("env-pet", "zero3", ["cluster.env={PET_NNODES: '4'}"], "the variable PET_NNODES is set by the runtime"),
+    gen_set("env-skypilot", "zero3", ["cluster.env={SKYPILOT_NODE_RANK: '0'}"],
+            "the variable SKYPILOT_NODE_RANK is set by the runtime"),
+    gen_set("env-master-addr", "zero3", ["cluster.env={MASTER_ADDR: 10.0.0.1}"],
+            "the variable MASTER_ADDR is set by the runtime for the rendezvous"),
+    gen_set("env-rank", "zero3", ["cluster.env={RANK: '0'}"], "the variable RANK is set by the runtime"),
+    gen_set("env-main-process-port", "zero3", ["cluster.env={MAIN_PROCESS_PORT: '1234'}"],
+            "the port from topology.main_process_port"),
     # The config file itself.
     gen_file("missing", None, "run.yaml: not found"),
     gen_file("directory", DIRECTORY, "run.yaml: is a directory"),
@@ -637,6 +664,12 @@ def workspace(tmp_path, monkeypatch):
     root.mkdir()
     monkeypatch.chdir(root)
     return root
+
+
+def test_a_refused_secret_is_never_echoed(workspace, capfd):
+    with pytest.raises(SystemExit):
+        main(["generate", "--preset", "zero3", "--set", "cluster.env={HF_TOKEN: hf_AbCdEf0123456789}"])
+    assert "hf_AbCdEf0123456789" not in "".join(capfd.readouterr())
 
 
 def test_the_corpus_is_large_and_ids_are_unique():

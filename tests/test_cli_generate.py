@@ -389,3 +389,13 @@ def test_every_command_has_help_with_examples(command, capsys):
     out = capsys.readouterr().out
     assert "usage: hf-scale" in out
     assert "example" in out.lower() or command == []
+
+
+def test_repeated_targets_add_up(tmp_path, capsys):
+    """`--targets ray --targets docker` writes both (a later --targets used to replace an earlier one silently), each
+    once, and the header's command reproduces them."""
+    image = "--set=cluster.image=registry.example.com/team/hf-scale:0.1.0"
+    assert main(["generate", "--preset", "ddp", image, "--targets", "ray", "--targets", "docker,ray",
+                 "--output-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "launch" / "ddp.ray.sh").is_file() and (tmp_path / "Dockerfile").is_file()
+    assert "--targets ray,docker --output-dir ." in (tmp_path / "launch" / "ddp.ray.sh").read_text()

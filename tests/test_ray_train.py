@@ -59,6 +59,68 @@ def test_parse_adds_the_config_output_dir_and_resume(tmp_path):
         ray_train.parse(["--output_dir", "o"])
 
 
+def _refusal(root: Path, *argv: str, config: str = "ray") -> str:
+    """The real module in a process of its own on a machine without GPUs, no Ray address: it must refuse before Ray
+    starts (the timeout stands for the hang there was: Ray waiting forever for workers it cannot place)."""
+    env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run([sys.executable, "-m", "hf_scale.ray_train", "--hf_scale_config",
+                             str(root / "hf_scale_configs" / f"{config}.yaml"), "--output_dir", str(root / "out"),
+                             *argv], capture_output=True, text=True, timeout=180, env=env, cwd=root)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"{ray_train.PROG}: error: "), result.stderr
+    assert not (root / "out").exists()  # nothing started, nothing written
+    return result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--bogus"], "train.py's arguments: unrecognized arguments: --bogus"),
+        (["--per_device_train_batch_size", "4"], "batch.micro_batch_size=2 but --per_device_train_batch_size=4"),
+        (["--max_steps", "many"], "invalid int value: 'many'"),
+        (["--ray_num_cpus", "0"], "--ray_num_cpus=0 is invalid: allowed 1 or more"),
+        (["--ray_num_cpus", "-1"], "--ray_num_cpus=-1 is invalid"),
+        (["--ray_node_ip", "not an ip"], "--ray_node_ip='not an ip' is invalid: allowed an IPv4 or IPv6 address"),
+        (["--ray_num_cpus", "1"], "world_size=2 needs 2 CPU workers (one CPU each: this machine has no GPU) but the "
+                                  "new local Ray instance offers --ray_num_cpus 1: give --ray_num_cpus 2"),
+        (["--ray_address", "ray://head:10001", "--ray_node_ip", "127.0.0.1"],
+         "--ray_node_ip sets up a new local Ray instance, but --ray_address/RAY_ADDRESS=ray://head:10001"),
+    ],
+    ids=["unknown-flag", "contradiction", "bad-value", "cpus-zero", "cpus-negative", "node-ip", "too-few-cpus",
+         "local-flag-with-address"],
+)
+def test_bad_input_is_refused_before_ray_starts(argv, fragment, tmp_path):
+    assert fragment in _refusal(_generate(tmp_path), *argv)
+
+
+def test_more_workers_than_this_machines_cpus_are_refused_before_ray_starts(tmp_path):
+    """Without --ray_num_cpus the new instance offers Ray's own count of this machine's CPUs."""
+    from ray._private.utils import get_num_cpus
+
+    cpus = get_num_cpus()
+    machines = cpus // 2 + 1  # x 2 processes: one worker more than the CPUs at least
+    root = _generate(tmp_path)
+    assert main(["generate", "--preset", "ddp", "--set", "topology.processes_per_machine=2", "--set",
+                 f"topology.num_machines={machines}", "--set", "topology.main_process_ip=10.0.0.1", "--name", "big",
+                 "--output-dir", str(root)]) == 0
+    error = _refusal(root, config="big")
+    assert f"needs {2 * machines} CPU workers" in error and f"this machine's {cpus} CPU(s)" in error
+    assert f"give --ray_num_cpus {2 * machines}" in error
+
+
+def test_what_a_local_instance_cannot_place():
+    from hf_scale.presets import load_preset
+
+    cfg = load_preset("ddp", ["topology.processes_per_machine=4"])
+    ray_train.local_placement(cfg, gpus=0, cpus=4, cpus_given=False)
+    ray_train.local_placement(cfg, gpus=4, cpus=1, cpus_given=False)  # a GPU each: the CPUs do not count
+    with pytest.raises(UserError, match="needs 4 GPUs \\(one per worker\\); this machine has 2"):
+        ray_train.local_placement(cfg, gpus=2, cpus=64, cpus_given=False)
+    with pytest.raises(UserError, match="precision=fp8 needs a GPU"):
+        ray_train.local_placement(load_preset("ddp", ["precision=fp8"]), gpus=0, cpus=64, cpus_given=False)
+
+
 def test_a_loopback_node_turns_rays_cluster_mode_off():
     """Ray would replace 127.0.0.1 with the machine's network address (and hand that to the workers as MASTER_ADDR)
     unless its cluster mode is off; the two-worker test below proves the traffic then stays on loopback."""

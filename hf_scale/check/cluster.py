@@ -7,7 +7,8 @@ generated ``launch/NAME.node.sh``'s hf_scale config: hf_scale.check.manifest_fac
 
 `manifest-invalid`: the platform's own definitions refuse the manifest (Kubeflow's API models, SkyPilot's schemas:
 hf_scale.check.manifest_schema). `manifest-nodes`, `manifest-processes`: node count vs num_machines /
-topology.num_machines, processes per node (the command's launcher count, else numProcPerNode / nprocPerNode) vs
+topology.num_machines, processes per node (the command's launcher count, else numProcPerNode / nprocPerNode; an
+``accelerate launch --num_processes`` total split by the num_machines of the accelerate config it launches) vs
 num_processes / num_machines or topology.processes_per_machine. `manifest-gpus`: GPUs per node (the GPU resource,
 the SkyPilot accelerator count) vs processes per node. `manifest-image`: the image has a version tag or digest (not
 `latest`, not none). `manifest-output-volume`: --output_dir is on a writable persistent volume (a PVC, a bucket in
@@ -16,19 +17,22 @@ terminationGracePeriodSeconds vs saving one checkpoint: measured from ``--checkp
 its manifest, written last), else at least GRACE_FLOOR_S (the documented estimate: the rest of a step plus one save
 of a multi-GB state). `manifest-deepspeed-batch`: a DeepSpeed JSON's concrete `train_batch_size` against the world
 size the manifest starts (nodes x processes per node): DeepSpeed asserts train_batch_size = micro batch x
-accumulation x world size at start, on the cluster, after the job has queued.
+accumulation x world size at start, on the cluster, after the job has queued. `manifest-train-args`: the arguments
+the command hands train.py (after ``train.py``, ``-m hf_scale.train`` or a generated ``launch/NAME.node.sh``) are
+parsed by train.py's own parser: an unknown flag, a bad value, or a flag contradicting the hf_scale config train.py
+gets is what train.py stops on, at start. --output_dir is read as train.py reads it: the last one given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from hf_scale.check.batch import deepspeed_accepts_batch
 from hf_scale.check.findings import ERROR, WARNING, Finding
-from hf_scale.check.manifest_facts import Facts, manifest_facts, named_files, output_dir
+from hf_scale.check.manifest_facts import Facts, manifest_facts, named_files, output_dir, train_command
 from hf_scale.check.manifest_schema import manifest_problem
 from hf_scale.cluster_config import image_problem
 from hf_scale.errors import UserError
@@ -131,6 +135,19 @@ def _size_findings(path: str, kind: str, facts: Facts, ref: Reference) -> Iterat
                       {f"{path}:gpus": facts.gpus, f"{ref.key}:per_machine": per_machine})
 
 
+def _accelerate_split(facts: Facts, references: list[Reference]) -> Facts:
+    """``accelerate launch --num_processes N`` alone overrides the config file's total: accelerate starts N //
+    num_machines per machine, num_machines read from the file it launches (the one the command names, else the
+    accelerate config given to check). Without such a file here the split is unknown: nothing to compare."""
+    total = facts.launcher_total
+    yaml = next((ref for ref in references if ref.key == "accelerate" and ref.nodes), None)
+    if total is None or yaml is None:
+        return facts
+    return replace(facts, procs=total // yaml.nodes,
+                   procs_where=f"the command's accelerate launch --num_processes {total} over num_machines="
+                   f"{yaml.nodes} of {yaml.label.removeprefix('the accelerate config ')}")
+
+
 def measured_save_seconds(checkpoint_dir: Path) -> float:
     """How long saving `checkpoint_dir` took: from its oldest file to its manifest (written last, hf_scale's)."""
     from hf_scale.train.checkpoint.layout import MANIFEST
@@ -142,35 +159,85 @@ def measured_save_seconds(checkpoint_dir: Path) -> float:
     return max(0.0, manifest.stat().st_mtime - min(f.stat().st_mtime for f in files))
 
 
-def _named_references(path: str, facts: Facts, known: set[Path]) -> tuple[list[Reference], dict | None, str]:
-    """The configs the manifest's command names and that exist here (skipping those already given), and its
-    DeepSpeed JSON with a label, if it names one."""
+@dataclass(frozen=True)
+class Named:
+    """The configs the manifest's command names that exist here."""
+
+    references: list[Reference]
+    deepspeed: dict | None = None
+    deepspeed_label: str = ""
+    hf_scale: tuple[str, Any] | None = None
+    """(its path as written in the command, the DistributedConfig) of the hf_scale config train.py gets."""
+
+
+def _named_references(path: str, facts: Facts, known: set[Path]) -> Named:
+    """The configs the manifest's command names and that exist here (those already given are not compared twice),
+    and its DeepSpeed JSON with a label, if it names one."""
     from hf_scale.config import load_config
     from hf_scale.inputs import load_json, load_yaml, read_text
 
-    references, deepspeed, ds_label = [], None, ""
+    references, deepspeed, ds_label, hf_scale = [], None, "", None
     for kind, (written, file) in named_files(facts, Path(path)).items():
-        if file.resolve() in known:
-            continue
         label = f"{file} (the command's {written})"
-        if kind == "accelerate":
+        if kind == "hf_scale":
+            cfg = load_config(file)
+            hf_scale = (str(file), cfg)
+            if file.resolve() not in known:
+                references.append(hf_scale_reference(label, cfg))
+        elif file.resolve() in known:
+            continue
+        elif kind == "accelerate":
             data = load_yaml(read_text(file, "check:"), f"check: {file}")
             if isinstance(data, dict):
                 references.append(accelerate_reference(label, data))
-        elif kind == "hf_scale":
-            references.append(hf_scale_reference(label, load_config(file)))
         else:
             data = load_json(read_text(file, "check:"), f"check: {file}")
             deepspeed, ds_label = (data, f" {file}") if isinstance(data, dict) else (None, "")
-    return references, deepspeed, ds_label
+    return Named(references, deepspeed, ds_label, hf_scale)
+
+
+def _train_args_findings(path: str, kind: str, facts: Facts, config: tuple[str, Any] | None) -> Iterator[Finding]:
+    """`manifest-train-args`: the arguments the command hands train.py, parsed by train.py's own parser
+    (hf_scale.check.train_flags) and compared with the hf_scale config train.py gets (``config``: its path and
+    DistributedConfig, when it is known here)."""
+    from hf_scale.check.train_flags import against_config, parse_train_flags
+
+    command = train_command(facts)
+    if command is None or command.unresolved:
+        return  # no train.py recognized, or values that are the job's ($VAR, $(...)): nothing certain to parse
+    # The hf_scale config is compared as a DistributedConfig (below); its path is the image's, not this machine's.
+    words, skip = [], False
+    for word in command.args:
+        if skip or word.partition("=")[0] == "--hf_scale_config":
+            skip = not skip and "=" not in word
+            continue
+        words.append(word)
+    fix = "fix the arguments of the manifest's command (python train.py --help lists train.py's flags)"
+    try:
+        flags = parse_train_flags(words, read_recipe=False)  # a recipe in the image is train.py's to read
+    except UserError as error:
+        yield Finding(ERROR, "manifest-train-args", path, "train.py arguments",
+                      f"{kind} hands train.py arguments it refuses: {error}: the job fails at start, after it "
+                      "queued", fix, {f"{path}:train.py arguments": " ".join(words)})
+        return
+    if config is None or not command.passes_config:
+        return
+    file, cfg = config
+    for contradiction in against_config(flags, cfg, f"--hf_scale_config={file}").contradictions:
+        yield Finding(ERROR, "manifest-train-args", path, "train.py arguments",
+                      f"{contradiction}: train.py stops at start on this, after the job queued",
+                      f"drop the flag from the manifest's command (the config decides it), or change {file} and "
+                      "regenerate", {f"{path}:train.py arguments": " ".join(words)})
 
 
 def check_manifest(path: str, data: Any, references: list[Reference], *, save_seconds: float | None = None,
-                   deepspeed: dict | None = None, given_files: tuple[str, ...] = ()) -> Iterator[Finding]:
+                   deepspeed: dict | None = None, given_files: tuple[str, ...] = (),
+                   hf_scale_config: tuple[str, Any] | None = None) -> Iterator[Finding]:
     """`manifest-invalid`, `manifest-nodes`, `manifest-processes`, `manifest-gpus`, `manifest-image`,
-    `manifest-output-volume`, `manifest-grace-period`, `manifest-deepspeed-batch`: see the module docstring.
-    ``references``: the configs given to check; ``given_files`` their paths (a file the command names too is
-    compared once)."""
+    `manifest-output-volume`, `manifest-grace-period`, `manifest-deepspeed-batch`, `manifest-train-args`: see the
+    module docstring. ``references``: the configs given to check; ``given_files`` their paths (a file the command
+    names too is compared once); ``hf_scale_config``: the hf_scale config given (its path and DistributedConfig),
+    compared with train.py's arguments when the command passes train.py one that cannot be found here."""
     kind = manifest_kind(data)
     problem = manifest_problem(kind, data)
     if problem:
@@ -183,12 +250,14 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
             return
         raise UserError(f"--manifest {path}: its {kind} structure cannot be read (a mapping or list where the "
                         "other is expected?)") from None
-    named, named_deepspeed, ds_label = _named_references(path, facts, {Path(f).resolve() for f in given_files})
-    if deepspeed is not None or named_deepspeed is not None:
-        yield from _deepspeed_batch(path, kind, facts, deepspeed if deepspeed is not None else named_deepspeed,
-                                    "" if deepspeed is not None else ds_label)
+    named = _named_references(path, facts, {Path(f).resolve() for f in given_files})
+    if deepspeed is not None or named.deepspeed is not None:
+        yield from _deepspeed_batch(path, kind, facts, deepspeed if deepspeed is not None else named.deepspeed,
+                                    "" if deepspeed is not None else named.deepspeed_label)
+    yield from _train_args_findings(path, kind, facts, named.hf_scale or hf_scale_config)
+    facts = _accelerate_split(facts, [*named.references, *references])
     compared = set()
-    for reference in [*references, *named]:
+    for reference in [*references, *named.references]:
         sizes = (reference.nodes, reference.per_node, reference.cpu)
         if sizes not in compared:  # configs that agree (a generated YAML and its hf_scale config): one finding
             compared.add(sizes)
@@ -199,7 +268,7 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
         if image_issue:
             yield Finding(ERROR, "manifest-image", path, "image", f"image {image!r} {image_issue}",
                           "use a pinned image, e.g. registry.example.com/team/hf-scale:0.1.0")
-    output = output_dir(facts.args)
+    output = output_dir(facts)
     on_volume = output is not None and any(
         mount and (output == mount or output.startswith(mount.rstrip("/") + "/")) for mount in facts.mounts)
     if not on_volume:

@@ -8,18 +8,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hf_scale import rules
 from hf_scale.check.findings import TRAINING_ARGS, Source, get_path, is_int
+from hf_scale.check.train_flags import TrainFlags, against_config, parse_train_flags
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, load_yaml, read_text
-from hf_scale.rules import given_flags
 
 RUNNERS = ("trainer", "accelerate", "deepspeed")
 """What resolves DeepSpeed's "auto" values: the HF Trainer (hf_scale's train.py resolves "auto" with the
@@ -159,28 +158,14 @@ class _TrainingArgs:
 
 
 def _parse_training_args(argv: list[str], cwd: Path, hf_scale_file: str | None = None) -> _TrainingArgs:
-    """Parse exactly as train.py does, with train.py's own parser (hf_scale.train.setup.parser.build_parser: every
-    TrainingArguments flag plus train.py's model/data/hf_scale flags, no abbreviations, an unknown flag refused,
-    a recipe file expanded before the flags), without constructing TrainingArguments (its __post_init__ touches
-    devices). Returns the parsed values and the flags as train.py sees them (the recipe's first). ``--loop
-    accelerate`` changes nothing here: train.py resolves "auto" like the Trainer."""
-    from hf_scale.train.setup import flag_values
-    from hf_scale.train.setup.parser import build_parser
-    from hf_scale.train.setup.recipe import expand_recipe
-
-    parser = build_parser()
+    """Parse exactly as train.py does (hf_scale.check.train_flags: train.py's own parser, a recipe expanded before
+    the flags, the value ranges it checks first). ``--loop accelerate`` changes nothing here: train.py resolves
+    "auto" like the Trainer."""
     try:
-        with _environment_kept():  # a recipe's `env:` is for the training processes, not for this check
-            argv, _ = expand_recipe(parser, list(argv))
-        namespace, unknown = parser.parse_known_args(argv)
-        if not unknown:
-            flag_values.check(namespace)  # each value in its range, as train.py checks it first
+        flags = parse_train_flags(argv)
     except UserError as error:
         raise UserError(f"training args: {error} (train.py refuses them the same way)") from None
-    if unknown:
-        raise UserError(f"training args: unrecognized arguments: {' '.join(unknown)} (train.py refuses them; see "
-                        "python train.py --help)")
-    given = given_flags(argv, vars(namespace))  # the one reading of the flags, as in train.py's prepare stage
+    namespace, given = flags.namespace, flags.given
     if hf_scale_file is not None:
         if "hf_scale_config" in given:
             raise UserError(f"check: {hf_scale_file} and --hf_scale_config in the training args: give the hf_scale "
@@ -188,40 +173,17 @@ def _parse_training_args(argv: list[str], cwd: Path, hf_scale_file: str | None =
         namespace.hf_scale_config, given = hf_scale_file, given | {"hf_scale_config"}  # as train.py would read it
     if not namespace.hf_scale_config:
         return _TrainingArgs(vars(namespace), given)
-    return _apply_hf_scale_config(namespace, given, cwd)
-
-
-def _apply_hf_scale_config(namespace: Any, given: frozenset[str], cwd: Path) -> _TrainingArgs:
-    """``--hf_scale_config FILE`` fills the flags as train.py fills them (the same function,
-    hf_scale.train.setup.reconcile.fill_flags_from_config); the filled flags then count as typed, as in train.py."""
-    from hf_scale.config import load_config
-    from hf_scale.train.setup.reconcile import (
-        FIXED_BY_HF_SCALE_CONFIG,
-        checkpointing_flag,
-        fill_flags_from_config,
-        filled,
-    )
-
     written = namespace.hf_scale_config
     path = Path(written).expanduser()
+    from hf_scale.config import load_config
+
     try:
         config = load_config(path if path.is_absolute() else cwd / path)
     except UserError as error:
         raise UserError(f"training args: --hf_scale_config {written}: {error}") from None
-    from_config = fill_flags_from_config(config, namespace, given, f"--hf_scale_config={written}")
-    namespace = filled(namespace, from_config.fills)
-    fixed = {*FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag(namespace)}
-    return _TrainingArgs(vars(namespace), given | fixed, written, from_config.contradictions, config)
-
-
-@contextlib.contextmanager
-def _environment_kept() -> Iterator[None]:
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    # --hf_scale_config fills the flags as train.py fills them; the filled flags then count as typed, as in train.py.
+    checked = against_config(TrainFlags(namespace, given), config, f"--hf_scale_config={written}")
+    return _TrainingArgs(checked.values, checked.given, written, checked.contradictions, config)
 
 
 GENERATED_YAML_DIR = "accelerate_configs"

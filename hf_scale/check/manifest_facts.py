@@ -46,6 +46,9 @@ class Facts:
     """A node count the command's launcher is given (torchrun --nnodes, accelerate --num_machines)."""
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    launcher_total: int | None = None
+    """``accelerate launch --num_processes N`` without --num_machines: the processes of all machines, which accelerate
+    splits by the num_machines of the config file it launches (hf_scale.check.cluster does, with that file)."""
 
 
 def _words(command: str) -> list[str]:
@@ -105,6 +108,22 @@ def launcher_counts(args: list[str], env: dict[str, str]) -> tuple[int | str | N
     return None, None, ""
 
 
+def accelerate_total(args: list[str], env: dict[str, str]) -> int | None:
+    """:attr:`Facts.launcher_total` of the command's first launcher, when it is `accelerate launch`."""
+    for index, word in enumerate(args):
+        base = word.rsplit("/", 1)[-1]
+        module = args[index + 1:index + 2] if word == "-m" else []
+        if base in ("torchrun", "deepspeed") or module in (["torch.distributed.run"], ["torch.distributed.launch"]):
+            return None  # launcher_counts reads the first launcher; so does this
+        if base == "accelerate" and args[index + 1:index + 2] == ["launch"]:
+            rest = args[index + 2:]
+            if _value(rest, ("--num_machines", "--num-machines")) is not None:
+                return None  # both given: launcher_counts splits them
+            total = _count(_value(rest, ("--num_processes", "--num-processes")), env, set())
+            return total if isinstance(total, int) and total > 0 else None
+    return None
+
+
 def _gpu_count(accelerators: Any) -> int | None:
     """SkyPilot's accelerators: "H100:8", "H100" (one), {H100: 8}, or a list/set of alternatives (the first)."""
     if isinstance(accelerators, dict):
@@ -154,7 +173,7 @@ def manifest_facts(kind: str, data: dict) -> Facts:
         return Facts(data.get("num_nodes", 1), procs if isinstance(procs, int) else None,
                      f"the run command's {launcher}", _gpu_count(resources.get("accelerators", resources.get("gpus"))),
                      None, args, None, mounts, launcher_nodes if isinstance(launcher_nodes, int) else None, env,
-                     workdir)
+                     workdir, accelerate_total(args, env))
     pods = _pods(kind, spec)
     containers = [c for pod in pods for c in pod.get("containers") or []]
     if kind == "TrainJob":
@@ -183,11 +202,63 @@ def manifest_facts(kind: str, data: dict) -> Facts:
     return Facts(nodes, int(procs) if str(procs).isdigit() else None, where, gpu_counts[0] if gpu_counts else None,
                  container.get("image"), args,
                  min((g for g in graces if isinstance(g, int)), default=KUBERNETES_DEFAULT_GRACE_S), mounts,
-                 launcher_nodes if isinstance(launcher_nodes, int) else None, env)
+                 launcher_nodes if isinstance(launcher_nodes, int) else None, env,
+                 launcher_total=accelerate_total(args, env))
 
 
-def output_dir(args: list[str]) -> str | None:
-    return _value(args, ("--output_dir", "--output-dir"))
+OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir")
+_TRAIN_SCRIPT = re.compile(r"(?:^|/)train\.py$")
+_SHELL_SEPARATORS = {";", "&&", "||", "|", "&"}
+_EXPANSION = re.compile(r"[$`]")
+
+
+@dataclass(frozen=True)
+class TrainCommand:
+    """What the command hands train.py."""
+
+    args: list[str]
+    """The words after ``train.py``, ``-m hf_scale.train`` or a generated ``launch/NAME.node.sh`` (which passes them
+    on), up to the end of that shell command; whole-word ``$VAR``s read from the manifest's env."""
+    unresolved: list[str]
+    """Words with a shell expansion this machine cannot know (``$OTHER``, ``$(...)``): the flags are then not
+    parsed (their values are the job's), only --output_dir is read."""
+    passes_config: bool
+    """An hf_scale config reaches train.py: ``--hf_scale_config`` among the arguments, or NAME.node.sh's own."""
+
+
+def train_command(facts: Facts) -> TrainCommand | None:
+    """The train.py invocation of the command; None when it runs none that can be recognized (a script of its own:
+    nothing to parse)."""
+    args = facts.args
+    for index, word in enumerate(args):
+        module = word == "-m" and args[index + 1:index + 2] == ["hf_scale.train"]
+        if not (module or _TRAIN_SCRIPT.search(word) or _NODE_SCRIPT.search(word)):
+            continue
+        words = []
+        for arg in args[index + (2 if module else 1):]:
+            if arg in _SHELL_SEPARATORS:
+                break
+            words.append(arg.removesuffix(";"))
+            if arg.endswith(";"):
+                break
+        words = [_substituted(arg, facts.env) for arg in words]
+        passes = bool(_NODE_SCRIPT.search(word)) or any(a.partition("=")[0] == "--hf_scale_config" for a in words)
+        return TrainCommand(words, [arg for arg in words if _EXPANSION.search(arg)], passes)
+    return None
+
+
+def _substituted(word: str, env: dict[str, str]) -> str:
+    match = _VARIABLE.fullmatch(word)
+    return env.get(match[1] or match[2], word) if match else word
+
+
+def output_dir(facts: Facts) -> str | None:
+    """--output_dir as train.py reads it: the last one given (argparse's rule), among train.py's arguments when the
+    command's train.py is recognized, else among all its words."""
+    from hf_scale.check.train_flags import last_value
+
+    command = train_command(facts)
+    return last_value(command.args if command else facts.args, OUTPUT_DIR_FLAGS)
 
 
 def _resolve(written: str, manifest: Path, workdir: str | None) -> Path | None:

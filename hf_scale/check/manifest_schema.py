@@ -2,7 +2,8 @@
 
 * TrainJob / PyTorchJob: Kubeflow's API models (kubeflow_trainer_api's TrainJob, the Training Operator SDK's
   PyTorchJob; ``pip install 'hf-scale[k8s]'``). A model drops what it does not know, so a manifest that does not
-  come back unchanged has a key the API does not have.
+  come back unchanged has a key the API does not have. What the models cannot tell (the API version, the object's
+  name, required specs, replica counts: the CRDs' and webhooks' rules) is :func:`_kubeflow_rule_problem`'s.
 * SkyPilot task: SkyPilot's own JSON schemas (``sky.utils.schemas``: the task, its resources, its storage mounts,
   dumped from skypilot SKYPILOT_SCHEMA_VERSION into hf_scale/assets/skypilot_schemas.json), applied as
   ``sky.Task.from_yaml`` applies them (its validator: Draft 7 plus SkyPilot's two enum keywords; envs and secrets
@@ -17,6 +18,7 @@ import copy
 import difflib
 import functools
 import json
+import re
 from importlib import resources
 from typing import Any
 
@@ -32,6 +34,49 @@ def manifest_problem(kind: str, data: dict) -> str | None:
     if kind == "SkyPilot":
         return skypilot_problem(data)
     return _kubeflow_problem(kind, data)
+
+
+_DNS_1035_LABEL = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _kubeflow_rule_problem(kind: str, data: dict) -> str | None:
+    """What the API server and the operators' admission webhooks refuse that Kubeflow's Python models cannot tell
+    (they are generated with every field optional and none of the CRDs' patterns or minimums), written out from
+    their sources:
+
+    * apiVersion: each CRD serves one version (kubectl: "no matches for kind");
+    * metadata.name: an RFC 1035 label of at most 63 characters (the TrainJob CRD's XValidation rule, the
+      PyTorchJob webhook's NameIsDNS1035Label): e.g. `Bad_Name` is refused;
+    * TrainJob: spec.runtimeRef is required (TrainJobSpec), so a TrainJob without a spec runs nothing;
+    * PyTorchJob: spec.pytorchReplicaSpecs is required, the Master's replicas must be 1 and a Worker's at least 1
+      (the webhook's validatePyTorchReplicaSpecs)."""
+    from hf_scale.generators.kubernetes import PYTORCHJOB_API, TRAINJOB_API
+
+    api = {"TrainJob": TRAINJOB_API, "PyTorchJob": PYTORCHJOB_API}[kind]
+    if data.get("apiVersion") != api:
+        return f"apiVersion {data.get('apiVersion')!r} is not one the {kind} API serves (allowed: {api})"
+    metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+    name = metadata.get("name")
+    if name is None and not metadata.get("generateName"):
+        return "metadata.name is missing (kubectl refuses an object without a name)"
+    if name is not None and not (isinstance(name, str) and len(name) <= 63 and _DNS_1035_LABEL.fullmatch(name)):
+        return (f"metadata.name {name!r} is not an RFC 1035 label (at most 63 lowercase letters, digits and '-', "
+                "starting with a letter, ending with a letter or digit)")
+    spec = data.get("spec")
+    if kind == "TrainJob":
+        if not isinstance(spec, dict) or not spec.get("runtimeRef"):
+            return "spec.runtimeRef is missing: the TrainJob names no training runtime (a spec with runtimeRef.name)"
+        return None
+    replicas = spec.get("pytorchReplicaSpecs") if isinstance(spec, dict) else None
+    if not isinstance(replicas, dict) or not replicas:
+        return "spec.pytorchReplicaSpecs is missing: the PyTorchJob starts no pod (a Master, and Workers)"
+    for role, replica in replicas.items():
+        count = replica.get("replicas") if isinstance(replica, dict) else None
+        if role == "Master" and count not in (None, 1):
+            return f"spec.pytorchReplicaSpecs.Master.replicas={count!r}: the Master must be exactly 1"
+        if role != "Master" and count is not None and not (isinstance(count, int) and count >= 1):
+            return f"spec.pytorchReplicaSpecs.{role}.replicas={count!r}: must be at least 1 (leave {role} out for none)"
+    return None
 
 
 def _kubeflow_problem(kind: str, data: dict) -> str | None:
@@ -55,7 +100,9 @@ def _kubeflow_problem(kind: str, data: dict) -> str | None:
     except (ValueError, TypeError) as error:
         return " ".join(str(error).split())[:300]
     lost = _first_difference(data, back)
-    return f"{lost} is not a field of the {kind} API (a misspelled key is dropped silently)" if lost else None
+    if lost:
+        return f"{lost} is not a field of the {kind} API (a misspelled key is dropped silently)"
+    return _kubeflow_rule_problem(kind, data)
 
 
 def _first_difference(want: Any, got: Any, where: str = "") -> str | None:

@@ -85,7 +85,8 @@ def check_codes(fn: Check) -> list[str]:
 
 
 _MANIFEST_CODES = ("manifest-invalid, manifest-nodes, manifest-processes, manifest-gpus, manifest-image, "
-                   "manifest-output-volume, manifest-grace-period (warning without --checkpoint)")
+                   "manifest-output-volume, manifest-grace-period (warning without --checkpoint), "
+                   "manifest-deepspeed-batch, manifest-train-args")
 
 
 def _epilog() -> str:
@@ -197,12 +198,13 @@ def _manifest_findings(manifests: list[str], checkpoint: str | None, inputs: Che
     if inputs.hf_scale_config is not None:
         references.append(hf_scale_reference(str(inputs.hf_scale_config_file), inputs.hf_scale_config))
     given = tuple(str(f) for f in (accelerate_file, inputs.hf_scale_config_file, inputs.deepspeed_file) if f)
+    hf_scale = (str(inputs.hf_scale_config_file), inputs.hf_scale_config) if inputs.hf_scale_config else None
     save = measured_save_seconds(Path(checkpoint)) if checkpoint else None
     findings: list[Finding] = []
     for path in manifests:
         data = load_yaml(read_text(Path(path), "--manifest"), f"--manifest {path}")
         findings += check_manifest(path, data, references, save_seconds=save, deepspeed=inputs.deepspeed,
-                                   given_files=given)
+                                   given_files=given, hf_scale_config=hf_scale)
     return findings
 
 

@@ -262,3 +262,108 @@ def test_a_trainjob_of_the_wrong_shape_is_one_finding(broken, tmp_path, capsys):
                                    "metadata": {"name": "x"}, "spec": {"runtimeRef": {"name": "r"}, **broken}}))
     code, findings = _run(capsys, "--manifest", str(job))
     assert code == 1 and [f["code"] for f in findings][:1] == ["manifest-invalid"]
+
+
+@pytest.mark.parametrize("manifest", ["one.trainjob.yaml", "one.sky.yaml"])
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        # train.py's parser keeps the last --output_dir: the checkpoints land off the volume, and the micro batch
+        # contradicts the config train.py gets from NAME.node.sh.
+        (["--output_dir", "/elsewhere", "--per_device_train_batch_size", "4"],
+         "batch.micro_batch_size=1 but --per_device_train_batch_size=4"),
+        (["--output_dir=/elsewhere", "--bogus"], "unrecognized arguments: --bogus"),
+        (["--output-dir", "/elsewhere", "--learning_rate", "fast"], "invalid float value: 'fast'"),
+    ],
+    ids=["contradiction", "unknown-flag", "bad-value"],
+)
+def test_the_arguments_a_manifest_hands_train_py_are_read_as_train_py_reads_them(manifest, extra, problem, tmp_path,
+                                                                                   capsys):
+    """A second --output_dir wins in train.py (argparse keeps the last), so it is the one that must be on the volume;
+    a flag train.py refuses, or one contradicting the hf_scale config the node script passes, fails the job at start
+    on the cluster: both are reported before it queues."""
+    root = generate_all(tmp_path, "one", "kubeflow,skypilot")
+    path = root / "launch" / manifest
+    data = yaml.safe_load(path.read_text())
+    if manifest.endswith(".sky.yaml"):
+        data["run"] += " " + " ".join(extra)
+    else:
+        data["spec"]["trainer"]["args"] += extra
+    path.write_text(yaml.safe_dump(data))
+    code, findings = _run(capsys, "--manifest", str(path))
+    by_code = {f["code"]: f["problem"] for f in findings}
+    assert code == 1 and sorted(by_code) == ["manifest-output-volume", "manifest-train-args"], findings
+    assert problem in by_code["manifest-train-args"]
+    assert "--output_dir '/elsewhere'" in by_code["manifest-output-volume"]
+
+
+def test_train_py_arguments_with_values_the_job_decides_are_not_parsed(tmp_path, capsys):
+    """$VARs the manifest's env does not define are the job's: nothing certain to parse (one of the manifest's own
+    is read)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(TRAINJOB.replace("/scratch/out]", "/scratch/out, --max_steps, $STEPS, --seed, $SEED]")
+                   + '    env: [{name: STEPS, value: "100"}]\n')
+    code, findings = _run(capsys, "--manifest", str(job))
+    assert "manifest-train-args" not in {f["code"] for f in findings}
+    job.write_text(TRAINJOB.replace("/scratch/out]", "/scratch/out, --max_steps, $STEPS]")
+                   + '    env: [{name: STEPS, value: "many"}]\n')
+    code, findings = _run(capsys, "--manifest", str(job))
+    assert [f["problem"] for f in findings if f["code"] == "manifest-train-args"][0].count("'many'") == 1
+
+
+def test_an_accelerate_num_processes_is_split_by_the_machines_of_the_yaml_it_launches(tmp_path, capsys):
+    """`accelerate launch --config_file zero3.yaml --num_processes 4` starts 4 processes (the flag overrides the
+    YAML's 8), 4 per machine of its 1: against the 8 GPUs and the hf_scale config's 8 per machine."""
+    root = generate_all(tmp_path, "multi", "kubeflow")  # 4 machines x 8 processes
+    job = root / "launch" / "job.yaml"
+    command = ["accelerate", "launch", "--config_file", "accelerate_configs/multi.yaml", "--num_processes", "16",
+               "train.py", "--output_dir", "/output/multi"]
+    data = yaml.safe_load(TRAINJOB.replace("numNodes: 2", "numNodes: 4"))
+    data["spec"]["trainer"]["command"] = command
+    job.write_text(yaml.safe_dump(data))
+    code, findings = _run(capsys, "--manifest", str(job))
+    found = {f["code"]: f["problem"] for f in findings}
+    assert code == 1 and "manifest-processes" in found, findings
+    assert ("starts 4 process(es) per node (the command's accelerate launch --num_processes 16 over num_machines=4 "
+            "of ") in found["manifest-processes"]
+    data["spec"]["trainer"]["command"] = [*command[:5], "32", *command[6:]]  # 32 over 4 machines: 8 each
+    job.write_text(yaml.safe_dump(data))
+    assert "manifest-processes" not in {f["code"] for f in _run(capsys, "--manifest", str(job))[1]}
+
+
+def _trainjob(**changes) -> dict:
+    data = yaml.safe_load(TRAINJOB)
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key)
+        else:
+            data[key] = value
+    return data
+
+
+def _pytorchjob(worker_replicas) -> dict:
+    data = yaml.safe_load(PYTORCHJOB)
+    data["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = worker_replicas
+    return data
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (_trainjob(spec=None), "spec.runtimeRef is missing"),
+        (_trainjob(apiVersion="kubeflow.org/v2"), "apiVersion 'kubeflow.org/v2' is not one the TrainJob API serves"),
+        (_trainjob(metadata={"name": "Bad_Name"}), "metadata.name 'Bad_Name' is not an RFC 1035 label"),
+        (_trainjob(metadata={"name": "a" * 64}), "is not an RFC 1035 label"),
+        (_trainjob(metadata={"namespace": "x"}), "metadata.name is missing"),
+        (_pytorchjob(-1), "spec.pytorchReplicaSpecs.Worker.replicas=-1: must be at least 1"),
+        (_pytorchjob(0), "spec.pytorchReplicaSpecs.Worker.replicas=0"),
+        ({**yaml.safe_load(PYTORCHJOB), "apiVersion": "kubeflow.org/v1beta2"}, "allowed: kubeflow.org/v1"),
+    ],
+    ids=["trainjob-no-spec", "unknown-version", "name-underscore", "name-too-long", "no-name", "worker-minus-one",
+         "worker-zero", "pytorchjob-version"],
+)
+def test_what_kubernetes_refuses_and_kubeflows_models_cannot_tell(data, problem, tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(data))
+    code, findings = _run(capsys, "--manifest", str(job))
+    assert code == 1 and findings[0]["code"] == "manifest-invalid" and problem in findings[0]["problem"], findings

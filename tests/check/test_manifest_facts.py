@@ -7,7 +7,14 @@ import pytest
 import yaml
 from cluster_helpers import generate_all
 
-from hf_scale.check.manifest_facts import FROM_PLATFORM, launcher_counts, manifest_facts, named_files
+from hf_scale.check.manifest_facts import (
+    FROM_PLATFORM,
+    launcher_counts,
+    manifest_facts,
+    named_files,
+    output_dir,
+    train_command,
+)
 
 SKY_RUN = """\
 cd ~/sky_workdir
@@ -69,3 +76,21 @@ def test_named_files_that_do_not_exist_here_are_left_out(tmp_path):
     facts = manifest_facts("SkyPilot", {"run": "accelerate launch --config_file nowhere.yaml train.py "
                                                "--hf_scale_config /nowhere/x.yaml"})
     assert named_files(facts, tmp_path / "task.yaml") == {}
+
+
+@pytest.mark.parametrize(
+    ("run", "args", "output"),
+    [
+        ("torchrun --nproc_per_node 8 train.py --output_dir /a --output_dir /b", ["--output_dir", "/a", "--output_dir",
+                                                                                  "/b"], "/b"),
+        ("python -m hf_scale.train --output-dir=/a --seed 1; echo --output_dir /c", ["--output-dir=/a", "--seed", "1"],
+         "/a"),
+        ("bash launch/x.node.sh --output_dir $OUT && sync", ["--output_dir", "/env"], "/env"),
+        ("bash my_script.sh --output_dir /a --output_dir /b", None, "/b"),  # no train.py: the command's last
+    ],
+)
+def test_train_py_arguments_and_the_output_dir_train_py_reads(run, args, output):
+    facts = manifest_facts("SkyPilot", {"run": run, "envs": {"OUT": "/env"}})
+    command = train_command(facts)
+    assert (command.args if command else None) == args
+    assert output_dir(facts) == output

@@ -98,7 +98,7 @@ def test_the_source_archive_is_this_hf_scale_and_reproducible(root, tmp_path, ca
     assert main(["generate", "--preset", "zero3", "--set", "topology.num_machines=4", "--set",
                  "topology.processes_per_machine=8", "--set", "topology.main_process_ip=10.0.0.1", "--set",
                  "cluster.kubernetes.node_selector={gpu: h100}", "--set",
-                 "cluster.train_args=[--max_steps, '100', --dataset, /data/a b.jsonl]", "--set",
+                 "cluster.train_args=[--max_steps, '100', --train_file, /data/a b.jsonl]", "--set",
                  "cluster.image=registry.example.com/team/hf-scale:0.1.0", "--name", "multi", "--targets", "docker",
                  "--output-dir", str(root)]) == 0
     assert f"unchanged {root / install.SOURCE_ARCHIVE}" in capsys.readouterr().out

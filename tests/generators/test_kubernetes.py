@@ -115,3 +115,17 @@ def test_the_trainjob_says_that_restarts_are_the_runtimes(tmp_path):
     assert "is NOT set by this file" in header and "failurePolicy.maxRestarts" in header
     assert "kubectl get clustertrainingruntime torch-distributed -o yaml" in header
     assert "delete it and apply this file again" in header
+
+
+def test_switches_and_paths_named_like_secrets_are_not_secrets():
+    """Only a name ending like a credential with a value that is not a switch is refused (TOKENIZERS_PARALLELISM,
+    HF_TOKEN_PATH and HF_HUB_DISABLE_IMPLICIT_TOKEN=1 are settings, not secrets)."""
+    from hf_scale.cluster_config import reserved_env_problem, secret_env_problem
+
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_TOKEN_PATH": "/secrets/token", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+           "NCCL_SOCKET_IFNAME": "eth0", "HF_SCALE_VERBOSE": "1"}
+    cfg = load_config(overrides=[f"cluster.env={env}"])
+    assert cfg.cluster.env == env
+    assert secret_env_problem("HUGGING_FACE_HUB_TOKEN", "hf_x") and secret_env_problem("AWS_SECRET_ACCESS_KEY", "x")
+    assert reserved_env_problem("TORCHELASTIC_RESTART_COUNT") and reserved_env_problem("LOCAL_RANK")
+    assert reserved_env_problem("NCCL_DEBUG") is None

@@ -48,6 +48,17 @@ def expand_recipe(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[lis
 
     Without a recipe, `argv` comes back unchanged. Sets the recipe's `env:` variables.
     """
+    rest, path = recipe_argument(parser, argv)
+    if path is None:
+        return argv, None
+    recipe = read_recipe(path)
+    _set_env(path, recipe.pop(ENV_KEY, None))
+    return recipe_tokens(parser, recipe, path) + rest, path
+
+
+def recipe_argument(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], str | None]:
+    """`argv` without the positional recipe file (``--config FILE`` stays: the parser knows it), and the recipe's
+    path; (`argv`, None) without one. Nothing is read."""
     namespace, unknown = parser.parse_known_args(argv)
     positional = [a for a in unknown if not a.startswith("-") and a.lower().endswith(RECIPE_SUFFIXES)]
     flagged = getattr(namespace, "config", None)
@@ -56,14 +67,10 @@ def expand_recipe(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[lis
     if positional and flagged:
         raise UserError(f"a recipe given twice: {positional[0]} and {CONFIG_FLAG} {flagged}; pass one")
     path = positional[0] if positional else flagged
-    if path is None:
-        return argv, None
     rest = list(argv)
-    if positional:  # the positional is removed; --config stays (the parser knows it)
+    if positional:
         del rest[len(rest) - 1 - rest[::-1].index(path)]
-    recipe = read_recipe(path)
-    _set_env(path, recipe.pop(ENV_KEY, None))
-    return recipe_tokens(parser, recipe, path) + rest, path
+    return rest, path
 
 
 def read_recipe(path: str) -> dict[str, Any]:
