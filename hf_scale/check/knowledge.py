@@ -334,3 +334,36 @@ def fp8_value_problem(name: str, value: Any) -> str | None:
 FP8_MINIMUMS = {"fp8_amax_history_len": 1}
 FP8_MINIMUM_WHY = {"fp8_amax_history_len": "TransformerEngine's delayed scaling keeps the last amax_history_len "
                                            "amaxes of each tensor and scales by them; a shorter history holds none"}
+
+
+# --- the accelerate YAML's parallelism_config ------------------------------------------------------------------
+
+
+def parallelism_value_problem(key: str, value: Any) -> str | None:
+    """Why accelerate refuses a non-size ``parallelism_config_*`` value (None when it takes it, or when no dataclass of
+    accelerate holds it), asked by constructing the dataclass that reads it with that value: ParallelismConfig
+    (cp_backend, sp_backend), TorchContextParallelConfig (cp_comm_strategy), DeepSpeedSequenceParallelConfig
+    (sp_attn_implementation). The Accelerator builds them from what `accelerate launch` exports
+    (prepare_extend_env_parallelism_config: the backends always, the cp / sp settings when that size is > 1)."""
+    import dataclasses
+
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, TorchContextParallelConfig
+
+    name = key.removeprefix("parallelism_config_")
+    if value is None or name not in PARALLELISM_STRING_SETTINGS:
+        return None  # accelerate's default; the sizes have their own check (`parallelism-value-invalid`)
+    for cls in (ParallelismConfig, TorchContextParallelConfig, DeepSpeedSequenceParallelConfig):
+        if name in {field.name for field in dataclasses.fields(cls)}:
+            # a fixed sp sequence length is another setting's question: this one is judged alone
+            extra = {"sp_seq_length_is_variable": True} if cls is DeepSpeedSequenceParallelConfig else {}
+            try:
+                cls(**{name: str(value)}, **extra)
+            except ValueError as error:
+                return f"is refused by accelerate's {cls.__name__}: {' '.join(str(error).split())}"
+    return None
+
+
+PARALLELISM_STRING_SETTINGS = ("cp_backend", "sp_backend", "cp_comm_strategy", "sp_attn_implementation")
+"""The ``parallelism_config`` settings `accelerate launch` exports as text and accelerate's dataclasses read as text
+(the sizes are checked as integers; sp_seq_length / sp_seq_length_is_variable are read by their own conversions)."""

@@ -149,3 +149,22 @@ def test_an_fp8_backend_is_refused_exactly_where_the_accelerator_raises(backend,
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert raised == (knowledge.fp8_value_problem("fp8_backend", backend) is not None)
+
+
+def test_the_parallelism_text_settings_are_the_ones_accelerate_reads_as_text():
+    """Every text-valued `parallelism_config` launch option except sp_seq_length (an int in text) is judged by the
+    accelerate dataclass that reads it, and an invalid value of each is refused."""
+    import dataclasses
+
+    from accelerate import ParallelismConfig
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, TorchContextParallelConfig
+
+    options = {action.dest.removeprefix("parallelism_config_") for action in launch_command_parser()._actions
+               if action.dest.startswith("parallelism_config_") and action.type is str}
+    assert options - {"sp_seq_length"} == set(knowledge.PARALLELISM_STRING_SETTINGS)
+    fields = {f.name for cls in (ParallelismConfig, TorchContextParallelConfig, DeepSpeedSequenceParallelConfig)
+              for f in dataclasses.fields(cls)}
+    for name in knowledge.PARALLELISM_STRING_SETTINGS:
+        assert name in fields
+        assert knowledge.parallelism_value_problem(f"parallelism_config_{name}", "no-such-thing"), name

@@ -39,6 +39,17 @@ TRIGGERS = {
     "size-not-an-integer": (
         merged(FSDP4, block(dp_shard=2, tp="2")), None, [], None, [], "parallelism-value-invalid", "error",
     ),
+    # accelerate's ParallelismConfig / TorchContextParallelConfig refuse these when the processes start.
+    "sp-backend-not-accelerates": (
+        merged(DS_YAML, {"num_processes": 4, "parallelism_config": {
+            "parallelism_config_dp_shard_size": 2, "parallelism_config_sp_size": 2,
+            "parallelism_config_sp_backend": "megatron"}}), DS_JSON, [], None, [], "parallelism-value-invalid", "error",
+    ),
+    "cp-comm-strategy-not-accelerates": (
+        merged(FSDP4, {"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_cp_size": 2,
+                                              "parallelism_config_cp_comm_strategy": "ring"}}),
+        None, [], None, [], "parallelism-value-invalid", "error",
+    ),
     "sizes-do-not-multiply-to-num-processes": (
         merged(FSDP4, block(dp_shard=4, tp=2)), None, [], None, [], "parallelism-size-mismatch", "error",
     ),
