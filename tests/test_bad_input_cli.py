@@ -171,6 +171,13 @@ GENERATE = [
     gen_set("port-zero", "ddp", ["topology.main_process_port=0"], "topology.main_process_port=0"),
     gen_set("rank-negative", "ddp_multinode", ["topology.machine_rank=-1"], "topology.machine_rank=-1"),
     gen_set("integer-digits", "ddp", ["batch.micro_batch_size=" + "9" * 5000], "--set batch.micro_batch_size="),
+    # Data-parallel sizes the strategy gives no meaning (hf_scale.parallelism.layout_problems).
+    gen_set("ddp-dp-shard-tp", "ddp", ["parallelism.dp_shard=4", "parallelism.tp=2"],
+            "parallelism.dp_shard=4 with strategy ddp"),
+    gen_set("ddp-dp-shard-dp-replicate", "ddp", ["parallelism.dp_replicate=2", "parallelism.dp_shard=4"],
+            "parallelism.dp_shard=4 with strategy ddp"),
+    gen_set("zero3-dp-replicate", "zero3", ["parallelism.dp_replicate=2"],
+            "parallelism.dp_replicate=2 with strategy deepspeed"),
     # Names of things that reach files.
     gen_set("layer-class-comma", "fsdp2_full_shard", ["fsdp.transformer_layer_cls_to_wrap=['A,B']"],
             "fsdp.transformer_layer_cls_to_wrap[0]='A,B'"),

@@ -67,6 +67,7 @@ def _layout(inp: CheckInputs) -> parallelism.Layout | None:
 def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
     """`parallelism-size-mismatch`, `parallelism-unsupported` (error / warning): the sizes do not multiply to
     `num_processes` (accelerate raises once the processes started); TP/CP/SP with a strategy that cannot run them,
+    data-parallel sizes the strategy gives no meaning (dp_shard under MULTI_GPU, dp_replicate under DEEPSPEED),
     CP with SP, a TP group larger than a machine or not dividing its processes (an error, as in `hf-scale
     generate`: an accelerate YAML has no key that accepts TP across machines on purpose)."""
     layout = _layout(inp)

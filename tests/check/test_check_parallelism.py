@@ -56,6 +56,15 @@ TRIGGERS = {
     "tp-with-zero": (
         merged(DS_YAML, block(dp_shard=1, tp=2)), DS_JSON, [], None, [], "parallelism-unsupported", "error",
     ),
+    # A MULTI_GPU YAML sharding (train.py would run FSDP2 under tp), a DEEPSPEED one sizing replicas.
+    "dp-shard-with-ddp": (
+        merged(DDP_YAML, {"num_processes": 8, **block(dp_shard=4, tp=2)}), None, [], None, [],
+        "parallelism-unsupported", "error",
+    ),
+    "dp-replicate-with-zero": (
+        merged(DS_YAML, {"num_processes": 8, **block(dp_replicate=2, dp_shard=4)}), DS_JSON, [], None, [],
+        "parallelism-unsupported", "error",
+    ),
     "cp-with-ddp": (
         merged(DDP_YAML, block(cp=2)), None, [], None, [], "parallelism-unsupported", "error",
     ),
