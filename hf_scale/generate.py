@@ -12,8 +12,10 @@ import argparse
 import json
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
+from hf_scale import rules
 from hf_scale.config import DistributedConfig, config_from_data, config_warnings, load_config
 from hf_scale.config_types import name_problem
 from hf_scale.errors import UserError
@@ -21,7 +23,15 @@ from hf_scale.files import write_files_together
 from hf_scale.generators import TARGETS, render_files
 from hf_scale.generators.deepspeed_json import MODES
 from hf_scale.inputs import read_bytes
-from hf_scale.plan import NothingFits, add_plan_arguments, plan_argv, plan_from_args
+from hf_scale.plan import (
+    NothingFits,
+    add_plan_arguments,
+    check_counts,
+    plan_argv,
+    plan_defaults,
+    plan_flag_names,
+    plan_from_args,
+)
 from hf_scale.planner.rank import planned_config_data
 from hf_scale.planner.rank import train_flags as train_flags_of
 from hf_scale.planner.report import verdict_lines
@@ -63,9 +73,13 @@ examples:
   hf-scale generate --preset ddp_multinode --set topology.main_process_ip=10.1.2.3 --output-dir runs/a
   hf-scale generate --preset zero3_offload --deepspeed-mode resolved --set deepspeed.torch_adam=true
   hf-scale generate --strategy auto --model meta-llama/Llama-3.1-8B --gpu-memory 80GiB --seq-len 4096
+  hf-scale generate --preset zero3 --num-machines 2 --gpus-per-machine 4 --set topology.main_process_ip=10.1.2.3
 
---strategy auto runs `hf-scale plan` on --model with the planning flags below and generates the
+--strategy auto runs `hf-scale plan` on --model with the planning flags (above) and generates the
 recommended config (default NAME: the recommended candidate, e.g. zero2); --set still applies on top.
+Without --strategy auto, the planning flags that are a field of the config (--num-machines,
+--gpus-per-machine, --micro-batch-size, --precision, --activation-checkpointing on|off) set it as --set would,
+before the --set overrides; the others (--gpu-memory, --seq-len, ...) need --strategy auto.
 
 exit codes: 0 written, 1 --strategy auto found no strategy that fits (nothing written), 2 bad input (one line
 on stderr, nothing written).
@@ -129,8 +143,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     generate.add_argument(
         "--model", metavar="MODEL", help="with --strategy auto: Hub id, model directory or config.json"
     )
-    add_plan_arguments(generate)
-    generate.set_defaults(func=run_generate)
+    fields = ", ".join(plan_flag_names()[dest] for dest in PLAN_FLAG_FIELDS)
+    add_plan_arguments(generate, description=textwrap.fill(
+        "With --strategy auto: the hardware and training to plan for (the defaults below). Without it: "
+        f"{fields} (on|off) set the config's field as --set would, before the --set overrides (left out, the "
+        "config's value stays); the others need --strategy auto.", width=100, break_on_hyphens=False))
+    # None marks a planning flag not typed: without --strategy auto only typed ones apply (_planning_flags).
+    generate.set_defaults(func=run_generate, **dict.fromkeys(plan_defaults()))
 
     presets = subparsers.add_parser(
         "presets",
@@ -159,13 +178,57 @@ def _targets(text: str) -> tuple[str, ...]:
     return targets
 
 
-def regenerate_command(args: argparse.Namespace, name: str, planned_name: str | None = None) -> str:
-    """The command line that reproduces these files when run in the output directory."""
+PLAN_FLAG_FIELDS = {
+    "num_machines": "topology.num_machines",
+    "gpus_per_machine": "topology.processes_per_machine",
+    "micro_batch_size": "batch.micro_batch_size",
+    "precision": "precision",
+    "activation_checkpointing": "activation_checkpointing",
+}
+"""The planning flags that are a field of the config: --strategy auto's plan writes their values there
+(planner.rank.distributed_config); without it they are applied as `--set FIELD=VALUE` (tests/test_cli_generate.py
+proves both give the same fields)."""
+
+
+def _planning_flags(args: argparse.Namespace) -> tuple[argparse.Namespace, dict[str, object]]:
+    """(``args`` with `hf-scale plan`'s defaults in place of the planning flags not typed, the typed ones)."""
+    defaults = plan_defaults()
+    typed = {dest: getattr(args, dest) for dest in defaults if getattr(args, dest) is not None}
+    return argparse.Namespace(**{**vars(args), **defaults, **typed}), typed
+
+
+def _flags_as_overrides(typed: dict[str, object]) -> list[str]:
+    """Without --strategy auto: the typed planning flags as the `--set FIELD=VALUE` overrides they stand for, or a
+    one-line UserError for a flag the config has no field for (only the planner uses it)."""
+    names = plan_flag_names()
+    for dest, value in typed.items():
+        if dest not in PLAN_FLAG_FIELDS or value == "auto":
+            shown = names[dest] if value is True else f"{names[dest]} {value}"
+            raise UserError(f"{shown}: the config has no field for it, only the planner uses it: add --strategy auto "
+                            "--model MODEL to plan the config, or set the config's fields with --set FIELD=VALUE")
+    check_counts(typed)
+    overrides = []
+    for dest, value in typed.items():
+        if dest == "precision":
+            value = rules.precision_of(str(value), "--precision")
+        elif dest == "activation_checkpointing":
+            value = value == "on"
+        overrides.append(f"{PLAN_FLAG_FIELDS[dest]}={json.dumps(value)}")  # JSON is YAML: "no" stays a string
+    return overrides
+
+
+def regenerate_command(args: argparse.Namespace, name: str, planned_name: str | None = None,
+                       typed: dict[str, object] | None = None) -> str:
+    """The command line that reproduces these files when run in the output directory (``typed``: the planning flags
+    typed without --strategy auto)."""
     parts = ["hf-scale", "generate"]
     if args.config is not None:
         parts.append(args.config)
     if args.preset is not None:
         parts += ["--preset", args.preset]
+    names = plan_flag_names()
+    for dest, value in (typed or {}).items():
+        parts += [names[dest], str(value)]
     for override in args.overrides:
         parts += ["--set", override]
     if args.strategy == "auto":
@@ -201,7 +264,10 @@ def _default_name(args: argparse.Namespace, planned_name: str | None = None) -> 
 def run_generate(args: argparse.Namespace) -> int:
     args.targets = tuple(dict.fromkeys(args.targets))  # every --targets given, each target once, in order
     planned_name, train_flags, plan = None, None, None
+    args, typed = _planning_flags(args)
+    overrides = args.overrides
     if args.strategy == "auto":
+        typed = {}  # the plan's own flags: regenerate_command writes them after --strategy auto
         plan = _plan(args)
         planned_name, planned_data, train_flags = plan.recommended.slug, planned_config_data(plan, plan.recommended), \
             train_flags_of(plan)
@@ -211,17 +277,20 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(
             "give a CONFIG.yaml or --preset NAME (see `hf-scale presets`), or --strategy auto --model MODEL"
         )
+    else:
+        overrides = [*_flags_as_overrides(typed), *args.overrides]
     name = args.name if args.name is not None else _default_name(args, planned_name)
     problem = name_problem(name)
     if problem:
         # The default name is the config file's stem: say where the name came from.
         raise UserError(f"--name {name!r} {problem}" + ("" if args.name is not None else " (give --name NAME)"))
     if planned_name is not None:  # the planned config itself, the user's --set overrides on top
-        cfg = config_from_data(planned_data, args.overrides)
+        cfg = config_from_data(planned_data, overrides)
         _refuse_heads(cfg, plan)
     else:
-        cfg = _load(args.config, args.preset, args.overrides)
-    header = f"Generated by hf-scale; do not edit. Regenerate with:\n  {regenerate_command(args, name, planned_name)}"
+        cfg = _load(args.config, args.preset, overrides)
+    header = ("Generated by hf-scale; do not edit. Regenerate with:\n  "
+              f"{regenerate_command(args, name, planned_name, typed)}")
     image_targets = [target for target in args.targets if target in ("kubeflow", "pytorchjob", "docker")]
     if image_targets and cfg.cluster.image is None:
         raise UserError(f"--targets {image_targets[0]} needs cluster.image: the image the pods run, with a version "

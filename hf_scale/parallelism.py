@@ -56,9 +56,10 @@ class ParallelismSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     dp_replicate: Size | None = None
-    """Data-parallel replicas (each holds a whole copy of what dp_shard shards): DDP, or HSDP's replicate dimension."""
+    """Data-parallel replicas (each holds a whole copy of what dp_shard shards): DDP, or HSDP's replicate dimension
+    (not with strategy deepspeed, whose ZeRO groups are DeepSpeed's own)."""
     dp_shard: Size | None = None
-    """Data-parallel ranks that shard parameters, gradients and optimizer states (FSDP2 / ZeRO)."""
+    """Data-parallel ranks that shard parameters, gradients and optimizer states (FSDP2 / ZeRO); 1 with strategy ddp."""
     tp: Size | None = None
     """Tensor-parallel ranks: each layer's weights split across them (transformers tp_plan="auto"); keep it inside
     one machine."""
@@ -181,6 +182,18 @@ def layout_problems(
     tp, cp, sp = layout.tp, layout.cp, layout.sp
     if strategy == "single" and layout.world_size > 1:
         errors.append(f"{where}: strategy single runs one process; sizes {layout.describe()} need several")
+    # Which data-parallel sizes mean something is the strategy's: DDP shards nothing, and DeepSpeed partitions ZeRO
+    # over all its data-parallel ranks with its own groups. Without these two, a "ddp" layout with dp_shard x tp would
+    # run FSDP2 (train/model/parallel.py hands dp_shard to transformers as fsdp_size) and a "deepspeed" one with
+    # dp_replicate would describe replicas DeepSpeed never makes.
+    if strategy in ("ddp", "single") and layout.dp_shard > 1:
+        errors.append(f"{where}.dp_shard={layout.dp_shard} with strategy {strategy}: DDP keeps a whole copy on every "
+                      "rank and shards nothing (with tp > 1 train.py would shard with FSDP2 anyway); allowed with ddp: "
+                      "dp_shard=1 (leave it out); to shard, use strategy fsdp (e.g. preset fsdp2_tp)")
+    if strategy == "deepspeed" and layout.dp_replicate > 1:
+        errors.append(f"{where}.dp_replicate={layout.dp_replicate} with strategy deepspeed: ZeRO partitions over all "
+                      "its data-parallel ranks with DeepSpeed's own groups, so there are no replicas to size; allowed "
+                      "with deepspeed: dp_replicate=1 (leave it out; dp_shard is derived as world size / sp)")
     if cp > 1 and sp > 1:
         errors.append(f"{where}.cp={cp} and {where}.sp={sp} together: accelerate allows one of context and "
                       "sequence parallelism (cp for FSDP2, sp for DeepSpeed)")

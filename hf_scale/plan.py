@@ -73,9 +73,9 @@ def parse_size(flag: str, text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+def add_plan_arguments(parser: argparse.ArgumentParser, description: str | None = None) -> None:
     """Hardware and training flags shared by `plan` and `generate --strategy auto`."""
-    group = parser.add_argument_group("planning")
+    group = parser.add_argument_group("planning", description)
     group.add_argument(
         "--gpus-per-machine", type=int, default=8, metavar="N",
         help="GPUs per machine (default 8); the plan runs one process per GPU: the config's "
@@ -130,16 +130,36 @@ def plan_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def plan_defaults() -> dict[str, object]:
+    """Each planning flag's destination -> its default (what `plan` and `generate --strategy auto` assume)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_plan_arguments(parser)
+    return {action.dest: action.default for action in parser._actions}
+
+
+def plan_flag_names() -> dict[str, str]:
+    """Each planning flag's destination -> its spelling on the command line."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_plan_arguments(parser)
+    return {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+
+
+_COUNT_BOUNDS = {"gpus_per_machine": MAX_PROCESSES_PER_MACHINE, "num_machines": MAX_MACHINES, "seq_len": MAX_SEQ_LEN,
+                 "micro_batch_size": MAX_BATCH}
+
+
+def check_counts(values: dict[str, object]) -> None:
+    """The counting flags among ``values`` (destination -> value) in range, or a one-line UserError naming the flag."""
+    names = plan_flag_names()
+    for dest, bound in _COUNT_BOUNDS.items():
+        value = values.get(dest)
+        if value is not None and not 0 < value <= bound:
+            raise UserError(f"{names[dest]} {value} is invalid: allowed an integer from 1 to {bound}")
+
+
 def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
     """Validate the flags (one-line UserError each) and plan."""
-    for flag, value, bound in (
-        ("--gpus-per-machine", args.gpus_per_machine, MAX_PROCESSES_PER_MACHINE),
-        ("--num-machines", args.num_machines, MAX_MACHINES),
-        ("--seq-len", args.seq_len, MAX_SEQ_LEN),
-        ("--micro-batch-size", args.micro_batch_size, MAX_BATCH),
-    ):
-        if not 0 < value <= bound:
-            raise UserError(f"{flag} {value} is invalid: allowed an integer from 1 to {bound}")
+    check_counts(vars(args))
     if args.lora_r is not None and not 0 < args.lora_r <= MAX_LORA_R:
         raise UserError(
             f"--lora-r {args.lora_r} is invalid: allowed an integer from 1 to {MAX_LORA_R} (omit it for a full "

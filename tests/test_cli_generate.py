@@ -399,3 +399,63 @@ def test_repeated_targets_add_up(tmp_path, capsys):
                  "--output-dir", str(tmp_path)]) == 0
     assert (tmp_path / "launch" / "ddp.ray.sh").is_file() and (tmp_path / "Dockerfile").is_file()
     assert "--targets ray,docker --output-dir ." in (tmp_path / "launch" / "ddp.ray.sh").read_text()
+
+
+def _config_lines(out: Path, name: str) -> list[str]:
+    """The resolved config generate wrote, without its header (which names the command)."""
+    return [line for line in (out / "hf_scale_configs" / f"{name}.yaml").read_text().splitlines()
+            if not line.startswith("#")]
+
+
+def test_planning_flags_without_strategy_auto_set_the_config_as_set_would(tmp_path, capsys):
+    """--precision, --num-machines, --gpus-per-machine, --micro-batch-size and --activation-checkpointing on|off are
+    config fields: without --strategy auto they apply as the --set overrides they stand for (which still win), and
+    the header's command reproduces the files."""
+    ip = ["--set", "topology.main_process_ip=10.1.2.3"]
+    flags = ["--precision", "fp16", "--num-machines", "2", "--gpus-per-machine", "4", "--micro-batch-size", "4",
+             "--activation-checkpointing", "on"]
+    assert main(["generate", "--preset", "zero3", *flags, *ip, "--output-dir", str(tmp_path / "flags")]) == 0
+    sets = ["precision=fp16", "topology.num_machines=2", "topology.processes_per_machine=4",
+            "batch.micro_batch_size=4", "activation_checkpointing=true"]
+    argv = ["generate", "--preset", "zero3", *[a for s in sets for a in ("--set", s)], *ip]
+    assert main([*argv, "--output-dir", str(tmp_path / "sets")]) == 0
+    assert _config_lines(tmp_path / "flags", "zero3") == _config_lines(tmp_path / "sets", "zero3")
+    from hf_scale.config import load_config
+
+    cfg = load_config(tmp_path / "flags" / "hf_scale_configs" / "zero3.yaml")
+    assert (cfg.precision, cfg.topology.num_machines, cfg.topology.processes_per_machine,
+            cfg.batch.micro_batch_size, cfg.activation_checkpointing) == ("fp16", 2, 4, 4, True)
+    header = (tmp_path / "flags" / "hf_scale_configs" / "zero3.yaml").read_text().splitlines()[1]
+    assert "--precision fp16" in header and "--gpus-per-machine 4" in header
+    capsys.readouterr()
+    command = header.removeprefix("#   hf-scale ").split()
+    assert main([*command[:-1], str(tmp_path / "flags")]) == 0  # the header's own command: nothing changes
+    assert "wrote" not in capsys.readouterr().out
+    # --set wins over the flag, as it does over --strategy auto's plan; fp32 is the config's "no"
+    assert main(["generate", "--preset", "ddp", "--precision", "fp32", "--set", "batch.micro_batch_size=2",
+                 "--micro-batch-size", "8", "--output-dir", str(tmp_path / "ddp")]) == 0
+    cfg = load_config(tmp_path / "ddp" / "hf_scale_configs" / "ddp.yaml")
+    assert (cfg.precision, cfg.batch.micro_batch_size) == ("no", 2)
+
+
+def test_the_flags_set_the_same_fields_strategy_auto_plans_them_into(tmp_path, capsys):
+    """The planning flags that apply without --strategy auto (generate.PLAN_FLAG_FIELDS) set exactly the fields
+    --strategy auto writes them into."""
+    from paths import TINY_LLAMA
+
+    from hf_scale.config import load_config
+    from hf_scale.generate import PLAN_FLAG_FIELDS
+
+    flags = ["--precision", "fp16", "--num-machines", "2", "--gpus-per-machine", "2", "--micro-batch-size", "2",
+             "--activation-checkpointing", "on"]
+    assert main(["generate", "--strategy", "auto", "--model", str(TINY_LLAMA), *flags, "--name", "run",
+                 "--output-dir", str(tmp_path / "auto")]) == 0
+    planned = load_config(tmp_path / "auto" / "hf_scale_configs" / "run.yaml")
+    assert planned.strategy == "ddp"
+    assert main(["generate", "--preset", "ddp_multinode", *flags, "--name", "run",
+                 "--output-dir", str(tmp_path / "preset")]) == 0
+    applied = load_config(tmp_path / "preset" / "hf_scale_configs" / "run.yaml")
+    for field in PLAN_FLAG_FIELDS.values():
+        section, _, key = field.rpartition(".")
+        planned_value = getattr(getattr(planned, section) if section else planned, key)
+        assert planned_value == getattr(getattr(applied, section) if section else applied, key), field

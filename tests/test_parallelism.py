@@ -71,6 +71,13 @@ REFUSALS = [
      r"parallelism.tp=2 with strategy deepspeed: ZeRO"),
     ({"strategy": "ddp", "topology": {"processes_per_machine": 8}, "parallelism": {"tp": 2}},
      r"parallelism.tp=2 with strategy ddp and dp_replicate=4: accelerate cannot compose DDP and TP"),
+    ({"strategy": "ddp", "topology": {"processes_per_machine": 8}, "parallelism": {"dp_shard": 4, "tp": 2}},
+     r"parallelism.dp_shard=4 with strategy ddp: DDP keeps a whole copy .* allowed with ddp: dp_shard=1"),
+    ({"strategy": "ddp", "topology": {"processes_per_machine": 8}, "parallelism": {"dp_shard": 4,
+                                                                                  "dp_replicate": 2}},
+     r"parallelism.dp_shard=4 with strategy ddp"),
+    ({"strategy": "deepspeed", "topology": {"processes_per_machine": 8}, "parallelism": {"dp_replicate": 2}},
+     r"parallelism.dp_replicate=2 with strategy deepspeed: .* allowed with deepspeed: dp_replicate=1"),
     ({**fsdp(tp=2), "fsdp": {"version": 1}}, r"parallelism.tp=2 needs fsdp.version=2"),
     (fsdp(sp=2), r"parallelism.sp=2 needs strategy deepspeed \(got fsdp\)"),
     (fsdp(tp=8), r"strategy fsdp with dp_shard=1 and cp=1 leaves FSDP2 nothing to shard over"),
@@ -258,4 +265,24 @@ def test_train_py_needs_the_config_that_says_the_same_sizes_under_accelerate_lau
     result = run(command + ["--hf_scale_config", str(config)], env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "parallelism tp=2 but the accelerate config's parallelism_config has dp_shard=2 x tp=2" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("launched", "message"), [
+    ({"WORLD_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"},
+     "the accelerate config's parallelism_config.dp_shard=2 with strategy ddp: DDP keeps a whole copy"),
+    ({"WORLD_SIZE": "4", "ACCELERATE_USE_DEEPSPEED": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+      "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"},
+     "the accelerate config's parallelism_config.dp_replicate=2 with strategy deepspeed: ZeRO partitions"),
+], ids=["ddp-dp-shard", "deepspeed-dp-replicate"])
+def test_train_py_refuses_a_launched_layout_by_the_config_rules(launched, message, tmp_path):
+    """The sizes accelerate launch exports from a MULTI_GPU / DEEPSPEED YAML are judged by layout_problems, as a
+    config's are: one line, exit 2, before the process group (rank 0 of a world that never forms)."""
+    from train_helpers import TRAIN_PY, child_env, run
+
+    env = {**child_env(), "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+           "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", **launched}
+    result = run([sys.executable, TRAIN_PY, "--output_dir", str(tmp_path / "out")], env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert message in result.stderr
     assert not (tmp_path / "out").exists()

@@ -38,6 +38,7 @@ CHECKS: list[Check] = [
     batch.check_train_batch_size,
     precision.check_precision,
     precision.check_fp16_and_bf16,
+    fp8.check_fp8_config,
     fp8.check_fp8_refused,
     fp8.check_fp8_speed,
     qlora.check_qlora,

@@ -1,5 +1,6 @@
-"""Checks of FP8 training: the combinations accelerate refuses at start, in a hand-written accelerate YAML (the rule
-the config applies when generating, hf_scale.precision_rules.fp8_refusal), and where fp8 will run slower than bf16.
+"""Checks of FP8 training: the YAML's `fp8_config` keys and values as accelerate reads them (hf_scale.check.knowledge
+asks accelerate), the combinations accelerate refuses at start, in a hand-written accelerate YAML (the rule the
+config applies when generating, hf_scale.precision_rules.fp8_refusal), and where fp8 will run slower than bf16.
 (A machine without an fp8 GPU is train.py's refusal before the model loads, and `doctor --config`'s.)
 """
 
@@ -9,8 +10,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hf_scale import precision_rules, rules
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, Source, get_path
+from hf_scale.check.findings import (
+    ERROR,
+    TRAINING_ARGS,
+    WARNING,
+    Finding,
+    Source,
+    get_path,
+    ignored_key_severity,
+    in_file,
+    is_comment_key,
+    rename_fix,
+)
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
+from hf_scale.check.knowledge import fp8_launch_name, fp8_value_problem, known_fp8_names
+
+SECTION = "fp8_config"
 
 RAM_EFFICIENT_LOADING_KEY = "fsdp_config.fsdp_cpu_ram_efficient_loading"
 ACCELERATE_RAM_EFFICIENT_LOADING = "FSDP_CPU_RAM_EFFICIENT_LOADING"
@@ -34,6 +49,39 @@ def _ram_efficient_loading(inp: CheckInputs) -> bool:
     if inp.launch_env is not None and ACCELERATE_RAM_EFFICIENT_LOADING in inp.launch_env:
         return inp.launch_env[ACCELERATE_RAM_EFFICIENT_LOADING] == "true"
     return str(get_path(inp.accelerate, RAM_EFFICIENT_LOADING_KEY, True)).lower() == "true"
+
+
+def check_fp8_config(inp: CheckInputs) -> Iterator[Finding]:
+    """`fp8-key-unknown` (error / warning), `fp8-value-invalid`: a key under `fp8_config` that accelerate never reads
+    (`accelerate launch` exports it and nothing reads it: an error when it misspells one, e.g. `amax_history_length`,
+    which `accelerate config` itself writes), and, with `mixed_precision: fp8`, a value accelerate refuses when the
+    processes start (its FP8BackendType, its recipe kwargs: `backend: AOO`, `fp8_format: E5M2X`, `opt_level: O9`) or a
+    length below 1 (`amax_history_len`)."""
+    block = inp.accelerate.get(SECTION)
+    if not isinstance(block, dict):
+        return  # not a mapping: `accelerate-value-invalid`
+    known = known_fp8_names()
+    fp8 = inp.accelerate.get("mixed_precision") == "fp8"
+    for key, value in block.items():
+        name = fp8_launch_name(str(key))
+        where = {f"{inp.accelerate_file}:{SECTION}.{key}": value}
+        if name not in known:
+            if is_comment_key(key):
+                continue
+            # Suggest the YAML spelling: the launch name without the fp8_ accelerate adds (unless the key had it).
+            spelled = {option if str(key).startswith("fp8") else option.removeprefix("fp8_") for option in known}
+            yield Finding(ignored_key_severity(str(key), spelled), "fp8-key-unknown", inp.accelerate_file,
+                          f"{SECTION}.{key}",
+                          "Not an fp8 setting accelerate reads: `accelerate launch` exports it and nothing reads it "
+                          "(the recipe keeps its default).",
+                          rename_fix(str(key), spelled, f"`{SECTION}` key", inp.accelerate_file), where)
+            continue
+        problem = fp8_value_problem(name, value) if fp8 else None
+        if problem:
+            yield Finding(ERROR, "fp8-value-invalid", inp.accelerate_file, f"{SECTION}.{key}",
+                          f"`{SECTION}.{key}`={value!r} {problem}.",
+                          f"{in_file(inp.accelerate_file)}set `{SECTION}.{key}` to a value accelerate allows, or "
+                          "remove it for accelerate's default (`hf-scale generate` writes valid fp8 blocks).", where)
 
 
 def check_fp8_refused(inp: CheckInputs) -> Iterator[Finding]:

@@ -229,3 +229,141 @@ OFFLOAD_REPLACEMENT = ("DeepSpeedCPUAdam in Adam mode (L2 weight decay; the para
 
 
 ZERO_STAGES = (0, 1, 2, 3)
+
+
+# --- the accelerate YAML's fp8_config --------------------------------------------------------------------------
+
+
+def fp8_launch_name(key: str) -> str:
+    """The launch argument `accelerate launch` copies an ``fp8_config`` key onto: ``fp8_`` + the key unless it starts
+    with ``fp8`` already (commands/launch.py _validate_launch_command); setup_fp8_env (utils/launch.py) then exports
+    every ``fp8_*`` argument as ACCELERATE_FP8_*, for the Accelerator and its recipe kwargs to read."""
+    return key if key.startswith("fp8") else f"fp8_{key}"
+
+
+def _fp8_recipes() -> tuple[Any, ...]:
+    from accelerate.utils import AORecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+
+    return AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs
+
+
+@functools.cache
+def known_fp8_names() -> frozenset[str]:
+    """The launch names of ``fp8_config`` keys that have an effect: the options of accelerate launch's FP8 group, and
+    every ACCELERATE_FP8_* variable accelerate's recipe kwargs read (setup_fp8_env exports an ``fp8_*`` argument
+    whether or not it is an option, e.g. ``use_mxfp8_block_scaling``). Any other key is exported and never read:
+    `accelerate config`'s own ``amax_history_length`` is one (the recipe reads AMAX_HISTORY_LEN)."""
+    read = {f"fp8_{name.lower()}" for cls in _fp8_recipes()
+            for name in re.findall(r'env_prefix \+ "([A-Z0-9_]+)"', inspect.getsource(cls))}
+    return _launch_option_groups()["FP8 Arguments"] | read
+
+
+def _fp8_field(name: str) -> tuple[Any, Any] | None:
+    """(recipe kwargs class, field type) of the recipe field a launch name sets (``fp8_margin`` -> TERecipeKwargs'
+    ``margin``, ``fp8_format`` -> its ``fp8_format``), None for a name no field holds."""
+    import dataclasses
+
+    for cls in _fp8_recipes():
+        types = {field.name: field.type for field in dataclasses.fields(cls)}
+        for field_name in (name.removeprefix("fp8_"), name):
+            if field_name in types:
+                return cls, types[field_name]
+    return None
+
+
+def fp8_value_problem(name: str, value: Any) -> str | None:
+    """Why accelerate refuses ``value`` for the ``fp8_config`` key of launch name ``name`` once the processes start
+    (None when it takes it), as the end of a sentence. `accelerate launch` exports ``str(value)``; the Accelerator
+    reads the backend as its FP8BackendType, and each recipe value in the recipe kwargs' __post_init__: asked here by
+    constructing the enum and MSAMPRecipeKwargs themselves. AORecipeKwargs and TERecipeKwargs refuse to construct
+    without torchao / TransformerEngine installed, so their values are read as their fields declare them: a Literal's
+    values (which TERecipeKwargs compares after upper-/lower-casing), int() for an int, accelerate's str_to_bool (what
+    parse_flag_from_env applies) for a bool."""
+    from accelerate.utils import MSAMPRecipeKwargs
+    from accelerate.utils.dataclasses import FP8BackendType
+    from accelerate.utils.environment import str_to_bool
+
+    if value is None:
+        return None  # setup_fp8_env exports nothing for it: accelerate's default
+    text = str(value)
+    if name == "fp8_backend":
+        try:
+            FP8BackendType(text)
+        except ValueError:
+            allowed = ", ".join(member.value for member in FP8BackendType)
+            return f"is not one of accelerate's FP8BackendType values ({allowed}): the Accelerator raises at start"
+        return None
+    field = _fp8_field(name)
+    if field is None:
+        return None
+    cls, hint = field
+    raises = f"accelerate's {cls.__name__} raises at start"
+    if cls is MSAMPRecipeKwargs:
+        try:
+            MSAMPRecipeKwargs(**{name.removeprefix("fp8_"): text})
+        except ValueError as error:
+            return f"is refused: {raises} ({error})"
+        return None
+    args = [arg for arg in typing.get_args(hint) if arg is not type(None)] or [hint]
+    if typing.get_origin(hint) is typing.Literal:
+        allowed = typing.get_args(hint)
+        if text.lower() in {a.lower() for a in allowed}:
+            return None
+        return f"must be one of {', '.join(allowed)}: {raises}"
+    if typing.get_origin(hint) is tuple:
+        ok = isinstance(value, list | tuple) and len(value) == len(args) and all(isinstance(v, bool) for v in value)
+        return None if ok else f"must be a list of {len(args)} booleans (fprop, dgrad, wgrad)"
+    if args[0] is int:
+        try:
+            number = int(text)
+        except ValueError:
+            return f"must be an integer: {raises}"
+        minimum = FP8_MINIMUMS.get(name)
+        if minimum is not None and number < minimum:
+            return f"must be an integer >= {minimum}: {FP8_MINIMUM_WHY[name]}"
+        return None
+    if args[0] is bool:
+        try:
+            str_to_bool(text)
+        except ValueError:
+            return f"must be true or false: {raises}"
+    return None
+
+
+# Ranges accelerate passes on to the backend unchecked.
+FP8_MINIMUMS = {"fp8_amax_history_len": 1}
+FP8_MINIMUM_WHY = {"fp8_amax_history_len": "TransformerEngine's delayed scaling keeps the last amax_history_len "
+                                           "amaxes of each tensor and scales by them; a shorter history holds none"}
+
+
+# --- the accelerate YAML's parallelism_config ------------------------------------------------------------------
+
+
+def parallelism_value_problem(key: str, value: Any) -> str | None:
+    """Why accelerate refuses a non-size ``parallelism_config_*`` value (None when it takes it, or when no dataclass of
+    accelerate holds it), asked by constructing the dataclass that reads it with that value: ParallelismConfig
+    (cp_backend, sp_backend), TorchContextParallelConfig (cp_comm_strategy), DeepSpeedSequenceParallelConfig
+    (sp_attn_implementation). The Accelerator builds them from what `accelerate launch` exports
+    (prepare_extend_env_parallelism_config: the backends always, the cp / sp settings when that size is > 1)."""
+    import dataclasses
+
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, TorchContextParallelConfig
+
+    name = key.removeprefix("parallelism_config_")
+    if value is None or name not in PARALLELISM_STRING_SETTINGS:
+        return None  # accelerate's default; the sizes have their own check (`parallelism-value-invalid`)
+    for cls in (ParallelismConfig, TorchContextParallelConfig, DeepSpeedSequenceParallelConfig):
+        if name in {field.name for field in dataclasses.fields(cls)}:
+            # a fixed sp sequence length is another setting's question: this one is judged alone
+            extra = {"sp_seq_length_is_variable": True} if cls is DeepSpeedSequenceParallelConfig else {}
+            try:
+                cls(**{name: str(value)}, **extra)
+            except ValueError as error:
+                return f"is refused by accelerate's {cls.__name__}: {' '.join(str(error).split())}"
+    return None
+
+
+PARALLELISM_STRING_SETTINGS = ("cp_backend", "sp_backend", "cp_comm_strategy", "sp_attn_implementation")
+"""The ``parallelism_config`` settings `accelerate launch` exports as text and accelerate's dataclasses read as text
+(the sizes are checked as integers; sp_seq_length / sp_seq_length_is_variable are read by their own conversions)."""

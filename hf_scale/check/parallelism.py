@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from hf_scale import parallelism
 from hf_scale.check.findings import ERROR, WARNING, Finding, ignored_key_severity, in_file, is_int, rename_fix
 from hf_scale.check.inputs import CheckInputs, world_size_of
-from hf_scale.check.knowledge import known_section_keys
+from hf_scale.check.knowledge import known_section_keys, parallelism_value_problem
 
 SECTION = "parallelism_config"
 _STRATEGY = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed", "MULTI_GPU": "ddp", "NO": "single"}
@@ -23,7 +23,8 @@ def _size_keys() -> list[str]:
 def check_parallelism_block(inp: CheckInputs) -> Iterator[Finding]:
     """`parallelism-key-unknown` (error / warning), `parallelism-value-invalid`: a key under `parallelism_config`
     that `accelerate launch` has no option for (copied silently and ignored: an error when it misspells one), a
-    size that is not an integer >= 1."""
+    size that is not an integer >= 1, a backend or cp/sp setting accelerate's own dataclasses refuse
+    (`sp_backend: megatron`, `cp_comm_strategy: ring`)."""
     block = inp.accelerate.get(SECTION)
     if not isinstance(block, dict):
         return
@@ -44,6 +45,14 @@ def check_parallelism_block(inp: CheckInputs) -> Iterator[Finding]:
                 f"{in_file(inp.accelerate_file)}write `{SECTION}.{key}` as a whole number >= 1.",
                 {f"{inp.accelerate_file}:{SECTION}.{key}": value},
             )
+        elif problem := parallelism_value_problem(key, value):
+            yield Finding(
+                ERROR, "parallelism-value-invalid", inp.accelerate_file, f"{SECTION}.{key}",
+                f"`{SECTION}.{key}`={value!r} {problem} (when the processes start).",
+                f"{in_file(inp.accelerate_file)}set `{SECTION}.{key}` to a value accelerate allows, or remove it for "
+                "accelerate's default.",
+                {f"{inp.accelerate_file}:{SECTION}.{key}": value},
+            )
 
 
 def _layout(inp: CheckInputs) -> parallelism.Layout | None:
@@ -58,6 +67,7 @@ def _layout(inp: CheckInputs) -> parallelism.Layout | None:
 def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
     """`parallelism-size-mismatch`, `parallelism-unsupported` (error / warning): the sizes do not multiply to
     `num_processes` (accelerate raises once the processes started); TP/CP/SP with a strategy that cannot run them,
+    data-parallel sizes the strategy gives no meaning (dp_shard under MULTI_GPU, dp_replicate under DEEPSPEED),
     CP with SP, a TP group larger than a machine or not dividing its processes (an error, as in `hf-scale
     generate`: an accelerate YAML has no key that accepts TP across machines on purpose)."""
     layout = _layout(inp)

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from hf_scale import deepspeed_ops, hub, quiet, rules
+from hf_scale import deepspeed_ops, hub, parallelism, quiet, rules
 from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import final_checkpoint, ownership
 from hf_scale.train.checkpoint import store as checkpoint
@@ -189,6 +189,21 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], 
     return reconcile.filled(ns, reconcile.checkpointing_spelling(ns)), given, recipe_path
 
 
+def _refuse_launched_layout(request: distributed.LaunchRequest) -> None:
+    """The layout rules (parallelism.layout_problems, as for a config) applied to the sizes `accelerate launch`
+    exported from its YAML's parallelism_config, under the engine it launched: e.g. a MULTI_GPU (DDP) YAML with
+    dp_shard=4 shards nothing, a DEEPSPEED one with dp_replicate=2 describes replicas DeepSpeed never makes."""
+    if request.layout == parallelism.Layout():
+        return
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE") or request.world_size)
+    errors, _ = parallelism.layout_problems(request.layout, strategy=request.strategy,
+                                            fsdp_version=request.accelerate_fsdp_version,
+                                            processes_per_machine=per_machine,
+                                            where="the accelerate config's parallelism_config")
+    if errors:
+        raise UserError(errors[0])
+
+
 def _reconcile_with_launcher(parsed: argparse.Namespace, given: frozenset[str]) -> Launch:
     """What the launcher asks for; the flags it leaves open filled from its config (and --hf_scale_config), a
     conflict one line now (transformers would raise its traceback after the model loads). ``parsed`` stays as
@@ -209,6 +224,7 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, given: frozenset[str]) 
         raise UserError(f"the accelerate config's parallelism_config ({request.layout.describe()}) needs "
                         "--hf_scale_config: train.py builds the mesh from it (hf-scale generate writes both, and its "
                         "launch script passes it)")
+    launched = request  # the launcher's own sizes, judged after --hf_scale_config had its say on them
     if parsed.hf_scale_config:
         from_config = reconcile.apply_hf_scale_config(parsed.hf_scale_config, request,
                                                       reconcile.filled(parsed, fills), given)
@@ -217,6 +233,7 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, given: frozenset[str]) 
     elif request.deepspeed_config_file and not parsed.deepspeed:
         # accelerate launch with a DeepSpeed YAML: the Trainer's resolver fills the JSON's "auto" values.
         fills["deepspeed"] = request.deepspeed_config_file
+    _refuse_launched_layout(launched)
     ns = reconcile.filled(parsed, fills)
     overrides_warning = _deepspeed_overrides(ns.deepspeed, ns, given)
     # Precision, batch, clipping and optimizer values the launcher's config fixes: followed when no flag says

@@ -27,6 +27,7 @@ FP8_FSDP_RAM_LOADING_YAML = merged(FSDP_YAML, {"mixed_precision": "fp8", "fp8_co
 FP8_FSDP_UNWRITTEN_RAM_LOADING_YAML = merged(FP8_FSDP_RAM_LOADING_YAML,
                                              {"fsdp_config": {"fsdp_cpu_ram_efficient_loading": None}})
 MSAMP_YAML = merged(FP8_YAML, {"fp8_config": {"backend": "MSAMP"}})
+TE_YAML = merged(FP8_YAML, {"fp8_config": {"backend": "TE"}})
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
 TRIGGERS = {
@@ -40,6 +41,23 @@ TRIGGERS = {
                    [], None, [], "fp8-refused", "error"),
     "msamp-deepspeed": (merged(DS_YAML, {"mixed_precision": "fp8", "fp8_config": {"backend": "MSAMP"}}), DS_JSON,
                         [], None, [], "fp8-refused", "error"),
+    # accelerate's FP8BackendType, TERecipeKwargs and MSAMPRecipeKwargs raise on these at start.
+    "backend-not-accelerates": (merged(FP8_YAML, {"fp8_config": {"backend": "AOO"}}), None, [], None, [],
+                                "fp8-value-invalid", "error"),
+    "te-format-not-accelerates": (merged(TE_YAML, {"fp8_config": {"fp8_format": "E5M2X"}}), None, [], None, [],
+                                  "fp8-value-invalid", "error"),
+    "msamp-opt-level-not-accelerates": (merged(MSAMP_YAML, {"fp8_config": {"opt_level": "O9"}}), None, [], None, [],
+                                        "fp8-value-invalid", "error"),
+    "te-amax-history-negative": (merged(TE_YAML, {"fp8_config": {"amax_history_len": -5}}), None, [], None, [],
+                                 "fp8-value-invalid", "error"),
+    "te-amax-history-not-a-number": (merged(TE_YAML, {"fp8_config": {"amax_history_len": "long"}}), None, [], None,
+                                     [], "fp8-value-invalid", "error"),
+    # Keys accelerate launch exports and nothing reads: a stranger (warning), a misspelling (error), the one
+    # `accelerate config` itself writes.
+    "fp8-key-foreign": (merged(FP8_YAML, {"fp8_config": {"foo": 1}}), None, [], None, [], "fp8-key-unknown",
+                        "warning"),
+    "fp8-key-accelerate-configs-own-misspelling": (merged(TE_YAML, {"fp8_config": {"amax_history_length": 1024}}),
+                                                   None, [], None, [], "fp8-key-unknown", "error"),
 }
 
 
@@ -51,6 +69,34 @@ def test_each_check_reports_its_problem(case, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("case", sorted(TRIGGERS))
 def test_every_fix_names_the_file_and_key_that_hold_the_value(case, tmp_path, monkeypatch, capsys):
     assert_every_fix_names_where_the_value_is(TRIGGERS[case], tmp_path, monkeypatch, capsys)
+
+
+def test_a_misspelled_fp8_key_is_named_with_the_key_accelerate_reads(tmp_path, monkeypatch, capsys):
+    yaml_cfg = merged(TE_YAML, {"fp8_config": {"amax_history_length": 1024, "fp8_amax_compute_algorithm": "max"}})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, train=["--bf16", "--torch_compile"])
+    fixes = {f["key"]: f["fix"] for f in payload["findings"] if f["code"] == "fp8-key-unknown"}
+    assert "rename `amax_history_length` to `amax_history_len`" in fixes["fp8_config.amax_history_length"]
+    assert "to `fp8_amax_compute_algo`" in fixes["fp8_config.fp8_amax_compute_algorithm"]  # its fp8_ spelling kept
+
+
+def test_valid_fp8_settings_in_every_spelling_accelerate_reads_are_clean(tmp_path, monkeypatch, capsys):
+    """Values accelerate takes (TERecipeKwargs upper-cases the format, lower-cases the algorithm; YAML booleans;
+    keys with or without the fp8_ prefix; accelerate's NO backend, which auto-detects) are not findings."""
+    te = {"backend": "TE", "fp8_format": "hybrid", "amax_compute_algo": "MAX", "fp8_amax_history_len": 16,
+          "margin": 0, "interval": 1, "use_autocast_during_eval": False, "use_mxfp8_block_scaling": "false",
+          "override_linear_precision": [False, False, True]}
+    for block in (te, {"backend": "MSAMP", "opt_level": "O1"}, {"backend": "NO"},
+                  {"backend": "AO", "pad_inner_dim": True, "enable_fsdp_float8_all_gather": False}):
+        _, payload = check_json(tmp_path, monkeypatch, capsys, merged(FP8_YAML, {"fp8_config": None}) | {
+            "fp8_config": block}, train=["--bf16", "--torch_compile"])
+        assert not [c for c in codes(payload) if c in ("fp8-value-invalid", "fp8-key-unknown")], (block, payload)
+
+
+def test_an_fp8_block_without_fp8_training_is_not_judged_by_value(tmp_path, monkeypatch, capsys):
+    """accelerate exports fp8_config only with mixed_precision fp8: under bf16 a bad value changes nothing."""
+    yaml_cfg = merged(DDP_YAML, {"fp8_config": {"backend": "AOO"}})
+    code, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, train=["--bf16"])
+    assert code == 0 and "fp8-value-invalid" not in codes(payload)
 
 
 def _llama_dir(tmp_path, hidden: int, intermediate: int):

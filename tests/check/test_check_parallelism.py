@@ -39,11 +39,31 @@ TRIGGERS = {
     "size-not-an-integer": (
         merged(FSDP4, block(dp_shard=2, tp="2")), None, [], None, [], "parallelism-value-invalid", "error",
     ),
+    # accelerate's ParallelismConfig / TorchContextParallelConfig refuse these when the processes start.
+    "sp-backend-not-accelerates": (
+        merged(DS_YAML, {"num_processes": 4, "parallelism_config": {
+            "parallelism_config_dp_shard_size": 2, "parallelism_config_sp_size": 2,
+            "parallelism_config_sp_backend": "megatron"}}), DS_JSON, [], None, [], "parallelism-value-invalid", "error",
+    ),
+    "cp-comm-strategy-not-accelerates": (
+        merged(FSDP4, {"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_cp_size": 2,
+                                              "parallelism_config_cp_comm_strategy": "ring"}}),
+        None, [], None, [], "parallelism-value-invalid", "error",
+    ),
     "sizes-do-not-multiply-to-num-processes": (
         merged(FSDP4, block(dp_shard=4, tp=2)), None, [], None, [], "parallelism-size-mismatch", "error",
     ),
     "tp-with-zero": (
         merged(DS_YAML, block(dp_shard=1, tp=2)), DS_JSON, [], None, [], "parallelism-unsupported", "error",
+    ),
+    # A MULTI_GPU YAML sharding (train.py would run FSDP2 under tp), a DEEPSPEED one sizing replicas.
+    "dp-shard-with-ddp": (
+        merged(DDP_YAML, {"num_processes": 8, **block(dp_shard=4, tp=2)}), None, [], None, [],
+        "parallelism-unsupported", "error",
+    ),
+    "dp-replicate-with-zero": (
+        merged(DS_YAML, {"num_processes": 8, **block(dp_replicate=2, dp_shard=4)}), DS_JSON, [], None, [],
+        "parallelism-unsupported", "error",
     ),
     "cp-with-ddp": (
         merged(DDP_YAML, block(cp=2)), None, [], None, [], "parallelism-unsupported", "error",
