@@ -396,6 +396,9 @@ PLAN = [
     plan_case("write-config-directory", ["--write-config", "d"], "--write-config d: is a directory", {"d/x": "x"}),
     plan_case("write-config-fifo", ["--write-config", "p.yaml"], "--write-config p.yaml: exists and is not a regular",
               {"p.yaml": FIFO}),
+    plan_case("write-config-exists", ["--seq-len", "512", "--write-config", "p.yaml"],
+              "--write-config p.yaml exists with different content; pass --force to replace it",
+              {"p.yaml": "strategy: ddp  # edited\n"}),
 ]
 
 # --- plot --------------------------------------------------------------------------------------------------
