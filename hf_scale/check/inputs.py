@@ -188,12 +188,14 @@ def _parse_training_args(argv: list[str], cwd: Path, hf_scale_file: str | None =
         namespace.hf_scale_config, given = hf_scale_file, given | {"hf_scale_config"}  # as train.py would read it
     if not namespace.hf_scale_config:
         return _TrainingArgs(vars(namespace), given)
-    return _apply_hf_scale_config(namespace, given, cwd)
+    named = "training args: --hf_scale_config" if hf_scale_file is None else "check: hf_scale config"
+    return _apply_hf_scale_config(namespace, given, cwd, named)
 
 
-def _apply_hf_scale_config(namespace: Any, given: frozenset[str], cwd: Path) -> _TrainingArgs:
+def _apply_hf_scale_config(namespace: Any, given: frozenset[str], cwd: Path, named: str) -> _TrainingArgs:
     """``--hf_scale_config FILE`` fills the flags as train.py fills them (the same function,
-    hf_scale.train.setup.reconcile.fill_flags_from_config); the filled flags then count as typed, as in train.py."""
+    hf_scale.train.setup.reconcile.fill_flags_from_config); the filled flags then count as typed, as in train.py.
+    ``named``: how the file was given, the start of a one-line error about it (a FILE of check's, or the flag)."""
     from hf_scale.config import load_config
     from hf_scale.train.setup.reconcile import (
         FIXED_BY_HF_SCALE_CONFIG,
@@ -207,7 +209,7 @@ def _apply_hf_scale_config(namespace: Any, given: frozenset[str], cwd: Path) -> 
     try:
         config = load_config(path if path.is_absolute() else cwd / path)
     except UserError as error:
-        raise UserError(f"training args: --hf_scale_config {written}: {error}") from None
+        raise UserError(f"{named} {written}: {error}") from None
     from_config = fill_flags_from_config(config, namespace, given, f"--hf_scale_config={written}")
     namespace = filled(namespace, from_config.fills)
     fixed = {*FIXED_BY_HF_SCALE_CONFIG, checkpointing_flag(namespace)}

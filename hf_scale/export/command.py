@@ -83,8 +83,7 @@ def register(subparsers) -> None:
         help="LoRA checkpoints: adapter (default; adapter_model.safetensors + adapter_config.json) or merged "
         "(the adapter merged into the base weights: a plain model; a QLoRA run's 4-bit base is dequantized)",
     )
-    lora.add_argument("--merge", dest="lora", action="store_const", const="merged",
-                      help="the same as --lora merged")
+    lora.add_argument("--merge", action="store_true", help="the same as --lora merged")
     parser.add_argument(
         "--max-shard-size",
         default="5GB",
@@ -122,7 +121,8 @@ def run_export(args) -> int:
         Path(args.checkpoint_dir),
         Path(args.out_dir),
         dtype=args.dtype,
-        lora=args.lora,
+        lora="merged" if args.merge else args.lora,
+        lora_flag="--merge" if args.merge else None,
         max_shard_size=args.max_shard_size,
         verify=args.verify,
     )
@@ -139,19 +139,23 @@ def _log(message: str) -> None:
 
 
 def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: str | None = None,
-           max_shard_size: str = "5GB", verify: bool = True) -> Path:
+           lora_flag: str | None = None, max_shard_size: str = "5GB", verify: bool = True) -> Path:
     """Write the Hugging Face directory for `checkpoint_dir` to `out_dir` (atomically); returns out_dir. With
-    `verify`, only a checkpoint whose content verifies (`checkpoint.verify`, as a resume) is read."""
+    `verify`, only a checkpoint whose content verifies (`checkpoint.verify`, as a resume) is read. `lora_flag`: the
+    flag that asked for `lora` as the user typed it (`--merge`), for the errors; default `--lora LORA`."""
     from hf_scale.train.checkpoint.layout import ADAPTER_CONFIG
 
     _validate_shard_size(max_shard_size)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"OUT_DIR {out_dir}: exists and is not a directory; give a new or empty directory")
+    if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"OUT_DIR {out_dir}: already exists and is not empty; choose a new directory")
     found, verified = _checkpoint_of(checkpoint_dir, verify)
     checkpoint_dir = found.path
     is_lora = (checkpoint_dir / ADAPTER_CONFIG).is_file()
     if lora and not is_lora:
-        raise UserError(f"--lora {lora}: {checkpoint_dir} is not a LoRA checkpoint (no {ADAPTER_CONFIG})")
+        raise UserError(f"{lora_flag or f'--lora {lora}'}: {checkpoint_dir} is not a LoRA checkpoint (no "
+                        f"{ADAPTER_CONFIG}); its model exports as it is, without the flag")
     lora_mode = (lora or "adapter") if is_lora else None
 
     with _reading(checkpoint_dir):
