@@ -3,7 +3,7 @@
 It reports the GPUs (name, memory, compute capability, bf16/fp8), the torch/CUDA/NCCL versions, whether the
 DeepSpeed ops a config needs can load (prebuilt, or a JIT build: compiler, ninja, nvcc, a
 TORCH_CUDA_ARCH_LIST DeepSpeed can parse), which attention and fused kernels are usable, which of tensor, context
-and sequence parallelism and HSDP the installed versions (and GPUs) support, the NCCL/network
+and sequence parallelism and HSDP train.py runs on this node (versions, GPUs, launcher), the NCCL/network
 environment variables that matter, the free disk at the output directory and, with two or more GPUs, the
 all-reduce bus bandwidth against the GPU link's figure. With ``--config FILE`` (a DistributedConfig YAML, an
 accelerate YAML or a DeepSpeed JSON) it exits 1 when that config cannot run on this node and says why.
@@ -25,7 +25,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from hf_scale import parallelism, rules
+from hf_scale import rules
 from hf_scale.doctor.allreduce import (
     ALLREDUCE_BYTES,
     ALLREDUCE_ITERS,
@@ -35,6 +35,7 @@ from hf_scale.doctor.allreduce import (
     link_figure,
 )
 from hf_scale.doctor.config import DEFAULT_OPS, config_requirements, config_verdict
+from hf_scale.doctor.parallel_support import train_support
 from hf_scale.precision_rules import fp8_backends
 
 __all__ = ["ALLREDUCE_BYTES", "ALLREDUCE_ITERS", "DEFAULT_OPS", "LINK_GBPS", "allreduce_bandwidth", "allreduce_report",
@@ -169,7 +170,7 @@ def build_report(*, config: str | None, output_dir: str, allreduce: bool) -> dic
         "gpus": gpu_list,
         "build": build_tools(ops),
         "kernels": kernels(gpu_list),
-        "parallelism": parallelism.node_support(bool(gpu_list)),
+        "parallelism": train_support(bool(gpu_list)),
         "environment": network_env(),
         "disk": disk(output_dir),
         "allreduce": allreduce_report(gpu_list, enabled=allreduce),
