@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from hf_scale.errors import UserError
+from hf_scale.inputs import read_bytes
 
 
 def current_umask() -> int:
@@ -112,6 +113,16 @@ def check_output_file(path: Path, flag: str) -> None:
             if not parent.is_dir():
                 raise UserError(f"{flag} {path}: {parent} is not a directory")
             break
+
+
+def refuse_replacing(path: Path, text: str, *, flag: str, force: bool) -> None:
+    """Refuse to replace an existing file whose content differs from ``text`` unless ``force``: a hand-edited file
+    is never lost silently (an identical one is simply rewritten). Never blocks on a FIFO."""
+    if force or not (path.exists() or path.is_symlink()):
+        return
+    if read_bytes(path, flag) != text.encode("utf-8"):
+        raise UserError(f"{flag} {path} exists with different content; pass --force to replace it, or choose another "
+                        "file name")
 
 
 def save_figure_atomically(fig, path: Path, **savefig_kwargs) -> None:

@@ -17,10 +17,18 @@ import yaml
 from hf_scale import rules
 from hf_scale.config_types import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
 from hf_scale.errors import UserError
-from hf_scale.files import check_output_file, write_text_atomically
+from hf_scale.files import check_output_file, refuse_replacing, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
-from hf_scale.planner.rank import DEFAULT_SAFETY_MARGIN, Plan, make_plan, planned_config_data, with_qlora_fallback
-from hf_scale.planner.report import format_plan_table, plan_dict, write_plot
+from hf_scale.planner.parallel import SIZES
+from hf_scale.planner.rank import (
+    DEFAULT_SAFETY_MARGIN,
+    Plan,
+    make_plan,
+    planned_config_data,
+    train_argv,
+    with_qlora_fallback,
+)
+from hf_scale.planner.report import format_plan_table, plan_dict, plan_warnings, write_plot
 
 _UNITS = {
     "B": 1,
@@ -187,7 +195,10 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
     )
     budget = {"gpu_memory": gpu_memory, "cpu_memory": cpu_memory,
               "activation_checkpointing": args.activation_checkpointing, "safety_margin": args.safety_margin}
-    return with_qlora_fallback(make_plan(workload, **budget), **budget)
+    plan = with_qlora_fallback(make_plan(workload, **budget), **budget)
+    for warning in plan_warnings(plan):  # here, so that generate --strategy auto warns too
+        print(f"hf-scale: warning: {warning}", file=sys.stderr)
+    return plan
 
 
 def planned_config_yaml(plan: Plan) -> str:
@@ -195,7 +206,10 @@ def planned_config_yaml(plan: Plan) -> str:
     if plan.recommended is None:
         raise UserError("no candidate fits, so there is no config to write: " + _refusal(plan))
     data = planned_config_data(plan, plan.recommended)
-    header = f"# hf-scale plan: {plan.recommended.candidate.label} for {plan.workload.shapes.name}\n"
+    w = plan.workload
+    header = (f"# hf-scale plan: {plan.recommended.candidate.label} for {w.shapes.name} at --seq-len {w.seq_len}\n"
+              "# The config has no field for the sequence length (nor LoRA): pass train.py these flags, or it trains\n"
+              f"# at its own default length: {' '.join(train_argv(plan))}\n")
     return header + yaml.safe_dump(data, sort_keys=False)
 
 
@@ -208,8 +222,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan",
         description="Count the model's parameters exactly (meta device), estimate per-GPU memory of DDP, "
-        "ZeRO-1/2/3 (with offload) and FSDP2 with and without activation checkpointing, and recommend the "
-        "fastest candidate that fits.",
+        "ZeRO-1/2/3 (with offload), FSDP2 (full shard; hybrid shard on several machines), FSDP2 x TP and FSDP2 x CP "
+        f"(sizes {', '.join(map(str, SIZES))}; TP inside one machine and splitting whole heads; both with and "
+        "without CPU offload) and, on several machines, HSDP x TP, each with and without activation checkpointing, "
+        "and recommend the fastest candidate that fits.",
         epilog=PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -222,6 +238,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     output.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     output.add_argument("--plot", metavar="PLAN.png", help="write a stacked-bar chart of every candidate")
     output.add_argument("--write-config", metavar="PLAN.yaml", help="write the recommended DistributedConfig")
+    output.add_argument("--force", action="store_true",
+                        help="replace an existing --write-config file whose content differs")
     parser.set_defaults(func=run_plan)
 
 
@@ -232,6 +250,8 @@ def run_plan(args: argparse.Namespace) -> int:
     plan = plan_from_args(args, args.model)
     # Everything that can fail is computed before any file is written.
     config_text = planned_config_yaml(plan) if args.write_config and plan.recommended is not None else None
+    if config_text is not None:
+        refuse_replacing(Path(args.write_config), config_text, flag="--write-config", force=args.force)
     if args.plot:
         write_plot(plan, Path(args.plot))
     if config_text is not None:

@@ -15,6 +15,8 @@ What is filtered, and why it is noise:
   logged for torchao's enums on import: a deprecation inside torchao, nothing a user can act on.
 - transformers' ``is_gradient_checkpointing is deprecated``, raised by peft's own `PeftModel.__init__` (peft
   0.21 reads the renamed property of transformers 5): a deprecation inside peft, nothing a user can act on.
+- transformers' ``The modules are dequantized in torch.float32 and casted to torch.float32.``, logged when
+  `hf-scale export --merge` dequantizes a QLoRA base as it asked to (its own line says what it reads).
 - torch's DataLoader ``'pin_memory' argument is set as true but no accelerator is found`` (the Trainer's
   default ``--dataloader_pin_memory`` on a CPU-only machine: pinning is simply skipped).
 - On every process but the first of a multi-process run (``RANK`` > 0), the libraries follow their own
@@ -33,6 +35,7 @@ out of it without losing anything a run needs:
   only when stderr is a terminal (`progress_bars_on_a_terminal_only`, unless ``--verbose``). In a log file (a
   cluster job's, CI's, a pipe) tqdm's carriage-return redraws are not progress anyone reads, and they would
   stand before the refusal of a later step; hf_scale's own ``hf_scale:`` lines say what each stage did.
+  `hf-scale export` does the same for transformers' bars and its own (`transformers_progress_bars_on_a_terminal`).
 
 ``--verbose`` (train.py and every `hf-scale` command) or ``HF_SCALE_VERBOSE=1`` keeps everything. Environment
 variables the user set explicitly are never overridden.
@@ -60,6 +63,7 @@ TORCHAO_LOGGER, TORCHAO_NO_KERNEL = "torchao", "Failed to load "
 BNB_CPU_LOGGER, BNB_NO_KERNELS = "bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"
 PYTREE_LOGGER, PYTREE_ENUM = "torch.utils._pytree", "%s is an Enum subclass"
 PEFT_CHECKPOINTING_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
+BNB_DEQUANTIZE_LOGGER, BNB_DEQUANTIZED = "transformers.integrations.bitsandbytes", "The modules are dequantized in "
 PIN_MEMORY_ON_CPU = r"'pin_memory' argument is set as true but no accelerator is found"
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
 """Device nodes of the NVIDIA and AMD (ROCm) kernel drivers: present on any machine with a usable GPU."""
@@ -125,6 +129,8 @@ def quiet_command() -> None:
     """For `hf-scale` commands: they never need a GPU, so DeepSpeed's "no GPU" notice is never news."""
     _add_filter(DEEPSPEED_LOGGER, prefixes=(DEEPSPEED_NO_GPU,))
     _add_filter(PYTREE_LOGGER, prefixes=(PYTREE_ENUM,))
+    _add_filter(BNB_DEQUANTIZE_LOGGER, prefixes=(BNB_DEQUANTIZED,))
+    warnings.filterwarnings("ignore", message=PEFT_CHECKPOINTING_DEPRECATION, category=FutureWarning)
     _quiet_kernels()
 
 
@@ -175,6 +181,28 @@ def held(*logger_names: str) -> Iterator[None]:
             logging.getLogger(record.name).handle(record)
 
 
+def draw_progress_bars(verbose: bool) -> bool:
+    """Whether a command draws progress bars: on a terminal, or with ``--verbose`` (see the module docstring)."""
+    return verbose or sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def transformers_progress_bars_on_a_terminal(verbose: bool) -> Iterator[None]:
+    """transformers' progress bars (``Loading weights``, ``Writing model shards``) off while the block runs, unless
+    :func:`draw_progress_bars` or the user chose with HF_HUB_DISABLE_PROGRESS_BARS; then as they were (a command also
+    runs in-process: tests, notebooks)."""
+    from transformers.utils import logging as transformers_logging
+
+    if draw_progress_bars(verbose) or "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ:
+        yield
+        return
+    was = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            transformers_logging.enable_progress_bar()
 
 
 def progress_bars_on_a_terminal_only() -> None:

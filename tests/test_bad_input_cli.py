@@ -357,9 +357,17 @@ CHECK = [
          "DeepSpeed config, an hf_scale config or a cluster manifest"),
     Case("check-file-directory", ["check", "d"], "check: d: is a directory", {"d/x": "x"}),
     Case("check-file-fifo", ["check", "p.yaml"], "check: p.yaml: is a FIFO", {"p.yaml": FIFO}),
-    Case("check-file-of-no-kind", ["check", "recipe.yaml"], "check: recipe.yaml is not a file check reads: give an "
+    Case("check-file-of-no-kind", ["check", "notes.yaml"], "check: notes.yaml is not a file check reads: give an "
          "accelerate config (YAML with distributed_type or compute_environment), a DeepSpeed config",
-         {"recipe.yaml": "model_name_or_path: gpt2\nlearning_rate: 1e-5\n"}),
+         {"notes.yaml": "model: gpt2\nsteps: 10\n"}),
+    # A train.py recipe is no config: said so, with how check reads it (bf16 and gradient_accumulation_steps are
+    # DeepSpeed keys too: it was "DeepSpeed config ...: not valid JSON").
+    Case("check-file-recipe", ["check", "recipe.yaml"], "check: recipe.yaml is a train.py recipe (every key is a "
+         "train.py flag", {"recipe.yaml": "model_name_or_path: gpt2\nlearning_rate: 1e-5\n"}),
+    Case("check-file-generated-recipe", ["check", "r.yaml"], "not a config: check it as train.py reads it, among the "
+         "training args after the configs: hf-scale check CONFIG... -- r.yaml",
+         {"r.yaml": "# Written by hf-scale generate --recipe\nbf16: true\ngradient_accumulation_steps: 4\n"
+                    "per_device_train_batch_size: 2\nmax_seq_length: null\n"}),
     Case("check-file-list", ["check", "l.json"], "check: l.json is not a file check reads", {"l.json": "[1, 2]"}),
     Case("check-file-json-syntax", ["check", "ds.json"], "ds.json: not valid JSON at line 1",
          {"ds.json": '{"train_batch_size": 8,}'}),
@@ -370,7 +378,8 @@ CHECK = [
          {"a.yaml": yaml_text(DDP_YAML), "b.yaml": yaml_text(DDP_YAML)}),
     Case("check-hf-scale-config-twice", ["check", "c.yaml", "--", "--hf_scale_config", "c.yaml"],
          "check: c.yaml and --hf_scale_config in the training args", {"c.yaml": "strategy: ddp\n"}),
-    Case("check-hf-scale-config-invalid", ["check", "c.yaml"], "topology.processes_per_machine=0 is invalid",
+    Case("check-hf-scale-config-invalid", ["check", "c.yaml"],
+         "check: hf_scale config c.yaml: topology.processes_per_machine=0 is invalid",
          {"c.yaml": "strategy: ddp\ntopology: {processes_per_machine: 0}\n"}),
     Case("passthrough-to-a-command-without-it", ["presets", "--", "x"], "unrecognized arguments: -- x"),
 ]
@@ -444,6 +453,9 @@ PLAN = [
     plan_case("write-config-directory", ["--write-config", "d"], "--write-config d: is a directory", {"d/x": "x"}),
     plan_case("write-config-fifo", ["--write-config", "p.yaml"], "--write-config p.yaml: exists and is not a regular",
               {"p.yaml": FIFO}),
+    plan_case("write-config-exists", ["--seq-len", "512", "--write-config", "p.yaml"],
+              "--write-config p.yaml exists with different content; pass --force to replace it",
+              {"p.yaml": "strategy: ddp  # edited\n"}),
 ]
 
 # --- plot --------------------------------------------------------------------------------------------------
@@ -529,8 +541,11 @@ EXPORT = [
     export_case("no-weights", {"ck/config.json": model_config(), "ck": CHECKPOINT, "ck/model.safetensors": None},
                 "no model weights found"),
     export_case("out-not-empty", {"ck": CHECKPOINT, "out/x": "x"}, "OUT_DIR out: already exists and is not empty"),
-    export_case("out-is-file", {"ck": CHECKPOINT, "out": "x"}, "OUT_DIR out: already exists"),
+    export_case("out-is-file", {"ck": CHECKPOINT, "out": "x"}, "OUT_DIR out: exists and is not a directory"),
+    Case("export-out-dev-null", ["export", "ck", "/dev/null"], "OUT_DIR /dev/null: exists and is not a directory",
+         {"ck": CHECKPOINT}),
     export_case("lora-on-full", {"ck": CHECKPOINT}, "--lora merged: ck is not a LoRA checkpoint", ["--lora", "merged"]),
+    export_case("merge-on-full", {"ck": CHECKPOINT}, "error: --merge: ck is not a LoRA checkpoint", ["--merge"]),
     export_case("shard-size-word", {"ck": CHECKPOINT}, "--max-shard-size 'big'", ["--max-shard-size", "big"]),
     export_case("shard-size-zero", {"ck": CHECKPOINT}, "--max-shard-size '0'", ["--max-shard-size", "0"]),
     export_case("shard-size-negative", {"ck": CHECKPOINT}, "--max-shard-size '-5GB'", ["--max-shard-size=-5GB"]),

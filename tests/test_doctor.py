@@ -213,3 +213,54 @@ def test_allreduce_measurement_runs_in_two_processes_over_gloo():
     result = doctor.allreduce_bandwidth(2, backend="gloo", size_bytes=2**20, iters=2)
     assert result["correct"] and result["processes"] == 2
     assert result["busbw_gbps"] > 0 and result["seconds_per_allreduce"] > 0
+
+
+# --- what train.py does with HSDP on this node (hf_scale.doctor.parallel_support) ------------------------------
+
+
+def test_hsdp_support_is_what_train_py_does_on_the_node_not_what_the_versions_allow():
+    """HSDP without TP was "yes" on CPU from the versions alone; train.py refuses it there under every launcher:
+    accelerate launch's runtime guard (asked with the request a generated hybrid_shard YAML makes) and its own FSDP2
+    setup under torchrun/python (no 2-D mesh). With a GPU the guard lets accelerate launch run it."""
+    from hf_scale.doctor.parallel_support import accelerate_refusal, hsdp_support, train_support
+
+    cpu = hsdp_support(gpu_present=False)
+    assert cpu["usable"] is False
+    assert cpu["why"].startswith("train.py refuses HSDP without TP on this node under every launcher: under "
+                                 "accelerate launch (FSDP was requested by the accelerate config")
+    assert "FSDP through accelerate needs GPUs" in cpu["why"] and "no 2-D mesh" in cpu["why"]
+    assert "HSDP x TP" in cpu["why"] and "run on GPUs, or ask for FSDP with --hf_scale_config" not in cpu["why"]
+    assert accelerate_refusal(gpu_present=True) is None
+    gpu = hsdp_support(gpu_present=True)
+    assert gpu["usable"] is True and "under accelerate launch (launch/NAME.accelerate.sh" in gpu["why"]
+    assert "under torchrun or python only with tp > 1" in gpu["why"]
+    assert train_support(gpu_present=False)["hsdp"] == cpu
+    if not doctor.gpus():
+        report = doctor.build_report(config=None, output_dir=".", allreduce=False)
+        assert report["parallelism"]["hsdp"] == cpu
+        assert f"hsdp: no ({cpu['why']})" in doctor.format_text(report)
+
+
+@pytest.mark.multiprocess
+def test_train_py_refuses_hsdp_here_under_both_launchers_as_doctor_says(tmp_path):
+    """What doctor reports on this CPU node, from the real runs: a generated hybrid_shard config (2 x 2) under torchrun
+    and under accelerate launch with its YAML, 4 processes each, both refused in one line before training."""
+    from train_helpers import TRAIN_PY, free_port, generate_config, run, torchrun, training_traceback_frames
+
+    from hf_scale.doctor.parallel_support import hsdp_support
+
+    if doctor.gpus():
+        pytest.skip("a GPU node runs HSDP under accelerate launch")
+    generate_config(tmp_path, "hsdp", preset="fsdp2_hybrid_multinode",
+                    sets=["topology.processes_per_machine=2", "topology.main_process_ip=127.0.0.1"])
+    flags = ["--hf_scale_config", str(tmp_path / "hf_scale_configs" / "hsdp.yaml"), "--max_steps", "1"]
+    by_torchrun = run(torchrun(TRAIN_PY, *flags, "--loop", "accelerate", "--output_dir", tmp_path / "a", nproc=4))
+    by_accelerate = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                         str(tmp_path / "accelerate_configs" / "hsdp.yaml"), "--num_machines", "1", "--num_processes",
+                         "4", "--machine_rank", "0", "--main_process_port", str(free_port()), TRAIN_PY, *flags,
+                         "--output_dir", str(tmp_path / "b")])
+    why = hsdp_support(gpu_present=False)["why"]
+    for result, reason in ((by_torchrun, "has no 2-D mesh"), (by_accelerate, "FSDP through accelerate needs GPUs")):
+        assert result.returncode != 0 and not training_traceback_frames(result.stderr), result.stderr[-3000:]
+        assert "train.py: error:" in result.stderr and reason in result.stderr, result.stderr[-3000:]
+        assert reason in why

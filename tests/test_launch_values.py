@@ -38,7 +38,7 @@ def test_a_bf16_preset_without_flags_runs_in_bf16():
 def test_deepspeeds_older_bfloat16_block_counts_as_bf16():
     """DeepSpeed still reads `"bfloat16": {"enabled": true}` (its BFLOAT16_OLD): followed as bf16, by doctor too
     (hf_scale.rules.DEEPSPEED_PRECISION_BLOCKS)."""
-    from hf_scale.doctor import _deepspeed_precision
+    from hf_scale.doctor.config import _deepspeed_precision
 
     ds = {"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 2}}
     result = run(ds)

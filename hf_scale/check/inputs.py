@@ -173,6 +173,7 @@ def _parse_training_args(argv: list[str], cwd: Path, hf_scale_file: str | None =
         namespace.hf_scale_config, given = hf_scale_file, given | {"hf_scale_config"}  # as train.py would read it
     if not namespace.hf_scale_config:
         return _TrainingArgs(vars(namespace), given)
+    named = "training args: --hf_scale_config" if hf_scale_file is None else "check: hf_scale config"
     written = namespace.hf_scale_config
     path = Path(written).expanduser()
     from hf_scale.config import load_config
@@ -180,7 +181,7 @@ def _parse_training_args(argv: list[str], cwd: Path, hf_scale_file: str | None =
     try:
         config = load_config(path if path.is_absolute() else cwd / path)
     except UserError as error:
-        raise UserError(f"training args: --hf_scale_config {written}: {error}") from None
+        raise UserError(f"{named} {written}: {error}") from None
     # --hf_scale_config fills the flags as train.py fills them; the filled flags then count as typed, as in train.py.
     checked = against_config(TrainFlags(namespace, given), config, f"--hf_scale_config={written}")
     return _TrainingArgs(checked.values, checked.given, written, checked.contradictions, config)

@@ -6,6 +6,10 @@
 - a DeepSpeed config: a mapping with a top-level key DeepSpeed's own parser reads (asked from DeepSpeedConfig);
 - an hf_scale config: a mapping whose keys are all DistributedConfig fields, one of them not a DeepSpeed key;
 - a job manifest (`--manifest`): a TrainJob, PyTorchJob or SkyPilot task (hf_scale.check.cluster.manifest_kind).
+
+A train.py recipe (a mapping whose keys are all train.py flags, as `hf-scale generate --recipe` writes) is none of
+these, though `bf16` and `gradient_accumulation_steps` are DeepSpeed keys too: it is told apart, and refused in one
+line that says how check reads it (as training args, after `--`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, load_yaml, read_text
 
 ACCELERATE, DEEPSPEED, HF_SCALE, MANIFEST = "accelerate config", "DeepSpeed config", "hf_scale config", "job manifest"
+RECIPE = "train.py recipe"
+"""Recognized only to be refused with the way to check it (training args)."""
 ACCELERATE_MARKS = ("distributed_type", "compute_environment")
 
 WHAT_EACH_LOOKS_LIKE = (
@@ -46,6 +52,27 @@ def deepspeed_top_level_keys() -> frozenset[str]:
     return frozenset(key for key in tracked.read if isinstance(key, str))
 
 
+@functools.cache
+def train_flag_names() -> frozenset[str]:
+    """The keys a train.py recipe may hold: every flag's name (argparse's dest) in train.py's parser, read from the
+    snapshot its --help is rendered from (hf_scale.train.setup.help_snapshot, kept equal to the live parser by its
+    test; building the live parser would load transformers), and the recipe's `env:` mapping."""
+    import json
+
+    from hf_scale.train.setup.help_snapshot import HELP_FLAGS, SNAPSHOT
+    from hf_scale.train.setup.recipe import CONFIG_FLAG, ENV_KEY
+
+    actions = json.loads(SNAPSHOT.read_text())["actions"]
+    names = {a["dest"] for a in actions if isinstance(a, dict) and not set(a["option_strings"]) & set(HELP_FLAGS)}
+    return frozenset(names - {CONFIG_FLAG.lstrip("-")} | {ENV_KEY})
+
+
+def _is_recipe(keys: set[str]) -> bool:
+    """All keys train.py flags, one of them no DeepSpeed key (a DeepSpeed JSON of only `bf16` and
+    `gradient_accumulation_steps` stays DeepSpeed's)."""
+    return keys <= train_flag_names() and bool(keys - deepspeed_top_level_keys())
+
+
 def _hf_scale_fields() -> frozenset[str]:
     from hf_scale.config import DistributedConfig
 
@@ -63,7 +90,7 @@ def _is_manifest(data: dict) -> bool:
 
 
 def kind_of(data: Any) -> str | None:
-    """The kind of a parsed file, or None when it is none of the three."""
+    """The kind of a parsed file, or None when it is none of them."""
     if not isinstance(data, dict) or not data:
         return None
     keys = {key for key in data if isinstance(key, str)}
@@ -75,6 +102,8 @@ def kind_of(data: Any) -> str | None:
     # Both read `optimizer` and `gradient_clipping`: a key only hf_scale has (strategy, topology, ...) decides.
     if keys <= _hf_scale_fields() and keys - deepspeed:
         return HF_SCALE
+    if _is_recipe(keys):
+        return RECIPE
     if keys & deepspeed:
         return DEEPSPEED
     return None
@@ -89,6 +118,10 @@ def file_kind(path: str) -> str:
     kind = kind_of(parse(text, f"check: {path}"))
     if kind is None:
         raise UserError(f"check: {path} is not a file check reads: give {WHAT_EACH_LOOKS_LIKE}")
+    if kind == RECIPE:
+        raise UserError(f"check: {path} is a {RECIPE} (every key is a train.py flag; hf-scale generate --recipe writes "
+                        "one), not a config: check it as train.py reads it, among the training args after the "
+                        f"configs: hf-scale check CONFIG... -- {path}")
     return kind
 
 

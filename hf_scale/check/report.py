@@ -14,6 +14,7 @@ from typing import Any
 
 from hf_scale.check.checks import CHECKS, Check, run_checks
 from hf_scale.check.findings import ERROR, TRAINING_ARGS, Finding
+from hf_scale.check.generated import regenerated_fixes
 from hf_scale.check.inputs import RUNNERS, CheckInputs, load_inputs
 from hf_scale.check.kinds import WHAT_EACH_LOOKS_LIKE, sort_files
 from hf_scale.errors import UserError
@@ -140,7 +141,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         nargs="*",
         metavar="FILE",
         help="the files to check, each recognized by its content: an accelerate config YAML, a DeepSpeed config JSON "
-        "and/or an hf_scale config (read as train.py's --hf_scale_config); at most one of each",
+        "and/or an hf_scale config (read as train.py's --hf_scale_config); at most one of each. A train.py recipe "
+        "is training args: give it after --",
     )
     parser.add_argument("--accelerate-config", metavar="A.yaml", help="accelerate config file (or give it as FILE)")
     parser.add_argument(
@@ -228,7 +230,8 @@ def run_check(args: argparse.Namespace) -> int:
         hf_scale_file=files.hf_scale,
     )
     manifests = [*args.manifest, *files.manifests]
-    findings = run_checks(inputs) + _manifest_findings(manifests, args.checkpoint, inputs, files.accelerate)
+    findings = regenerated_fixes(run_checks(inputs) + _manifest_findings(manifests, args.checkpoint, inputs,
+                                                                         files.accelerate))
     summary = summarize(inputs, findings)
     summary["checked"] += manifests
     if args.json:

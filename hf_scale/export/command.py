@@ -83,8 +83,7 @@ def register(subparsers) -> None:
         help="LoRA checkpoints: adapter (default; adapter_model.safetensors + adapter_config.json) or merged "
         "(the adapter merged into the base weights: a plain model; a QLoRA run's 4-bit base is dequantized)",
     )
-    lora.add_argument("--merge", dest="lora", action="store_const", const="merged",
-                      help="the same as --lora merged")
+    lora.add_argument("--merge", action="store_true", help="the same as --lora merged")
     parser.add_argument(
         "--max-shard-size",
         default="5GB",
@@ -110,7 +109,7 @@ def register(subparsers) -> None:
 
 
 def run_export(args) -> int:
-    from hf_scale import hub
+    from hf_scale import hub, quiet
 
     target = None
     if args.push_to_hub is not None:
@@ -118,14 +117,18 @@ def run_export(args) -> int:
         hub.check_target(target, "--push-to-hub")
     elif args.private:
         raise UserError("--private: only used with --push-to-hub REPO_ID")
-    out_dir = export(
-        Path(args.checkpoint_dir),
-        Path(args.out_dir),
-        dtype=args.dtype,
-        lora=args.lora,
-        max_shard_size=args.max_shard_size,
-        verify=args.verify,
-    )
+    verbose = args.verbose or quiet.verbose_requested()
+    with quiet.transformers_progress_bars_on_a_terminal(verbose):
+        out_dir = export(
+            Path(args.checkpoint_dir),
+            Path(args.out_dir),
+            dtype=args.dtype,
+            lora="merged" if args.merge else args.lora,
+            lora_flag="--merge" if args.merge else None,
+            max_shard_size=args.max_shard_size,
+            verify=args.verify,
+            progress=quiet.draw_progress_bars(verbose),
+        )
     if target is not None:
         from hf_scale.train.checkpoint.layout import TRAINING_STATE_GLOBS
 
@@ -139,19 +142,25 @@ def _log(message: str) -> None:
 
 
 def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: str | None = None,
-           max_shard_size: str = "5GB", verify: bool = True) -> Path:
+           lora_flag: str | None = None, max_shard_size: str = "5GB", verify: bool = True,
+           progress: bool = True) -> Path:
     """Write the Hugging Face directory for `checkpoint_dir` to `out_dir` (atomically); returns out_dir. With
-    `verify`, only a checkpoint whose content verifies (`checkpoint.verify`, as a resume) is read."""
+    `verify`, only a checkpoint whose content verifies (`checkpoint.verify`, as a resume) is read. `lora_flag`: the
+    flag that asked for `lora` as the user typed it (`--merge`), for the errors; default `--lora LORA`. `progress`:
+    draw the bar of the tensors read (the command: on a terminal or with --verbose, hf_scale.quiet)."""
     from hf_scale.train.checkpoint.layout import ADAPTER_CONFIG
 
     _validate_shard_size(max_shard_size)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"OUT_DIR {out_dir}: exists and is not a directory; give a new or empty directory")
+    if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"OUT_DIR {out_dir}: already exists and is not empty; choose a new directory")
     found, verified = _checkpoint_of(checkpoint_dir, verify)
     checkpoint_dir = found.path
     is_lora = (checkpoint_dir / ADAPTER_CONFIG).is_file()
     if lora and not is_lora:
-        raise UserError(f"--lora {lora}: {checkpoint_dir} is not a LoRA checkpoint (no {ADAPTER_CONFIG})")
+        raise UserError(f"{lora_flag or f'--lora {lora}'}: {checkpoint_dir} is not a LoRA checkpoint (no "
+                        f"{ADAPTER_CONFIG}); its model exports as it is, without the flag")
     lora_mode = (lora or "adapter") if is_lora else None
 
     with _reading(checkpoint_dir):
@@ -180,7 +189,7 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
             wanted = [n for n in source.names if "lora_" in n] if only_adapter else source.names
             # QLoRA: the adapter in fp32, merged into the fp32 dequantized base, and only then cast.
             _fill(model, source, wanted, qlora_export.merge_dtype() if qlora else torch_dtype,
-                  only_adapter=only_adapter)
+                  only_adapter=only_adapter, progress=progress)
             tokenizer = _load_tokenizer(checkpoint_dir)
         if lora_mode == "merged":
             _log("merging the LoRA adapter into the base weights")
@@ -371,7 +380,7 @@ def _batches(names: list[str], size: int = 16) -> Iterator[list[str]]:
         yield names[start : start + size]
 
 
-def _fill(model, source: Source, names: list[str], torch_dtype, *, only_adapter: bool) -> None:
+def _fill(model, source: Source, names: list[str], torch_dtype, *, only_adapter: bool, progress: bool) -> None:
     """Put every tensor in place (cast to the output dtype), then check nothing is missing."""
     from accelerate.utils import set_module_tensor_to_device
     from tqdm import tqdm
@@ -383,7 +392,7 @@ def _fill(model, source: Source, names: list[str], torch_dtype, *, only_adapter:
             f"checkpoint tensor {unknown[0]} (and {len(unknown) - 1} more) does not exist in the model built from "
             "the checkpoint's config.json; the checkpoint and its config do not belong together"
         )
-    with tqdm(total=len(names), desc="loading tensors", unit="tensor", file=sys.stderr) as progress:
+    with tqdm(total=len(names), desc="loading tensors", unit="tensor", file=sys.stderr, disable=not progress) as bar:
         for group in _batches(names):
             for name, tensor in source.read(group).items():
                 if tensor.shape != targets[name].shape:  # an empty ZeRO-3 adapter tensor, a foreign checkpoint
@@ -391,7 +400,7 @@ def _fill(model, source: Source, names: list[str], torch_dtype, *, only_adapter:
                                     f"from the checkpoint's config.json {tuple(targets[name].shape)}")
                 cast = torch_dtype if tensor.is_floating_point() else None
                 set_module_tensor_to_device(model, name, "cpu", value=tensor, dtype=cast)
-                progress.update(1)
+                bar.update(1)
     # Weights shared with another (tied embeddings) are saved once; tie them again.
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta and not (only_adapter and "lora_" not in n)]

@@ -69,8 +69,8 @@ def render_files(
     archive), for everything ``hf-scale generate`` writes.
 
     ``header`` (plain text, one or more lines) is written as a comment at the top of the YAMLs and the scripts.
-    ``recipe``: also a starter train.py recipe, ``recipes/NAME.yaml``, with ``train_flags`` (the plan's LoRA/QLoRA
-    choice) in it. ``targets``: cluster targets (TARGETS).
+    ``recipe``: also a starter train.py recipe, ``recipes/NAME.yaml``, with ``train_flags`` (the plan's sequence
+    length and LoRA/QLoRA choice) in it. ``targets``: cluster targets (TARGETS).
     """
     files: dict[str, str | bytes] = {}
     ds_file = None

@@ -24,7 +24,7 @@ def _scalar(value: Any) -> str:
 
 
 def starter_recipe(cfg: DistributedConfig, name: str, *, header: str, train_flags: dict | None = None) -> str:
-    """``train_flags``: what a plan decided beyond the config (`lora_r`, `load_in_4bit`)."""
+    """``train_flags``: what a plan decided beyond the config (`max_seq_length`, `lora_r`, `load_in_4bit`)."""
     opt, planned = cfg.optimizer, train_flags or {}
     sections: list[tuple[str, list[tuple[str, Any, str]]]] = [
         ("model", [
@@ -39,7 +39,8 @@ def starter_recipe(cfg: DistributedConfig, name: str, *, header: str, train_flag
             ("dataset_name", None, "Hub id or dataset directory (instead of train_file)"),
             ("validation_file", None, "evaluated by eval_strategy below"),
             ("validation_split_percentage", None, "or carve this % of the training rows for validation"),
-            ("max_seq_length", None, "examples are truncated to this many tokens; null: train.py's default"),
+            ("max_seq_length", planned.get("max_seq_length"),
+             "examples are truncated to this many tokens; null: train.py's default"),
             ("packing", False, "pack examples into rows (no padding)"),
         ]),
         (f"batch, precision and clipping: from the config ({name}); keep them equal to it", [

@@ -33,7 +33,7 @@ Differences from DeepSpeed's ``estimate_zero2/zero3_model_states_mem_needs`` (de
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from hf_scale.planner.model_shapes import ModelShapes
@@ -102,6 +102,13 @@ class Workload:
     def tokens(self) -> int:
         """Tokens per micro-batch on one GPU."""
         return self.micro_batch_size * self.seq_len
+
+    def cp_seq_len(self, cp: int) -> int:
+        """The sequence length a run with context parallelism ``cp`` trains: train.py's CP collator
+        (hf_scale.train.model.context_parallel.Collator) pads every batch on the right to a multiple of 2 x cp, the
+        chunks load-balanced ring attention cuts each sequence into. ``seq_len`` itself without CP."""
+        multiple = 2 * cp if cp > 1 else 1
+        return _ceil_div(self.seq_len, multiple) * multiple
 
     @property
     def weight_bytes(self) -> int:
@@ -220,7 +227,8 @@ def _zero3_partition(w: Workload, world: int) -> tuple[int, int]:
 
 
 def estimate(w: Workload, c: Candidate) -> Estimate:
-    """Memory of candidate ``c`` for workload ``w``."""
+    """Memory of candidate ``c`` for workload ``w`` (a CP candidate at the length it pads to)."""
+    w = replace(w, seq_len=w.cp_seq_len(c.cp))
     activations = activation_bytes(w, checkpointing=c.activation_checkpointing)
     logits = logits_bytes(w)
     if c.engine == "ddp":

@@ -56,6 +56,8 @@ class ModelShapes:
     linear_params: int = 0
     """Weights of the decoder layers' nn.Linear modules: what bitsandbytes quantizes for --load_in_4bit/8bit
     (transformers keeps the embeddings, the norms and lm_head in the compute dtype)."""
+    max_position_embeddings: int | None = None
+    """The longest sequence the model was trained on (None: its config does not say)."""
 
     @property
     def total_params(self) -> int:
@@ -271,4 +273,5 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
         largest_layer_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in lm.modules()),
         lora_params_per_rank=lora_per_rank,
         linear_params=sum(m.weight.numel() for m in linears),
+        max_position_embeddings=getattr(text, "max_position_embeddings", None),
     )

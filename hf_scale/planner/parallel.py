@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hf_scale.parallelism import Layout, cp_problem, head_problem
+from hf_scale.parallelism import Layout, head_problem
 from hf_scale.planner.estimate import Candidate, Workload
 
 SIZES = (2, 4, 8)
@@ -28,8 +28,9 @@ the GPU: the ZeRO-3 full-offload over ZeRO-3 ratio of the base table."""
 
 
 def candidates(w: Workload, base: list[Candidate]) -> list[Candidate]:
-    """FSDP2 x TP (TP inside a machine), FSDP2 x CP (sequence length a multiple of 2 x cp), each with and without
-    CPU offload; HSDP x TP across machines. Only sizes the model's heads and the topology allow."""
+    """FSDP2 x TP (TP inside a machine), FSDP2 x CP, each with and without CPU offload; HSDP x TP across machines.
+    Only sizes the model's heads and the topology allow. A sequence length that is no multiple of 2 x cp is no
+    reason to drop CP: train.py pads it (Workload.cp_seq_len), and the CP rows are estimated at the padded length."""
     s, out = w.shapes, []
     for name in ("tp", "cp"):
         for size in SIZES:
@@ -39,8 +40,6 @@ def candidates(w: Workload, base: list[Candidate]) -> list[Candidate]:
             if name == "tp" and (w.gpus_per_machine % size
                                  or head_problem(layout, s.num_attention_heads, s.num_key_value_heads)):
                 continue  # TP across machines is refused; heads must split whole
-            if name == "cp" and cp_problem(layout, attn_implementation="sdpa", seq_len=w.seq_len):
-                continue
             label = f"FSDP2 x {name.upper()}={size}"
             for offload in (False, True):
                 key = f"fsdp2_{name}{size}" + ("_offload" if offload else "")

@@ -176,10 +176,22 @@ def with_qlora_fallback(plan: Plan, **budget) -> Plan:
 
 
 def train_flags(plan: Plan) -> dict:
-    """The train.py flags the plan decides beyond the DistributedConfig (LoRA, the 4-bit base): generate writes them
-    into the recipe."""
+    """The train.py flags the plan decides beyond the DistributedConfig, which has no field for them: the sequence
+    length (without --max_seq_length train.py trains at its own, shorter default), LoRA and the 4-bit base. generate
+    writes them into the recipe; the plan prints them (:func:`train_argv`)."""
     w = plan.workload
-    return {"lora_r": w.lora_r or 0, **({"load_in_4bit": True} if w.load_in_4bit else {})}
+    return {"max_seq_length": w.seq_len, "lora_r": w.lora_r or 0, **({"load_in_4bit": True} if w.load_in_4bit else {})}
+
+
+def train_argv(plan: Plan) -> list[str]:
+    """:func:`train_flags` as train.py's command-line flags, those at train.py's default (lora_r 0) left out."""
+    argv: list[str] = []
+    for name, value in train_flags(plan).items():
+        if value is True:
+            argv.append(f"--{name}")
+        elif value:
+            argv += [f"--{name}", str(value)]
+    return argv
 
 
 def gib(n: int) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from hf_scale.errors import UserError
 from hf_scale.files import save_figure_atomically
-from hf_scale.planner.rank import Plan, distributed_config, gib, train_flags
+from hf_scale.planner.rank import Plan, distributed_config, gib, train_argv, train_flags
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "logits", "buffers")
 _GIB = 2**30
@@ -56,8 +56,32 @@ def format_plan_table(plan: Plan) -> str:
         cells += [cell.rjust(width) for cell, width in zip(row[2:-1], widths[2:-1], strict=True)]
         lines.append("  ".join(cells + [row[-1]]).rstrip())
     lines.append("")
+    padded = padding_line(plan)
+    lines += [padded, ""] if padded else []
     lines += verdict_lines(plan)
     return "\n".join(lines) + "\n"
+
+
+def padding_line(plan: Plan) -> str | None:
+    """Which CP rows are planned at a longer length than --seq-len, and why (None when none is)."""
+    w = plan.workload
+    padded = sorted({(a.candidate.cp, w.cp_seq_len(a.candidate.cp)) for a in plan.assessments
+                     if w.cp_seq_len(a.candidate.cp) != w.seq_len})
+    if not padded:
+        return None
+    rows = ", ".join(f"CP={cp} at {length}" for cp, length in padded)
+    return (f"CP rows are planned at the length train.py pads {w.seq_len} tokens to (a multiple of 2 x cp, the chunks "
+            f"of ring attention): {rows} tokens")
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """What the plan assumes that the run may not do as planned, one line each."""
+    w, limit = plan.workload, plan.workload.shapes.max_position_embeddings
+    if limit is not None and w.seq_len > limit:
+        return [f"--seq-len {w.seq_len} is beyond the model's max_position_embeddings {limit}: it was not trained on "
+                "sequences that long; extend its RoPE first (rope_scaling, and max_position_embeddings, in its "
+                f"config.json), or train.py refuses --max_seq_length {w.seq_len}"]
+    return []
 
 
 def verdict_lines(plan: Plan) -> list[str]:
@@ -68,9 +92,12 @@ def verdict_lines(plan: Plan) -> list[str]:
     else:
         best = plan.recommended
         ac = " with activation checkpointing" if best.candidate.activation_checkpointing else ""
+        w = plan.workload
+        padded = w.cp_seq_len(best.candidate.cp)
+        padding = f" (sequences padded to {padded} tokens for CP)" if padded != w.seq_len else ""
         lines.append(
             f"recommended: {best.candidate.label}{ac} ({best.slug}): {gib(best.estimate.gpu_total)} per GPU "
-            f"of {gib(plan.gpu_budget)} usable"
+            f"of {gib(plan.gpu_budget)} usable{padding}"
         )
         if plan.rejected_faster:
             lines.append("faster candidates rejected:")
@@ -82,6 +109,8 @@ def verdict_lines(plan: Plan) -> list[str]:
             "try more GPUs or machines, a shorter --seq-len, or --cpu-memory if the "
             "machines have more RAM"
         )
+    else:
+        lines.append(f"pass to train.py (no config field holds them): {' '.join(train_argv(plan))}")
     return lines
 
 
@@ -97,6 +126,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                 "label": c.label,
                 "activation_checkpointing": c.activation_checkpointing,
                 "parallelism": distributed_config(plan, a).layout.sizes(),
+                "seq_len": w.cp_seq_len(c.cp),
                 "bytes_per_gpu": {**e.breakdown(), "total": e.gpu_total},
                 "cpu_bytes_per_machine": e.cpu_per_machine,
                 "speed": round(a.speed, 4),
@@ -134,6 +164,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "recommended": best.slug if best else None,
         "recommended_config": distributed_config(plan, best).model_dump(mode="json") if best else None,
         "verdict": verdict_lines(plan),
+        "warnings": plan_warnings(plan),
     }
 
 

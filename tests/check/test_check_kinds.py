@@ -40,7 +40,7 @@ def test_each_kind_is_told_by_its_content(name, data, kind, tmp_path):
     assert kinds.file_kind(str(path)) == kind
 
 
-@pytest.mark.parametrize("data", [{"model_name_or_path": "gpt2"}, {}, [1], "text", {"strategy": "ddp", "lr": 1}])
+@pytest.mark.parametrize("data", [{"model": "gpt2"}, {}, [1], "text", {"strategy": "ddp", "lr": 1}])
 def test_a_file_of_no_kind_is_one_line_naming_each_kind(data, tmp_path):
     path = tmp_path / "other.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -95,3 +95,42 @@ def test_a_job_manifest_given_as_a_file_is_checked_as_with_manifest(tmp_path, mo
     code, out, err = run_cli(["check", "--json", "auto.yaml", "one.yaml"], capsys)
     assert code in (0, 1), err
     assert not [f for f in json.loads(out)["findings"] if f["code"] in ("manifest-processes", "manifest-gpus")]
+
+
+@pytest.mark.parametrize(
+    ("data", "kind"),
+    [
+        ({"model_name_or_path": "gpt2"}, kinds.RECIPE),
+        ({"bf16": True, "gradient_accumulation_steps": 4, "learning_rate": 1e-5}, kinds.RECIPE),
+        ({"lora_r": 16, "env": {"HF_HUB_OFFLINE": "1"}}, kinds.RECIPE),  # train.py's recipe takes an env: mapping
+        ({"bf16": {"enabled": True}, "gradient_accumulation_steps": 4}, kinds.DEEPSPEED),  # only keys both read
+        ({"bf16": True, "zero_optimization": {"stage": 2}}, kinds.DEEPSPEED),  # a key train.py has no flag for
+    ],
+)
+def test_a_train_py_recipe_is_told_from_a_deepspeed_config(data, kind):
+    assert kinds.kind_of(data) == kind
+
+
+def test_a_generated_recipe_is_refused_with_how_check_reads_it(tmp_path, monkeypatch, capsys):
+    """`generate --recipe` writes a recipe whose keys include bf16 and gradient_accumulation_steps (DeepSpeed's too):
+    it was read as a DeepSpeed config and refused as "not valid JSON". Now one line says what it is and how check
+    reads it, and that way (after `--`) it checks."""
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["generate", "--preset", "zero2", "--recipe", "--output-dir", "."], capsys)[0] == 0
+    code, out, err = run_cli(["check", "recipes/zero2.yaml"], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert "JSON" not in err and "DeepSpeed" not in err
+    assert "check: recipes/zero2.yaml is a train.py recipe" in err
+    assert "hf-scale check CONFIG... -- recipes/zero2.yaml" in err
+    code, out, err = run_cli(["check", "--json", "accelerate_configs/zero2.yaml", "--", "recipes/zero2.yaml"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["summary"]["checked"][-1] == "training args"
+
+
+def test_a_positional_hf_scale_config_is_named_as_the_file_it_is(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("strategy: ddp\ntopology: {processes_per_machine: 0}\n")
+    code, _, err = run_cli(["check", "run.yaml"], capsys)
+    assert code == 2 and err.startswith("hf-scale: error: check: hf_scale config run.yaml: topology.")
+    code, _, err = run_cli(["check", "--", "--hf_scale_config", "run.yaml"], capsys)
+    assert code == 2 and err.startswith("hf-scale: error: training args: --hf_scale_config run.yaml: topology.")

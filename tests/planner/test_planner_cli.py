@@ -27,6 +27,7 @@ LLAMA_8B = {
     "num_key_value_heads": 8,
     "intermediate_size": 14336,
     "vocab_size": 128256,
+    "max_position_embeddings": 131072,
 }
 
 

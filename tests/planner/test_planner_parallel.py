@@ -20,7 +20,7 @@ GIB = 2**30
 LLAMA_70B = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                  intermediate_size=28672, vocab_size=128256)
 LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=14336, vocab_size=128256)
+                intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072)
 
 
 def workload(config: dict, seq_len: int, machines: int = 1, **shape) -> Workload:

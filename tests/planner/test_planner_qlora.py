@@ -74,12 +74,12 @@ def test_plan_json_and_generate_carry_qlora_to_train_flags(tmp_path):
                              capture_output=True, text=True, check=True)
     data = json.loads(planned.stdout)
     assert data["workload"]["load_in_4bit"] is True and data["qlora_because"]
-    assert data["train_flags"] == {"lora_r": 16, "load_in_4bit": True}
+    assert data["train_flags"] == {"max_seq_length": SEQ, "lora_r": 16, "load_in_4bit": True}
     subprocess.run([sys.executable, "-m", "hf_scale.cli", "generate", "--strategy", "auto", "--model", str(model),
                     *flags, "--recipe", "--name", "q", "--output-dir", str(tmp_path / "out")],
                    capture_output=True, text=True, check=True)
     recipe = yaml.safe_load((tmp_path / "out" / "recipes" / "q.yaml").read_text())
-    assert recipe["lora_r"] == 16 and recipe["load_in_4bit"] is True
+    assert recipe["lora_r"] == 16 and recipe["load_in_4bit"] is True and recipe["max_seq_length"] == SEQ
     # train.py reads the recipe as it does at start (its recipe expansion and parser)
     from hf_scale.train.setup.parser import build_parser
     from hf_scale.train.setup.recipe import expand_recipe
@@ -87,4 +87,4 @@ def test_plan_json_and_generate_carry_qlora_to_train_flags(tmp_path):
     parser = build_parser()
     argv, _ = expand_recipe(parser, [str(tmp_path / "out" / "recipes" / "q.yaml")])
     ns, unknown = parser.parse_known_args(argv)
-    assert not unknown and ns.load_in_4bit is True and ns.lora_r == 16
+    assert not unknown and ns.load_in_4bit is True and ns.lora_r == 16 and ns.max_seq_length == SEQ

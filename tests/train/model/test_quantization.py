@@ -242,6 +242,33 @@ def test_export_merged_matches_the_4bit_base_with_its_adapter(one_process, tmp_p
     _assert_merged_is_the_trained_model(tmp_path / "merged", one_process)
 
 
+def test_a_quiet_merge_prints_only_hf_scales_own_lines(one_process, tmp_path):
+    """Every hf-scale command is quiet by default (hf_scale.quiet): the QLoRA merge's stderr holds only its own
+    `hf-scale export:` lines, no progress bar (transformers' or its own) and no library notice (transformers'
+    dequantize note, peft's FutureWarning). With --verbose they are all there: the filters are what keeps them out."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in child_env().items()
+           if k not in ("HF_SCALE_VERBOSE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY")}
+
+    def merge(out, *extra):
+        argv = [sys.executable, "-m", "hf_scale.cli", "export", str(one_process / f"checkpoint-{STEPS}"), str(out),
+                "--merge", *extra]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    quiet = merge(tmp_path / "quiet")
+    quiet_lines = quiet.stderr.splitlines()
+    assert quiet_lines and all(line.startswith("hf-scale export: ") for line in quiet_lines), quiet_lines
+    assert quiet.stdout == ""
+    verbose = merge(tmp_path / "verbose", "--verbose").stderr
+    for noise in ("Loading weights", "loading tensors", "Writing model shards", "The modules are dequantized in",
+                  "is_gradient_checkpointing"):
+        assert noise in verbose, noise
+
+
 @pytest.mark.parametrize("run", ["manual_loop", "zero3_manual_loop"])
 def test_export_merge_reads_the_adapter_from_the_checkpoints_own_weights(run, request, tmp_path):
     """The manual loop saves the adapter inside accelerate's model.safetensors (with the 4-bit base), ZeRO-3 in its

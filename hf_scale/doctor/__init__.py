@@ -3,12 +3,13 @@
 It reports the GPUs (name, memory, compute capability, bf16/fp8), the torch/CUDA/NCCL versions, whether the
 DeepSpeed ops a config needs can load (prebuilt, or a JIT build: compiler, ninja, nvcc, a
 TORCH_CUDA_ARCH_LIST DeepSpeed can parse), which attention and fused kernels are usable, which of tensor, context
-and sequence parallelism and HSDP the installed versions (and GPUs) support, the NCCL/network
+and sequence parallelism and HSDP train.py runs on this node (versions, GPUs, launcher), the NCCL/network
 environment variables that matter, the free disk at the output directory and, with two or more GPUs, the
 all-reduce bus bandwidth against the GPU link's figure. With ``--config FILE`` (a DistributedConfig YAML, an
 accelerate YAML or a DeepSpeed JSON) it exits 1 when that config cannot run on this node and says why.
 
-Heavy libraries (torch, deepspeed) are imported inside the functions that need them.
+Heavy libraries (torch, deepspeed) are imported inside the functions that need them. The config's requirements and
+verdict are in :mod:`hf_scale.doctor.config`, the all-reduce test in :mod:`hf_scale.doctor.allreduce`.
 """
 
 from __future__ import annotations
@@ -22,14 +23,23 @@ import os
 import platform
 import shutil
 import sys
-import time
 from pathlib import Path
 
-from hf_scale import parallelism, rules
-from hf_scale.errors import UserError
-from hf_scale.inputs import read_text
-from hf_scale.precision_rules import fp8_backends, precision_gpu_problems
-from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
+from hf_scale import rules
+from hf_scale.doctor.allreduce import (
+    ALLREDUCE_BYTES,
+    ALLREDUCE_ITERS,
+    LINK_GBPS,
+    allreduce_bandwidth,
+    allreduce_report,
+    link_figure,
+)
+from hf_scale.doctor.config import DEFAULT_OPS, config_requirements, config_verdict
+from hf_scale.doctor.parallel_support import train_support
+from hf_scale.precision_rules import fp8_backends
+
+__all__ = ["ALLREDUCE_BYTES", "ALLREDUCE_ITERS", "DEFAULT_OPS", "LINK_GBPS", "allreduce_bandwidth", "allreduce_report",
+           "build_report", "config_requirements", "config_verdict", "format_text", "link_figure", "register"]
 
 EPILOG = """\
 examples:
@@ -45,30 +55,6 @@ ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "
              "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST",
              "PYTORCH_CUDA_ALLOC_CONF", "TORCH_EXTENSIONS_DIR", "OMP_NUM_THREADS", "HF_HOME", "HF_HUB_OFFLINE")
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "FI_", "UCX_", "DS_BUILD_")
-# One direction of a GPU's link to its peers, GB/s: the all-reduce bus bandwidth a healthy node approaches
-# (nccl-tests reach about 80% of it). Most specific names first.
-LINK_GBPS = (
-    ("H100 PCIe", 64.0, "PCIe Gen5 x16"),
-    ("H100 NVL", 300.0, "NVLink bridge"),
-    ("GH200", 450.0, "NVLink 4"),
-    ("H100", 450.0, "NVLink 4"),
-    ("H200", 450.0, "NVLink 4"),
-    ("H800", 200.0, "NVLink 4 (8 links)"),
-    ("B200", 900.0, "NVLink 5"),
-    ("A100-SXM", 300.0, "NVLink 3"),
-    ("A100 80GB PCIe", 32.0, "PCIe Gen4 x16"),
-    ("A100-PCIE", 32.0, "PCIe Gen4 x16"),
-    ("A800", 200.0, "NVLink 3 (8 links)"),
-    ("V100-SXM", 150.0, "NVLink 2"),
-    ("L40S", 32.0, "PCIe Gen4 x16"),
-    ("L40", 32.0, "PCIe Gen4 x16"),
-    ("L4", 32.0, "PCIe Gen4 x16"),
-    ("A10", 32.0, "PCIe Gen4 x16"),
-)
-ALLREDUCE_BYTES = 256 * 2**20
-ALLREDUCE_ITERS = 10
-
-
 def versions() -> dict:
     found = {"python": platform.python_version()}
     for name in PACKAGES:
@@ -167,208 +153,6 @@ def disk(path: str) -> dict:
     return {"path": str(Path(path)), "measured_at": str(probe), "free_bytes": usage.free, "total_bytes": usage.total}
 
 
-def link_figure(gpu_name: str) -> tuple[float, str] | None:
-    return next(((gbps, link) for key, gbps, link in LINK_GBPS if key in gpu_name), None)
-
-
-# --- all-reduce bandwidth ------------------------------------------------------------------------------------
-
-
-def _allreduce_worker(rank: int, world: int, port: int, backend: str, size_bytes: int, iters: int, out: str):
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        tensor = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
-        for _ in range(2):  # warm-up: connection set-up, NCCL channels
-            dist.all_reduce(tensor)
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        sync()
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(tensor)
-        sync()
-        seconds = (time.perf_counter() - started) / iters
-        expected = float(world ** (iters + 2))  # every all-reduce multiplied the ones by world
-        correct = bool(torch.allclose(tensor[:16].cpu(), torch.full((16,), expected)))
-        if rank == 0:
-            Path(out).write_text(json.dumps({"seconds": seconds, "correct": correct}))
-    finally:
-        dist.destroy_process_group()
-
-
-def allreduce_bandwidth(nprocs: int, *, backend: str, size_bytes: int = ALLREDUCE_BYTES,
-                        iters: int = ALLREDUCE_ITERS) -> dict:
-    """All-reduce `size_bytes` of fp32 among `nprocs` fresh processes (one per GPU with nccl); returns the
-    time per all-reduce and the bus bandwidth nccl-tests reports: size x 2(n-1)/n / time."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from hf_scale.train.setup.distributed import _free_port
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(_allreduce_worker, args=(nprocs, _free_port(), backend, size_bytes, iters, out),
-                           nprocs=nprocs, start_method="spawn")
-        result = json.loads(Path(out).read_text())
-    busbw = size_bytes * 2 * (nprocs - 1) / nprocs / result["seconds"] / 1e9
-    return {"processes": nprocs, "backend": backend, "size_bytes": size_bytes, "iterations": iters,
-            "seconds_per_allreduce": result["seconds"], "busbw_gbps": round(busbw, 2), "correct": result["correct"]}
-
-
-def allreduce_report(gpu_list: list[dict], *, enabled: bool) -> dict:
-    if not enabled:
-        return {"status": "skipped", "reason": "--no-allreduce"}
-    if len(gpu_list) < 2:
-        return {"status": "skipped", "reason": f"needs 2 or more GPUs (found {len(gpu_list)})"}
-    result = {"status": "ok", **allreduce_bandwidth(len(gpu_list), backend="nccl")}
-    figure = link_figure(gpu_list[0]["name"])
-    if figure:
-        result.update(link=figure[1], link_gbps=figure[0], busbw_vs_link=round(result["busbw_gbps"] / figure[0], 3))
-    return result
-
-
-# --- a config's requirements and the verdict -----------------------------------------------------------------
-
-_ACCELERATE_STRATEGY = rules.STRATEGY_OF_DISTRIBUTED_TYPE
-DEFAULT_OPS = ("cpu_adam", "fused_adam", "async_io")
-"""What optimizer offload, deepspeed.fused_adam and NVMe offload would load; shown without --config too."""
-
-
-def _read_file(path: str) -> tuple[Path, str]:
-    """The file's text (hf_scale.inputs: a FIFO or device refused without blocking, UTF-8, size bounded)."""
-    return Path(path), read_text(path, "--config", expected="a DistributedConfig YAML, an accelerate YAML or a "
-                                 "DeepSpeed JSON")
-
-
-def _json_object(text: str, where: str) -> dict:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UserError(f"{where}: not valid JSON ({error.msg} at line {error.lineno})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{where}: a DeepSpeed config must be a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _deepspeed_precision(ds: dict, fallback: str | None) -> str | None:
-    for dtype, blocks in DEEPSPEED_PRECISION_BLOCKS.items():
-        if any(str((ds.get(block) or {}).get("enabled")).lower() == "true" for block in blocks):
-            return dtype
-    return fallback
-
-
-def config_requirements(path: str) -> dict:
-    """What a config asks of the node: strategy, processes per machine, machines, precision, DeepSpeed dict."""
-    file, text = _read_file(path)
-    if file.suffix == ".json":
-        ds = _json_object(text, f"--config {path}")
-        return {"file": path, "kind": "DeepSpeed JSON", "strategy": "deepspeed", "processes_per_machine": None,
-                "num_machines": 1, "use_cpu": False, "precision": _deepspeed_precision(ds, None), "deepspeed": ds}
-    import yaml
-
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise UserError(f"--config {path}: not valid YAML ({' '.join(str(error).split())[:200]})") from None
-    if isinstance(data, dict) and "distributed_type" in data:
-        return _accelerate_requirements(path, file, data)
-    from hf_scale.config import load_config
-    from hf_scale.generators.deepspeed_json import deepspeed_config
-
-    cfg = load_config(path)
-    return {"file": path, "kind": "DistributedConfig", "strategy": cfg.strategy,
-            "processes_per_machine": cfg.topology.processes_per_machine, "num_machines": cfg.topology.num_machines,
-            "use_cpu": False, "precision": cfg.precision,
-            "fp8_backend": cfg.fp8.backend if cfg.precision == rules.FP8 else None,
-            "deepspeed": deepspeed_config(cfg, "auto") if cfg.strategy == "deepspeed" else None}
-
-
-def _accelerate_requirements(path: str, file: Path, data: dict) -> dict:
-    kind = str(data.get("distributed_type"))
-    if kind not in _ACCELERATE_STRATEGY:
-        raise UserError(f"--config {path}: distributed_type={kind} is not supported (allowed: "
-                        f"{', '.join(_ACCELERATE_STRATEGY)})")
-    machines = int(data.get("num_machines") or 1)
-    processes = int(data.get("num_processes") or 1)
-    ds = None
-    if kind == "DEEPSPEED":
-        section = data.get("deepspeed_config") or {}
-        ds_file = section.get("deepspeed_config_file")
-        if ds_file:
-            # accelerate resolves it from the launch directory; configs generated by hf-scale sit next to it.
-            candidates = [Path(ds_file), file.parent / ds_file, file.parent.parent / ds_file]
-            found = next((c for c in candidates if c.is_file()), None)
-            if found is None:
-                raise UserError(f"--config {path}: deepspeed_config_file={ds_file} not found (looked in the current "
-                                "directory and next to the YAML)")
-            ds = _json_object(found.read_text(encoding="utf-8"), f"{path}: deepspeed_config_file={ds_file}")
-        else:  # accelerate's inline keys; offload makes DeepSpeedCPUAdam run
-            device = str(section.get("offload_optimizer_device", "none"))
-            ds = {"zero_optimization": {"stage": section.get("zero_stage", 0),
-                                        "offload_optimizer": {"device": device},
-                                        "offload_param": {"device": str(section.get("offload_param_device", "none"))}}}
-            if device in ("cpu", "nvme"):
-                ds["optimizer"] = {"type": "AdamW"}
-    mixed = data.get("mixed_precision")
-    precision = "no" if mixed in (None, False, "no") else str(mixed)
-    fp8_config = data.get("fp8_config") if isinstance(data.get("fp8_config"), dict) else {}
-    fp8_backend = rules.fp8_backend_of_accelerate(fp8_config.get("backend")) if precision == rules.FP8 else None
-    return {"file": path, "kind": "accelerate YAML", "strategy": _ACCELERATE_STRATEGY[kind],
-            "processes_per_machine": max(1, processes // machines), "num_machines": machines,
-            "use_cpu": bool(data.get("use_cpu")),
-            # fp8 runs on DeepSpeed's bf16 block (hf_scale.rules.FP8_AUTOCAST): the YAML's fp8 is what the GPU needs.
-            "precision": precision if precision == rules.FP8 else _deepspeed_precision(ds or {}, precision),
-            "fp8_backend": fp8_backend,
-            "deepspeed": ds}
-
-
-def config_verdict(req: dict, gpu_list: list[dict], op_statuses: dict[str, dict], environ: dict[str, str],
-                   fp8_installed: dict[str, str | None] | None = None) -> tuple[list[str], list[str]]:
-    """(problems that stop the config on this node, warnings). Pure: the node's facts are arguments
-    (``fp8_installed``: :func:`fp8_backends`'s report)."""
-    from hf_scale.deepspeed_ops import FIXES, GENERIC_FIX, required_ops
-
-    problems: list[str] = []
-    warnings: list[str] = []
-    strategy, count = req["strategy"], len(gpu_list)
-    if req["use_cpu"]:
-        warnings.append("use_cpu: true trains on the CPU only (accelerate then starts a single process)")
-    elif count == 0:
-        needs = "FSDP through accelerate" if strategy == "fsdp" else "NCCL" if strategy != "single" else "a CUDA run"
-        problems.append(f"no CUDA GPU is visible (torch.cuda.device_count() == 0): strategy {strategy} needs GPUs "
-                        f"({needs}); here train.py could only run a CPU test over gloo")
-    wanted = req["processes_per_machine"]
-    if count and wanted and wanted > count:
-        problems.append(f"{wanted} processes per machine but {count} GPU(s) visible here")
-    problems += precision_gpu_problems(req["precision"], req.get("fp8_backend"), gpu_list, fp8_installed or {})
-    ds = req["deepspeed"]
-    if ds is not None:
-        if importlib.util.find_spec("deepspeed") is None:
-            problems.append("strategy deepspeed but the deepspeed package is not installed (pip install deepspeed)")
-        for need in required_ops(ds, gpu=count > 0):
-            status = op_statuses.get(need.op) or {"usable": False, "missing": ["not checked"]}
-            if not status["usable"]:
-                problems.append(f"{need.reason} needs DeepSpeed's {need.op} op, which cannot load here (missing: "
-                                f"{', '.join(status.get('missing') or [status.get('how', '?')])}); fix: "
-                                f"{FIXES.get(need.op, GENERIC_FIX)}")
-        zero = ds.get("zero_optimization") or {}
-        for key in ("offload_optimizer", "offload_param"):
-            block = zero.get(key) or {}
-            if block.get("device") == "nvme" and block.get("nvme_path") and not os.path.isdir(block["nvme_path"]):
-                problems.append(f"zero_optimization.{key}.nvme_path={block['nvme_path']} does not exist on this node")
-    if (req["num_machines"] or 1) > 1 and not any(name.endswith("_SOCKET_IFNAME") for name in environ):
-        warnings.append("several machines and no NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME: NCCL picks an interface by "
-                        "itself; set them to the network between the nodes if the rendezvous hangs")
-    return problems, warnings
-
-
 # --- the report -------------------------------------------------------------------------------------------------
 
 
@@ -386,7 +170,7 @@ def build_report(*, config: str | None, output_dir: str, allreduce: bool) -> dic
         "gpus": gpu_list,
         "build": build_tools(ops),
         "kernels": kernels(gpu_list),
-        "parallelism": parallelism.node_support(bool(gpu_list)),
+        "parallelism": train_support(bool(gpu_list)),
         "environment": network_env(),
         "disk": disk(output_dir),
         "allreduce": allreduce_report(gpu_list, enabled=allreduce),
