@@ -248,20 +248,6 @@ def head_problem(layout: Layout, num_attention_heads: int, num_key_value_heads: 
     return None
 
 
-def cp_problem(layout: Layout, *, attn_implementation: str | None, seq_len: int | None = None,
-               where: str = "parallelism") -> str | None:
-    """Why context parallelism cannot run with this attention kernel / sequence length, or None."""
-    if layout.cp <= 1:
-        return None
-    if (attn_implementation or "sdpa") not in CP_ATTENTION:
-        return (f"{where}.cp={layout.cp} with --attn_implementation {attn_implementation}: context parallelism "
-                f"shards only SDPA attention; allowed: {', '.join(CP_ATTENTION)}")
-    if seq_len is not None and seq_len % (2 * layout.cp):
-        return (f"{where}.cp={layout.cp}: the sequence length {seq_len} must be a multiple of 2 x cp = "
-                f"{2 * layout.cp} (load-balanced ring attention cuts each sequence into 2 x cp chunks)")
-    return None
-
-
 def config_layout(cfg: Any) -> Layout:
     """The layout of a DistributedConfig (LayoutError when its sizes do not multiply to the world size)."""
     topo = cfg.topology

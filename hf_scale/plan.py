@@ -7,6 +7,7 @@ The same arguments drive ``hf-scale generate --strategy auto --model MODEL`` (:f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -126,12 +127,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser, description: str | None 
     )
 
 
-def plan_argv(args: argparse.Namespace) -> list[str]:
-    """The planning flags of ``args`` that differ from their defaults, as command-line arguments."""
+@functools.cache
+def _plan_actions() -> tuple[argparse.Action, ...]:
+    """The planning flags' argparse actions (add_plan_arguments is their one definition)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_plan_arguments(parser)
+    return tuple(parser._actions)
+
+
+def plan_argv(args: argparse.Namespace) -> list[str]:
+    """The planning flags of ``args`` that differ from their defaults, as command-line arguments."""
     argv: list[str] = []
-    for action in parser._actions:
+    for action in _plan_actions():
         value = getattr(args, action.dest, action.default)
         if action.option_strings and value != action.default:
             argv += [action.option_strings[0], str(value)]
@@ -140,16 +147,12 @@ def plan_argv(args: argparse.Namespace) -> list[str]:
 
 def plan_defaults() -> dict[str, object]:
     """Each planning flag's destination -> its default (what `plan` and `generate --strategy auto` assume)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_plan_arguments(parser)
-    return {action.dest: action.default for action in parser._actions}
+    return {action.dest: action.default for action in _plan_actions()}
 
 
 def plan_flag_names() -> dict[str, str]:
     """Each planning flag's destination -> its spelling on the command line."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_plan_arguments(parser)
-    return {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    return {action.dest: action.option_strings[0] for action in _plan_actions() if action.option_strings}
 
 
 _COUNT_BOUNDS = {"gpus_per_machine": MAX_PROCESSES_PER_MACHINE, "num_machines": MAX_MACHINES, "seq_len": MAX_SEQ_LEN,

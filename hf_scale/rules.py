@@ -60,6 +60,12 @@ def fp8_backend_of_accelerate(value) -> str:
     return FP8_BACKEND_OF_ACCELERATE.get(str(value or "").upper(), "torchao")
 
 
+def fp8_backend_of_yaml(data: dict) -> str:
+    """The config's fp8.backend an accelerate YAML asks for (its fp8_config.backend; torchao when unwritten)."""
+    fp8_config = data.get("fp8_config")
+    return fp8_backend_of_accelerate(fp8_config.get("backend") if isinstance(fp8_config, dict) else None)
+
+
 FP8_BACKEND_MODULES = {"torchao": "torchao", "te": "transformer_engine", "msamp": "msamp"}
 """The module each FP8 backend imports as (what `doctor` and train.py's refusal look for)."""
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)

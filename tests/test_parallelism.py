@@ -15,7 +15,7 @@ from hf_scale.cli import main
 from hf_scale.config import config_from_data, config_warnings
 from hf_scale.errors import UserError
 from hf_scale.generators import render_files
-from hf_scale.parallelism import Layout, cp_problem, head_problem
+from hf_scale.parallelism import Layout, head_problem
 from hf_scale.presets import get_preset
 
 
@@ -111,13 +111,6 @@ def test_heads_must_split_over_tp_and_sp():
     problem = head_problem(Layout(sp=3), 12, 4)
     assert problem.startswith("parallelism.sp=3 does not divide the model's num_key_value_heads=4")
     assert "allowed sp: 1, 2, 4" in problem
-
-
-def test_cp_needs_sdpa_and_a_sequence_length_of_2cp_chunks():
-    assert cp_problem(Layout(cp=2), attn_implementation="sdpa", seq_len=4096) is None
-    assert "allowed: sdpa" in cp_problem(Layout(cp=2), attn_implementation="flash_attention_2")
-    assert "multiple of 2 x cp = 8" in cp_problem(Layout(cp=4), attn_implementation=None, seq_len=100)
-    assert cp_problem(Layout(tp=2), attn_implementation="eager") is None
 
 
 # --- accelerate reads what generate writes -----------------------------------------------------------------

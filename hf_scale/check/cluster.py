@@ -32,7 +32,14 @@ from typing import Any
 
 from hf_scale.check.batch import deepspeed_accepts_batch
 from hf_scale.check.findings import ERROR, WARNING, Finding
-from hf_scale.check.manifest_facts import Facts, manifest_facts, named_files, output_dir, train_command
+from hf_scale.check.manifest_facts import (
+    HF_SCALE_CONFIG_FLAGS,
+    Facts,
+    manifest_facts,
+    named_files,
+    output_dir,
+    train_command,
+)
 from hf_scale.check.manifest_schema import manifest_problem
 from hf_scale.cluster_config import image_problem
 from hf_scale.errors import UserError
@@ -208,7 +215,7 @@ def _train_args_findings(path: str, kind: str, facts: Facts, config: tuple[str, 
     # The hf_scale config is compared as a DistributedConfig (below); its path is the image's, not this machine's.
     words, skip = [], False
     for word in command.args:
-        if skip or word.partition("=")[0] == "--hf_scale_config":
+        if skip or word.partition("=")[0] in HF_SCALE_CONFIG_FLAGS:
             skip = not skip and "=" not in word
             continue
         words.append(word)
@@ -251,11 +258,12 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
         raise UserError(f"--manifest {path}: its {kind} structure cannot be read (a mapping or list where the "
                         "other is expected?)") from None
     named = _named_references(path, facts, {Path(f).resolve() for f in given_files})
+    # accelerate launch's --num_processes is split over the machines before anything counts processes.
+    facts = _accelerate_split(facts, [*named.references, *references])
     if deepspeed is not None or named.deepspeed is not None:
         yield from _deepspeed_batch(path, kind, facts, deepspeed if deepspeed is not None else named.deepspeed,
                                     "" if deepspeed is not None else named.deepspeed_label)
     yield from _train_args_findings(path, kind, facts, named.hf_scale or hf_scale_config)
-    facts = _accelerate_split(facts, [*named.references, *references])
     compared = set()
     for reference in [*references, *named.references]:
         sizes = (reference.nodes, reference.per_node, reference.cpu)

@@ -35,9 +35,7 @@ ACCELERATE_RAM_EFFICIENT_LOADING = "FSDP_CPU_RAM_EFFICIENT_LOADING"
 def fp8_source(inp: CheckInputs) -> tuple[str, str, str] | None:
     """(file, key, backend) of whatever asks for fp8: the accelerate YAML or the --hf_scale_config."""
     if inp.accelerate.get("mixed_precision") == "fp8":
-        fp8_config = inp.accelerate.get("fp8_config")
-        backend = fp8_config.get("backend") if isinstance(fp8_config, dict) else None
-        return inp.accelerate_file, "mixed_precision", rules.fp8_backend_of_accelerate(backend)
+        return inp.accelerate_file, "mixed_precision", rules.fp8_backend_of_yaml(inp.accelerate)
     cfg = inp.hf_scale_config
     if cfg is not None and cfg.precision == "fp8":
         return inp.hf_scale_config_file or "", "precision", cfg.fp8.backend

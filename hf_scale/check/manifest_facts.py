@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_scale.check.train_flags import last_value
 from hf_scale.cluster_config import DEFAULT_IMAGE_HOME
+from hf_scale.generators import layout
 
 KUBERNETES_DEFAULT_GRACE_S = 30
 FROM_PLATFORM = "from the platform"
@@ -51,6 +53,10 @@ class Facts:
     splits by the num_machines of the config file it launches (hf_scale.check.cluster does, with that file)."""
 
 
+HF_SCALE_CONFIG_FLAGS = ("--hf_scale_config", "--hf-scale-config")
+"""train.py's spellings of the flag (its parser takes both, as every dashed flag of HfArgumentParser)."""
+
+
 def _words(command: str) -> list[str]:
     """A shell command's words (SkyPilot's `run`): continuations joined, comments dropped."""
     text = command.replace("\\\n", " ")
@@ -58,17 +64,6 @@ def _words(command: str) -> list[str]:
         return shlex.split(text, comments=True)
     except ValueError:  # unbalanced quotes: SkyPilot's bash would refuse it too; read what can be read
         return text.split()
-
-
-def _value(args: list[str], names: tuple[str, ...]) -> str | None:
-    for index, arg in enumerate(args):
-        flag, equals, value = arg.partition("=")
-        if flag in names:
-            if equals:
-                return value
-            if index + 1 < len(args):
-                return args[index + 1]
-    return None
 
 
 def _count(value: str | None, env: dict[str, str], platform: set[str]) -> int | str | None:
@@ -94,17 +89,18 @@ def launcher_counts(args: list[str], env: dict[str, str]) -> tuple[int | str | N
         base = word.rsplit("/", 1)[-1]
         if base == "torchrun" or (word == "-m" and rest[:1] in (["torch.distributed.run"],
                                                                  ["torch.distributed.launch"])):
-            return (_count(_value(rest, ("--nproc_per_node", "--nproc-per-node")), env, _GPU_VARIABLES),
-                    _count(_value(rest, ("--nnodes",)), env, _NODE_VARIABLES), "torchrun --nproc_per_node")
+            return (_count(last_value(rest, ("--nproc_per_node", "--nproc-per-node")), env, _GPU_VARIABLES),
+                    _count(last_value(rest, ("--nnodes",)), env, _NODE_VARIABLES), "torchrun --nproc_per_node")
         if base == "accelerate" and rest[:1] == ["launch"]:
-            total = _count(_value(rest, ("--num_processes", "--num-processes")), env, set())
-            machines = _count(_value(rest, ("--num_machines", "--num-machines")), env, set())
+            total = _count(last_value(rest, ("--num_processes", "--num-processes")), env, set())
+            machines = _count(last_value(rest, ("--num_machines", "--num-machines")), env, set())
             # --num_processes alone is a total whose split comes from the config file: nothing to compare.
             both = isinstance(total, int) and isinstance(machines, int) and machines > 0
             return (total // machines if both else None), machines, "accelerate launch --num_processes / --num_machines"
         if base == "deepspeed":
-            return (_count(_value(rest, ("--num_gpus", "--num-gpus")), env, _GPU_VARIABLES),
-                    _count(_value(rest, ("--num_nodes", "--num-nodes")), env, _NODE_VARIABLES), "deepspeed --num_gpus")
+            return (_count(last_value(rest, ("--num_gpus", "--num-gpus")), env, _GPU_VARIABLES),
+                    _count(last_value(rest, ("--num_nodes", "--num-nodes")), env, _NODE_VARIABLES),
+                    "deepspeed --num_gpus")
     return None, None, ""
 
 
@@ -117,9 +113,9 @@ def accelerate_total(args: list[str], env: dict[str, str]) -> int | None:
             return None  # launcher_counts reads the first launcher; so does this
         if base == "accelerate" and args[index + 1:index + 2] == ["launch"]:
             rest = args[index + 2:]
-            if _value(rest, ("--num_machines", "--num-machines")) is not None:
+            if last_value(rest, ("--num_machines", "--num-machines")) is not None:
                 return None  # both given: launcher_counts splits them
-            total = _count(_value(rest, ("--num_processes", "--num-processes")), env, set())
+            total = _count(last_value(rest, ("--num_processes", "--num-processes")), env, set())
             return total if isinstance(total, int) and total > 0 else None
     return None
 
@@ -231,7 +227,7 @@ def train_command(facts: Facts) -> TrainCommand | None:
     nothing to parse)."""
     args = facts.args
     for index, word in enumerate(args):
-        module = word == "-m" and args[index + 1:index + 2] == ["hf_scale.train"]
+        module = word == "-m" and args[index + 1:index + 2] == [layout.TRAINING_MODULE]
         if not (module or _TRAIN_SCRIPT.search(word) or _NODE_SCRIPT.search(word)):
             continue
         words = []
@@ -242,7 +238,7 @@ def train_command(facts: Facts) -> TrainCommand | None:
             if arg.endswith(";"):
                 break
         words = [_substituted(arg, facts.env) for arg in words]
-        passes = bool(_NODE_SCRIPT.search(word)) or any(a.partition("=")[0] == "--hf_scale_config" for a in words)
+        passes = bool(_NODE_SCRIPT.search(word)) or any(a.partition("=")[0] in HF_SCALE_CONFIG_FLAGS for a in words)
         return TrainCommand(words, [arg for arg in words if _EXPANSION.search(arg)], passes)
     return None
 
@@ -255,8 +251,6 @@ def _substituted(word: str, env: dict[str, str]) -> str:
 def output_dir(facts: Facts) -> str | None:
     """--output_dir as train.py reads it: the last one given (argparse's rule), among train.py's arguments when the
     command's train.py is recognized, else among all its words."""
-    from hf_scale.check.train_flags import last_value
-
     command = train_command(facts)
     return last_value(command.args if command else facts.args, OUTPUT_DIR_FLAGS)
 
@@ -282,10 +276,10 @@ def named_files(facts: Facts, manifest: Path) -> dict[str, tuple[str, Path]]:
     written, path here)}.
     A generated launch/NAME.node.sh names its hf_scale_configs/NAME.yaml (it passes it to train.py)."""
     found: dict[str, tuple[str, Path]] = {}
-    wanted = {"accelerate": ("--config_file", "--config-file"), "hf_scale": ("--hf_scale_config",),
-              "deepspeed": ("--deepspeed", "--deepspeed_config_file")}
+    wanted = {"accelerate": ("--config_file", "--config-file"), "hf_scale": HF_SCALE_CONFIG_FLAGS,
+              "deepspeed": ("--deepspeed", "--deepspeed_config_file", "--deepspeed-config-file")}
     for kind, flags in wanted.items():
-        written = _value(facts.args, flags)
+        written = last_value(facts.args, flags)
         path = _resolve(written, manifest, facts.workdir) if written else None
         if path is not None:
             flag = next(arg.partition("=")[0] for arg in facts.args if arg.partition("=")[0] in flags)
@@ -294,7 +288,7 @@ def named_files(facts: Facts, manifest: Path) -> dict[str, tuple[str, Path]]:
         for word in facts.args:
             match = _NODE_SCRIPT.search(word)
             script = _resolve(word, manifest, facts.workdir) if match else None
-            config = script.parent.parent / "hf_scale_configs" / f"{match['name']}.yaml" if script else None
+            config = script.parent.parent / layout.hf_scale_config(match["name"]) if script else None
             if config is not None and config.is_file():
                 found["hf_scale"] = (f"{word}, which passes it as --hf_scale_config", config)
                 break

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from hf_scale import parallelism
+from hf_scale import parallelism, rules
 from hf_scale.check.findings import ERROR, WARNING, Finding, ignored_key_severity, in_file, is_int, rename_fix
 from hf_scale.check.inputs import CheckInputs, world_size_of
 from hf_scale.check.knowledge import known_section_keys, parallelism_value_problem
 
 SECTION = "parallelism_config"
-_STRATEGY = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed", "MULTI_GPU": "ddp", "NO": "single"}
 
 
 def _size_keys() -> list[str]:
@@ -89,7 +88,7 @@ def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
         return
     machines = inp.accelerate.get("num_machines", 1)
     machines = machines if is_int(machines) and machines >= 1 else 1
-    strategy = _STRATEGY.get(str(inp.accelerate.get("distributed_type")), "ddp")
+    strategy = rules.STRATEGY_OF_DISTRIBUTED_TYPE.get(str(inp.accelerate.get("distributed_type")), "ddp")
     fsdp_version = None
     if strategy == "fsdp":
         fsdp_config = inp.accelerate.get("fsdp_config")

@@ -14,7 +14,6 @@ from hf_scale.inputs import read_text
 from hf_scale.precision_rules import precision_gpu_problems
 from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
 
-_ACCELERATE_STRATEGY = rules.STRATEGY_OF_DISTRIBUTED_TYPE
 DEFAULT_OPS = ("cpu_adam", "fused_adam", "async_io")
 """What optimizer offload, deepspeed.fused_adam and NVMe offload would load; shown without --config too."""
 
@@ -70,9 +69,9 @@ def config_requirements(path: str) -> dict:
 
 def _accelerate_requirements(path: str, file: Path, data: dict) -> dict:
     kind = str(data.get("distributed_type"))
-    if kind not in _ACCELERATE_STRATEGY:
+    if kind not in rules.STRATEGY_OF_DISTRIBUTED_TYPE:
         raise UserError(f"--config {path}: distributed_type={kind} is not supported (allowed: "
-                        f"{', '.join(_ACCELERATE_STRATEGY)})")
+                        f"{', '.join(rules.STRATEGY_OF_DISTRIBUTED_TYPE)})")
     machines = int(data.get("num_machines") or 1)
     processes = int(data.get("num_processes") or 1)
     ds = None
@@ -96,9 +95,8 @@ def _accelerate_requirements(path: str, file: Path, data: dict) -> dict:
                 ds["optimizer"] = {"type": "AdamW"}
     mixed = data.get("mixed_precision")
     precision = "no" if mixed in (None, False, "no") else str(mixed)
-    fp8_config = data.get("fp8_config") if isinstance(data.get("fp8_config"), dict) else {}
-    fp8_backend = rules.fp8_backend_of_accelerate(fp8_config.get("backend")) if precision == rules.FP8 else None
-    return {"file": path, "kind": "accelerate YAML", "strategy": _ACCELERATE_STRATEGY[kind],
+    fp8_backend = rules.fp8_backend_of_yaml(data) if precision == rules.FP8 else None
+    return {"file": path, "kind": "accelerate YAML", "strategy": rules.STRATEGY_OF_DISTRIBUTED_TYPE[kind],
             "processes_per_machine": max(1, processes // machines), "num_machines": machines,
             "use_cpu": bool(data.get("use_cpu")),
             # fp8 runs on DeepSpeed's bf16 block (hf_scale.rules.FP8_AUTOCAST): the YAML's fp8 is what the GPU needs.

@@ -73,10 +73,11 @@ def adapter_source(found: Layout) -> Source:
     FSDP2 shards; also what rescues an empty ZeRO-3 adapter file)."""
     from hf_scale.train.checkpoint import layout
 
-    if adapter_problem(found.path) is None:
+    problem = adapter_problem(found.path)
+    if problem is None:
         return safetensors_source(found.path / ADAPTER_WEIGHTS)
     if found.weights == layout.ADAPTER_ONLY:
-        check_adapter(found.path)  # nothing else to read it from: the one-line refusal
+        raise UserError(problem)  # nothing else to read it from: the one-line refusal
     return find_source(found)
 
 

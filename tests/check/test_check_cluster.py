@@ -238,11 +238,12 @@ def test_a_trainjob_against_a_given_hf_scale_config(tmp_path, capsys):
     assert found["manifest-processes"].endswith("has 4 per machine")
 
 
-def test_a_trainjob_against_the_configs_its_command_names(tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--hf_scale_config", "--hf-scale-config"])
+def test_a_trainjob_against_the_configs_its_command_names(flag, tmp_path, capsys):
     """Given only the manifest, check reads the --config_file and --hf_scale_config its command names (relative to
-    the manifest here) and compares both."""
+    the manifest here) and compares both; train.py's parser takes the flag in either spelling, and so does check."""
     job = tmp_path / "job.yaml"
-    job.write_text(TRAINJOB)
+    job.write_text(TRAINJOB.replace("--hf_scale_config", flag))
     (tmp_path / "configs").mkdir()
     shutil.copy(_hf_scale_2x4(tmp_path), tmp_path / "configs" / "hf.yaml")
     (tmp_path / "configs" / "acc.yaml").write_text(
@@ -329,6 +330,28 @@ def test_an_accelerate_num_processes_is_split_by_the_machines_of_the_yaml_it_lau
     data["spec"]["trainer"]["command"] = [*command[:5], "32", *command[6:]]  # 32 over 4 machines: 8 each
     job.write_text(yaml.safe_dump(data))
     assert "manifest-processes" not in {f["code"] for f in _run(capsys, "--manifest", str(job))[1]}
+
+
+@pytest.mark.parametrize(("train_batch_size", "expected"), [(16, []), (8, ["manifest-deepspeed-batch"])])
+def test_a_deepspeed_batch_counts_the_processes_accelerate_launch_num_processes_starts(train_batch_size, expected,
+                                                                                         tmp_path, capsys):
+    """`accelerate launch --config_file acc.yaml --num_processes 16` on 2 nodes starts 8 per node, a world of 16
+    (the YAML's own num_processes is 8, the TrainJob's numProcPerNode 4): DeepSpeed's train_batch_size is checked
+    against 16, the world the flag starts."""
+    job = tmp_path / "job.yaml"
+    job.write_text(TRAINJOB.replace("configs/acc.yaml,", "configs/acc.yaml, --num_processes, '16',")
+                   .replace(" --hf_scale_config, configs/hf.yaml,", "")
+                   .replace("numProcPerNode: 8", "numProcPerNode: 4"))
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "acc.yaml").write_text(ACCELERATE_2X4)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": train_batch_size, "train_micro_batch_size_per_gpu": 1,
+                              "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2}}))
+    code, findings = _run(capsys, str(ds), "--manifest", str(job))
+    found = [f for f in findings if f["code"] == "manifest-deepspeed-batch"]
+    assert [f["code"] for f in found] == expected, found
+    if expected:
+        assert code == 1 and "16 processes" in found[0]["problem"]
 
 
 def _trainjob(**changes) -> dict:

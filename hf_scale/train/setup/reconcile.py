@@ -122,7 +122,9 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
         if cfg.layout.dp_replicate > 1 and cfg.layout.dp_shard > 1 and cfg.layout.tp == 1:
             # HSDP is a 2-D mesh that accelerate builds from the YAML's parallelism_config (and transformers under
             # TP); neither torch's fully_shard here nor the plugin alone has one: FSDP2 would shard over every rank.
-            raise UserError(f"{where}: fsdp.sharding=hybrid_shard (dp_replicate={cfg.layout.dp_replicate} x dp_shard="
+            # Named as the user wrote it: hybrid_shard, or the parallelism sizes alone.
+            hsdp = "fsdp.sharding=hybrid_shard" if cfg.fsdp.sharding == "hybrid_shard" else "HSDP"
+            raise UserError(f"{where}: {hsdp} (dp_replicate={cfg.layout.dp_replicate} x dp_shard="
                             f"{cfg.layout.dp_shard}) under {request.launcher}: train.py's own FSDP2 setup has no "
                             f"2-D mesh and would shard over all {cfg.world_size} ranks; launch it with "
                             f"launch/{Path(path).stem}.accelerate.sh (its YAML's parallelism_config gives accelerate "

@@ -334,3 +334,14 @@ def test_fsdp2_hybrid_shard_is_refused_where_train_py_sets_fsdp_up_itself(tmp_pa
     full_shard = {**HSDP, "fsdp": {"sharding": "full_shard"}}  # the same world, one dimension: train.py runs it
     _, request, _ = _apply(tmp_path, ["--loop", "accelerate"], full_shard, _request(4))
     assert request.fsdp_settings["sharding"] == "full_shard"
+
+
+def test_hsdp_from_the_parallelism_sizes_alone_is_named_by_them(tmp_path):
+    """dp_replicate x dp_shard written in the parallelism section (fsdp.sharding left full_shard) is HSDP too; the
+    refusal names the sizes, not a hybrid_shard the user never wrote."""
+    sizes = {**HSDP, "fsdp": {"sharding": "full_shard"}, "parallelism": {"dp_replicate": 2, "dp_shard": 2}}
+    with pytest.raises(UserError) as refused:
+        _apply(tmp_path, ["--loop", "accelerate"], sizes, _request(4))
+    assert str(refused.value).startswith(f"--hf_scale_config={tmp_path / 'run.yaml'}: HSDP (dp_replicate=2 x "
+                                         "dp_shard=2) under torchrun: ")
+    assert "hybrid_shard" not in str(refused.value)
