@@ -156,10 +156,7 @@ def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard
         project_dir=args.output_dir,
         dynamo_plugin=_dynamo_plugin(args),
         kwargs_handlers=ddp_kwargs_handlers(args),
-        # sp > 1: accelerate wires DeepSpeed's Ulysses attention and data adapter in prepare (sequence_parallel.py);
-        # cp > 1: FSDP2 over dp_shard x cp and the ring attention's hooks (context_parallel.py).
-        parallelism_config=(sequence_parallel.accelerate_config(spec.layout)
-                            or context_parallel.accelerate_config(spec.layout, spec.cp_comm_strategy)),
+        parallelism_config=parallel.accelerate_parallelism_config(spec.layout, spec.cp_comm_strategy),
     ), spec))
 
 

@@ -57,15 +57,11 @@ class HfScaleTrainer(Trainer):
     def _build_accelerator_args(self, **kwargs):
         # FP8: accelerate's fp8 mode with hf_scale's recipe (train/model/fp8.py); TrainingArguments knows only bf16.
         args = with_fp8(super()._build_accelerator_args(**kwargs), self.spec)
-        if self.spec.layout.sp > 1:
-            # DeepSpeed Ulysses: accelerate wires the attention and the data adapter (model/sequence_parallel.py).
-            args["parallelism_config"] = sequence_parallel.accelerate_config(self.spec.layout)
-        if self.spec.layout.cp > 1:
-            # Context parallelism: FSDP2 over dp_shard x cp and the ring attention's hooks; the Trainer shards each
-            # batch itself (_prepare_context_parallel_inputs) and scales the loss by num_processes // tp
-            # (model/context_parallel.py has the rule).
-            args["parallelism_config"] = context_parallel.accelerate_config(self.spec.layout,
-                                                                            self.spec.cp_comm_strategy)
+        # SP or CP; under CP the Trainer shards each batch itself (_prepare_context_parallel_inputs) and scales the
+        # loss by num_processes // tp (model/context_parallel.py has the rule).
+        config = parallel.accelerate_parallelism_config(self.spec.layout, self.spec.cp_comm_strategy)
+        if config is not None:
+            args["parallelism_config"] = config
         if parallel.sharded_at_load(self.spec.layout) and not has_gpu():
             # The Trainer hands accelerate a ParallelismConfig for a model built on a TP mesh; accelerate 1.15
             # refuses one on DistributedType.MULTI_CPU. The mesh it would build is set after (create_accelerator_...).

@@ -43,8 +43,8 @@ def shard_on_cpu(model, settings: dict):
 
     if settings.get("version", 2) != 2:  # refused before (hf_scale.train.setup.reconcile): FSDP1 needs GPUs
         raise ValueError(f"fully_shard is FSDP2; fsdp.version={settings.get('version')}")
-    names = set(layer_classes(model, settings))
-    reshard = settings.get("sharding", "full_shard") != "shard_grad_op"  # as the plugin's (accelerate_yaml)
+    fields = plugin_fields(model, settings)  # the plugin's choices, applied here by hand
+    names, reshard = set(fields["transformer_cls_names_to_wrap"]), fields["reshard_after_forward"]
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         from hf_scale.errors import UserError

@@ -21,6 +21,16 @@ import torch
 from hf_scale.parallelism import Layout
 
 
+def accelerate_parallelism_config(layout: Layout, cp_comm_strategy: str = "allgather"):
+    """The Accelerator's ``parallelism_config`` of both loops: sp > 1, DeepSpeed Ulysses (accelerate wires the
+    attention and the data adapter: sequence_parallel.py); cp > 1, FSDP2 over dp_shard x cp and the ring attention's
+    hooks (context_parallel.py); else None (TP's mesh is transformers', built at load). The config never has both."""
+    from hf_scale.train.model import context_parallel, sequence_parallel
+
+    return (sequence_parallel.accelerate_config(layout)
+            or context_parallel.accelerate_config(layout, cp_comm_strategy))
+
+
 def sharded_at_load(layout: Layout) -> bool:
     """transformers builds this layout's model already sharded (TP, and FSDP2 over the data-parallel ranks)."""
     return layout.tp > 1
