@@ -52,18 +52,27 @@ ZERO3_DP2_SP2 = "strategy: deepspeed\nprecision: 'no'\ndeepspeed: {zero_stage: 3
                 "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The one-process run every sp layout is compared with, trained once per module (per xdist worker). One run
+    serves both loops: in one process they train the same steps (tests/train/loops/test_train_equivalence.py::
+    test_trainer_path_equals_manual_loop)."""
+    out = tmp_path_factory.mktemp("sp-reference") / "reference"
+    run_ok(launcher_command("python") + COMMON + ["--loop", "accelerate", "--per_device_train_batch_size", "8",
+                                                  "--output_dir", str(out)], env=child_env(), timeout=600)
+    return out
+
+
 @pytest.mark.parametrize(("loop", "layout"), [("accelerate", "zero2-sp2"), ("trainer", "zero2-sp2"),
                                               ("accelerate", "zero3-dp2-sp2"), ("trainer", "zero3-dp2-sp2")])
-def test_sp2_equals_one_process(loop, layout, tmp_path):
+def test_sp2_equals_one_process(loop, layout, reference, tmp_path):
     """ZeRO-3 x dp_shard=2 x sp=2 on 4 processes too: ZeRO-3 averages gradients over the sp group as well
     (sequence_parallel.loss_multiplier); the gradient norms tell (Adam's update would hide the scale). The manual
     loop's checkpoint-2 (two whole rounds of adapter micro-batches per rank) continues the run bit-identically, on
     both layouts. (A 4-process run with one micro-batch per step, to resume inside a round with two sp groups, is left
     out for time: its step's rows are not the one-process run's contiguous ones, so it needs its own full run; the
     next test resumes inside a round with one sp group, through the same skip.)"""
-    reference, sp2 = tmp_path / "reference", tmp_path / "sp2"
-    run_ok(launcher_command("python") + COMMON + ["--loop", loop, "--per_device_train_batch_size", "8",
-                                                  "--output_dir", str(reference)], env=child_env(), timeout=600)
+    sp2 = tmp_path / "sp2"
     config = tmp_path / "sp2.yaml"
     config.write_text(SP2 if layout == "zero2-sp2" else ZERO3_DP2_SP2)
     nproc = 2 if layout == "zero2-sp2" else 4
@@ -135,12 +144,9 @@ def test_an_sp2_checkpoint_in_the_next_epoch_inside_an_adapter_round_resumes_exa
     assert [r["grad_norm"] for r in at_sp1] == pytest.approx([r["grad_norm"] for r in want[21:]], rel=1e-4)
 
 
-def test_the_generated_sp_launch_script_runs_and_equals_one_process(tmp_path):
+def test_the_generated_sp_launch_script_runs_and_equals_one_process(reference, tmp_path):
     """`hf-scale generate` with parallelism.sp=2, then its accelerate launch file (the YAML's parallelism_config
     with sp_backend deepspeed): train.py takes the layout over from --hf_scale_config, as under torchrun."""
-    reference = tmp_path / "reference"
-    run_ok(launcher_command("python") + COMMON + ["--loop", "accelerate", "--per_device_train_batch_size", "8",
-                                                  "--output_dir", str(reference)], env=child_env(), timeout=600)
     generated = generate_config(tmp_path / "generated", "sp", preset="zero2", sets=[
         "topology.processes_per_machine=2", "precision=no", "parallelism.sp=2", "batch.micro_batch_size=4",
         "batch.gradient_accumulation_steps=2", "optimizer.lr=0.001", "deepspeed.torch_adam=true"])
