@@ -76,6 +76,18 @@ def world_size_of(inp: CheckInputs) -> int | None:
     return 1 if inp.accelerate.get("distributed_type") == "NO" else None
 
 
+FSDP_VERSION_KEY = "fsdp_config.fsdp_version"
+
+
+def fsdp_version_of(inp: CheckInputs) -> int | None:
+    """The FSDP version `accelerate launch` runs this YAML with: the FSDP_VERSION its launch code exports, else the
+    YAML's ``fsdp_config.fsdp_version``, 1 (accelerate's default) when left out; None when the YAML is not FSDP."""
+    if inp.accelerate.get("distributed_type") != "FSDP":
+        return None
+    written = (inp.launch_env or {}).get("FSDP_VERSION") or get_path(inp.accelerate, FSDP_VERSION_KEY, 1)
+    return 2 if str(written) == "2" else 1
+
+
 def is_deepspeed_yaml(inp: CheckInputs) -> bool:
     return inp.accelerate.get("distributed_type") == "DEEPSPEED"
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from hf_scale import parallelism, rules
 from hf_scale.check.findings import ERROR, WARNING, Finding, ignored_key_severity, in_file, is_int, rename_fix
-from hf_scale.check.inputs import CheckInputs, world_size_of
+from hf_scale.check.inputs import CheckInputs, fsdp_version_of, world_size_of
 from hf_scale.check.knowledge import known_section_keys, parallelism_value_problem
 
 SECTION = "parallelism_config"
@@ -89,13 +89,8 @@ def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
     machines = inp.accelerate.get("num_machines", 1)
     machines = machines if is_int(machines) and machines >= 1 else 1
     strategy = rules.STRATEGY_OF_DISTRIBUTED_TYPE.get(str(inp.accelerate.get("distributed_type")), "ddp")
-    fsdp_version = None
-    if strategy == "fsdp":
-        fsdp_config = inp.accelerate.get("fsdp_config")
-        version = fsdp_config.get("fsdp_version", 1) if isinstance(fsdp_config, dict) else 1
-        fsdp_version = int(version) if str(version) in ("1", "2") else 1
     errors, warnings = parallelism.layout_problems(
-        layout, strategy=strategy, fsdp_version=fsdp_version, processes_per_machine=max(world // machines, 1),
+        layout, strategy=strategy, fsdp_version=fsdp_version_of(inp), processes_per_machine=max(world // machines, 1),
         where=SECTION)
     for severity, problems in ((ERROR, errors), (WARNING, warnings)):
         for problem in problems:

@@ -8,17 +8,7 @@ from pathlib import Path
 
 from hf_scale.check.findings import ERROR, TRAINING_ARGS, Finding, get_path
 from hf_scale.check.fp8 import fp8_source
-from hf_scale.check.inputs import CheckInputs
-
-FSDP_VERSION_KEY = "fsdp_config.fsdp_version"
-
-
-def _fsdp_version(inp: CheckInputs) -> int | None:
-    """The FSDP version accelerate launch runs this YAML with (its FSDP_VERSION; 1 when the YAML leaves it out)."""
-    if inp.accelerate.get("distributed_type") != "FSDP":
-        return None
-    written = (inp.launch_env or {}).get("FSDP_VERSION") or get_path(inp.accelerate, FSDP_VERSION_KEY, 1)
-    return 2 if str(written) == "2" else 1
+from hf_scale.check.inputs import FSDP_VERSION_KEY, CheckInputs, fsdp_version_of
 
 
 def check_qlora(inp: CheckInputs) -> Iterator[Finding]:
@@ -45,7 +35,7 @@ def check_qlora(inp: CheckInputs) -> Iterator[Finding]:
                       quantization.refusal(load_in_4bit=True, lora_r=16, fp8_backend=backend),
                       f"Set `{key}` to bf16 in {Path(file).name}, or drop --load_in_4bit.",
                       {**asked, f"{file}:{key}": "fp8"})
-    if _fsdp_version(inp) == 1:
+    if fsdp_version_of(inp) == 1:
         file = inp.accelerate_file
         yield Finding(ERROR, "qlora-fsdp1", file, FSDP_VERSION_KEY,
                       quantization.sharding_refusal(1, {}),

@@ -10,7 +10,7 @@ from typing import Any
 
 from hf_scale.check.accelerate_yaml import launch_int
 from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, get_path, in_file, is_int
-from hf_scale.check.inputs import CheckInputs, world_size_of
+from hf_scale.check.inputs import CheckInputs, fsdp_version_of, world_size_of
 
 
 def check_use_cpu_processes(inp: CheckInputs) -> Iterator[Finding]:
@@ -124,8 +124,7 @@ def _fsdp_state_dict_type(inp: CheckInputs, section: dict[str, Any]) -> tuple[st
         written = str(section[key])
     if written is not None:
         return written.upper(), key or "fsdp_state_dict_type"
-    version = env.get("FSDP_VERSION") or str(section.get("fsdp_version", 1))
-    return ("FULL_STATE_DICT" if version == "1" else "SHARDED_STATE_DICT"), "fsdp_version"
+    return ("FULL_STATE_DICT" if fsdp_version_of(inp) == 1 else "SHARDED_STATE_DICT"), "fsdp_version"
 
 
 _GPU_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM")

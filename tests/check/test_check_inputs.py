@@ -238,3 +238,20 @@ def test_a_launch_the_hf_scale_config_refuses_is_an_error_with_train_py_message(
     assert finding["problem"] == f"{str(said.value).removeprefix(f'--hf_scale_config={flags[1]}: ')}: train.py " \
                                  "stops at start on this."
     assert f"{config_name}.yaml" in finding["fix"] and f"`{key}`" in finding["fix"]
+
+
+@pytest.mark.parametrize(("accelerate", "launch_env", "want"), [
+    ({"distributed_type": "MULTI_GPU"}, None, None),
+    ({"distributed_type": "FSDP", "fsdp_config": {}}, None, 1),  # accelerate's default
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}, None, 2),
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": "2"}}, None, 2),
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}, {"FSDP_VERSION": "1"}, 1),  # what runs
+    ({"distributed_type": "FSDP", "fsdp_config": {}}, {"FSDP_VERSION": "2"}, 2),
+])
+def test_the_fsdp_version_is_read_once_as_accelerate_launch_runs_it(accelerate, launch_env, want):
+    """One reading for every check that depends on it (qlora-fsdp1, the parallelism layout, the FSDP final save):
+    the variable accelerate's launch code exports wins over the YAML."""
+    from hf_scale.check.inputs import CheckInputs, fsdp_version_of
+
+    inp = CheckInputs(runner="trainer", accelerate_file="a.yaml", accelerate=accelerate, launch_env=launch_env)
+    assert fsdp_version_of(inp) == want
