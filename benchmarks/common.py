@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -58,6 +57,7 @@ def environment() -> dict:
     import torch
 
     import hf_scale
+    from hf_scale.installed import version_of
 
     cuda = torch.cuda.is_available()
     return {
@@ -67,7 +67,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         # The installed distributions' versions, read without importing them (DeepSpeed's import alone takes
         # seconds, and a benchmark that stops early, e.g. gpu.py without a GPU, should not pay it).
-        **{name: _installed_version(name) for name in ("transformers", "accelerate", "deepspeed", "datasets")},
+        **{name: version_of(name) for name in ("transformers", "accelerate", "deepspeed", "datasets")},
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
@@ -78,13 +78,6 @@ def environment() -> dict:
         "load_average_at_start": os.getloadavg()[0],
         "host": socket.gethostname(),
     }
-
-
-def _installed_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _cpu_model() -> str:

@@ -13,13 +13,14 @@ spans machines runs, slowly).
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool
+
+from hf_scale.installed import version_of
 
 SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 """The mesh dimensions, in the order the rule messages name them."""
@@ -312,17 +313,10 @@ def layout_from_yaml_block(block: dict[str, Any]) -> Layout:
 # --- what this node can run -----------------------------------------------------------------------------------
 
 
-def _installed(package: str) -> Version | None:
-    try:
-        return Version(importlib.metadata.version(package))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def version_problem(kind: str) -> str | None:
     """Why this node's torch/accelerate/transformers/deepspeed cannot run ``kind`` (tp, cp, sp, hsdp), or None."""
     for package, needed in NEEDS[kind].items():
-        have = _installed(package)
+        have = Version(written) if (written := version_of(package)) else None
         if have is None or have.release < Version(needed).release:
             shown = "not installed" if have is None else f"{have} is installed"
             return f"{kind} needs {package} >= {needed} ({shown}); pip install '{package}>={needed}'"

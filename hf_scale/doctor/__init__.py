@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -36,6 +35,7 @@ from hf_scale.doctor.allreduce import (
 )
 from hf_scale.doctor.config import DEFAULT_OPS, config_requirements, config_verdict
 from hf_scale.doctor.parallel_support import train_support
+from hf_scale.installed import version_of
 from hf_scale.precision_rules import fp8_backends
 
 __all__ = ["ALLREDUCE_BYTES", "ALLREDUCE_ITERS", "DEFAULT_OPS", "LINK_GBPS", "allreduce_bandwidth", "allreduce_report",
@@ -57,11 +57,7 @@ ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "FI_", "UCX_", "DS_BUILD_")
 def versions() -> dict:
     found = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
+    found.update({name: version_of(name) for name in PACKAGES})
     import torch
 
     found["cuda"] = torch.version.cuda

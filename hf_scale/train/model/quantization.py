@@ -15,6 +15,7 @@ bitsandbytes' uint8.
 from __future__ import annotations
 
 from hf_scale.errors import UserError
+from hf_scale.installed import version_of
 
 QUANT_TYPE = "nf4"
 """NormalFloat4: the quantiles of a normal distribution, what pretrained weights roughly follow."""
@@ -74,14 +75,7 @@ def sharding_refusal(fsdp_version: int | None, installed: dict[str, str], *,
 
 def installed_versions() -> dict[str, str]:
     """The versions of FSDP2_NEEDS's packages installed here (a missing one is left out)."""
-    import contextlib
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in FSDP2_NEEDS:
-        with contextlib.suppress(PackageNotFoundError):
-            found[name] = version(name)
-    return found
+    return {name: written for name in FSDP2_NEEDS if (written := version_of(name))}
 
 
 def check_installed() -> None:
