@@ -339,21 +339,21 @@ _NEEDS_GPU = {
 }
 
 
-# What train.py does with a kind this node can run, and how far hf_scale has proven it.
+# What train.py does with a kind this node can run, and how far hf_scale has proven it. Not hsdp: what train.py does
+# with it depends on the launcher as well (hf_scale.doctor.parallel_support.hsdp_support).
 _PROVEN = {
     "tp": "train.py runs it in both loops (equal to one process on CPU: tests/train/model/test_parallel.py)",
     "cp": "train.py runs it over FSDP2 with SDPA in both loops; proven on CPU up to the ring kernel, the cp=2 run "
           "against one process is benchmarks/gpu_cp.py (2 GPUs)",
     "sp": "train.py runs it in both loops (equal to one process on CPU: test_sequence_parallel_train.py)",
-    "hsdp": "train.py runs it (FSDP2 hybrid sharding)",
 }
 
 
 def node_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
-    """For `hf-scale doctor`: whether train.py can run each kind on this node (its torch/accelerate/transformers/
+    """For `hf-scale doctor`: whether train.py can run tp, cp and sp on this node (its torch/accelerate/transformers/
     deepspeed, and a GPU where one is needed), and why not; the same rules train.py refuses with (train_refusal)."""
     support = {}
-    for kind in NEEDS:
+    for kind in _PROVEN:
         problem = version_problem(kind)
         if problem is None and not gpu_present and kind in _NEEDS_GPU:
             problem = _NEEDS_GPU[kind]
