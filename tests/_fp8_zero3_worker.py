@@ -3,11 +3,13 @@ zero.Init (as from_pretrained builds it under ZeRO-3, and as accelerate hands it
 it: every weight partitioned to shape (0,)).
 
 Usage: MASTER_PORT=FREE python tests/_fp8_zero3_worker.py OUT_JSON
-Writes {"partitioned": [...], "plan": {...}, "line": "...", "converted": [...], "loss": {"fp8": x, "bf16": y}}:
-the shapes the weights had, the plan and the log line train.py computes, what torchao's real
-convert_to_float8_training swapped, using the filter accelerate receives (hf_scale.train.model.fp8.recipe_handler),
-and the first loss of one DeepSpeed ZeRO-3 step with the converted model and with the same model unconverted (torch
-runs fp8 matmuls on CPU too, slowly: this proves the ZeRO-3 gathering, not the speed).
+Writes {"partitioned": [...], "full_shapes": {...}, "matmul_parameters": n, "plan": {...}, "line": "...",
+"converted": [...], "loss": {"fp8": x, "bf16": y}}: the shapes the weights had, their full shapes and the matmul
+parameter count (the MFU's) as hf_scale reads them from the partitions, the plan and the log line train.py
+computes, what torchao's real convert_to_float8_training swapped, using the filter accelerate receives
+(hf_scale.train.model.fp8.recipe_handler), and the first loss of one DeepSpeed ZeRO-3 step with the converted model
+and with the same model unconverted (torch runs fp8 matmuls on CPU too, slowly: this proves the ZeRO-3 gathering,
+not the speed).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from torchao.float8 import convert_to_float8_training
 from torchao.float8.float8_linear import Float8Linear
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_scale.train.loops.metrics import matmul_parameters
 from hf_scale.train.model import fp8
+from hf_scale.train.model.partitioned import full_shape
 
 # Large enough that torchao converts the MLP's up/gate projections (out_features 2048 > 1024), small enough for CPU.
 CONFIG = {"hidden_size": 64, "intermediate_size": 2048, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -52,10 +56,13 @@ def main(out: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     model = _partitioned_model()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    sizes = {"full_shapes": {name: list(full_shape(param)) for name, param in model.named_parameters()},
+             "matmul_parameters": matmul_parameters(model)}  # before torchao swaps the layers
     plan = fp8.plan(model, "torchao")
     convert_to_float8_training(model, module_filter_fn=fp8.recipe_handler("torchao").module_filter_func)
     result = {
         "partitioned": sorted({str(tuple(m.weight.shape)) for m in linears.values()}),
+        **sizes,
         "plan": {"converted": sorted(plan.converted), "kept": plan.kept},
         "line": fp8.describe(plan),
         "converted": sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear)),

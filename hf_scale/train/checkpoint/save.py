@@ -119,10 +119,6 @@ def live_tensors(model) -> list[tuple[tuple[str, ...], torch.Tensor]]:
     return [(tuple(names), tensor) for names, tensor in groups.values()]
 
 
-def _full_shape(tensor: torch.Tensor) -> list[int]:
-    return list(tensor.ds_shape) if hasattr(tensor, "ds_shape") else list(tensor.shape)
-
-
 @contextlib.contextmanager
 def _materialized(tensor: torch.Tensor):
     """The whole tensor on every rank, for the duration of the block (a collective when it is sharded)."""

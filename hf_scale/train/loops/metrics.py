@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from hf_scale.train.data.packing import REAL_TOKENS
 from hf_scale.train.loops import profile
+from hf_scale.train.model.partitioned import full_numel
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity), by substring of torch.cuda.get_device_name().
 _PEAK_FLOPS_BY_DEVICE = {
@@ -42,16 +43,12 @@ def device_peak_flops() -> float | None:
 
 def matmul_parameters(model) -> int:
     """Parameters used in a matmul for every token (ZeRO-3 partitions counted at their full size)."""
-
-    def numel(param) -> int:
-        return getattr(param, "ds_numel", param.numel())
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    total = sum(numel(p) for p in model.parameters())
+    total = sum(full_numel(p) for p in model.parameters())
     embedding = base.get_input_embeddings().weight
     output = base.get_output_embeddings()
     tied = output is not None and output.weight is embedding
-    return total if tied else total - numel(embedding)
+    return total if tied else total - full_numel(embedding)
 
 
 def mean_example_length(dataset, sample: int = 10_000) -> float:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from hf_scale.errors import UserError
 from hf_scale.precision_rules import fp8_machine_refusal
 from hf_scale.rules import FP8_BACKEND_MODULES
+from hf_scale.train.model.partitioned import full_shape
 
 KEEP_IN_BF16 = ("lm_head",)
 """Kept in bf16 whatever their size: the output head's logits are where fp8's rounding costs the loss most."""
@@ -43,11 +44,9 @@ def check_can_run(backend: str) -> None:
 
 
 def weight_shape(module) -> tuple[int, ...]:
-    """The linear layer's (out_features, in_features): under DeepSpeed's zero.Init (ZeRO-3, which accelerate hands
-    to torchao before DeepSpeed wraps the model) the weight is partitioned to shape (0,) and its real shape is
-    DeepSpeed's `ds_shape`."""
-    weight = module.weight
-    return tuple(getattr(weight, "ds_shape", None) or weight.shape)
+    """The linear layer's (out_features, in_features), also under DeepSpeed's zero.Init (ZeRO-3, which accelerate
+    hands to torchao before DeepSpeed wraps the model), where the weight is partitioned to shape (0,)."""
+    return full_shape(module.weight)
 
 
 def module_filter(backend: str = "torchao") -> Callable:

@@ -251,7 +251,8 @@ def test_zero3_partitioned_model_is_planned_and_converted_as_the_whole_one(tmp_p
     """Under ZeRO-3 from_pretrained builds the model inside zero.Init and accelerate hands it to torchao before
     DeepSpeed wraps it: every weight has shape (0,), which torchao's own filter cannot unpack. The plan, the log
     line and the filter accelerate receives decide from DeepSpeed's ds_shape, as for the whole model; torchao then
-    converts those layers, and one ZeRO-3 step runs through them (one process, gloo: tests/_fp8_zero3_worker.py)."""
+    converts those layers, and one ZeRO-3 step runs through them (one process, gloo: tests/_fp8_zero3_worker.py).
+    The same full sizes give the MFU's parameter count."""
     import subprocess
     import sys
 
@@ -259,6 +260,8 @@ def test_zero3_partitioned_model_is_planned_and_converted_as_the_whole_one(tmp_p
     from paths import TESTS
     from train_helpers import child_env, free_port
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_scale.train.loops.metrics import matmul_parameters
 
     out = tmp_path / "zero3.json"
     done = subprocess.run([sys.executable, str(TESTS / "_fp8_zero3_worker.py"), str(out)],
@@ -268,7 +271,12 @@ def test_zero3_partitioned_model_is_planned_and_converted_as_the_whole_one(tmp_p
     found = json.loads(out.read_text())
     assert found["partitioned"] == ["(0,)"]  # what torchao's filter would have unpacked
     with torch.device("meta"):
-        whole = fp8.plan(LlamaForCausalLM(LlamaConfig(**CONFIG)), "torchao")
+        whole_model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        whole = fp8.plan(whole_model, "torchao")
+    # The partitions' full sizes (hf_scale.train.model.partitioned) are the whole model's: its shapes, and the matmul
+    # parameter count the MFU is computed from.
+    assert found["full_shapes"] == {name: list(param.shape) for name, param in whole_model.named_parameters()}
+    assert found["matmul_parameters"] == matmul_parameters(whole_model) > 0
     assert found["plan"] == {"converted": sorted(whole.converted), "kept": whole.kept}
     assert found["converted"] == sorted(whole.converted) == ["model.layers.0.mlp.gate_proj",
                                                              "model.layers.0.mlp.up_proj"]
