@@ -85,12 +85,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[
         raise UserError(f"--ray_num_cpus={ns.ray_num_cpus} is invalid: allowed 1 or more (leave it out to offer all "
                         "of this machine's CPUs)")
     ns.ray_node_ip = _node_ip(ns.ray_node_ip)
-    address = ns.ray_address or os.environ.get("RAY_ADDRESS")
+    # The cluster to join, decided once: "local" (Ray's own word for a new local instance) when none is named.
+    ns.ray_address = ns.ray_address or os.environ.get("RAY_ADDRESS") or "local"
     local_only = [flag for flag, value in (("--ray_node_ip", ns.ray_node_ip), ("--ray_num_cpus", ns.ray_num_cpus))
                   if value is not None]
-    if address not in (None, "", "local") and local_only:
-        raise UserError(f"{local_only[0]} sets up a new local Ray instance, but --ray_address/RAY_ADDRESS={address} "
-                        "joins an existing cluster (its own addresses and CPUs count): drop one of them")
+    if ns.ray_address != "local" and local_only:
+        raise UserError(f"{local_only[0]} sets up a new local Ray instance, but --ray_address/RAY_ADDRESS="
+                        f"{ns.ray_address} joins an existing cluster (its own addresses and CPUs count): drop one of "
+                        "them")
     cfg = load_config(ns.hf_scale_config)
     if cfg.world_size < 1:  # pragma: no cover - the config's own validation guarantees it
         raise UserError("the config's world size must be at least 1")
@@ -188,7 +190,7 @@ def local_only_env(address: str, node_ip: str | None) -> dict[str, str]:
 
 def run(argv: list[str]) -> int:
     ns, cfg, train_args = parse(argv)
-    address = ns.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+    address = ns.ray_address
     os.environ.update(local_only_env(address, ns.ray_node_ip))  # before `import ray`, which reads it
     try:
         import ray
@@ -204,7 +206,7 @@ def run(argv: list[str]) -> int:
         local_placement(cfg, gpus=torch.cuda.device_count(), cpus=ns.ray_num_cpus or get_num_cpus(),
                         cpus_given=ns.ray_num_cpus is not None)
     init: dict = {"address": address, "include_dashboard": False, "log_to_driver": True}
-    if init["address"] == "local":
+    if address == "local":
         if ns.ray_node_ip:
             init["_node_ip_address"] = ns.ray_node_ip
         if ns.ray_num_cpus:
