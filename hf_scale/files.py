@@ -115,14 +115,19 @@ def check_output_file(path: Path, flag: str) -> None:
             break
 
 
-def refuse_replacing(path: Path, text: str, *, flag: str, force: bool) -> None:
-    """Refuse to replace an existing file whose content differs from ``text`` unless ``force``: a hand-edited file
-    is never lost silently (an identical one is simply rewritten). Never blocks on a FIFO."""
-    if force or not (path.exists() or path.is_symlink()):
-        return
-    if read_bytes(path, flag) != text.encode("utf-8"):
-        raise UserError(f"{flag} {path} exists with different content; pass --force to replace it, or choose another "
-                        "file name")
+def already_written(path: Path, content: str | bytes, *, force: bool, flag: str | None = None,
+                    choose: str = "another file name") -> bool:
+    """Whether ``path`` already holds exactly ``content`` (nothing to write). A file with other content is refused
+    unless ``force``: a hand-edited file is never lost silently. ``flag``: the option that named the path, for the
+    message. Never blocks on a FIFO; a file that is not UTF-8 text simply differs."""
+    if not (path.exists() or path.is_symlink()):
+        return False
+    if read_bytes(path, flag or "existing file") == (content if isinstance(content, bytes) else content.encode()):
+        return True
+    if not force:
+        named = f"{flag} {path}" if flag else str(path)
+        raise UserError(f"{named} exists with different content; pass --force to replace it, or choose {choose}")
+    return False
 
 
 def save_figure_atomically(fig, path: Path, **savefig_kwargs) -> None:

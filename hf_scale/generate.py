@@ -19,10 +19,9 @@ from hf_scale import rules
 from hf_scale.config import DistributedConfig, config_from_data, config_warnings, load_config
 from hf_scale.config_types import name_problem
 from hf_scale.errors import UserError
-from hf_scale.files import write_files_together
+from hf_scale.files import already_written, write_files_together
 from hf_scale.generators import TARGETS, layout, render_files
 from hf_scale.generators.deepspeed_json import MODES
-from hf_scale.inputs import read_bytes
 from hf_scale.plan import (
     NothingFits,
     add_plan_arguments,
@@ -382,17 +381,8 @@ def _plan_writes(output_dir: Path, files: dict[str, str | bytes], *, force: bool
                 raise UserError(f"cannot write {path}: {output_dir / parent} exists and is not a directory")
         if path.is_dir():
             raise UserError(f"cannot write {path}: it is a directory")
-        if path.exists() or path.is_symlink():
-            # Never blocks on a FIFO; a file that is not UTF-8 text simply differs.
-            current = read_bytes(path, "existing file")
-            if current == (text if isinstance(text, bytes) else text.encode("utf-8")):
-                continue
-            if not force:
-                raise UserError(
-                    f"{path} exists with different content; pass --force to replace it, or choose another "
-                    "--name/--output-dir"
-                )
-        changed.add(rel_path)
+        if not already_written(path, text, force=force, choose="another --name/--output-dir"):
+            changed.add(rel_path)
     return changed
 
 

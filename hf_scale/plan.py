@@ -18,7 +18,7 @@ import yaml
 from hf_scale import rules
 from hf_scale.config_types import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
 from hf_scale.errors import UserError
-from hf_scale.files import check_output_file, refuse_replacing, write_text_atomically
+from hf_scale.files import already_written, check_output_file, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
 from hf_scale.planner.parallel import SIZES
 from hf_scale.planner.rank import (
@@ -254,7 +254,7 @@ def run_plan(args: argparse.Namespace) -> int:
     # Everything that can fail is computed before any file is written.
     config_text = planned_config_yaml(plan) if args.write_config and plan.recommended is not None else None
     if config_text is not None:
-        refuse_replacing(Path(args.write_config), config_text, flag="--write-config", force=args.force)
+        already_written(Path(args.write_config), config_text, flag="--write-config", force=args.force)
     if args.plot:
         write_plot(plan, Path(args.plot))
     if config_text is not None:
