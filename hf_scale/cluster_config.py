@@ -213,3 +213,13 @@ class ClusterConfig(_Section):
     job_recovery.max_restarts_on_errors, Ray FailureConfig.max_failures)."""
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     skypilot: SkyPilotSettings = Field(default_factory=SkyPilotSettings)
+
+    def on_volume(self, relative: str) -> str:
+        """A path on the shared output volume, as every node sees it: ``on_volume(NAME)`` is the run's --output_dir
+        (where a restarted node resumes from), ``on_volume(".cache/huggingface")`` the Hub cache."""
+        return f"{self.output_dir.rstrip('/')}/{relative}"
+
+    def node_train_args(self, name: str) -> list[str]:
+        """train.py's flags on every node of the run NAME, after the generated launch script's own: its output
+        directory on the volume, then ``train_args``."""
+        return ["--output_dir", self.on_volume(name), *self.train_args]

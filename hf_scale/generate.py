@@ -319,18 +319,17 @@ def _check_train_args(cfg: DistributedConfig, name: str) -> None:
         return
     from hf_scale.check.train_flags import against_config, parse_train_flags
 
-    output = f"{cfg.cluster.output_dir.rstrip('/')}/{name}"
-    owned = {"--output_dir": f"every node passes --output_dir {output} (cluster.output_dir/NAME, on the output "
-                             "volume); a second one would put the checkpoints off it: change cluster.output_dir or "
-                             "--name instead",
-             "--hf_scale_config": f"every node passes the generated hf_scale_configs/{name}.yaml; a second one would "
-                                  "train another config: change this config instead"}
+    output = cfg.cluster.on_volume(name)
+    owned = {"output_dir": f"every node passes --output_dir {output} (cluster.output_dir/NAME, on the output "
+                           "volume); a second one would put the checkpoints off it: change cluster.output_dir or "
+                           "--name instead",
+             "hf_scale_config": f"every node passes the generated hf_scale_configs/{name}.yaml; a second one would "
+                                "train another config: change this config instead"}
     for arg in train_args:
-        flag = arg.partition("=")[0].replace("-", "_").replace("__", "--", 1)
-        if flag in owned:
-            raise UserError(f"cluster.train_args: {arg.partition('=')[0]} is not allowed: {owned[flag]}")
+        for field in rules.given_flags([arg], owned):  # in every spelling train.py takes
+            raise UserError(f"cluster.train_args: {arg.partition('=')[0]} is not allowed: {owned[field]}")
     try:
-        flags = parse_train_flags(["--output_dir", output, *train_args], read_recipe=False)
+        flags = parse_train_flags(cfg.cluster.node_train_args(name), read_recipe=False)
     except UserError as error:
         raise UserError(f"cluster.train_args: {error} (train.py would refuse them on every node)") from None
     contradictions = against_config(flags, cfg, "cluster.train_args").contradictions

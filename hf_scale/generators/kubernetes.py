@@ -51,13 +51,12 @@ def node_command(cfg: DistributedConfig, name: str) -> tuple[list[str], list[str
     """The container's command and args: NAME.node.sh in the image, the output directory on the volume, then the
     config's train.py flags."""
     script = f"{DEFAULT_IMAGE_HOME}/{layout.launch_file(f'{name}.node.sh')}"
-    output = f"{cfg.cluster.output_dir.rstrip('/')}/{name}"
-    return ["bash", script], ["--output_dir", output, *cfg.cluster.train_args]
+    return ["bash", script], cfg.cluster.node_train_args(name)
 
 
 def node_env(cfg: DistributedConfig) -> list[dict[str, str]]:
     """The containers' env: HF_HOME on the output volume, then cluster.env (which may override it)."""
-    env = {"HF_HOME": f"{cfg.cluster.output_dir.rstrip('/')}/{HF_CACHE}", **cfg.cluster.env}
+    env = {"HF_HOME": cfg.cluster.on_volume(HF_CACHE), **cfg.cluster.env}
     return [{"name": name, "value": value} for name, value in env.items()]
 
 

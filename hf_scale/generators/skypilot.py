@@ -29,8 +29,7 @@ from hf_scale.generators.launch import _check_name
 def sky_task(cfg: DistributedConfig, name: str) -> dict[str, Any]:
     _check_name(name)
     cluster, sky = cfg.cluster, cfg.cluster.skypilot
-    output = f"{cluster.output_dir.rstrip('/')}/{name}"
-    run = shlex.join(["bash", layout.launch_file(f"{name}.node.sh"), "--output_dir", output, *cluster.train_args])
+    run = shlex.join(["bash", layout.launch_file(f"{name}.node.sh"), *cluster.node_train_args(name)])
     return {
         "name": job_name(name),
         "num_nodes": cfg.topology.num_machines,
