@@ -22,7 +22,7 @@ from hf_scale.check.findings import (
     is_comment_key,
     rename_fix,
 )
-from hf_scale.check.inputs import CheckInputs, deepspeed_view
+from hf_scale.check.inputs import CheckInputs, deepspeed_view, local_model_config
 from hf_scale.check.knowledge import fp8_launch_name, fp8_value_problem, known_fp8_names
 
 SECTION = "fp8_config"
@@ -168,18 +168,17 @@ def _model_plan(inp: CheckInputs, backend: str):
 
     if importlib.util.find_spec("torchao") is None:
         return None
+    config = local_model_config(inp)
+    if config is None:
+        return None
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
     from hf_scale.train.model import fp8
 
-    path = inp.training.get("model_name_or_path") or str(EMBEDDED_MODEL_DIR)
-    if not (Path(path) / "config.json").is_file():
-        return None
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            model = AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError):
         return None  # not a causal LM transformers can build: the training would say so
     return fp8.plan(model, backend)

@@ -76,6 +76,25 @@ def world_size_of(inp: CheckInputs) -> int | None:
     return 1 if inp.accelerate.get("distributed_type") == "NO" else None
 
 
+def local_model_config(inp: CheckInputs):
+    """The training's model config (``--model_name_or_path``, else train.py's embedded demo model) when its
+    config.json is on this machine (a Hub id is not fetched), else None; None too when transformers cannot read
+    it (train.py says so itself)."""
+    if inp.training is None:
+        return None
+    from transformers import AutoConfig
+
+    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+
+    path = inp.training.get("model_name_or_path") or str(EMBEDDED_MODEL_DIR)
+    if not (Path(path) / "config.json").is_file():
+        return None
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
 FSDP_VERSION_KEY = "fsdp_config.fsdp_version"
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from hf_scale import parallelism, rules
 from hf_scale.check.findings import ERROR, WARNING, Finding, ignored_key_severity, in_file, is_int, rename_fix
-from hf_scale.check.inputs import CheckInputs, fsdp_version_of, world_size_of
+from hf_scale.check.inputs import CheckInputs, fsdp_version_of, local_model_config, world_size_of
 from hf_scale.check.knowledge import known_section_keys, parallelism_value_problem
 
 SECTION = "parallelism_config"
@@ -121,7 +121,7 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
     problem = context_parallel.flag_refusal(layout, packing=bool(inp.training.get("packing")),
                                             attn_implementation=str(inp.training.get("attn_implementation", "auto")),
                                             where=key)
-    config = None if problem else _model_config(inp)
+    config = None if problem else local_model_config(inp)
     if config is not None:
         problem = parallel.model_problem(layout, config, key)
     if problem:
@@ -130,18 +130,3 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
                       {f"{file}:{key}": layout.describe()})
 
 
-def _model_config(inp: CheckInputs):
-    """The model's config when its config.json is on this machine (a Hub id is not fetched), else None."""
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
-
-    path = inp.training.get("model_name_or_path") or str(EMBEDDED_MODEL_DIR)
-    if not (Path(path) / "config.json").is_file():
-        return None
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError):
-        return None  # not a config transformers reads: train.py says so itself
