@@ -19,9 +19,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_scale.errors import UserError
-from hf_scale.rules import given_flags
-
 
 @dataclass(frozen=True)
 class TrainFlags:
@@ -45,21 +42,12 @@ def parse_train_flags(argv: Sequence[str], *, read_recipe: bool = True) -> Train
     file the arguments name is left unread (it lives where the job runs, e.g. in the image); its flags are then
     train.py's to check at start."""
     from hf_scale.train.setup import flag_values
-    from hf_scale.train.setup.parser import build_parser
-    from hf_scale.train.setup.recipe import expand_recipe, recipe_argument
+    from hf_scale.train.setup.parser import parse_flags
 
-    parser = build_parser()
-    argv = list(argv)
-    if read_recipe:
-        with _environment_kept():  # a recipe's `env:` is for the training processes, not for this process
-            argv, _ = expand_recipe(parser, argv)
-    else:
-        argv = recipe_argument(parser, argv)[0]
-    namespace, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
+    with _environment_kept():  # a recipe's `env:` is for the training processes, not for this process
+        namespace, given, _ = parse_flags(list(argv), read_recipe=read_recipe)
     flag_values.check(namespace)  # each value in its range, as train.py checks it first
-    return TrainFlags(namespace, given_flags(argv, vars(namespace)))
+    return TrainFlags(namespace, given)
 
 
 def against_config(flags: TrainFlags, config: Any, where: str) -> TrainFlags:

@@ -28,8 +28,7 @@ from hf_scale.train.loops import evaluation
 from hf_scale.train.model.arguments import ModelArguments
 from hf_scale.train.model.load import check_lora_flags
 from hf_scale.train.setup import distributed, flag_values, guard, loop_flags, reconcile, run_spec
-from hf_scale.train.setup.parser import build_parser
-from hf_scale.train.setup.recipe import expand_recipe
+from hf_scale.train.setup.parser import build_parser, parse_flags
 from hf_scale.train.setup.run_spec import RunSpec
 
 
@@ -176,16 +175,10 @@ def prepare(argv: list[str] | None) -> Run:
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], str | None]:
     """The flags, which of them were given (the recipe's count) and the recipe's path. The only reader of the
     command line: from here on "was --x given" is a question to the set, never to the raw argv again."""
-    parser = build_parser()
-    # A recipe's values become flags before the command line's (which override them), so "given" covers both.
-    argv, recipe_path = expand_recipe(parser, sys.argv[1:] if argv is None else list(argv))
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
+    ns, given, recipe_path = parse_flags(sys.argv[1:] if argv is None else argv)
     if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.train.entry) saw only the command line
         quiet.undo()
     # One spelling of activation checkpointing from here on.
-    given = rules.given_flags(argv, vars(ns))
     return reconcile.filled(ns, reconcile.checkpointing_spelling(ns)), given, recipe_path
 
 

@@ -8,6 +8,7 @@ import json
 
 from transformers import HfArgumentParser, TrainingArguments
 
+from hf_scale import rules
 from hf_scale.errors import UserError
 from hf_scale.inputs import NEGATIVE_NUMBER
 from hf_scale.train.data import sources
@@ -15,7 +16,7 @@ from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.model.arguments import ModelArguments
 from hf_scale.train.setup.args import ScaleArguments
 from hf_scale.train.setup.help import GroupedHelp
-from hf_scale.train.setup.recipe import add_config_flag
+from hf_scale.train.setup.recipe import add_config_flag, expand_recipe, recipe_argument
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
 
@@ -61,3 +62,16 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("not a JSON object")
     return value
+
+
+def parse_flags(argv: list[str], *, read_recipe: bool = True) -> tuple[argparse.Namespace, frozenset[str], str | None]:
+    """``argv`` as train.py reads it: the flags, which of them were given and the recipe's path. A recipe's values
+    become flags before the command line's (which override them), so "given" covers both (and its ``env:`` is set).
+    ``read_recipe=False``: a recipe the arguments name is left unread (`hf-scale check` of a job's flags: the file
+    lives where the job runs). An unknown flag is train.py's one-line error."""
+    parser = build_parser()
+    argv, recipe_path = (expand_recipe if read_recipe else recipe_argument)(parser, list(argv))
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
+    return namespace, rules.given_flags(argv, vars(namespace)), recipe_path
