@@ -319,19 +319,18 @@ def _check_train_args(cfg: DistributedConfig, name: str) -> None:
         return
     from hf_scale.check.train_flags import against_config, parse_train_flags
 
-    output = cfg.cluster.on_volume(name)
-    owned = {"output_dir": f"every node passes --output_dir {output} (cluster.output_dir/NAME, on the output "
-                           "volume); a second one would put the checkpoints off it: change cluster.output_dir or "
-                           "--name instead",
-             "hf_scale_config": f"every node passes the generated hf_scale_configs/{name}.yaml; a second one would "
-                                "train another config: change this config instead"}
-    for arg in train_args:
-        for field in rules.given_flags([arg], owned):  # in every spelling train.py takes
-            raise UserError(f"cluster.train_args: {arg.partition('=')[0]} is not allowed: {owned[field]}")
-    try:
-        flags = parse_train_flags(cfg.cluster.node_train_args(name), read_recipe=False)
+    try:  # cluster.train_args alone: the node's own --output_dir before them changes nothing else
+        flags = parse_train_flags(train_args, read_recipe=False)
     except UserError as error:
         raise UserError(f"cluster.train_args: {error} (train.py would refuse them on every node)") from None
+    owned = {"output_dir": f"every node passes --output_dir {cfg.cluster.on_volume(name)} (cluster.output_dir/NAME, "
+                           "on the output volume); a second one would put the checkpoints off it: change "
+                           "cluster.output_dir or --name instead",
+             "hf_scale_config": f"every node passes the generated hf_scale_configs/{name}.yaml; a second one would "
+                                "train another config: change this config instead"}
+    taken = sorted(flags.given & owned.keys())  # given in any spelling train.py takes
+    if taken:
+        raise UserError(f"cluster.train_args: --{taken[0]} is not allowed: {owned[taken[0]]}")
     contradictions = against_config(flags, cfg, "cluster.train_args").contradictions
     if contradictions:
         raise UserError("; ".join(contradictions) + " (train.py would stop on this on every node)")

@@ -219,7 +219,7 @@ GENERATE = [
     gen_set("train-args-output-dir", "zero3", ["cluster.train_args=[--output_dir, /elsewhere]"],
             "cluster.train_args: --output_dir is not allowed: every node passes --output_dir /output/zero3"),
     gen_set("train-args-output-dir-dashed", "zero3", ["cluster.train_args=[--output-dir=/elsewhere]"],
-            "cluster.train_args: --output-dir is not allowed"),
+            "cluster.train_args: --output_dir is not allowed"),
     gen_set("train-args-hf-scale-config", "zero3", ["cluster.train_args=[--hf_scale_config, x.yaml]"],
             "cluster.train_args: --hf_scale_config is not allowed"),
     # cluster.env: a secret would be written in plain text into every manifest (and is never echoed back); the
