@@ -8,11 +8,12 @@ traceback. Everything that raises :class:`UserError` relies on the entry points
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from hf_scale.exit_codes import EXIT_BAD_INPUT
+from hf_scale.exit_codes import EXIT_BAD_INPUT, REFUSED_MARKER_ENV
 
 
 class UserError(Exception):
@@ -26,6 +27,23 @@ class UserError(Exception):
 
 def exit_with_user_error(prog: str, error: UserError) -> NoReturn:
     print(f"{prog}: error: {error}", file=sys.stderr)
+    sys.exit(error.exit_code)
+
+
+def exit_refusing(prog: str, error: UserError) -> NoReturn:
+    """A training process's exit on ``error``: under a generated launch script (REFUSED_MARKER_ENV set, see
+    hf_scale.exit_codes) a refusal (exit 2) is written to the script's marker file by the first rank that refuses,
+    and printed by the script once; the other ranks print nothing. Anything else: :func:`exit_with_user_error`."""
+    marker = os.environ.get(REFUSED_MARKER_ENV)
+    if not marker or error.exit_code != EXIT_BAD_INPUT:
+        exit_with_user_error(prog, error)
+    try:
+        with open(marker, "x", encoding="utf-8") as file:  # "x": one rank's line, never two
+            file.write(f"{prog}: error: {error}\n")
+    except FileExistsError:
+        pass  # another rank wrote it first
+    except OSError:  # the script's folder is gone: say it here
+        exit_with_user_error(prog, error)
     sys.exit(error.exit_code)
 
 

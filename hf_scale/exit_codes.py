@@ -15,3 +15,13 @@ PREEMPTED_MARKER_ENV = "HF_SCALE_PREEMPTED_MARKER"
 """Every launcher reports a training process's exit code 75 as its own failure (torchrun and accelerate: 1),
 so the generated launch scripts point this variable at a file that train.py creates after saving the
 checkpoint on a stop request (hf_scale.train.checkpoint.preemption); the script then exits EXIT_PREEMPTED."""
+
+REFUSED_MARKER_ENV = "HF_SCALE_REFUSED_MARKER"
+"""A launcher turns a training process's exit 2 into its own traceback (torchrun and accelerate: ChildFailedError,
+exit 1) and every rank that refuses prints the same line. The generated launch scripts point this variable at a
+file: the first rank to refuse writes its one line there (and prints nothing), and the script prints that line
+once, holds back what the launcher adds after it, and exits EXIT_BAD_INPUT."""
+
+TERMINAL_ENV = "HF_SCALE_TERMINAL"
+"""Set to 1 by the generated launch scripts when their own stderr is a terminal: the launcher's output reaches it
+through the scripts' filter (a pipe), and train.py draws progress bars only on a terminal (hf_scale.quiet)."""

@@ -52,6 +52,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hf_scale.errors import UserError
+from hf_scale.exit_codes import TERMINAL_ENV
 
 VERBOSE_ENV = "HF_SCALE_VERBOSE"
 VERBOSE_FLAG = "--verbose"
@@ -208,7 +209,7 @@ def transformers_progress_bars_on_a_terminal(verbose: bool) -> Iterator[None]:
 def progress_bars_on_a_terminal_only() -> None:
     """datasets' and transformers' progress bars off unless stderr is a terminal (see the module docstring);
     a choice the user made with HF_DATASETS_DISABLE_PROGRESS_BARS / HF_HUB_DISABLE_PROGRESS_BARS stands."""
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() or os.environ.get(TERMINAL_ENV) == "1":  # a launch script's filter: a terminal behind it
         return
     if "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ:
         import datasets

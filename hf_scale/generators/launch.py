@@ -22,7 +22,13 @@ import shlex
 
 from hf_scale.config import DistributedConfig
 from hf_scale.config_types import host_problem, name_problem
-from hf_scale.exit_codes import EXIT_PREEMPTED, PREEMPTED_MARKER_ENV
+from hf_scale.exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_PREEMPTED,
+    PREEMPTED_MARKER_ENV,
+    REFUSED_MARKER_ENV,
+    TERMINAL_ENV,
+)
 from hf_scale.generators import layout
 
 # Seconds before the SLURM time limit at which the training processes are asked to checkpoint and stop.
@@ -94,6 +100,34 @@ fi
 # exit as a failure, so this script exits {EXIT_PREEMPTED} instead, and the SLURM script requeues the job.
 status_dir=$(mktemp -d "${{TMPDIR:-/tmp}}/hf-scale.XXXXXX")
 export {PREEMPTED_MARKER_ENV}="$status_dir/preempted"
+# A refusal (bad flags, config, machine) ends every training process with exit 2 and the same line; the launcher
+# adds its own traceback (ChildFailedError) and exits 1. So the first process to refuse writes its line to
+# ${REFUSED_MARKER_ENV} instead, the launcher's output passes through a filter that holds back what comes
+# after that file exists, and this script prints the line once and exits {EXIT_BAD_INPUT}, as `python train.py` does.
+export {REFUSED_MARKER_ENV}="$status_dir/refused"
+if [ -t 2 ]; then export {TERMINAL_ENV}=1; fi  # progress bars still drawn on a terminal behind the filter
+mkfifo "$status_dir/out" "$status_dir/err"
+# The filter ignores stop requests (SLURM signals every process of the step): it ends when the launcher's
+# processes have all closed their output.
+until_refused() {{
+  "$(command -v python3 || echo python)" -c '
+import os, signal, sys
+for stop in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    signal.signal(stop, signal.SIG_IGN)
+marker = sys.argv[1]
+out = os.fdopen(1, "wb", buffering=0)
+while chunk := os.read(0, 65536):
+    if not os.path.exists(marker):
+        try:
+            out.write(chunk)
+        except OSError:
+            pass  # the terminal is gone: keep draining so the launcher never blocks
+' "${REFUSED_MARKER_ENV}"
+}}
+until_refused <"$status_dir/out" &
+out_filter=$!
+until_refused <"$status_dir/err" >&2 &
+err_filter=$!
 launcher=""
 repeater=""
 stop_requested=0
@@ -158,7 +192,7 @@ trap 'if [ -n "$launcher" ]; then kill -INT "$launcher" 2>/dev/null || true; fi'
 if [ ! -r /proc/self/stat ] && ! command -v ps >/dev/null; then
   echo "hf-scale: warning: neither /proc nor ps: stop requests cannot reach the training processes" >&2
 fi
-(trap '' USR1; exec "${{{launch}[@]}}" "${{train[@]}}" {train_args}"$@") &
+(trap '' USR1; exec "${{{launch}[@]}}" "${{train[@]}}" {train_args}"$@" >"$status_dir/out" 2>"$status_dir/err") &
 launcher=$!
 if [ "$stop_requested" -eq 1 ]; then request_stop; fi
 status=0
@@ -168,8 +202,19 @@ while :; do
   # A trapped signal interrupts `wait`: keep waiting until the launcher itself has ended.
   kill -0 "$launcher" 2>/dev/null || break
 done
+# All the launcher wrote is out once its processes have closed their output; one that outlives the launcher
+# (a stray grandchild) holds the script up for 10 s at most.
+for _ in $(seq 100); do
+  kill -0 "$out_filter" 2>/dev/null || kill -0 "$err_filter" 2>/dev/null || break
+  sleep 0.1
+done
+kill -KILL "$out_filter" "$err_filter" 2>/dev/null || true
 if [ -e "${PREEMPTED_MARKER_ENV}" ]; then
   exit {EXIT_PREEMPTED}
+fi
+if [ -e "${REFUSED_MARKER_ENV}" ]; then
+  cat -- "${REFUSED_MARKER_ENV}" >&2
+  exit {EXIT_BAD_INPUT}
 fi
 exit "$status"
 """

@@ -23,7 +23,7 @@ from typing import Any
 from transformers import set_seed
 
 from hf_scale import hub, launch_values, rules
-from hf_scale.errors import UserError, exit_with_user_error
+from hf_scale.errors import UserError, exit_refusing
 from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, resume
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         # interpreter at exit and would turn exit code 2 into SIGABRT.
         distributed.shutdown(barrier=False)
         _close_progress_bars()
-        exit_with_user_error("train.py", reported)
+        exit_refusing("train.py", reported)
     finally:
         output_lock.release()
     sys.exit(code)
