@@ -107,8 +107,8 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
     """`parallelism-unsupported` (error): what train.py refuses for the layout before the model loads, said from
     the files when training args are given: tp or sp not dividing the model's attention and key/value heads,
     attention context parallelism cannot compute (a local config.json, or the embedded model train.py defaults
-    to), cp with --packing or a kernel other than SDPA (hf_scale.train.model.parallel.model_problem,
-    context_parallel.flag_refusal: train.py's words)."""
+    to), cp or sp with --packing or a kernel other than SDPA, tp with --lora_r (hf_scale.train.model.parallel:
+    model_problem, flag_refusal: train.py's words)."""
     if inp.training is None:
         return
     layout, file, key = _layout(inp), inp.accelerate_file, SECTION
@@ -116,11 +116,11 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
         layout, file, key = inp.hf_scale_config.layout, inp.hf_scale_config_file, "parallelism"
     if layout is None or layout.model_parallel_size == 1:
         return
-    from hf_scale.train.model import context_parallel, parallel
+    from hf_scale.train.model import parallel
 
-    problem = context_parallel.flag_refusal(layout, packing=bool(inp.training.get("packing")),
-                                            attn_implementation=str(inp.training.get("attn_implementation", "auto")),
-                                            where=key)
+    problem = parallel.flag_refusal(layout, packing=bool(inp.training.get("packing")),
+                                    attn_implementation=str(inp.training.get("attn_implementation", "auto")),
+                                    lora_r=int(inp.training.get("lora_r") or 0), where=key)
     config = None if problem else local_model_config(inp)
     if config is not None:
         problem = parallel.model_problem(layout, config, key)

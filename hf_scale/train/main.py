@@ -115,8 +115,7 @@ def build(run: Run) -> Built | None:
     if run.spec.layout.cp > 1:
         collator = context_parallel.collator(collator, run.spec.layout, tokenizer)
     if run.spec.layout.sp > 1:
-        collator = sequence_parallel.collator(collator, run.spec.layout, tokenizer, packing=data_args.packing,
-                                              attn_implementation=model_args.attn_implementation,
+        collator = sequence_parallel.collator(collator, run.spec.layout, tokenizer,
                                               # The adapter all-gathers each rank's batch; gloo refuses tensors
                                               # of unequal lengths, so on CPU every batch has one length.
                                               pad_to=None if has_gpu() else data_args.max_seq_length)

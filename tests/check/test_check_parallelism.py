@@ -93,6 +93,15 @@ TRIGGERS = {
         merged(FSDP4, block(dp_shard=2, cp=2)), None, ["--output_dir", "out", "--packing"], None, [],
         "parallelism-unsupported", "error",
     ),
+    # (the same rule as train.py's start: hf_scale.train.model.parallel.flag_refusal)
+    "tp-with-lora": (
+        merged(FSDP4, block(dp_shard=2, tp=2)), None, ["--output_dir", "out", "--lora_r", "4"], None, [],
+        "parallelism-unsupported", "error",
+    ),
+    "sp-with-eager-attention": (
+        merged(DS_YAML, {"num_processes": 4, **block(sp=2, dp_shard=2)}), DS_JSON,
+        ["--output_dir", "out", "--attn_implementation", "eager"], None, [], "parallelism-unsupported", "error",
+    ),
     "tp-across-machines": (
         merged(FSDP4, {"num_machines": 2, "main_process_ip": "10.0.0.1", **block(dp_shard=1, cp=1, tp=4)}),
         None, [], None, [], "parallelism-unsupported", "error",
@@ -149,3 +158,20 @@ def test_heads_and_cp_flags_are_train_pys_refusals_from_the_yaml_or_the_hf_scale
     assert "parallelism.sp=4 does not divide the model's num_key_value_heads=2" in found[0]["problem"]
     _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg)
     assert not _problems(payload)
+
+
+def test_tp_with_lora_and_sp_with_eager_are_train_pys_refusals_in_its_words(tmp_path, monkeypatch, capsys):
+    """`check tp2.yaml -- --lora_r 4` and `check sp2.yaml -- --attn_implementation eager` said ok, then train.py
+    refused at start: now the same function says it in both."""
+    _, payload = check_json(tmp_path, monkeypatch, capsys, *TRIGGERS["tp-with-lora"][:3])
+    assert _problems(payload) == [
+        "--lora_r=4 with tensor parallelism (parallelism_config.tp=2): hf_scale has not proven peft's LoRA layers on "
+        "DTensor weights; train all weights (--lora_r 0) or set parallelism.tp to 1 (train.py stops on it before the "
+        "model loads)."]
+    (tmp_path / "sp.yaml").write_text("strategy: deepspeed\ntopology: {processes_per_machine: 4}\n"
+                                      "parallelism: {sp: 2}\n")
+    _, payload = check_json(tmp_path, monkeypatch, capsys, merged(DS_YAML, {"num_processes": 4}), DS_JSON,
+                            ["--output_dir", "out", "--hf_scale_config", "sp.yaml", "--attn_implementation", "eager"])
+    assert _problems(payload) == [
+        "parallelism.sp=2 with --attn_implementation=eager: Ulysses runs here around sdpa; use --attn_implementation "
+        "sdpa (or auto) (train.py stops on it before the model loads)."]

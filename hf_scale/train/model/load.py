@@ -208,9 +208,6 @@ def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, on_m
     ``sharded_precision``: the run's precision under ZeRO-3 or FSDP, which decides how a 4-bit base stores its
     weights (hf_scale.train.model.quantization)."""
     path = resolve_model_path(model_args)
-    if on_mesh and model_args.lora_r > 0:
-        raise UserError(f"--lora_r={model_args.lora_r} with tensor parallelism: hf_scale has not proven peft's "
-                        "LoRA layers on DTensor weights; train all weights (--lora_r 0) or set parallelism.tp to 1")
     load_kwargs = dict(on_mesh or {})
     if model_args.load_in_4bit:
         from hf_scale.train.model import quantization

@@ -82,6 +82,30 @@ def prepare_data(accelerator, dataloader, layout: Layout):
     return prepared
 
 
+def flag_refusal(layout: Layout, *, packing: bool, attn_implementation: str, lora_r: int, where: str) -> str | None:
+    """Why train.py's flags cannot run with the layout, or None. One rule for both readers: train.py applies it
+    before the process group (hf_scale.train.setup.reconcile), `hf-scale check` to the flags it is given
+    (hf_scale.check.parallelism); ``where`` names the layout's key (``.cp=2`` etc. follow)."""
+    from hf_scale.train.model import context_parallel
+
+    refusal = context_parallel.flag_refusal(layout, packing=packing, attn_implementation=attn_implementation,
+                                            where=where)
+    if refusal:
+        return refusal
+    sp = f"{where}.sp={layout.sp}"
+    if layout.sp > 1 and packing:
+        return (f"{sp} with --packing: packed sequences under sequence parallelism are not proven here; drop "
+                "--packing or set sp to 1")
+    if layout.sp > 1 and attn_implementation not in ("auto", "sdpa"):
+        # `auto` resolves to sdpa under sp (hf_scale.train.model.attention.resolve's `required`).
+        return (f"{sp} with --attn_implementation={attn_implementation}: Ulysses runs here around sdpa; use "
+                "--attn_implementation sdpa (or auto)")
+    if layout.tp > 1 and lora_r > 0:
+        return (f"--lora_r={lora_r} with tensor parallelism ({where}.tp={layout.tp}): hf_scale has not proven peft's "
+                "LoRA layers on DTensor weights; train all weights (--lora_r 0) or set parallelism.tp to 1")
+    return None
+
+
 def model_problem(layout: Layout, model_config, where: str) -> str | None:
     """What the model's config rules out for the layout, or None: heads that tp or sp cannot split whole
     (parallelism.head_problem), attention that context parallelism cannot compute (context_parallel.model_refusal).

@@ -42,18 +42,12 @@ def accelerate_config(layout: Layout):
     )
 
 
-def collator(inner, layout: Layout, tokenizer, *, packing: bool, attn_implementation: str,
-             pad_to: int | None) -> Collator:
-    """The sp collator around the run's, or a one-line refusal of what hf_scale has not proven with sp."""
+def collator(inner, layout: Layout, tokenizer, *, pad_to: int | None) -> Collator:
+    """The sp collator around the run's, or a one-line refusal of a tokenizer Ulysses cannot run with (the flags
+    it cannot run with are refused at start: hf_scale.train.model.parallel.flag_refusal)."""
     from hf_scale.errors import UserError
 
     where = f"parallelism.sp={layout.sp}"
-    if packing:
-        raise UserError(f"{where} with --packing: packed sequences under sequence parallelism are not proven "
-                        "here; drop --packing or set sp to 1")
-    if attn_implementation not in ("auto", "sdpa"):
-        raise UserError(f"{where} with --attn_implementation={attn_implementation}: Ulysses runs here around "
-                        "sdpa; use --attn_implementation sdpa (or auto)")
     if tokenizer.padding_side != "right":
         raise UserError(f"{where}: the tokenizer pads on the {tokenizer.padding_side}; Ulysses ignores "
                         "attention_mask, so padding must be on the right")

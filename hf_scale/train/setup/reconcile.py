@@ -73,10 +73,10 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
     where = f"--hf_scale_config={path}"
     # What the flags and the model cannot run with the layout first (on any machine), then what this machine cannot
     # run (its versions; cp without a GPU).
-    from hf_scale.train.model import context_parallel
+    from hf_scale.train.model import parallel
 
-    refusal = context_parallel.flag_refusal(cfg.layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
-                                            where=f"{where}: parallelism")
+    refusal = parallel.flag_refusal(cfg.layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
+                                    lora_r=ns.lora_r, where=f"{where}: parallelism")
     if refusal:
         raise UserError(refusal)
     _refuse_layout_for_local_model(cfg.layout, ns, f"{where}: parallelism")

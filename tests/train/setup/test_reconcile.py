@@ -345,3 +345,27 @@ def test_hsdp_from_the_parallelism_sizes_alone_is_named_by_them(tmp_path):
     assert str(refused.value).startswith(f"--hf_scale_config={tmp_path / 'run.yaml'}: HSDP (dp_replicate=2 x "
                                          "dp_shard=2) under torchrun: ")
     assert "hybrid_shard" not in str(refused.value)
+
+
+TP2 = {"strategy": "fsdp", "precision": "no", "topology": {"processes_per_machine": 4},
+       "parallelism": {"dp_shard": 2, "tp": 2}}
+SP2 = {"strategy": "deepspeed", "precision": "no", "topology": {"processes_per_machine": 4},
+       "parallelism": {"sp": 2, "dp_shard": 2}}
+
+
+@pytest.mark.parametrize(
+    ("config", "flags", "error"),
+    [
+        (TP2, ["--lora_r", "4"], "--lora_r=4 with tensor parallelism (--hf_scale_config={path}: parallelism.tp=2): "),
+        (SP2, ["--attn_implementation", "eager"],
+         "--hf_scale_config={path}: parallelism.sp=2 with --attn_implementation=eager: Ulysses runs here around sdpa"),
+        (SP2, ["--packing"], "--hf_scale_config={path}: parallelism.sp=2 with --packing: "),
+    ],
+    ids=["tp-lora", "sp-eager", "sp-packing"],
+)
+def test_flags_a_layout_cannot_run_with_are_refused_before_the_process_group(config, flags, error, tmp_path):
+    """tp with LoRA and sp with packing or a kernel other than SDPA: refused with the config, not after the model
+    loaded (the rule `hf-scale check` applies too: hf_scale.train.model.parallel.flag_refusal)."""
+    with pytest.raises(UserError) as refused:
+        _apply(tmp_path, flags, config, _request(4))
+    assert str(refused.value).startswith(error.format(path=tmp_path / "run.yaml"))
