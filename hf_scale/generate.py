@@ -331,7 +331,14 @@ def _check_train_args(cfg: DistributedConfig, name: str) -> None:
     taken = sorted(flags.given & owned.keys())  # given in any spelling train.py takes
     if taken:
         raise UserError(f"cluster.train_args: --{taken[0]} is not allowed: {owned[taken[0]]}")
-    contradictions = against_config(flags, cfg, "cluster.train_args").contradictions
+    contradictions = list(against_config(flags, cfg, "cluster.train_args").contradictions)
+    if not contradictions:  # what the layout cannot run with: train.py's rule, before the process group
+        from hf_scale.train.model import parallel
+
+        ns = flags.namespace
+        refusal = parallel.flag_refusal(cfg.layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
+                                        lora_r=ns.lora_r, where="parallelism")
+        contradictions += [f"cluster.train_args: {refusal}"] if refusal else []
     if contradictions:
         raise UserError("; ".join(contradictions) + " (train.py would stop on this on every node)")
 

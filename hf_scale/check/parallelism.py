@@ -54,7 +54,8 @@ def check_parallelism_block(inp: CheckInputs) -> Iterator[Finding]:
             )
 
 
-def _layout(inp: CheckInputs) -> parallelism.Layout | None:
+def yaml_layout(inp: CheckInputs) -> parallelism.Layout | None:
+    """The sizes of the YAML's parallelism_config, or None (no block, or sizes `parallelism-value-invalid`)."""
     block = inp.accelerate.get(SECTION)
     if not isinstance(block, dict) or not block:
         return None
@@ -69,7 +70,7 @@ def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
     data-parallel sizes the strategy gives no meaning (dp_shard under MULTI_GPU, dp_replicate under DEEPSPEED),
     CP with SP, a TP group larger than a machine or not dividing its processes (an error, as in `hf-scale
     generate`: an accelerate YAML has no key that accepts TP across machines on purpose)."""
-    layout = _layout(inp)
+    layout = yaml_layout(inp)
     world = world_size_of(inp)
     if layout is None or world is None:
         return
@@ -111,7 +112,7 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
     model_problem, flag_refusal: train.py's words)."""
     if inp.training is None:
         return
-    layout, file, key = _layout(inp), inp.accelerate_file, SECTION
+    layout, file, key = yaml_layout(inp), inp.accelerate_file, SECTION
     if (layout is None or layout.model_parallel_size == 1) and inp.hf_scale_config is not None:
         layout, file, key = inp.hf_scale_config.layout, inp.hf_scale_config_file, "parallelism"
     if layout is None or layout.model_parallel_size == 1:

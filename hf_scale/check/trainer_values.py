@@ -10,9 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hf_scale import launch_values
+from hf_scale import launch_values, parallelism
 from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, get_path, in_file, is_int
 from hf_scale.check.inputs import CheckInputs, deepspeed_view, world_size_of
+from hf_scale.check.parallelism import SECTION, yaml_layout
 
 
 def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
@@ -75,7 +76,7 @@ def check_hf_scale_config_flags(inp: CheckInputs) -> Iterator[Finding]:
         )
 
 
-_LAUNCH_KEYS = ("world_size", "strategy", "deepspeed.zero_stage")
+_LAUNCH_KEYS = ("world_size", "strategy", "deepspeed.zero_stage", "parallelism", "parallelism.cp_comm_strategy")
 
 
 def _launch_contradictions(inp: CheckInputs, where: str) -> Iterator[str]:
@@ -92,6 +93,14 @@ def _launch_contradictions(inp: CheckInputs, where: str) -> Iterator[str]:
     engine = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(inp.accelerate.get("distributed_type"))
     if engine is not None and engine != cfg.strategy:
         yield f"{where}strategy={cfg.strategy} but the accelerate launch configures {engine}"
+    layout = yaml_layout(inp)
+    if layout is not None:
+        from hf_scale.train.setup.reconcile import launched_layout_mismatch
+
+        comm = inp.accelerate[SECTION].get(f"{parallelism.YAML_PREFIX}cp_comm_strategy")
+        mismatch = launched_layout_mismatch(cfg, layout, comm if layout.cp > 1 else None, where.removesuffix(": "))
+        if mismatch:
+            yield mismatch
     view = deepspeed_view(inp) if engine == "deepspeed" == cfg.strategy else None
     stage = get_path(view.config, "zero_optimization.stage", None) if view is not None else None
     if is_int(stage) and stage != cfg.deepspeed.zero_stage:

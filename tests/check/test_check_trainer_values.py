@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import yaml
 from check_cases import (
     DS_JSON,
     DS_YAML,
@@ -55,6 +56,16 @@ TRIGGERS = {
         None,
         [],
         "ds-trainer-mismatch",
+        "error",
+    ),
+    # accelerate's tp layout with a config whose layout is plain FSDP (same world, same engine): train.py refuses it
+    "hf-scale-config-vs-parallelism-config": (
+        yaml.safe_load((REPO / "accelerate_configs" / "fsdp2_tp.yaml").read_text()),
+        None,
+        ["--hf_scale_config", str(REPO / "hf_scale_configs" / "fsdp2_full_shard.yaml")],
+        None,
+        [],
+        "hf-scale-config-mismatch",
         "error",
     ),
     "hf-scale-config-vs-typed-flag": (
@@ -248,3 +259,15 @@ def test_a_resolved_lr_against_a_typed_learning_rate_is_an_error_naming_both(tmp
     # The values train.py follows (bf16, micro batch 1) are warnings for a plain HF Trainer script.
     assert {f["code"] for f in payload["findings"] if f["severity"] == "warning"} == {"precision-mismatch",
                                                                                       "micro-batch-mismatch"}
+
+
+def test_a_parallelism_config_other_than_the_hf_scale_configs_is_train_pys_refusal_in_its_words(tmp_path, monkeypatch,
+                                                                                                 capsys):
+    """`check accelerate_configs/fsdp2_tp.yaml` with hf_scale_configs/fsdp2_full_shard.yaml said ok; train.py then
+    refused at start. Now one function (reconcile.launched_layout_mismatch) says it for both."""
+    yaml_cfg, _, train, *_ = TRIGGERS["hf-scale-config-vs-parallelism-config"]
+    _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, None, train)
+    found = [f for f in payload["findings"] if f["code"] == "hf-scale-config-mismatch"]
+    assert [(f["key"], f["problem"]) for f in found] == [(
+        "parallelism", "parallelism dp_shard=8 but the accelerate config's parallelism_config has dp_shard=4 x tp=2: "
+        "train.py stops at start on this.")]

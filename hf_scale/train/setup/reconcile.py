@@ -83,14 +83,10 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
     refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism", gpu_present=has_gpu())
     if refusal:
         raise UserError(refusal)
-    if request.layout.active and request.layout != cfg.layout:  # accelerate launch's parallelism_config
-        raise UserError(f"{where}: parallelism {cfg.layout.describe()} but the accelerate config's "
-                        f"parallelism_config has {request.layout.describe()}")
-    comm = cfg.parallelism.cp_comm_strategy
-    if cfg.layout.cp > 1 and request.cp_comm_strategy not in (None, comm):
-        raise UserError(f"{where}: parallelism.cp_comm_strategy={comm} but the accelerate config's "
-                        f"parallelism_config has cp_comm_strategy {request.cp_comm_strategy}")
-    request = dataclasses.replace(request, layout=cfg.layout, cp_comm_strategy=comm)
+    refusal = launched_layout_mismatch(cfg, request.layout, request.cp_comm_strategy, where)
+    if refusal:  # accelerate launch's parallelism_config
+        raise UserError(refusal)
+    request = dataclasses.replace(request, layout=cfg.layout, cp_comm_strategy=cfg.parallelism.cp_comm_strategy)
 
     if cfg.world_size != request.world_size:
         raise UserError(
@@ -229,6 +225,20 @@ class FlagFills:
     contradictions: tuple[str, ...]
 
 
+def launched_layout_mismatch(cfg, launched: parallelism.Layout, cp_comm_strategy: str | None, where: str) -> str | None:
+    """Where the accelerate config's parallelism_config (its sizes ``launched``, its ``cp_comm_strategy``) disagrees
+    with the config's parallelism, or None. Pure: train.py refuses it at start (apply_hf_scale_config), `hf-scale
+    check` says it from the two files (hf_scale.check.trainer_values)."""
+    if launched.active and launched != cfg.layout:
+        return (f"{where}: parallelism {cfg.layout.describe()} but the accelerate config's parallelism_config has "
+                f"{launched.describe()}")
+    comm = cfg.parallelism.cp_comm_strategy
+    if cfg.layout.cp > 1 and cp_comm_strategy not in (None, comm):
+        return (f"{where}: parallelism.cp_comm_strategy={comm} but the accelerate config's parallelism_config has "
+                f"cp_comm_strategy {cp_comm_strategy}")
+    return None
+
+
 def fill_flags_from_config(cfg, ns, given: Set[str], where: str) -> FlagFills:
     """The config's batch, clipping, activation checkpointing, optimizer values and precision as flag values
     (``ns``, train.py's parsed flags, only read; ``given``: the flags typed). Pure: no launcher, no environment,
@@ -248,6 +258,10 @@ def fill_flags_from_config(cfg, ns, given: Set[str], where: str) -> FlagFills:
         ("weight_decay", "optimizer.weight_decay", opt.weight_decay),
     ):
         contradictions += _fill_or_match(ns, given, where, flag, field, value, fills)
+    if "deepspeed" in given and ns.deepspeed and cfg.strategy != "deepspeed":
+        contradictions.append(f"{where}: strategy={cfg.strategy} but --deepspeed={ns.deepspeed} asks for DeepSpeed; "
+                              "drop --deepspeed, or set strategy: deepspeed (the config then writes the DeepSpeed "
+                              "JSON)")
     if ns.auto_find_batch_size:
         contradictions.append(f"{where}: --auto_find_batch_size would change batch.micro_batch_size="
                               f"{batch.micro_batch_size} (global batch {batch.global_batch_size}) at run time; drop it")
