@@ -157,6 +157,11 @@ def test_library_progress_bars_are_drawn_on_a_terminal_only(monkeypatch):
         monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS")
         quiet.progress_bars_on_a_terminal_only()
         assert not datasets.is_progress_bar_enabled()
+        # A generated launch script's filter (a pipe) with a terminal behind it: HF_SCALE_TERMINAL=1.
+        datasets.enable_progress_bars()
+        monkeypatch.setenv("HF_SCALE_TERMINAL", "1")
+        quiet.progress_bars_on_a_terminal_only()
+        assert datasets.is_progress_bar_enabled()
     finally:
         (datasets.enable_progress_bars if before[0] else datasets.disable_progress_bars)()
         (transformers_logging.enable_progress_bar if before[1] else transformers_logging.disable_progress_bar)()
