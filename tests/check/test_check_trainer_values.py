@@ -271,3 +271,15 @@ def test_a_parallelism_config_other_than_the_hf_scale_configs_is_train_pys_refus
     assert [(f["key"], f["problem"]) for f in found] == [(
         "parallelism", "parallelism dp_shard=8 but the accelerate config's parallelism_config has dp_shard=4 x tp=2: "
         "train.py stops at start on this.")]
+
+
+def test_deepspeed_with_a_config_whose_strategy_is_not_deepspeed_is_train_pys_refusal(tmp_path, monkeypatch, capsys):
+    """`--deepspeed ds.json` with a ddp hf_scale config: train.py stops at start (reconcile.fill_flags_from_config, the
+    rule generate applies to cluster.train_args too); check says it."""
+    (tmp_path / "ds.json").write_text(json.dumps(DS_JSON))
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, None,
+                            ["--hf_scale_config", str(REPO / "hf_scale_configs" / "ddp.yaml"),
+                             "--deepspeed", "ds.json"])
+    problems = [f["problem"] for f in payload["findings"] if f["code"] == "hf-scale-config-mismatch"]
+    refusal = "strategy=ddp but --deepspeed=ds.json asks for DeepSpeed; drop --deepspeed"
+    assert any(p.startswith(refusal) for p in problems), problems
