@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, NoReturn
 from hf_scale import rules
 from hf_scale.errors import UserError
 from hf_scale.export import qlora as qlora_export
-from hf_scale.export.sources import Source, find_source, with_adapter_names
+from hf_scale.export.sources import Source, find_source, with_adapter_names, with_model_names
 from hf_scale.planner.model_shapes import CONFIG_ERRORS, read_config_json
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
                 model = qlora_export.dequantized_with_adapter(checkpoint_dir, qlora)
             else:
                 model = _build_model(checkpoint_dir, torch_dtype, is_lora)
-            source = with_adapter_names(source, model) if is_lora else source
+            source = with_adapter_names(source, model) if is_lora else with_model_names(source, model)
             only_adapter = lora_mode == "adapter" or bool(qlora)
             wanted = [n for n in source.names if "lora_" in n] if only_adapter else source.names
             # QLoRA: the adapter in fp32, merged into the fp32 dequantized base, and only then cast.

@@ -173,3 +173,40 @@ def with_adapter_names(source: Source, model) -> Source:
         return {n: found[saved[n]] for n in names}
 
     return Source(source.description, list(saved), read)
+
+
+def with_model_names(source: Source, model) -> Source:
+    """`source` read under the model's own tensor names where it holds them in transformers' saved form.
+
+    A Trainer checkpoint's model.safetensors is written by `save_pretrained`, which writes a tensor transformers
+    keeps in another form at run time as it is on disk: a mixture-of-experts model's fused experts
+    (`mlp.experts.gate_up_proj`) as one tensor per expert (`mlp.experts.0.gate_proj.weight`, ...). Each such model
+    tensor is read from the pieces transformers names for it and put together by transformers' load conversion
+    (hf_scale.train.checkpoint.weight_conversion), one model tensor at a time.
+    """
+    from hf_scale.train.checkpoint import weight_conversion
+
+    targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    if all(name in targets for name in source.names):
+        return source
+    available = set(source.names)
+    pieces: dict[str, list[str]] = {}  # model name -> the saved names it is put together from
+    for name, tensor in targets.items():
+        if name not in available and tensor.is_floating_point():
+            saved = list(weight_conversion.saved_form(model, name, tensor.to("meta")))
+            if saved != [name] and all(piece in available for piece in saved):
+                pieces[name] = saved
+    if not pieces:
+        return source
+    loader = weight_conversion.Loader(model)
+    claimed = {piece for saved in pieces.values() for piece in saved}
+
+    def read(names):
+        direct = [n for n in names if n not in pieces]
+        found = source.read(direct) if direct else {}
+        for name in names:
+            if name in pieces:
+                found[name] = loader.runtime_tensor(name, source.read(pieces[name]))
+        return found
+
+    return Source(source.description, [n for n in source.names if n not in claimed] + list(pieces), read)

@@ -58,6 +58,8 @@ class ModelShapes:
     (transformers keeps the embeddings, the norms and lm_head in the compute dtype)."""
     max_position_embeddings: int | None = None
     """The longest sequence the model was trained on (None: its config does not say)."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer (None: a dense model), under the names transformers' MoE configs use."""
 
     @property
     def total_params(self) -> int:
@@ -274,4 +276,9 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
         lora_params_per_rank=lora_per_rank,
         linear_params=sum(m.weight.numel() for m in linears),
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
+        num_experts=next((getattr(text, key) for key in _EXPERT_COUNT_KEYS if getattr(text, key, None)), None),
     )
+
+
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Qwen-MoE/OLMoE, Mixtral/gpt-oss, DeepSeek/GLM-MoE."""

@@ -77,11 +77,17 @@ def padding_line(plan: Plan) -> str | None:
 def plan_warnings(plan: Plan) -> list[str]:
     """What the plan assumes that the run may not do as planned, one line each."""
     w, limit = plan.workload, plan.workload.shapes.max_position_embeddings
+    warnings = []
     if limit is not None and w.seq_len > limit:
-        return [f"--seq-len {w.seq_len} is beyond the model's max_position_embeddings {limit}: it was not trained on "
-                "sequences that long; extend its RoPE first (rope_scaling, and max_position_embeddings, in its "
-                f"config.json), or train.py refuses --max_seq_length {w.seq_len}"]
-    return []
+        warnings.append(
+            f"--seq-len {w.seq_len} is beyond the model's max_position_embeddings {limit}: it was not trained on "
+            "sequences that long; extend its RoPE first (rope_scaling, and max_position_embeddings, in its "
+            f"config.json), or train.py refuses --max_seq_length {w.seq_len}")
+    if w.shapes.num_experts:
+        warnings.append(f"a mixture-of-experts model ({w.shapes.num_experts} experts per layer): planned as if it were "
+                        "dense (every expert's weights sharded like the rest, activations of the dense MLP); expert "
+                        "parallelism is not planned yet")
+    return warnings
 
 
 def verdict_lines(plan: Plan) -> list[str]:

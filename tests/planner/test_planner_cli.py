@@ -47,6 +47,22 @@ def test_plan_prints_a_table_with_every_candidate_and_the_verdict(llama8b, capsy
     assert "recommended: ZeRO-2" in out and "DDP: needs 192.0 GiB per GPU" in out
 
 
+def test_a_mixture_of_experts_model_is_planned_as_dense_said_in_one_line(tmp_path, capsys):
+    """Issue 35: until expert parallelism is planned, an MoE config plans (no crash) and says how it was planned."""
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512,
+                                "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8,
+                                "num_experts_per_tok": 2, "vocab_size": 1024, "max_position_embeddings": 4096}))
+    assert main(["plan", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line == ("hf-scale: warning: a mixture-of-experts model (8 experts per layer): planned as if it were dense "
+                    "(every expert's weights sharded like the rest, activations of the dense MLP); expert parallelism "
+                    "is not planned yet")
+    assert json.loads(captured.out)["recommended"]
+
+
 def test_plan_json_has_byte_breakdowns_that_add_up(llama8b, capsys):
     main(["plan", llama8b, "--json", "--activation-checkpointing", "off"])
     data = json.loads(capsys.readouterr().out)

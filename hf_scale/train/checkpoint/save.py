@@ -4,7 +4,9 @@ The proof compares what was written with what was trained, tensor by tensor: eve
 model's tensors in the same order, one at a time (ZeRO-3: gathered with `deepspeed.zero.GatheredParameters`;
 FSDP2: `DTensor.full_tensor()`; otherwise the module's own tensor), and the main process reads the saved
 safetensors entry of the same name alone (`safe_open`, opened per tensor so no shard stays mapped) and
-compares it EXACTLY with the live tensor cast to the saved dtype: bit for bit, in any precision (bf16 saves
+compares it EXACTLY with the live tensor cast to the saved dtype (a tensor transformers keeps in another form at run
+time than on disk, such as a mixture-of-experts model's fused experts, is compared as the pieces `save_pretrained`
+wrote for it: hf_scale.train.checkpoint.weight_conversion): bit for bit, in any precision (bf16 saves
 of ZeRO-3's 16-bit weights, fp32 saves of fp32 masters). No model is reloaded and nothing runs forward,
 so the cost is one read of the saved bytes, and host memory holds one tensor at a time — it scales to 70B.
 
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from hf_scale.train.checkpoint import weight_conversion
 
 REPORT_FILE = "hf_scale_verify.json"
 MODEL_FILE = "model.safetensors"
@@ -153,18 +157,36 @@ class _Findings:
 
 
 def _compare(saved: SavedTensors, names: tuple[str, ...], full: torch.Tensor, findings: _Findings,
-             seen: set[str]) -> None:
+             seen: set[str], model) -> None:
+    """Compare one trained tensor with what was saved of it: under one of its names, or, for a tensor transformers
+    keeps in another form at run time (fused MoE experts; `model` None: a LoRA adapter, saved by peft as it is),
+    the pieces `save_pretrained` writes for it (hf_scale.train.checkpoint.weight_conversion)."""
     key = next((name for name in names if name in saved.where), None)
-    if key is None:
-        findings.missing.append(names[0])
-        return
-    seen.update(name for name in names if name in saved.where)
+    if key is not None:
+        seen.update(name for name in names if name in saved.where)
+        expected = {key: full}
+    else:
+        expected = weight_conversion.saved_form(model, names[0], full) if model is not None else {names[0]: full}
+        absent = [piece for piece in expected if piece not in saved.where]
+        if len(absent) == len(expected):
+            findings.missing.append(names[0])
+            return
+        seen.update(piece for piece in expected if piece in saved.where)
+        if absent:  # a partial save of it: the pieces it lacks
+            findings.missing.extend(absent)
+            return
+    if all(_compare_saved(saved, piece, value, findings) for piece, value in expected.items()):
+        findings.checked += 1
+
+
+def _compare_saved(saved: SavedTensors, key: str, full: torch.Tensor, findings: _Findings) -> bool:
+    """Compare the saved tensor `key` with `full`, exactly after casting; False when its shape differs (nothing
+    compared)."""
     shape, want = saved.shape(key), list(full.shape)
     if shape != want:
         findings.wrong_shape.append(f"{key} saved {shape}, trained {want}")
-        return
+        return False
     stored = saved.read(key)
-    findings.checked += 1
     findings.bytes_read += stored.numel() * stored.element_size()
     findings.largest_tensor_bytes = max(findings.largest_tensor_bytes, stored.numel() * stored.element_size())
     findings.dtypes.add(str(stored.dtype).removeprefix("torch."))
@@ -175,6 +197,7 @@ def _compare(saved: SavedTensors, names: tuple[str, ...], full: torch.Tensor, fi
         differing = int((live != stored).sum()) or stored.numel()  # NaN bits differ too
         diff = float((live.float() - stored.float()).abs().nan_to_num(float("inf")).max())
         findings.wrong_values.append(f"{key} ({differing} of {stored.numel()} values, max abs diff {diff:.3g})")
+    return True
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -209,7 +232,7 @@ def verify_saved_model(output_dir: str | Path, model, *, is_main_process: bool) 
             if saved is None:
                 continue
             try:
-                _compare(saved, names, full, findings, seen)
+                _compare(saved, names, full, findings, seen, None if is_lora else model)
             except Exception as error:  # noqa: BLE001 - the other ranks wait in the next gather: keep going
                 findings.unreadable.append(f"{names[0]}: {type(error).__name__}: {' '.join(str(error).split())[:200]}")
     if not is_main_process:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from train_helpers import REPO, generate_config, logits, run, run_ok
+from train_helpers import REPO, generate_config, logits, run, run_ok, tiny_moe
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_scale import rules
@@ -125,6 +125,27 @@ def test_one_value_off_by_one_ulp_is_caught(tmp_path):
     report = check(tmp_path, model)
     (wrong,) = report["problems"]["wrong_values"]
     assert wrong.startswith("model.layers.1.mlp.up_proj.weight (1 of 2048 values")
+
+
+def test_fused_moe_experts_are_checked_as_the_per_expert_tensors_transformers_saves(tmp_path):
+    """transformers 5 keeps a MoE model's experts fused at run time (mlp.experts.gate_up_proj) and save_pretrained
+    writes them per expert: every piece is compared, and a defect is named by the saved tensor's name."""
+    model, _ = tiny_moe()
+    model.save_pretrained(tmp_path)
+    report = check(tmp_path, model)
+    assert report["ok"] and report["tensors_checked"] == report["tensors_expected"] == len(model.state_dict())
+    assert report["bytes_read"] == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+    def damage(tensors):
+        tensors["model.layers.0.mlp.experts.2.up_proj.weight"][1, 3] += 1
+        del tensors["model.layers.1.mlp.experts.3.down_proj.weight"]
+        return tensors
+
+    rewrite(tmp_path, damage)
+    problems = check(tmp_path, model)["problems"]
+    assert problems["missing"] == ["model.layers.1.mlp.experts.3.down_proj.weight"]
+    assert [w.split(" (")[0] for w in problems["wrong_values"]] == ["model.layers.0.mlp.experts.2.up_proj.weight"]
+    assert set(problems) == {"missing", "wrong_values"}
 
 
 @pytest.mark.parametrize("damage", ["truncated-file", "bad-index"])
