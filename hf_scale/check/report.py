@@ -88,7 +88,8 @@ def check_codes(fn: Check) -> list[str]:
 
 _MANIFEST_CODES = ("manifest-invalid, manifest-nodes, manifest-processes, manifest-gpus, manifest-image, "
                    "manifest-output-volume, manifest-grace-period (warning without --checkpoint), "
-                   "manifest-deepspeed-batch, manifest-train-args")
+                   "manifest-deepspeed-batch, manifest-train-args, manifest-not-hf-scale (warning), manifest-not-read "
+                   "(warning), manifest-restart-policy, manifest-secret (warning)")
 
 
 def _epilog() -> str:
