@@ -124,11 +124,11 @@ def file_kind(path: str) -> str:
             raise UserError(f"check: {path} holds {len(documents)} YAML documents, none a file check reads: give "
                             f"{WHAT_EACH_LOOKS_LIKE}")
         data = documents[0] if documents else None
-    recipe = other_recipe(data)
+    kind = kind_of(data)
+    recipe = other_recipe(data) if kind != RECIPE else None  # train.py's own recipes name model_name_or_path too
     if recipe:
         raise UserError(f"check: {path} is {recipe}, not a file check reads (check does not read training recipes "
                         f"of other projects){_named_deepspeed(data)}")
-    kind = kind_of(data)
     if kind is None:
         raise UserError(f"check: {path} is not a file check reads: give {WHAT_EACH_LOOKS_LIKE}")
     if kind == RECIPE:

@@ -129,9 +129,11 @@ def test_an_infinite_number_is_one_line_exit_2(text, path, tmp_path, capsys):
     assert f"{path.replace('.0.', '[0].')}=.inf is not a finite number" in err
 
 
-@pytest.mark.parametrize("key", ["num_processes", "num_machines", "machine_rank"])
+@pytest.mark.parametrize("key", ["num_processes", "num_machines", "machine_rank", "deepspeed_config.gradient_clipping"])
 def test_an_infinite_number_in_an_accelerate_yaml_is_one_line_exit_2(key, tmp_path, capsys):
-    values = {"distributed_type": "MULTI_GPU", "num_processes": 2, "num_machines": 1, key: "INF"}
+    values = {"distributed_type": "MULTI_GPU", "num_processes": 2, "num_machines": 1}
+    *section, name = key.split(".")
+    (values.setdefault(section[0], {}) if section else values)[name] = "INF"
     (tmp_path / "acc.yaml").write_text(yaml.safe_dump(values).replace("INF", ".inf"))
     code, out, err = run_cli(["check", str(tmp_path / "acc.yaml")], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and f"{key}=.inf is not a finite number" in err, err
@@ -192,3 +194,6 @@ def test_several_documents_are_read_for_the_jobs_among_them(tmp_path, capsys):
     job.write_text(f"---\n{runtime}---\n{PYTORCHJOB}")
     code, out, _ = run_cli(["check", "--json", str(job)], capsys)  # recognized positionally too
     assert code == 0 and [f["code"] for f in json.loads(out)["findings"]] == ["manifest-not-read"]
+    pipeline = "name: pipeline\n---\n" + SKY_TASK + "file_mounts: {/out: {name: bucket, mode: MOUNT}}\n"  # SkyPilot's
+    code, findings = _findings(tmp_path, capsys, pipeline)
+    assert code == 0 and [(f["code"], f["key"]) for f in findings] == [("manifest-not-read", "document 1")], findings
