@@ -162,9 +162,10 @@ def _expanded_size(node: yaml.Node, memo: dict[int, int], active: set[int]) -> i
     return memo[key]
 
 
-def load_yaml(text: str, where: str) -> Any:
-    """Parse one YAML document strictly; ``where`` names it in the one-line error."""
-    return _load(text, where, lambda loader: [loader.get_single_node()])[0]
+def load_yaml(text: str, where: str, *, finite: bool = True) -> Any:
+    """Parse one YAML document strictly; ``where`` names it in the one-line error. ``finite=False`` lets `.inf`
+    through, for a value whose reader names its own field and range (`hf-scale generate --set KEY=VALUE`)."""
+    return _load(text, where, lambda loader: [loader.get_single_node()], finite)[0]
 
 
 def load_yaml_documents(text: str, where: str) -> list[Any]:
@@ -179,7 +180,7 @@ def load_yaml_documents(text: str, where: str) -> list[Any]:
     return [document for document in _load(text, where, nodes) if document is not None]
 
 
-def _load(text: str, where: str, nodes: Any) -> list[Any]:
+def _load(text: str, where: str, nodes: Any, finite: bool = True) -> list[Any]:
     loader = _StrictLoader(text)
     try:
         documents = []
@@ -190,7 +191,7 @@ def _load(text: str, where: str, nodes: Any) -> list[Any]:
             if _expanded_size(node, {}, set()) > MAX_YAML_NODES:
                 raise _Refused(f"expands to more than {MAX_YAML_NODES} values (aliases copied out)", node.start_mark)
             document = loader.construct_document(node)
-            found = _first_not_finite(document)
+            found = _first_not_finite(document) if finite else None
             if found:
                 raise UserError(f"{where}: {found[0]}={found[1]} is not a finite number (no count, size, port or "
                                 "rate is infinite; write the number)")
