@@ -303,7 +303,7 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
             compared.add(sizes)
             yield from _size_findings(path, kind, facts, reference)
     yield from _image_findings(path, kind, data, facts, runs_hf_scale)
-    yield from secret_findings(path, kind, facts)
+    yield from _secret_findings(path, kind, facts)
     if not runs_hf_scale:
         return
     yield from _restart_findings(path, kind, data)
@@ -354,7 +354,7 @@ SECRET_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 """Credentials a training job's env carries; written in the manifest, whoever reads the job reads them."""
 
 
-def secret_findings(path: str, kind: str, facts: Facts) -> Iterator[Finding]:
+def _secret_findings(path: str, kind: str, facts: Facts) -> Iterator[Finding]:
     """`manifest-secret` (warning): a credential written in plain text in the manifest's env (anyone who can read
     the job, `kubectl get -o yaml`, `sky status`, reads it); a `$VAR` or a Secret reference is fine."""
     for name in SECRET_NAMES:

@@ -151,7 +151,7 @@ def _kubernetes_value_problem(data: dict) -> str | None:
     if namespace is not None and not (isinstance(namespace, str) and _DNS_1123_LABEL.fullmatch(namespace)):
         return (f"metadata.namespace {namespace!r} is not an RFC 1123 label (at most 63 lowercase letters, digits "
                 "and '-', starting and ending with a letter or digit)")
-    ranges = {"containerPort": (1, 65535), "hostPort": (1, 65535), "terminationGracePeriodSeconds": (0, None),
+    ranges = {"containerPort": (1, 65535), "terminationGracePeriodSeconds": (0, None),
               "backoffLimit": (0, None), "activeDeadlineSeconds": (1, None)}
     for path, key, value in _walk(data):
         if key not in ranges:
