@@ -456,7 +456,8 @@ def _apply_override(data: dict, override: str) -> None:
             "deepspeed.zero_stage=3"
         )
     try:
-        value = load_yaml(raw, f"--set {key}={show(raw)}") if raw.strip() else None
+        # Not `finite`: the config's own validation names the field of an `.inf` and its range.
+        value = load_yaml(raw, f"--set {key}={show(raw)}", finite=False) if raw.strip() else None
     except UserError as error:
         raise UserError(f"{error} (quote strings with ':' or '#')") from None
     node = data

@@ -4,12 +4,14 @@ Every problem is a one-line :class:`~hf_scale.errors.UserError` naming the input
 directory or FIFO given as a file (refused before anything blocks on it), an unreadable or oversized
 file, bytes that are not UTF-8, duplicate keys (YAML and JSON alike would silently keep the last one),
 YAML alias bombs (refused before the document is built), ``NaN``/``Infinity`` or a number that overflows
-to infinity in JSON (not JSON, and DeepSpeed/accelerate would run with it).
+to infinity in JSON (not JSON, and DeepSpeed/accelerate would run with it), and YAML's ``.inf``/``.nan`` (no
+count, size, port or rate of any config is infinite: each reader would crash on int() or run with it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -160,16 +162,41 @@ def _expanded_size(node: yaml.Node, memo: dict[int, int], active: set[int]) -> i
     return memo[key]
 
 
-def load_yaml(text: str, where: str) -> Any:
-    """Parse one YAML document strictly; ``where`` names it in the one-line error."""
+def load_yaml(text: str, where: str, *, finite: bool = True) -> Any:
+    """Parse one YAML document strictly; ``where`` names it in the one-line error. ``finite=False`` lets `.inf`
+    through, for a value whose reader names its own field and range (`hf-scale generate --set KEY=VALUE`)."""
+    return _load(text, where, lambda loader: [loader.get_single_node()], finite)[0]
+
+
+def load_yaml_documents(text: str, where: str) -> list[Any]:
+    """Every document of a YAML stream (``---`` between them: a TrainingRuntime and its TrainJob, a SkyPilot job
+    group), each read as strictly as :func:`load_yaml`; empty documents are left out."""
+    def nodes(loader: _StrictLoader) -> list[yaml.Node | None]:
+        found = []
+        while loader.check_node():
+            found.append(loader.get_node())
+        return found
+
+    return [document for document in _load(text, where, nodes) if document is not None]
+
+
+def _load(text: str, where: str, nodes: Any, finite: bool = True) -> list[Any]:
     loader = _StrictLoader(text)
     try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        if _expanded_size(node, {}, set()) > MAX_YAML_NODES:
-            raise _Refused(f"expands to more than {MAX_YAML_NODES} values (aliases copied out)", node.start_mark)
-        return loader.construct_document(node)
+        documents = []
+        for node in nodes(loader):
+            if node is None:
+                documents.append(None)
+                continue
+            if _expanded_size(node, {}, set()) > MAX_YAML_NODES:
+                raise _Refused(f"expands to more than {MAX_YAML_NODES} values (aliases copied out)", node.start_mark)
+            document = loader.construct_document(node)
+            found = _first_not_finite(document) if finite else None
+            if found:
+                raise UserError(f"{where}: {found[0]}={found[1]} is not a finite number (no count, size, port or "
+                                "rate is infinite; write the number)")
+            documents.append(document)
+        return documents
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -206,8 +233,11 @@ def _float(text: str) -> float | _NotFinite:
 
 
 def _first_not_finite(node: Any, path: str = "") -> tuple[str, str] | None:
+    """(dotted path, as written) of the first NaN or infinity: JSON's constants, YAML's ``.inf``/``.nan``."""
     if isinstance(node, _NotFinite):
         return path or "(top level)", node.text
+    if isinstance(node, float) and not math.isfinite(node):
+        return path or "(top level)", {"inf": ".inf", "-inf": "-.inf"}.get(str(node), ".nan")
     children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     for key, child in children:
         found = _first_not_finite(child, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".lstrip("."))

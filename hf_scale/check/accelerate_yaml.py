@@ -11,8 +11,17 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from hf_scale.check.findings import ERROR, Finding, ignored_key_severity, in_file, is_comment_key, is_int, rename_fix
-from hf_scale.check.inputs import CheckInputs
+from hf_scale.check.findings import (
+    ERROR,
+    WARNING,
+    Finding,
+    ignored_key_severity,
+    in_file,
+    is_comment_key,
+    is_int,
+    rename_fix,
+)
+from hf_scale.check.inputs import CheckInputs, fsdp_version_of
 from hf_scale.check.knowledge import OFFLOAD_DEVICES, accelerate_config_fields, known_section_keys
 
 
@@ -85,6 +94,28 @@ def check_accelerate_nested_keys(inp: CheckInputs) -> Iterator[Finding]:
                     rename_fix(effective, known, f"`{section}` key", inp.accelerate_file),
                     {f"{inp.accelerate_file}:{section}.{key}": value},
                 )
+
+
+FSDP1_ONLY = ("fsdp_forward_prefetch",)
+"""fsdp_config keys accelerate's FSDP plugin reads from the launch environment only under FSDP1
+(FullyShardedDataParallelPlugin.__post_init__: forward_prefetch is read `if ... fsdp_version == 1`); under FSDP2 the
+exported value is dropped without a word."""
+
+
+def check_fsdp2_ignored(inp: CheckInputs) -> Iterator[Finding]:
+    """`fsdp2-option-ignored` (warning): an FSDP1-only option turned on under `fsdp_version: 2`, e.g.
+    `fsdp_forward_prefetch: true` (FSDP2 does not implement it; accelerate ignores it silently)."""
+    section = inp.accelerate.get("fsdp_config")
+    if fsdp_version_of(inp) != 2 or not isinstance(section, dict):
+        return
+    for key, value in section.items():
+        effective = key if key.startswith("fsdp_") else f"fsdp_{key}"
+        if effective in FSDP1_ONLY and str(value).lower() == "true":
+            yield Finding(WARNING, "fsdp2-option-ignored", inp.accelerate_file, f"fsdp_config.{key}",
+                          f"`fsdp_config.{key}`: {value!r} under fsdp_version 2: FSDP2 does not implement it and "
+                          "accelerate drops it without a warning (the run trains without it).",
+                          f"{in_file(inp.accelerate_file)}remove `{key}` (or set `fsdp_version: 1` if you need it).",
+                          {f"{inp.accelerate_file}:fsdp_config.{key}": value})
 
 
 def launch_int(value: Any) -> int | None:

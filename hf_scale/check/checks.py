@@ -30,6 +30,7 @@ CHECKS: list[Check] = [
     accelerate_yaml.check_accelerate_top_level,
     accelerate_yaml.check_accelerate_launch,
     accelerate_yaml.check_accelerate_nested_keys,
+    accelerate_yaml.check_fsdp2_ignored,
     deepspeed_file.check_deepspeed_file_reference,
     deepspeed_file.check_deepspeed_unused,
     deepspeed_file.check_duplicated_deepspeed_keys,

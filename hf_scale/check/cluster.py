@@ -34,7 +34,9 @@ from hf_scale.check.batch import deepspeed_accepts_batch
 from hf_scale.check.findings import ERROR, WARNING, Finding
 from hf_scale.check.manifest_facts import (
     HF_SCALE_CONFIG_FLAGS,
+    NODES,
     Facts,
+    TrainCommand,
     manifest_facts,
     named_files,
     output_dir,
@@ -43,6 +45,7 @@ from hf_scale.check.manifest_facts import (
 from hf_scale.check.manifest_schema import manifest_problem
 from hf_scale.cluster_config import image_problem
 from hf_scale.errors import UserError
+from hf_scale.generators import layout
 
 GRACE_FLOOR_S = 120
 """Without a measured save: the least grace period we call safe (Kubernetes' default, 30 s, is not)."""
@@ -203,15 +206,34 @@ def _named_references(path: str, facts: Facts, known: set[Path]) -> Named:
     return Named(references, deepspeed, ds_label, hf_scale)
 
 
-def _train_args_findings(path: str, kind: str, facts: Facts, config: tuple[str, Any] | None) -> Iterator[Finding]:
+def _not_hf_scale(path: str, kind: str, why: str) -> Finding:
+    """`manifest-not-hf-scale` (warning): the job runs a training of its own; what applies to any job is compared."""
+    return Finding(WARNING, "manifest-not-hf-scale", path, "command",
+                   f"{kind} {why}: taken as a training of its own, only the schema, sizes, GPUs and image tag are "
+                   "compared (not train.py's arguments, the output volume or the grace period)",
+                   f"nothing to do if {Path(path).name} is not meant to run hf_scale; else run -m "
+                   f"{layout.TRAINING_MODULE} (or train.py with --hf_scale_config) in its command")
+
+
+def _train_args_findings(path: str, kind: str, facts: Facts, config: tuple[str, Any] | None) -> list[Finding]:
     """`manifest-train-args`: the arguments the command hands train.py, parsed by train.py's own parser
     (hf_scale.check.train_flags) and compared with the hf_scale config train.py gets (``config``: its path and
-    DistributedConfig, when it is known here)."""
+    DistributedConfig, when it is known here). `manifest-not-hf-scale`: the command runs no hf_scale training, or a
+    train.py of no hf_scale mark (hf_scale.check.manifest_facts.TrainCommand.hf_scale) whose arguments hf_scale's
+    parser refuses: a script of its own (SkyPilot's gpt-oss task runs TRL's /sft/train.py --model_id ...)."""
+    command = train_command(facts)
+    if command is None:
+        return [_not_hf_scale(path, kind, f"runs no hf_scale training (no -m {layout.TRAINING_MODULE}, "
+                                          "launch/NAME.node.sh or train.py in its command)")]
+    if command.unresolved:
+        return []  # values that are the job's ($VAR, $(...)): nothing certain to parse
+    return list(_parsed_train_args(path, kind, command, config))
+
+
+def _parsed_train_args(path: str, kind: str, command: TrainCommand,
+                       config: tuple[str, Any] | None) -> Iterator[Finding]:
     from hf_scale.check.train_flags import against_config, parse_train_flags
 
-    command = train_command(facts)
-    if command is None or command.unresolved:
-        return  # no train.py recognized, or values that are the job's ($VAR, $(...)): nothing certain to parse
     # The hf_scale config is compared as a DistributedConfig (below); its path is the image's, not this machine's.
     words, skip = [], False
     for word in command.args:
@@ -223,6 +245,10 @@ def _train_args_findings(path: str, kind: str, facts: Facts, config: tuple[str, 
     try:
         flags = parse_train_flags(words, read_recipe=False)  # a recipe in the image is train.py's to read
     except UserError as error:
+        if not command.hf_scale:
+            yield _not_hf_scale(path, kind, f"runs {command.script} with arguments hf_scale's train.py refuses "
+                                            f"({error}), so not hf_scale's (were it, the job would fail at start)")
+            return
         yield Finding(ERROR, "manifest-train-args", path, "train.py arguments",
                       f"{kind} hands train.py arguments it refuses: {error}: the job fails at start, after it "
                       "queued", fix, {f"{path}:train.py arguments": " ".join(words)})
@@ -263,19 +289,24 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
     if deepspeed is not None or named.deepspeed is not None:
         yield from _deepspeed_batch(path, kind, facts, deepspeed if deepspeed is not None else named.deepspeed,
                                     "" if deepspeed is not None else named.deepspeed_label)
-    yield from _train_args_findings(path, kind, facts, named.hf_scale or hf_scale_config)
+    own = _train_args_findings(path, kind, facts, named.hf_scale or hf_scale_config)
+    yield from own
+    runs_hf_scale = not any(finding.code == "manifest-not-hf-scale" for finding in own)
     compared = set()
     for reference in [*references, *named.references]:
+        if reference.key == "accelerate" and NODES in facts.overrides:
+            # `accelerate launch --num_machines` overrides the file's num_machines, and so its split of processes
+            # per machine ($SKYPILOT_NUM_NODES: the manifest's own count): the file's counts are not what runs.
+            reference = replace(reference, nodes=None, per_node=None)
         sizes = (reference.nodes, reference.per_node, reference.cpu)
         if sizes not in compared:  # configs that agree (a generated YAML and its hf_scale config): one finding
             compared.add(sizes)
             yield from _size_findings(path, kind, facts, reference)
-    if kind != "SkyPilot":
-        image = facts.image or ""
-        image_issue = image_problem(image) if image else "is missing"
-        if image_issue:
-            yield Finding(ERROR, "manifest-image", path, "image", f"image {image!r} {image_issue}",
-                          "use a pinned image, e.g. registry.example.com/team/hf-scale:0.1.0")
+    yield from _image_findings(path, kind, data, facts, runs_hf_scale)
+    yield from _secret_findings(path, kind, facts)
+    if not runs_hf_scale:
+        return
+    yield from _restart_findings(path, kind, data)
     output = output_dir(facts)
     on_volume = output is not None and any(
         mount and (output == mount or output.startswith(mount.rstrip("/") + "/")) for mount in facts.mounts)
@@ -294,3 +325,62 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
                           "terminationGracePeriodSeconds",
                           f"a grace period of {facts.grace} s may end before the checkpoint is saved; needs "
                           f"{basis}", f"set terminationGracePeriodSeconds >= {need:.0f}")
+
+
+def _image_findings(path: str, kind: str, data: dict, facts: Facts, runs_hf_scale: bool) -> Iterator[Finding]:
+    """`manifest-image`: a pinned tag (not `latest`, not none). A TrainJob may leave spec.trainer.image out: its
+    training runtime supplies the image, which check cannot see (whether it has hf_scale is the point: said when
+    the command runs hf_scale)."""
+    if kind == "SkyPilot":
+        return
+    fix = "use a pinned image, e.g. registry.example.com/team/hf-scale:0.1.0"
+    if facts.image:
+        issue = image_problem(facts.image)
+        if issue:
+            yield Finding(ERROR, "manifest-image", path, "image", f"image {facts.image!r} {issue}", fix)
+    elif kind == "PyTorchJob":
+        yield Finding(ERROR, "manifest-image", path, "image", "image '' is missing (Kubernetes refuses a container "
+                      "without one)", fix)
+    elif runs_hf_scale:
+        runtime = ((data.get("spec") or {}).get("runtimeRef") or {}).get("name")
+        yield Finding(WARNING, "manifest-image", path, "spec.trainer.image",
+                      f"no spec.trainer.image: the training runtime {runtime!r} supplies the image, and the command "
+                      "runs hf_scale, which that image must have installed (check cannot see the runtime's image)",
+                      f"set spec.trainer.image in {Path(path).name} to a pinned image with hf_scale (hf-scale "
+                      "generate writes its Dockerfile), or make sure the runtime's image has it")
+
+
+SECRET_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+"""Credentials a training job's env carries; written in the manifest, whoever reads the job reads them."""
+
+
+def _secret_findings(path: str, kind: str, facts: Facts) -> Iterator[Finding]:
+    """`manifest-secret` (warning): a credential written in plain text in the manifest's env (anyone who can read
+    the job, `kubectl get -o yaml`, `sky status`, reads it); a `$VAR` or a Secret reference is fine."""
+    for name in SECRET_NAMES:
+        value = facts.env.get(name)
+        if value and not value.startswith("$"):
+            how = ("SkyPilot's `secrets:` (sky launch --secret " + name + ")" if kind == "SkyPilot" else
+                   "a Kubernetes Secret (env valueFrom.secretKeyRef)")
+            yield Finding(WARNING, "manifest-secret", path, f"env.{name}",
+                          f"{name} is written in plain text in the {kind}'s env: whoever can read the job reads it",
+                          f"remove the value from {Path(path).name} and pass {name} through {how}")
+
+
+RESTARTING_POLICIES = ("OnFailure", "Always")
+"""The PyTorchJob restart policies that restart a pod that exits 75 (train.py's preemption exit): `Never` does not,
+`ExitCode` restarts only on exit codes 128-255 (1-127 are permanent)."""
+
+
+def _restart_findings(path: str, kind: str, data: dict) -> Iterator[Finding]:
+    """`manifest-restart-policy`: a PyTorchJob replica whose restartPolicy makes train.py's preemption exit (75:
+    saved, restart me) final, so a preempted job is lost instead of resumed."""
+    if kind != "PyTorchJob":
+        return
+    for role, replica in ((data.get("spec") or {}).get("pytorchReplicaSpecs") or {}).items():
+        policy = replica.get("restartPolicy") if isinstance(replica, dict) else None
+        if policy in ("Never", "ExitCode"):
+            yield Finding(ERROR, "manifest-restart-policy", path, f"spec.pytorchReplicaSpecs.{role}.restartPolicy",
+                          f"restartPolicy {policy}: train.py exits 75 on preemption (checkpoint saved, restart "
+                          "me), which this policy makes final: a preempted job is lost, not resumed",
+                          f"set restartPolicy: OnFailure for {role} in {Path(path).name}")

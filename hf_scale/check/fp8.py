@@ -129,7 +129,7 @@ def _offloaded(inp: CheckInputs) -> Source | None:
 
 def check_fp8_speed(inp: CheckInputs) -> Iterator[Finding]:
     """`fp8-no-compile`, `fp8-offload`, `fp8-small-layers` (warnings): fp8 asked for where it is usually slower than
-    bf16: without --torch_compile (the scaling casts then run as separate kernels), with offload (host transfers
+    bf16: torchao without --torch_compile (the scaling casts then run as separate kernels), with offload (host transfers
     dominate), or on a model whose linear layers are all below the backend's size threshold (nothing is converted)."""
     source = fp8_source(inp)
     if source is None:
@@ -137,7 +137,8 @@ def check_fp8_speed(inp: CheckInputs) -> Iterator[Finding]:
     file, key, backend = source
     asked = Source(file, key, "fp8")
     use_bf16 = f"set `{key}` to bf16 in {Path(file).name}"
-    if inp.training is not None and not inp.training.get("torch_compile"):
+    # The advice is torchao's (its speedups are measured compiled); TransformerEngine's fused kernels need no compile.
+    if backend == "torchao" and inp.training is not None and not inp.training.get("torch_compile"):
         yield Finding(WARNING, "fp8-no-compile", TRAINING_ARGS, "--torch_compile",
                       f"{asked.label}='fp8' without --torch_compile: the casts and scalings run as separate kernels "
                       "and the step is usually slower than bf16 (torchao's speedups are measured compiled).",

@@ -281,6 +281,10 @@ def _accelerate_launch_env(yaml_path: Path, raw: dict[str, Any]) -> tuple[dict[s
                 return launch_utils.prepare_multi_gpu_env(args), None
             if args.tpu or raw.get("compute_environment") == "AMAZON_SAGEMAKER":
                 return None, None
+            # An MPI YAML (mpirun_config) needs mpirun on the cluster, not here: it changes the command, not the
+            # environment, and accelerate looks for mpirun while building the command (docs/check.md: the machine
+            # running check is never the cluster).
+            args.mpirun_hostfile = None
             return launch_utils.prepare_simple_launcher_cmd_env(args)[1], None
     except (ConnectionError, RuntimeError):  # a port in use here, FP8 not installed here
         return None, None
@@ -352,7 +356,9 @@ def load_inputs(
         chosen = Path(deepspeed_config)
         refs.append(("--deepspeed-config", deepspeed_config, str(chosen.resolve())))
     written = get_path(accelerate, "deepspeed_config.deepspeed_config_file", None)
-    if accelerate_config is not None and isinstance(written, str) and written:
+    # accelerate opens the file only for distributed_type DEEPSPEED (its launch code reads deepspeed_config then).
+    if accelerate_config is not None and isinstance(written, str) and written and accelerate.get(
+            "distributed_type") == "DEEPSPEED":
         resolved, path_note = _resolve_yaml_reference(written, Path(accelerate_config).resolve().parent, cwd)
         refs.append(
             (f"{accelerate_config}:deepspeed_config.deepspeed_config_file", written, str(resolved.resolve()))

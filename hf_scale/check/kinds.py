@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_scale.errors import UserError
-from hf_scale.inputs import load_json, load_yaml, read_text
+from hf_scale.inputs import load_json, load_yaml_documents, read_text
 
 ACCELERATE, DEEPSPEED, HF_SCALE, MANIFEST = "accelerate config", "DeepSpeed config", "hf_scale config", "job manifest"
 RECIPE = "train.py recipe"
@@ -114,8 +114,21 @@ def file_kind(path: str) -> str:
     is one line naming what each kind looks like."""
     text = read_text(Path(path), "check:",
                      expected="an accelerate config, a DeepSpeed config, an hf_scale config or a cluster manifest")
-    parse = load_json if path.endswith(".json") else load_yaml
-    kind = kind_of(parse(text, f"check: {path}"))
+    if path.endswith(".json"):
+        data = load_json(text, f"check: {path}")
+    else:
+        documents = load_yaml_documents(text, f"check: {path}")
+        if len(documents) > 1:  # a stream: a TrainingRuntime and its TrainJob, a SkyPilot job group
+            if any(kind_of(document) == MANIFEST for document in documents):
+                return MANIFEST
+            raise UserError(f"check: {path} holds {len(documents)} YAML documents, none a file check reads: give "
+                            f"{WHAT_EACH_LOOKS_LIKE}")
+        data = documents[0] if documents else None
+    kind = kind_of(data)
+    recipe = other_recipe(data) if kind != RECIPE else None  # train.py's own recipes name model_name_or_path too
+    if recipe:
+        raise UserError(f"check: {path} is {recipe}, not a file check reads (check does not read training recipes "
+                        f"of other projects){_named_deepspeed(data)}")
     if kind is None:
         raise UserError(f"check: {path} is not a file check reads: give {WHAT_EACH_LOOKS_LIKE}")
     if kind == RECIPE:
@@ -123,6 +136,27 @@ def file_kind(path: str) -> str:
                         "one), not a config: check it as train.py reads it, among the training args after the "
                         f"configs: hf-scale check CONFIG... -- {path}")
     return kind
+
+
+OTHER_RECIPES = {
+    "model_name_or_path": "a LLaMA-Factory training recipe (model_name_or_path:, stage:, ...)",
+    "base_model": "an axolotl training recipe (base_model:, datasets:, ...)",
+}
+"""The key that marks another project's training recipe: a YAML of its trainer's arguments, which may share a few
+names with DeepSpeed's keys (`bf16`, `gradient_accumulation_steps`) but is none of check's files."""
+
+
+def other_recipe(data: Any) -> str | None:
+    """What another project's training recipe is (:data:`OTHER_RECIPES`), or None."""
+    if not isinstance(data, dict) or set(data) & set(ACCELERATE_MARKS):
+        return None
+    return next((what for key, what in OTHER_RECIPES.items() if key in data), None)
+
+
+def _named_deepspeed(data: dict) -> str:
+    """The DeepSpeed config a recipe names (`deepspeed:`): what check can read of it."""
+    named = data.get("deepspeed")
+    return f"; check the DeepSpeed config it names: hf-scale check {named}" if isinstance(named, str) else ""
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ compares them).
 Processes per node: a count the command's launcher is given (``torchrun --nproc_per_node``, ``accelerate launch
 --num_processes`` / ``--num_machines``, ``deepspeed --num_gpus``) is what runs; else the manifest's own
 (numProcPerNode, nprocPerNode: the operator hands it to torchrun as PET_NPROC_PER_NODE). ``$VAR`` values are read
-from the manifest's env; SkyPilot's SKYPILOT_NUM_GPUS_PER_NODE, Kubeflow's PET_NPROC_PER_NODE and torchrun's
-``gpu``/``auto`` are the platform's own count (the manifest's field and the GPU check cover them).
+from the manifest's env; the variables each engine sets on every node (:data:`PLATFORM_VARIABLES`: SkyPilot's
+SKYPILOT_NUM_NODES, Kubeflow's PET_NNODES, SLURM's SLURM_NNODES, ...) and torchrun's ``gpu``/``auto`` are the
+platform's own count (the manifest's field and the GPU check cover them).
 """
 
 from __future__ import annotations
@@ -28,8 +29,20 @@ FROM_PLATFORM = "from the platform"
 """A launcher count the platform fills in ($SKYPILOT_NUM_GPUS_PER_NODE, $PET_NNODES, torchrun's `gpu`/`auto`:
 one process per GPU): it agrees with the manifest's own count by construction."""
 _VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))$")
-_GPU_VARIABLES = {"SKYPILOT_NUM_GPUS_PER_NODE", "PET_NPROC_PER_NODE"}
-_NODE_VARIABLES = {"SKYPILOT_NUM_NODES", "PET_NNODES"}
+NODES, PER_NODE = "nodes", "processes per node"
+PLATFORM_VARIABLES = {
+    "SKYPILOT_NUM_NODES": ("SkyPilot", NODES),
+    "SKYPILOT_NUM_GPUS_PER_NODE": ("SkyPilot", PER_NODE),
+    "PET_NNODES": ("Kubeflow Trainer (TrainJob), Training Operator (PyTorchJob)", NODES),
+    "PET_NPROC_PER_NODE": ("Kubeflow Trainer (TrainJob), Training Operator (PyTorchJob)", PER_NODE),
+    "SLURM_NNODES": ("SLURM", NODES),
+    "SLURM_JOB_NUM_NODES": ("SLURM", NODES),
+    "SLURM_GPUS_ON_NODE": ("SLURM", PER_NODE),
+}
+"""The counts each engine sets on every node of the job it starts (variable: (engine, what it counts)): a launcher
+given one of them runs the manifest's own count by construction (docs/check.md lists them)."""
+_GPU_VARIABLES = {name for name, (_, counts) in PLATFORM_VARIABLES.items() if counts == PER_NODE}
+_NODE_VARIABLES = {name for name, (_, counts) in PLATFORM_VARIABLES.items() if counts == NODES}
 _NODE_SCRIPT = re.compile(r"(?:^|/)launch/(?P<name>[A-Za-z0-9_.-]+)\.node\.sh$")
 
 
@@ -51,6 +64,9 @@ class Facts:
     launcher_total: int | None = None
     """``accelerate launch --num_processes N`` without --num_machines: the processes of all machines, which accelerate
     splits by the num_machines of the config file it launches (hf_scale.check.cluster does, with that file)."""
+    overrides: frozenset[str] = frozenset()
+    """What the command's ``accelerate launch`` sets over the config file it launches (NODES: --num_machines,
+    PER_NODE: --num_processes), whatever the value ($SKYPILOT_NUM_NODES too)."""
 
 
 HF_SCALE_CONFIG_FLAGS = ("--hf_scale_config", "--hf-scale-config")
@@ -93,7 +109,7 @@ def launcher_counts(args: list[str], env: dict[str, str]) -> tuple[int | str | N
                     _count(last_value(rest, ("--nnodes",)), env, _NODE_VARIABLES), "torchrun --nproc_per_node")
         if base == "accelerate" and rest[:1] == ["launch"]:
             total = _count(last_value(rest, ("--num_processes", "--num-processes")), env, set())
-            machines = _count(last_value(rest, ("--num_machines", "--num-machines")), env, set())
+            machines = _count(last_value(rest, ("--num_machines", "--num-machines")), env, _NODE_VARIABLES)
             # --num_processes alone is a total whose split comes from the config file: nothing to compare.
             both = isinstance(total, int) and isinstance(machines, int) and machines > 0
             return (total // machines if both else None), machines, "accelerate launch --num_processes / --num_machines"
@@ -118,6 +134,20 @@ def accelerate_total(args: list[str], env: dict[str, str]) -> int | None:
             total = _count(last_value(rest, ("--num_processes", "--num-processes")), env, set())
             return total if isinstance(total, int) and total > 0 else None
     return None
+
+
+def accelerate_overrides(args: list[str]) -> frozenset[str]:
+    """:attr:`Facts.overrides` of the command's first launcher, when it is `accelerate launch`."""
+    for index, word in enumerate(args):
+        base = word.rsplit("/", 1)[-1]
+        module = args[index + 1:index + 2] if word == "-m" else []
+        if base in ("torchrun", "deepspeed") or module in (["torch.distributed.run"], ["torch.distributed.launch"]):
+            return frozenset()
+        if base == "accelerate" and args[index + 1:index + 2] == ["launch"]:
+            rest = args[index + 2:]
+            flags = {NODES: ("--num_machines", "--num-machines"), PER_NODE: ("--num_processes", "--num-processes")}
+            return frozenset(what for what, names in flags.items() if last_value(rest, names) is not None)
+    return frozenset()
 
 
 def _gpu_count(accelerators: Any) -> int | None:
@@ -169,7 +199,7 @@ def manifest_facts(kind: str, data: dict) -> Facts:
         return Facts(data.get("num_nodes", 1), procs if isinstance(procs, int) else None,
                      f"the run command's {launcher}", _gpu_count(resources.get("accelerators", resources.get("gpus"))),
                      None, args, None, mounts, launcher_nodes if isinstance(launcher_nodes, int) else None, env,
-                     workdir, accelerate_total(args, env))
+                     workdir, accelerate_total(args, env), accelerate_overrides(args))
     pods = _pods(kind, spec)
     containers = [c for pod in pods for c in pod.get("containers") or []]
     if kind == "TrainJob":
@@ -199,7 +229,7 @@ def manifest_facts(kind: str, data: dict) -> Facts:
                  container.get("image"), args,
                  min((g for g in graces if isinstance(g, int)), default=KUBERNETES_DEFAULT_GRACE_S), mounts,
                  launcher_nodes if isinstance(launcher_nodes, int) else None, env,
-                 launcher_total=accelerate_total(args, env))
+                 launcher_total=accelerate_total(args, env), overrides=accelerate_overrides(args))
 
 
 OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir")
@@ -220,6 +250,11 @@ class TrainCommand:
     parsed (their values are the job's), only --output_dir is read."""
     passes_config: bool
     """An hf_scale config reaches train.py: ``--hf_scale_config`` among the arguments, or NAME.node.sh's own."""
+    script: str = ""
+    """The word that runs it: ``-m hf_scale.train``, a train.py path, a launch/NAME.node.sh."""
+    hf_scale: bool = False
+    """Certainly hf_scale's training: ``-m hf_scale.train``, a generated node script, or ``--hf_scale_config``; a
+    ``train.py`` of no such mark may be a script of its own (SkyPilot's gpt-oss task runs TRL's /sft/train.py)."""
 
 
 def train_command(facts: Facts) -> TrainCommand | None:
@@ -239,7 +274,9 @@ def train_command(facts: Facts) -> TrainCommand | None:
                 break
         words = [_substituted(arg, facts.env) for arg in words]
         passes = bool(_NODE_SCRIPT.search(word)) or any(a.partition("=")[0] in HF_SCALE_CONFIG_FLAGS for a in words)
-        return TrainCommand(words, [arg for arg in words if _EXPANSION.search(arg)], passes)
+        script = f"-m {layout.TRAINING_MODULE}" if module else word
+        return TrainCommand(words, [arg for arg in words if _EXPANSION.search(arg)], passes, script,
+                            module or passes)
     return None
 
 

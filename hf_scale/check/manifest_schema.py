@@ -49,7 +49,10 @@ def _kubeflow_rule_problem(kind: str, data: dict) -> str | None:
       PyTorchJob webhook's NameIsDNS1035Label): e.g. `Bad_Name` is refused;
     * TrainJob: spec.runtimeRef is required (TrainJobSpec), so a TrainJob without a spec runs nothing;
     * PyTorchJob: spec.pytorchReplicaSpecs is required, the Master's replicas must be 1 and a Worker's at least 1
-      (the webhook's validatePyTorchReplicaSpecs)."""
+      (the webhook's validatePyTorchReplicaSpecs), restartPolicy is one of its enum, nprocPerNode what torchrun
+      takes;
+    * any object: the namespace is an RFC 1123 label, ports 1-65535, grace periods and backoffLimit >= 0 (the API
+      server's validation of pods and Jobs)."""
     from hf_scale.generators.kubernetes import PYTORCHJOB_API, TRAINJOB_API
 
     api = {"TrainJob": TRAINJOB_API, "PyTorchJob": PYTORCHJOB_API}[kind]
@@ -62,6 +65,9 @@ def _kubeflow_rule_problem(kind: str, data: dict) -> str | None:
     if name is not None and not (isinstance(name, str) and len(name) <= 63 and _DNS_1035_LABEL.fullmatch(name)):
         return (f"metadata.name {name!r} is not an RFC 1035 label (at most 63 lowercase letters, digits and '-', "
                 "starting with a letter, ending with a letter or digit)")
+    problem = _kubernetes_value_problem(data)
+    if problem:
+        return problem
     spec = data.get("spec")
     if kind == "TrainJob":
         if not isinstance(spec, dict) or not spec.get("runtimeRef"):
@@ -76,7 +82,7 @@ def _kubeflow_rule_problem(kind: str, data: dict) -> str | None:
             return f"spec.pytorchReplicaSpecs.Master.replicas={count!r}: the Master must be exactly 1"
         if role != "Master" and count is not None and not (isinstance(count, int) and count >= 1):
             return f"spec.pytorchReplicaSpecs.{role}.replicas={count!r}: must be at least 1 (leave {role} out for none)"
-    return None
+    return _pytorchjob_value_problem(spec)
 
 
 def _kubeflow_problem(kind: str, data: dict) -> str | None:
@@ -94,7 +100,10 @@ def _kubeflow_problem(kind: str, data: dict) -> str | None:
             spec = data.get("spec")
             if isinstance(spec, dict) and "runPolicy" not in spec:
                 data = {**data, "spec": {**spec, "runPolicy": {}}}
+            data = _without_metrics(data)
             back = client.sanitize_for_serialization(client._ApiClient__deserialize(data, "KubeflowOrgV1PyTorchJob"))
+    except AttributeError:  # a type the SDK's models lack: what they cannot read, the rules below still check
+        return _kubeflow_rule_problem(kind, data)
     except ImportError:
         raise UserError(f"checking a {kind} needs Kubeflow's API models: pip install 'hf-scale[k8s]'") from None
     except (ValueError, TypeError) as error:
@@ -103,6 +112,69 @@ def _kubeflow_problem(kind: str, data: dict) -> str | None:
     if lost:
         return f"{lost} is not a field of the {kind} API (a misspelled key is dropped silently)"
     return _kubeflow_rule_problem(kind, data)
+
+
+def _without_metrics(data: dict) -> dict:
+    """The PyTorchJob without spec.elasticPolicy.metrics: Kubernetes' autoscaling/v2 MetricSpec list, for which the
+    Training Operator SDK names a model it does not ship (an AttributeError, not a finding about the job)."""
+    spec = data.get("spec")
+    policy = spec.get("elasticPolicy") if isinstance(spec, dict) else None
+    if not isinstance(policy, dict) or "metrics" not in policy:
+        return data
+    return {**data, "spec": {**spec, "elasticPolicy": {k: v for k, v in policy.items() if k != "metrics"}}}
+
+
+_DNS_1123_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
+RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
+"""The Training Operator's RestartPolicy enum (its CRD refuses another)."""
+NPROC_WORDS = ("auto", "cpu", "gpu")
+"""nprocPerNode besides a positive integer: what torchrun's --nproc_per_node takes (the operator passes it on)."""
+
+
+def _walk(node: Any, where: str = "") -> Any:
+    """(dotted path, key, value) of every mapping entry in the manifest."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            path = f"{where}.{key}".lstrip(".")
+            yield path, key, value
+            yield from _walk(value, path)
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _walk(value, f"{where}[{index}]")
+
+
+def _kubernetes_value_problem(data: dict) -> str | None:
+    """Values the API server refuses anywhere in a Kubernetes object (pod templates included): a namespace that is
+    not an RFC 1123 label, a container port outside 1-65535, a negative grace period or backoffLimit."""
+    metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+    namespace = metadata.get("namespace")
+    if namespace is not None and not (isinstance(namespace, str) and _DNS_1123_LABEL.fullmatch(namespace)):
+        return (f"metadata.namespace {namespace!r} is not an RFC 1123 label (at most 63 lowercase letters, digits "
+                "and '-', starting and ending with a letter or digit)")
+    ranges = {"containerPort": (1, 65535), "terminationGracePeriodSeconds": (0, None),
+              "backoffLimit": (0, None), "activeDeadlineSeconds": (1, None)}
+    for path, key, value in _walk(data):
+        if key not in ranges:
+            continue
+        low, high = ranges[key]
+        if not (isinstance(value, int) and not isinstance(value, bool)) or value < low or (high and value > high):
+            allowed = f"{low}-{high}" if high else f"an integer >= {low}"
+            return f"{path}={value!r} is not allowed (allowed: {allowed})"
+    return None
+
+
+def _pytorchjob_value_problem(spec: dict) -> str | None:
+    """nprocPerNode (the operator hands it to torchrun as PET_NPROC_PER_NODE) and each replica's restartPolicy."""
+    nproc = spec.get("nprocPerNode")
+    if nproc is not None and not (str(nproc) in NPROC_WORDS or (str(nproc).isdigit() and int(str(nproc)) > 0)):
+        return (f"spec.nprocPerNode={nproc!r}: torchrun refuses it (allowed: a positive integer, "
+                f"{', '.join(NPROC_WORDS)})")
+    for role, replica in (spec.get("pytorchReplicaSpecs") or {}).items():
+        policy = replica.get("restartPolicy") if isinstance(replica, dict) else None
+        if policy is not None and policy not in RESTART_POLICIES:
+            return (f"spec.pytorchReplicaSpecs.{role}.restartPolicy={policy!r} is not one the API has (allowed: "
+                    f"{', '.join(RESTART_POLICIES)})")
+    return None
 
 
 def _first_difference(want: Any, got: Any, where: str = "") -> str | None:
@@ -180,6 +252,9 @@ def skypilot_problem(task: dict) -> str | None:
     if isinstance(resources_config, dict):
         if "gpus" in resources_config and "accelerators" not in resources_config:  # SkyPilot's alias
             resources_config["accelerators"] = resources_config.pop("gpus")
+        problem = _accelerator_count_problem(resources_config.get("accelerators"))
+        if problem:
+            return problem
         resources_config.pop("hooks", None)  # task-scoped, routed around the resources schema by SkyPilot
         problem = _schema_error(resources_config, schemas["resources"], "resources")
         if problem:
@@ -189,4 +264,26 @@ def skypilot_problem(task: dict) -> str | None:
             problem = _schema_error(mount, schemas["storage"], f"file_mounts.{target}")
             if problem:
                 return problem
+    return None
+
+
+def _accelerator_count_problem(accelerators: Any) -> str | None:
+    """SkyPilot reads an accelerator count (`H100:8`, {H100: 8}) as a float and then as a number of GPUs: one that is
+    not a finite positive number (`H100:1e400` is infinite) crashes or is refused by sky launch."""
+    import math
+
+    if isinstance(accelerators, str):
+        counts = [accelerators.partition(":")[2]] if ":" in accelerators else []
+    elif isinstance(accelerators, dict):
+        counts = [count for count in accelerators.values() if count is not None]
+    else:
+        return None
+    for count in counts:
+        try:
+            number = float(count)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not (math.isfinite(number) and number > 0):
+            return (f"resources.accelerators: count {count!r} of {accelerators!r} is not a finite positive number "
+                    "(write e.g. H100:8)")
     return None

@@ -10,13 +10,14 @@ import re
 import shutil
 import textwrap
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from hf_scale.check.checks import CHECKS, Check, run_checks
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, Finding
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding
 from hf_scale.check.generated import regenerated_fixes
 from hf_scale.check.inputs import RUNNERS, CheckInputs, load_inputs
-from hf_scale.check.kinds import WHAT_EACH_LOOKS_LIKE, sort_files
+from hf_scale.check.kinds import MANIFEST, WHAT_EACH_LOOKS_LIKE, kind_of, sort_files
 from hf_scale.errors import UserError
 
 
@@ -87,7 +88,8 @@ def check_codes(fn: Check) -> list[str]:
 
 _MANIFEST_CODES = ("manifest-invalid, manifest-nodes, manifest-processes, manifest-gpus, manifest-image, "
                    "manifest-output-volume, manifest-grace-period (warning without --checkpoint), "
-                   "manifest-deepspeed-batch, manifest-train-args")
+                   "manifest-deepspeed-batch, manifest-train-args, manifest-not-hf-scale (warning), manifest-not-read "
+                   "(warning), manifest-restart-policy, manifest-secret (warning)")
 
 
 def _epilog() -> str:
@@ -189,10 +191,8 @@ def _manifest_findings(manifests: list[str], checkpoint: str | None, inputs: Che
                        accelerate_file: str | None) -> list[Finding]:
     """Each manifest against the configs given to check (the accelerate YAML, the hf_scale config) and those its
     command names (hf_scale.check.cluster)."""
-    from pathlib import Path
-
     from hf_scale.check.cluster import accelerate_reference, check_manifest, hf_scale_reference, measured_save_seconds
-    from hf_scale.inputs import load_yaml, read_text
+    from hf_scale.inputs import load_yaml_documents, read_text
 
     references = []
     if accelerate_file is not None:
@@ -204,10 +204,32 @@ def _manifest_findings(manifests: list[str], checkpoint: str | None, inputs: Che
     save = measured_save_seconds(Path(checkpoint)) if checkpoint else None
     findings: list[Finding] = []
     for path in manifests:
-        data = load_yaml(read_text(Path(path), "--manifest"), f"--manifest {path}")
-        findings += check_manifest(path, data, references, save_seconds=save, deepspeed=inputs.deepspeed,
-                                   given_files=given, hf_scale_config=hf_scale)
+        documents = load_yaml_documents(read_text(Path(path), "--manifest"), f"--manifest {path}")
+        for data in manifest_documents(path, documents, findings):
+            findings += check_manifest(path, data, references, save_seconds=save, deepspeed=inputs.deepspeed,
+                                       given_files=given, hf_scale_config=hf_scale)
     return findings
+
+
+def manifest_documents(path: str, documents: list, findings: list[Finding]) -> list:
+    """The documents of a manifest file that check reads (TrainJob, PyTorchJob, SkyPilot task); each other document
+    of a stream (a TrainingRuntime beside its TrainJob, a SkyPilot job group's header) is one `manifest-not-read`
+    warning added to ``findings``. A single document is returned as it is (check_manifest says what it is not)."""
+    if len(documents) <= 1:
+        return documents or [None]
+    known = [data for data in documents if kind_of(data) == MANIFEST]
+    if not known:
+        raise UserError(f"--manifest {path}: none of its {len(documents)} YAML documents is a TrainJob, a PyTorchJob "
+                        "or a SkyPilot task (kind:, run:, num_nodes:)")
+    for number, data in enumerate(documents, 1):
+        if kind_of(data) != MANIFEST:
+            what = data.get("kind", "a mapping of no kind") if isinstance(data, dict) else type(data).__name__
+            findings.append(Finding(WARNING, "manifest-not-read", path, f"document {number}",
+                                    f"document {number} of {len(documents)} is {what}: check does not read it (it "
+                                    "reads the TrainJob, PyTorchJob or SkyPilot task documents)",
+                                    f"nothing to do; check the other files {Path(path).name}'s jobs use by giving "
+                                    "them to check"))
+    return known
 
 
 def run_check(args: argparse.Namespace) -> int:

@@ -255,3 +255,12 @@ def test_the_fsdp_version_is_read_once_as_accelerate_launch_runs_it(accelerate, 
 
     inp = CheckInputs(runner="trainer", accelerate_file="a.yaml", accelerate=accelerate, launch_env=launch_env)
     assert fsdp_version_of(inp) == want
+
+
+def test_a_deepspeed_file_named_under_another_distributed_type_is_not_opened(tmp_path, monkeypatch, capsys):
+    """accelerate reads deepspeed_config only for distributed_type DEEPSPEED: a NO YAML naming a missing JSON
+    launches (exit 0), so check does not refuse it for the missing file."""
+    yaml_cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_processes": 1,
+                "deepspeed_config": {"deepspeed_config_file": "missing.json"}}
+    code, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg)
+    assert code in (0, 1) and "deepspeed_config_file" not in json.dumps(payload["summary"]), payload

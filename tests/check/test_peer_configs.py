@@ -35,8 +35,11 @@ CASES = yaml.safe_load((CORPUS / "index.yaml").read_text())["cases"]
 
 
 def _check_argv(case: dict) -> list[str]:
-    """`hf-scale check FILE...` as a user types it: the files positionally (recognized by their content)."""
+    """`hf-scale check FILE...` as a user types it: the files positionally (recognized by their content), a job
+    manifest with --manifest."""
     argv = ["check", "--json", *[case[key] for key in ("accelerate", "deepspeed") if case.get(key)]]
+    if case.get("manifest"):
+        argv += ["--manifest", case["manifest"]]
     if case.get("runner"):
         argv += ["--runner", case["runner"]]
     if case.get("gpus") is not None:
@@ -44,7 +47,26 @@ def _check_argv(case: dict) -> list[str]:
     return argv + ["--", *case.get("training_args", [])]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
+REFUSED = [case for case in CASES if case.get("refused")]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[case["name"] for case in REFUSED])
+def test_a_file_check_does_not_read_is_one_line_saying_what_it_is(case, monkeypatch, capsys):
+    """Other projects' training recipes: said what they are, not called a DeepSpeed config that is not JSON."""
+    monkeypatch.chdir(CORPUS)
+    try:
+        code = main(["check", case["refused"]["file"]])
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert case["refused"]["says"] in err, err
+
+
+CHECKED = [case for case in CASES if not case.get("refused")]
+
+
+@pytest.mark.parametrize("case", CHECKED, ids=[case["name"] for case in CHECKED])
 def test_check_reports_exactly_the_expected_findings(case, monkeypatch, capsys):
     monkeypatch.chdir(CORPUS)
     try:
@@ -63,7 +85,8 @@ def test_check_reports_exactly_the_expected_findings(case, monkeypatch, capsys):
 
 
 def test_every_corpus_file_is_used_and_every_case_says_where_it_comes_from():
-    used = {case[key] for case in CASES for key in ("accelerate", "deepspeed") if case.get(key)}
+    used = {case[key] for case in CASES for key in ("accelerate", "deepspeed", "manifest") if case.get(key)}
+    used |= {case["refused"]["file"] for case in CASES if case.get("refused")}
     used |= {arg for case in CASES for arg in case.get("training_args", []) if arg.endswith(".json")}
     for case in CASES:
         text = (CORPUS / case["accelerate"]).read_text() if case.get("accelerate") else "{}"
