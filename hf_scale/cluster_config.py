@@ -12,9 +12,10 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 from hf_scale.config_errors import UnshownValueError
+from hf_scale.rules import is_secret_name, is_secret_setting, looks_like_token, secret_advice
 
 # A container image reference: [registry[:port]/]path[:tag][@digest] (Docker's reference grammar, simplified to
 # the characters it allows).
@@ -22,6 +23,9 @@ _IMAGE = re.compile(
     r"(?:[a-z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*"
     r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[a-f0-9]{64}))?"
 )
+_IMAGE_MAX = 255 + len(":") + 128 + len("@sha256:") + 64
+"""The longest reference Docker takes: a name of at most 255 characters (distribution/reference's
+NameTotalLengthMax), a tag of at most 128, a sha256 digest."""
 _DNS_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?")
 _LABEL_KEY = re.compile(r"(?:[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
@@ -46,6 +50,8 @@ TRAINJOB_CONTAINER = "node"
 
 def image_problem(image: str) -> str | None:
     """Why ``image`` is not a pinned image reference (None when it is): a tag other than `latest`, or a digest."""
+    if len(image) > _IMAGE_MAX:
+        return f"is {len(image)} characters long: an image reference is at most {_IMAGE_MAX}"
     match = _IMAGE.fullmatch(image)
     if match is None:
         return "is not an image reference such as registry.example.com/team/hf-scale:0.1.0"
@@ -84,14 +90,6 @@ cluster.env would override the platform's value (or the config's) on every node 
 who they are, or meet on the wrong address or port."""
 RESERVED_ENV_PREFIXES = ("PET_", "SKYPILOT_", "TORCHELASTIC_")
 """Kubeflow's PET_* (torchrun's settings per node), SkyPilot's SKYPILOT_* (node rank, IPs, GPUs), torchrun's own."""
-_SECRET_SUFFIXES = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY",
-                    "SECRET_KEY", "AUTH_KEY")
-"""Name endings of credentials (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...). Hand-
-written: no library lists them. The ending, not any part: TOKENIZERS_PARALLELISM and HF_TOKEN_PATH are not secrets."""
-_SWITCH_VALUES = ("", "0", "1", "true", "false", "yes", "no", "on", "off")
-"""Values that are switches, not secrets (HF_HUB_DISABLE_IMPLICIT_TOKEN=1)."""
-
-
 def reserved_env_problem(name: str) -> str | None:
     """Why ``name`` may not be set in cluster.env (None when it may): the runtime sets it."""
     if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES):
@@ -101,13 +99,40 @@ def reserved_env_problem(name: str) -> str | None:
     return None
 
 
-def secret_env_problem(name: str, value: str) -> str | None:
-    """Why ``name=value`` looks like a secret (None when it does not)."""
-    if not name.upper().endswith(_SECRET_SUFFIXES) or value.strip().lower() in _SWITCH_VALUES:
+def secret_env_problem(name: str, value: object) -> str | None:
+    """Why ``name=value`` looks like a secret (None when it does not); the value is never part of the answer."""
+    if not is_secret_setting(name, value):
         return None
     return (f"the variable {name} looks like a secret, and cluster.env is written in plain text into every manifest "
-            "(committed with the generated files): remove it and pass it from a Kubernetes secret (kubectl create "
-            f"secret generic ...; env valueFrom.secretKeyRef in the manifest) or with sky jobs launch --secret {name}")
+            f"(committed with the generated files): remove it and {secret_advice(name)}")
+
+
+def train_args_secret_problem(args: list[str]) -> str | None:
+    """Why ``args`` (cluster.train_args) pass a secret (None when they do not): a flag named like a credential
+    (--hub_token) or an argument spelled like a token. They are written into every manifest, the SkyPilot task, the
+    resolved config and (through --set) every generated file's regenerate comment; the answer never shows a value."""
+    for index, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        if flag.startswith("--") and is_secret_name(flag[2:]):
+            return (f"{flag} passes a secret, and cluster.train_args is written in plain text into every manifest "
+                    "(committed with the generated files): remove it; train.py and the Hub read HF_TOKEN from the "
+                    f"environment: {secret_advice('HF_TOKEN')}")
+        if looks_like_token(value or arg):
+            return (f"argument {index} looks like an access token (not shown here), and cluster.train_args is written "
+                    "in plain text into every manifest (committed with the generated files): remove it, put the token "
+                    f"in an environment variable NAME and {secret_advice('NAME')}")
+    return None
+
+
+def _env_secrets_first(value: object) -> object:
+    # Before the type check: a secret given as a number (DB_PASSWORD: 987654321) is refused as a secret, never
+    # echoed back as "not a valid string".
+    if isinstance(value, dict):
+        for key, setting in value.items():
+            problem = secret_env_problem(key, setting) if isinstance(key, str) else None
+            if problem:
+                raise UnshownValueError(problem)
+    return value
 
 
 def _environment(value: dict[str, str]) -> dict[str, str]:
@@ -121,9 +146,13 @@ def _environment(value: dict[str, str]) -> dict[str, str]:
         problem = reserved_env_problem(key)
         if problem:
             raise ValueError(problem)
-        problem = secret_env_problem(key, setting)
-        if problem:
-            raise UnshownValueError(problem)  # the one line names the variable, never its value
+    return value
+
+
+def _train_args(value: list[str]) -> list[str]:
+    problem = train_args_secret_problem(value)
+    if problem:
+        raise UnshownValueError(problem)  # the one line names the flag, never its value
     return value
 
 
@@ -140,7 +169,17 @@ def _labels(value: dict[str, str]) -> dict[str, str]:
 Image = Annotated[str, AfterValidator(_image)]
 DnsLabel = Annotated[str, _matching(_DNS_LABEL, "use a DNS label: up to 63 lowercase letters, digits and '-'")]
 DnsSubdomain = Annotated[str, _matching(_DNS_SUBDOMAIN, "use lowercase letters, digits, '-' and '.'")]
-MountPath = Annotated[str, _matching(_MOUNT, "use an absolute path of letters, digits and _ . / -")]
+
+
+def _mount_path(value: str) -> str:
+    if not _MOUNT.fullmatch(value) or len(value) > 1024:
+        raise ValueError("use an absolute path of letters, digits and _ . / -, at most 1024 characters")
+    if {".", ".."} & set(value.split("/")):  # /../../etc is /etc: the volume would land elsewhere than it says
+        raise ValueError("use a path without . or .. parts, e.g. /output")
+    return value
+
+
+MountPath = Annotated[str, AfterValidator(_mount_path)]
 StrictInt = Annotated[int, Strict()]
 
 
@@ -191,15 +230,19 @@ class ClusterConfig(_Section):
     output_dir: MountPath = "/output"
     """Where the shared output volume (a PVC, a bucket) is mounted; the run writes OUTPUT_DIR/NAME and a restarted
     node resumes from the newest complete checkpoint there."""
-    train_args: list[Annotated[str, _matching(_TRAIN_ARG, "one argument without control characters")]] = Field(
-        default_factory=list, max_length=256
-    )
+    train_args: Annotated[
+        list[Annotated[str, _matching(_TRAIN_ARG, "one argument without control characters")]],
+        AfterValidator(_train_args),
+    ] = Field(default_factory=list, max_length=256)
     """train.py flags every node passes after the generated ones, e.g. [--model_name_or_path, meta-llama/...,
     --train_file, /data/train.jsonl]; refused by `hf-scale generate` where train.py would refuse them (an unknown flag,
     a value contradicting this config), and --output_dir / --hf_scale_config, which every node passes itself."""
-    env: Annotated[dict[str, Annotated[str, Strict()]], AfterValidator(_environment), Field(max_length=128)] = Field(
-        default_factory=dict
-    )
+    env: Annotated[
+        dict[str, Annotated[str, Strict()]],
+        BeforeValidator(_env_secrets_first),
+        AfterValidator(_environment),
+        Field(max_length=128),
+    ] = Field(default_factory=dict)
     """Environment variables of every node (TrainJob/PyTorchJob container env, SkyPilot envs), e.g.
     {NCCL_SOCKET_IFNAME: eth0, NCCL_IB_HCA: mlx5}; on Kubernetes HF_HOME defaults to OUTPUT_DIR/.cache/huggingface
     (the volume: a restarted pod does not download the model again). Refused: secrets (HF_TOKEN, *_API_KEY, ...:

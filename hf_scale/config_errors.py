@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from hf_scale.rules import is_secret_name
+
 
 class UnshownValueError(ValueError):
     """A refusal whose value must not be echoed (it may hold a secret): the one line names the field, not the value."""
@@ -62,7 +64,9 @@ def one_line(error: ValidationError, root: type[BaseModel]) -> str:
         return f"{first['ctx']['error']}{more}"
     message = str(first["ctx"]["error"]) if kind == "value_error" else first["msg"]
     message = message[0].lower() + message[1:] if message else message
-    if kind == "value_error" and isinstance(first["ctx"]["error"], UnshownValueError):
+    if (kind == "value_error" and isinstance(first["ctx"]["error"], UnshownValueError)) or any(
+        isinstance(part, str) and is_secret_name(part) for part in loc
+    ):  # a credential's value (cluster.env.DB_PASSWORD: 987654321) is never echoed, whatever is wrong with it
         return f"{field} is invalid: {message}{more}"
     if kind == "missing":
         return f"{field} is required{more}"

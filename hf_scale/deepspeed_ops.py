@@ -12,10 +12,12 @@ checks the ops before the model loads and `hf-scale doctor --config` says the sa
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 
 # DeepSpeed op name -> its builder class (what deepspeed.ops.* call get_accelerator().create_op_builder with).
@@ -62,6 +64,8 @@ class OpStatus:
     """prebuilt | cached JIT build | JIT build | not usable."""
     missing: list[str] = field(default_factory=list)
     """What a JIT build lacks here, one phrase each."""
+    stale_lock: str | None = None
+    """Why loading would wait forever on a build lock nobody holds (:func:`stale_build_lock`)."""
 
     @property
     def fix(self) -> str:
@@ -121,19 +125,62 @@ def arch_list_problem(value: str | None) -> str | None:
     )
 
 
+def _extensions_root() -> str | None:
+    """Where torch's JIT loader builds each op, in ROOT/NAME: $TORCH_EXTENSIONS_DIR, else its default root with a
+    pyXY_cpu / pyXY_cuNNN folder (None with a torch whose rule is unknown)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return root
+    try:
+        # The loader's own rule for the default root (private; it creates the root folder, never the op's).
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return _get_build_directory("", verbose=False)
+    except Exception:  # noqa: BLE001 - another torch: nothing known
+        return None
+
+
 def _cached_jit_build(name: str) -> str | None:
     # torch's JIT loader reuses an up-to-date build without compiling (ninja still runs and finds nothing to do).
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
-        try:
-            # The loader's own rule for the default root (private; it creates the root folder, never the op's).
-            from torch.utils.cpp_extension import _get_build_directory
+    root = _extensions_root()
+    directory = os.path.join(root, name) if root else None
+    return directory if directory and os.path.isfile(os.path.join(directory, f"{name}.so")) else None
 
-            root = _get_build_directory("", verbose=False)
-        except Exception:  # noqa: BLE001 - another torch: fall back to "not cached"
-            return None
-    directory = os.path.join(root, name)
-    return directory if os.path.isfile(os.path.join(directory, f"{name}.so")) else None
+
+def _holders(path: str) -> list[int] | None:
+    """The processes of this machine (that this user may inspect) with ``path`` open; None where /proc cannot say."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    target, found = os.path.realpath(path), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in fds):
+                found.append(int(pid))
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def stale_build_lock(name: str, now: float | None = None) -> str | None:
+    """Why torch's JIT build of the op ``name`` would wait forever here (None when it would not): its build folder's
+    ``lock`` (torch.utils.cpp_extension's FileBaton: created with O_EXCL by the building process, which holds it open
+    and removes it when done; every other loader polls until it is gone, without a word) exists and no process on this
+    machine holds it: a run killed while building left it."""
+    root = _extensions_root()
+    lock = os.path.join(root, name, "lock") if root else None
+    try:
+        since = os.stat(lock).st_mtime if lock else None
+    except OSError:
+        return None
+    if since is None or _holders(lock) != []:  # a build in progress (or no /proc): torch's wait is right
+        return None
+    age_s = max(0, int((time.time() if now is None else now) - since))
+    stamp = datetime.datetime.fromtimestamp(since, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return (f"torch's JIT-build lock {lock} exists since {stamp} ({age_s // 3600} h {age_s % 3600 // 60} min ago) and "
+            f"no process on this machine holds it (a run killed while building {name} left it): every run that loads "
+            f"{name} would wait on it forever, without output; remove it (rm {lock}) unless another machine sharing "
+            f"{root} is building {name} right now")
 
 
 def op_status(op: str) -> OpStatus:
@@ -150,6 +197,9 @@ def op_status(op: str) -> OpStatus:
     builder = accelerator.create_op_builder(BUILDERS.get(op, op))
     if builder is None:
         return OpStatus(op, False, "not usable", [f"DeepSpeed has no {op} op for the {accelerator._name} accelerator"])
+    lock = stale_build_lock(builder.name)  # a cached build too goes through the lock: torch takes it to check
+    if lock:
+        return OpStatus(op, False, "locked", stale_lock=lock)
     missing: list[str] = []
     if not probe_is_compatible(builder):
         detail = " ".join(str(getattr(builder, "error_log", "") or "").split())
@@ -176,7 +226,9 @@ def check_config_ops(ds_config: dict, source: str, *, gpu: bool) -> list[str]:
     problems = []
     for need in required_ops(ds_config, gpu=gpu):
         status = op_status(need.op)
-        if not status.usable:
+        if status.stale_lock:
+            problems.append(f"{source}: {need.reason} needs DeepSpeed's {need.op} op, but {status.stale_lock}")
+        elif not status.usable:
             problems.append(
                 f"{source}: {need.reason} needs DeepSpeed's {need.op} op, which is not prebuilt and cannot be "
                 f"JIT-built here (missing: {', '.join(status.missing)}); fix: {status.fix}"

@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
+import urllib.parse
 from pathlib import Path
 
 from hf_scale.config import DistributedConfig, load_config
@@ -34,6 +36,17 @@ from hf_scale.precision_rules import fp8_machine_refusal
 
 PROG = "python -m hf_scale.ray_train"
 DEFAULT_MAX_FAILURES = 3
+CONNECT_TIMEOUT_S = 15.0
+"""How long an existing cluster's head may take to accept a connection before the address is refused (ray.init
+itself waits for it forever)."""
+GCS_PORT = 6379
+RAY_CLIENT_PORT = 10001
+"""Ray's default ports of a head's GCS (ray start --head --port) and of its Ray Client server."""
+_EMPTY = {
+    "--ray_address": "give the cluster's address (HOST:PORT, ray://HOST:PORT, auto) or leave the flag out to start "
+    "a new local Ray instance",
+    "--output_dir": "give the run's directory, on storage every Ray node sees",
+}
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Ray's switch for cluster mode (read when ray is imported; its name is historical: off is how Ray runs on laptops).
 Off, the node's address is 127.0.0.1 for the raylet, every worker and Ray Train's MASTER_ADDR; on (Linux's default),
@@ -75,6 +88,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[
     arguments as train.py reads them (hf_scale.check.train_flags), so that a flag it refuses is one line here, not a
     worker failure that Ray retries."""
     from hf_scale.check.train_flags import against_config, parse_train_flags
+    from hf_scale.train.prepare import check_flags_alone
 
     parser = build_parser()
     parser.error = _one_line_error  # type: ignore[method-assign]
@@ -85,6 +99,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[
         raise UserError(f"--ray_num_cpus={ns.ray_num_cpus} is invalid: allowed 1 or more (leave it out to offer all "
                         "of this machine's CPUs)")
     ns.ray_node_ip = _node_ip(ns.ray_node_ip)
+    for flag, value in (("--ray_address", ns.ray_address), ("--output_dir", ns.output_dir)):
+        if value is not None and not value.strip():  # `--ray_address=$HEAD` with HEAD unset, `--output_dir ''`
+            raise UserError(f"{flag}={value!r} is empty (an unset variable?): {_EMPTY[flag]}")
     # The cluster to join, decided once: "local" (Ray's own word for a new local instance) when none is named.
     ns.ray_address = ns.ray_address or os.environ.get("RAY_ADDRESS") or "local"
     local_only = [flag for flag, value in (("--ray_node_ip", ns.ray_node_ip), ("--ray_num_cpus", ns.ray_num_cpus))
@@ -103,6 +120,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[
         train_args += ["--resume_from_checkpoint", "auto"]
     try:
         flags = parse_train_flags(train_args)
+        check_flags_alone(flags.namespace)  # train.py's own refusals before its process group, one source
     except UserError as error:
         raise UserError(f"train.py's arguments: {error}") from None
     contradictions = against_config(flags, cfg, f"--hf_scale_config={ns.hf_scale_config}").contradictions
@@ -110,6 +128,44 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[
         raise UserError("; ".join(contradictions))
     ns.output_dir = output_dir
     return ns, cfg, train_args
+
+
+def reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse (UserError) an existing cluster's address where nothing answers within ``timeout_s``: ray.init would
+    wait for it forever. ``local`` and ``auto`` (the address this machine's running Ray wrote down) are Ray's to find;
+    ``ray://HOST[:PORT]`` is Ray Client (port 10001 by default), anything else a head's GCS HOST[:PORT] (6379)."""
+    if address in ("local", "auto"):
+        return
+    scheme, _, rest = address.rpartition("://")
+    if scheme not in ("", "ray"):
+        return  # another scheme names its own way of connecting (a Ray provider's plugin): nothing to probe
+    default_port = RAY_CLIENT_PORT if scheme == "ray" else GCS_PORT
+    try:
+        parts = urllib.parse.urlsplit(f"//{rest}")
+        host, port = parts.hostname, parts.port or default_port
+    except ValueError:
+        host = port = None
+    if not host or parts.path or parts.query:
+        raise UserError(f"--ray_address/RAY_ADDRESS={address!r} is invalid: allowed local, auto, HOST:PORT (the head's "
+                        f"GCS, port {GCS_PORT} by default) or ray://HOST:PORT (Ray Client, port {RAY_CLIENT_PORT})")
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        reason = "no answer" if isinstance(error, TimeoutError) else (error.strerror or str(error))
+        raise UserError(f"--ray_address/RAY_ADDRESS={address}: nothing answers at {host}:{port} within {timeout_s:g} s "
+                        f"({reason}): start the cluster's head there (ray start --head) or give its address") from None
+
+
+def _ray_client_missing(address: str) -> str | None:
+    """Why ``ray://`` cannot be used here (None when it can): Ray Client needs ray[client]'s packages (grpc)."""
+    if not address.startswith("ray://"):
+        return None
+    from ray._private.utils import get_ray_client_dependency_error  # Ray's own test, the one ray.init applies
+
+    if get_ray_client_dependency_error() is None:
+        return None
+    return (f"--ray_address/RAY_ADDRESS={address} connects through Ray Client, which needs pip install "
+            "'ray[client]' (grpcio) here; or run this command on the cluster's head with --ray_address auto")
 
 
 def _node_ip(value: str | None) -> str | None:
@@ -198,6 +254,10 @@ def run(argv: list[str]) -> int:
         from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError:
         raise UserError("Ray is not installed: pip install 'hf-scale[ray]'") from None
+    problem = _ray_client_missing(address)
+    if problem:
+        raise UserError(problem)
+    reachable(address)
 
     if address == "local":
         import torch
@@ -211,7 +271,10 @@ def run(argv: list[str]) -> int:
             init["_node_ip_address"] = ns.ray_node_ip
         if ns.ray_num_cpus:
             init["num_cpus"] = ns.ray_num_cpus
-    ray.init(**init)
+    try:
+        ray.init(**init)
+    except (ConnectionError, ValueError) as error:  # an address that answered but is no Ray head, a refused value
+        raise UserError(f"--ray_address/RAY_ADDRESS={address}: Ray could not start or join it: {error}") from None
     try:
         scaling_args = scaling(cfg, ray.cluster_resources().get("GPU", 0))
         trainer = TorchTrainer(

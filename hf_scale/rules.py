@@ -281,3 +281,55 @@ ZERO_SECTION_FIX = 'add `"zero_optimization": {"stage": 0}` (or the ZeRO stage y
 
 def zero_section_missing(ds_config: dict[str, Any] | None) -> bool:
     return ds_config is not None and "zero_optimization" not in ds_config
+
+
+# --------------------------------------------------------------------------------------------------
+# Secrets: what is never written into a generated file nor echoed in a message
+# --------------------------------------------------------------------------------------------------
+
+_SECRET_ENDINGS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY",
+                   "SECRET_KEY", "AUTH_KEY", "_PAT", "_PASS", "_PWD", "_CREDENTIALS", "_CREDENTIAL")
+"""Name endings of credentials (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, GITHUB_PAT, DB_PASSWORD, ...). Hand-
+written: no library lists them. The short words (PAT, PASS, PWD) only as a whole last word: COMPAT and the shell's
+PWD are not secrets."""
+_SECRET_WORDS = frozenset({"TOKEN", "SECRET", "PASSWORD", "PASSWD", "PAT", "APIKEY", "CREDENTIALS"})
+_POINTER_WORDS = frozenset({"PATH", "FILE", "DIR", "URL", "ENDPOINT", "HOST", "PORT", "USER", "USERNAME", "NAME",
+                            "ID", "TYPE", "PARALLELISM", "LENGTH", "LEN", "LIMIT", "COUNT", "ENABLED", "DISABLED"})
+"""A secret word followed by one of these names where the secret lives or a setting about it (HF_TOKEN_PATH,
+TOKEN_URL), not the secret; followed by anything else (DB_PASSWORD_PROD, GITHUB_TOKEN_RO) it is the secret."""
+SECRET_SWITCH_VALUES = ("", "0", "1", "true", "false", "yes", "no", "on", "off")
+"""Values that are switches, not secrets (HF_HUB_DISABLE_IMPLICIT_TOKEN=1)."""
+_SECRET_VALUE_PREFIXES = (("hf_", 30), ("ghp_", 30), ("gho_", 30), ("ghu_", 30), ("ghs_", 30), ("ghr_", 30),
+                          ("github_pat_", 40), ("glpat-", 20), ("sk-", 32), ("xoxb-", 20), ("xoxp-", 20))
+"""Documented prefixes of access tokens (Hugging Face, GitHub, GitLab, OpenAI-style keys, Slack) and the least
+length of what follows: a value so spelled is a token whatever it is passed as."""
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a variable, key or flag named ``name`` (any case, '-' or '_') holds a credential."""
+    upper = name.upper().replace("-", "_").strip("_")
+    words = upper.split("_")
+    if upper.endswith(_SECRET_ENDINGS) or upper in ("PAT", "PASS"):
+        return True
+    return any(word in _SECRET_WORDS for word in words[:-1]) and words[-1] not in _POINTER_WORDS
+
+
+def looks_like_token(value: str) -> bool:
+    """Whether ``value`` is spelled like an access token (hf_..., ghp_..., github_pat_..., ...)."""
+    return any(value.startswith(prefix) and len(value) >= len(prefix) + least
+               and all(c.isalnum() or c in "_-" for c in value) for prefix, least in _SECRET_VALUE_PREFIXES)
+
+
+def is_secret_setting(name: str, value: Any) -> bool:
+    """Whether ``name=value`` passes a secret: a credential's name with a value that is not a switch, or a value
+    spelled like a token under any name."""
+    if isinstance(value, bool):
+        return False
+    text = str(value)
+    return (is_secret_name(name) and text.strip().lower() not in SECRET_SWITCH_VALUES) or looks_like_token(text)
+
+
+def secret_advice(variable: str) -> str:
+    """How to pass the secret ``variable`` to every node instead of writing it into a generated file."""
+    return (f"pass {variable} from a Kubernetes secret (kubectl create secret generic ...; env valueFrom."
+            f"secretKeyRef in the manifest) or with sky jobs launch --secret {variable}")

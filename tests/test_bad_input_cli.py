@@ -232,6 +232,21 @@ GENERATE = [
             "cluster.env is invalid: the variable HF_TOKEN looks like a secret"),
     gen_set("env-api-key", "zero3", ["cluster.env={NCCL_DEBUG: WARN, WANDB_API_KEY: k0123}"],
             "with sky jobs launch --secret WANDB_API_KEY"),
+    gen_set("env-github-pat", "zero3", ["cluster.env={GITHUB_PAT: ghp_AbCdEf0123456789}"],
+            "the variable GITHUB_PAT looks like a secret"),
+    gen_set("env-integer-secret", "zero3", ["cluster.env={DB_PASSWORD: 987654321}"],
+            "cluster.env is invalid: the variable DB_PASSWORD looks like a secret"),
+    gen_set("env-token-valued", "zero3", ["cluster.env={NOTE: hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567}"],
+            "the variable NOTE looks like a secret"),
+    gen_set("train-args-hub-token", "zero3", ["cluster.train_args=[--hub_token, hf_AbCdEf0123456789]"],
+            "cluster.train_args is invalid: --hub_token passes a secret"),
+    gen_set("train-args-token-value", "zero3",
+            ["cluster.train_args=[--run_name, hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567]"],
+            "argument 1 looks like an access token (not shown here)"),
+    gen_set("output-dir-dotdot", "zero3", ["cluster.output_dir=/../../etc"],
+            "cluster.output_dir='/../../etc' is invalid: use a path without . or .. parts"),
+    gen_set("image-too-long", "zero3", [f"cluster.image=registry.example.com/{'a' * 20_000}:1"],
+            "characters long: an image reference is at most 456"),
     gen_set("env-pet", "zero3", ["cluster.env={PET_NNODES: '4'}"], "the variable PET_NNODES is set by the runtime"),
     gen_set("env-skypilot", "zero3", ["cluster.env={SKYPILOT_NODE_RANK: '0'}"],
             "the variable SKYPILOT_NODE_RANK is set by the runtime"),
@@ -706,10 +721,21 @@ def workspace(tmp_path, monkeypatch):
     return root
 
 
-def test_a_refused_secret_is_never_echoed(workspace, capfd):
+@pytest.mark.parametrize("override", [
+    "cluster.env={HF_TOKEN: hf_AbCdEf0123456789}",
+    "cluster.env={DB_PASSWORD: 987654321}",  # a number: refused as a secret, not as "not a valid string"
+    "cluster.env={DB_PASSWORD: [987654321]}",
+    "cluster.env.DB_PASSWORD=987654321",
+    "cluster.train_args=[--hub_token, hf_AbCdEf0123456789]",
+    "cluster.train_args=['--hub-token=987654321']",
+])
+def test_a_refused_secret_is_never_echoed(override, workspace, capfd):
     with pytest.raises(SystemExit):
-        main(["generate", "--preset", "zero3", "--set", "cluster.env={HF_TOKEN: hf_AbCdEf0123456789}"])
-    assert "hf_AbCdEf0123456789" not in "".join(capfd.readouterr())
+        main(["generate", "--preset", "zero3", "--targets", "kubeflow,skypilot", "--set", override])
+    secret = "hf_AbCdEf0123456789" if "hf_" in override else "987654321"
+    err = "".join(capfd.readouterr())
+    assert secret not in err and ("looks like a secret" in err or "passes a secret" in err), err
+    assert not any(workspace.iterdir())
 
 
 def test_the_corpus_is_large_and_ids_are_unique():

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from train_helpers import stale_lock
 
 from hf_scale.deepspeed_ops import arch_list_problem, check_config_ops, op_status, required_ops
 
@@ -69,3 +71,28 @@ def test_an_op_without_a_compiler_is_not_usable_and_says_why(tmp_path, monkeypat
                               "device=cpu needs DeepSpeed's cpu_adam op, which is not prebuilt and cannot be JIT-built")
     assert "deepspeed.torch_adam=true" in problem and "\n" not in problem
     assert not (tmp_path / "jit").exists()  # probing creates nothing in the JIT cache
+
+
+def test_a_stale_jit_build_lock_is_named_and_a_held_one_is_waited_for(tmp_path, monkeypatch):
+    """A real lock file in a temporary TORCH_EXTENSIONS_DIR: nobody holds it, so loading cpu_adam would wait forever
+    (torch polls until it is gone): said with the file, its age and how to clear it. Held open by a live process (a
+    build in progress), it is torch's to wait for."""
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get("cpu_adam"):
+        pytest.skip("cpu_adam is prebuilt here: it never goes through the JIT lock")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "jit"))
+    lock = stale_lock(tmp_path / "jit")
+    status = op_status("cpu_adam")
+    assert not status.usable and status.how == "locked"
+    assert status.stale_lock.startswith(f"torch's JIT-build lock {lock} exists since ")
+    assert "(2 h 0 min ago) and no process on this machine holds it" in status.stale_lock
+    assert f"remove it (rm {lock}) unless another machine sharing {tmp_path / 'jit'} is building" in status.stale_lock
+    (problem,) = check_config_ops(preset("zero2_offload"), "zero2_offload.json", gpu=True)
+    assert problem == ("zero2_offload.json: optimizer.type=AdamW with zero_optimization.offload_optimizer.device=cpu "
+                       f"needs DeepSpeed's cpu_adam op, but {status.stale_lock}")
+    held = os.open(lock, os.O_RDONLY)  # what the building process does with it
+    try:
+        assert op_status("cpu_adam").stale_lock is None
+    finally:
+        os.close(held)

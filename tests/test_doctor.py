@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from train_helpers import child_env, no_compiler_env, path_without_compilers
+from train_helpers import child_env, no_compiler_env, path_without_compilers, stale_lock
 
 from hf_scale import doctor
 from hf_scale.cli import main
@@ -264,3 +264,19 @@ def test_train_py_refuses_hsdp_here_under_both_launchers_as_doctor_says(tmp_path
         assert result.returncode != 0 and not training_traceback_frames(result.stderr), result.stderr[-3000:]
         assert "train.py: error:" in result.stderr and reason in result.stderr, result.stderr[-3000:]
         assert reason in why
+
+
+def test_doctor_names_a_stale_deepspeed_build_lock(tmp_path, monkeypatch):
+    """A run killed while JIT-building cpu_adam left its lock: doctor's build line and the config's verdict say which
+    file, since when, that no process holds it and how to clear it (every later run would wait on it forever)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "jit"))
+    lock = stale_lock(tmp_path / "jit")
+    build = doctor.build_tools(["cpu_adam"])
+    status = build["deepspeed_ops"]["cpu_adam"]
+    if status["how"] == "prebuilt":
+        pytest.skip("cpu_adam is prebuilt here: it never goes through the JIT lock")
+    assert status["usable"] is False and f"torch's JIT-build lock {lock} exists since" in status["stale_lock"]
+    req = doctor.config_requirements(str(REPO / "ds_configs" / "zero2_offload.json"))
+    problems, _ = doctor.config_verdict(req, [H100], build["deepspeed_ops"], {})
+    assert problems == ["optimizer.type=AdamW with zero_optimization.offload_optimizer.device=cpu needs DeepSpeed's "
+                        f"cpu_adam op, but {status['stale_lock']}"]

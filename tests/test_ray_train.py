@@ -7,8 +7,10 @@ process."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ import pytest
 import torch
 from cluster_helpers import LOOPBACK_ENV, Connections
 from safetensors.torch import load_file
-from train_helpers import child_env, launcher_command, read_metrics, run_ok
+from train_helpers import child_env, free_port, launcher_command, read_metrics, run_ok
 
 from hf_scale import ray_train
 from hf_scale.cli import main
@@ -46,8 +48,9 @@ def test_parse_adds_the_config_output_dir_and_resume(tmp_path):
     assert cfg.world_size == 2 and ns.max_failures == ray_train.DEFAULT_MAX_FAILURES
     assert argv[-4:] == ["--max_steps", "3", "--resume_from_checkpoint", "auto"]
     assert argv[argv.index("--output_dir") + 1] == str(Path("out").resolve())
+    (tmp_path / "o" / "checkpoint-5").mkdir(parents=True)  # an explicit checkpoint must exist (check_flags_alone)
     _, _, given = ray_train.parse(["--hf_scale_config", str(config), "--output_dir", "o", "--resume_from_checkpoint",
-                                   "o/checkpoint-5"])
+                                   str(tmp_path / "o" / "checkpoint-5")])
     assert given.count("--resume_from_checkpoint") == 1
     assert ray_train.scaling(cfg, 0) == {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1}}
     assert ray_train.scaling(cfg, 8)["resources_per_worker"] == {"GPU": 1}
@@ -57,6 +60,44 @@ def test_parse_adds_the_config_output_dir_and_resume(tmp_path):
         ray_train.parse(["--hf_scale_config", str(config), "--output_dir", "o", "--max_failures", "-2"])
     with pytest.raises(UserError, match="--hf_scale_config"):
         ray_train.parse(["--output_dir", "o"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--max_steps", "0", "--num_train_epochs", "0"],
+         "train.py's arguments: --num_train_epochs=0.0: must be > 0 (or set --max_steps)"),
+        (["--resume_from_checkpoint", "/nonexistent"],
+         "train.py's arguments: --resume_from_checkpoint=/nonexistent: no such directory"),
+        (["--output_dir", ""], "--output_dir='' is empty (an unset variable?): give the run's directory"),
+        (["--ray_address="], "--ray_address='' is empty (an unset variable?)"),
+        (["--ray_address", " "], "--ray_address=' ' is empty"),
+    ],
+    ids=["no-steps", "resume-missing", "output-dir-empty", "address-empty", "address-blank"],
+)
+def test_what_train_py_refuses_at_start_is_refused_by_the_driver(argv, fragment, tmp_path):
+    """train.py's own prepare-stage refusals (check_flags_alone) and this module's empty values, decided in the driver:
+    a worker's refusal would be a traceback per worker, retried max_failures times."""
+    config = _generate(tmp_path) / "hf_scale_configs" / "ray.yaml"
+    with pytest.raises(UserError) as refused:
+        ray_train.parse(["--hf_scale_config", str(config), "--output_dir", str(tmp_path / "out"), *argv])
+    assert fragment in str(refused.value)
+
+
+def test_an_address_where_nothing_listens_is_refused_within_the_connect_timeout():
+    port = free_port()  # nothing listens there: refused at once, not ray.init's endless wait
+    with pytest.raises(UserError, match=f"nothing answers at 127.0.0.1:{port} within 2 s .*ray start --head"):
+        ray_train.reachable(f"127.0.0.1:{port}", timeout_s=2)
+    with pytest.raises(UserError, match=f"nothing answers at 127.0.0.1:{port}"):
+        ray_train.reachable(f"ray://127.0.0.1:{port}", timeout_s=2)
+    with pytest.raises(UserError, match="is invalid: allowed local, auto, HOST:PORT"):
+        ray_train.reachable("head:99999")
+    with socket.socket() as server:  # a listening head is let through (Ray decides the rest)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        ray_train.reachable(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=2)
+    ray_train.reachable("auto")
+    ray_train.reachable("local")
 
 
 def _refusal(root: Path, *argv: str, config: str = "ray") -> str:
@@ -86,9 +127,13 @@ def _refusal(root: Path, *argv: str, config: str = "ray") -> str:
                                   "new local Ray instance offers --ray_num_cpus 1: give --ray_num_cpus 2"),
         (["--ray_address", "ray://head:10001", "--ray_node_ip", "127.0.0.1"],
          "--ray_node_ip sets up a new local Ray instance, but --ray_address/RAY_ADDRESS=ray://head:10001"),
+        (["--ray_address", f"127.0.0.1:{free_port()}"], "nothing answers at 127.0.0.1:"),
+        pytest.param(["--ray_address", "ray://127.0.0.1:10001"], "connects through Ray Client, which needs pip "
+                     "install 'ray[client]'", marks=pytest.mark.skipif(importlib.util.find_spec("grpc") is not None,
+                                                                        reason="ray[client] is installed here")),
     ],
     ids=["unknown-flag", "contradiction", "bad-value", "cpus-zero", "cpus-negative", "node-ip", "too-few-cpus",
-         "local-flag-with-address"],
+         "local-flag-with-address", "nothing-listens", "ray-client-missing"],
 )
 def test_bad_input_is_refused_before_ray_starts(argv, fragment, tmp_path):
     assert fragment in _refusal(_generate(tmp_path), *argv)

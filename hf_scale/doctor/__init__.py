@@ -107,7 +107,8 @@ def build_tools(ops: list[str]) -> dict:
 
     for op in ops:
         status = op_status(op)
-        tools["deepspeed_ops"][op] = {"usable": status.usable, "how": status.how, "missing": status.missing}
+        tools["deepspeed_ops"][op] = {"usable": status.usable, "how": status.how, "missing": status.missing,
+                                      "stale_lock": status.stale_lock}
     return tools
 
 
@@ -201,6 +202,7 @@ def format_text(report: dict) -> str:
         *([f"warning: {b['arch_list_problem']} (default configs build nothing)"] if b["arch_list_problem"] else []),
         *[f"DeepSpeed op {op}: {'yes, ' + s['how'] if s['usable'] else 'NO'}"
           + (f" (missing: {', '.join(s['missing'])})" if s.get("missing") else "")
+          + (f" ({s['stale_lock']})" if s.get("stale_lock") else "")
           for op, s in b["deepspeed_ops"].items()],
     ])
     f8 = report["fp8"]

@@ -130,7 +130,9 @@ def config_verdict(req: dict, gpu_list: list[dict], op_statuses: dict[str, dict]
             problems.append("strategy deepspeed but the deepspeed package is not installed (pip install deepspeed)")
         for need in required_ops(ds, gpu=count > 0):
             status = op_statuses.get(need.op) or {"usable": False, "missing": ["not checked"]}
-            if not status["usable"]:
+            if status.get("stale_lock"):
+                problems.append(f"{need.reason} needs DeepSpeed's {need.op} op, but {status['stale_lock']}")
+            elif not status["usable"]:
                 problems.append(f"{need.reason} needs DeepSpeed's {need.op} op, which cannot load here (missing: "
                                 f"{', '.join(status.get('missing') or [status.get('how', '?')])}); fix: "
                                 f"{FIXES.get(need.op, GENERIC_FIX)}")

@@ -54,6 +54,14 @@ def _validate_flags(ns) -> None:
     loop_flags.check(ns, build_parser())  # --loop accelerate: a flag it would ignore is refused
 
 
+def check_flags_alone(ns) -> None:
+    """What train.py refuses from its parsed flags alone, before a process group starts or a file is read: each value
+    and combination, and an explicit --resume_from_checkpoint that is no directory. The driver of a run whose
+    train.py starts elsewhere (hf_scale.ray_train: a refusal in a worker would be retried by Ray) calls it too."""
+    _validate_flags(ns)
+    checkpoint.check_resume_path(ns.resume_from_checkpoint)
+
+
 def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
     """The data flags checked, the chat template's text and the Hub target (checked once the DeepSpeed config is
     known): before anything is launched or loaded."""
@@ -128,7 +136,7 @@ def prepare(argv: list[str] | None) -> Run:
     """Flags (recipe, command line) checked and reconciled with the launcher, the run spec built once, a process
     group that really delivers it, the output directory locked and the checkpoint to resume from found."""
     parsed, given, recipe_path = _parse(argv)
-    _validate_flags(parsed)
+    check_flags_alone(parsed)
     chat_template, hub_target = _checked_extras(parsed)
     launch = _reconcile_with_launcher(parsed, given)
     if parsed.load_in_4bit:  # QLoRA: what it cannot be combined with (on any machine), before the process group

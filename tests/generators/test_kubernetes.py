@@ -127,5 +127,12 @@ def test_switches_and_paths_named_like_secrets_are_not_secrets():
     cfg = load_config(overrides=[f"cluster.env={env}"])
     assert cfg.cluster.env == env
     assert secret_env_problem("HUGGING_FACE_HUB_TOKEN", "hf_x") and secret_env_problem("AWS_SECRET_ACCESS_KEY", "x")
+    # Not only the long endings: a short last word (GITHUB_PAT), a secret word before a qualifier (DB_PASSWORD_PROD),
+    # a number (987654321 is a password too), a value spelled like a token under any name.
+    for name, value in [("GITHUB_PAT", "x"), ("DB_PASSWORD_PROD", "x"), ("DB_PASSWORD", 987654321),
+                        ("SMTP_PASS", "x"), ("GITLAB_TOKEN_RO", "x"), ("MY_SETTING", "hf_" + "a" * 34)]:
+        assert secret_env_problem(name, value), name
+    for name in ("COMPAT", "PWD", "MAX_TOKEN_LENGTH", "TOKEN_URL"):
+        assert secret_env_problem(name, "x") is None, name
     assert reserved_env_problem("TORCHELASTIC_RESTART_COUNT") and reserved_env_problem("LOCAL_RANK")
     assert reserved_env_problem("NCCL_DEBUG") is None

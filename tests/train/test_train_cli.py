@@ -21,6 +21,7 @@ from train_helpers import (
     path_without_compilers,
     run,
     run_ok,
+    stale_lock,
 )
 
 
@@ -38,6 +39,22 @@ def test_optimizer_offload_without_a_compiler_stops_before_the_model_loads(tmp_p
             "compiler (c++ is not on PATH)); fix: install a C++ compiler") in line
     assert "deepspeed.torch_adam=true" in line
     assert not out.exists()
+
+
+def test_a_stale_deepspeed_build_lock_is_said_at_start_not_waited_on_forever(tmp_path):
+    """A run killed while JIT-building cpu_adam left TORCH_EXTENSIONS_DIR/cpu_adam/lock: every later CPU-Adam run
+    waited on it with no output, forever (the timeout stands for that). train.py names it before anything is set up."""
+    lock = stale_lock(tmp_path / "jit")
+    out = tmp_path / "out"
+    result = run([sys.executable, TRAIN_PY, "--deepspeed", "ds_configs/zero2_offload.json", "--max_steps", "1",
+                  "--output_dir", str(out)], env={**child_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "jit")},
+                 timeout=180)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert (f"needs DeepSpeed's cpu_adam op, but torch's JIT-build lock {lock} exists since" in line
+            and "no process on this machine holds it (a run killed while building cpu_adam left it)" in line
+            and f"remove it (rm {lock})" in line), line
+    assert lock.exists() and not out.exists()  # said, not removed: another machine may share the folder
 
 
 def test_max_seq_length_defaults_to_the_model_limit_said_once(tmp_path):

@@ -147,6 +147,13 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:200]
 
 
+def check_resume_path(value: str | None) -> None:
+    """An explicit `--resume_from_checkpoint PATH` must be a directory (UserError, one line): decidable from the flag
+    alone, before a process group (train.py's prepare stage) or a cluster (the Ray driver) starts."""
+    if value and value != "auto" and not Path(value).is_dir():
+        raise UserError(f"--resume_from_checkpoint={value}: no such directory")
+
+
 def resolve_resume(value: str | None, output_dir: str, state) -> Path | None:
     """`--resume_from_checkpoint`: None, `auto` (the newest checkpoint of output_dir that verifies, or a
     fresh start) or a path, which must verify. Collective; nothing is ever changed in a refused checkpoint."""
@@ -154,9 +161,8 @@ def resolve_resume(value: str | None, output_dir: str, state) -> Path | None:
         return None
     if value == "auto":
         return _newest_resumable(Path(output_dir), state)
+    check_resume_path(value)
     path = Path(value)
-    if not path.is_dir():
-        raise UserError(f"--resume_from_checkpoint={value}: no such directory")
     found = verify(path, state)
     if found:
         raise UserError(
