@@ -182,8 +182,11 @@ def _communication_s(w: Workload, c: Candidate, hw: Hardware, tokens: int, micro
         ar += (n > 1) * -(-4 * trainable // DDP_BUCKET_BYTES) * COLLECTIVE_LATENCY_S
         return overlap * ar, (1 - overlap) * ar
     if c.engine == "deepspeed" and c.zero_stage in (1, 2):
-        rs = _ring_s(grads, n, _link(w, hw, n)) * (micro_steps if c.zero_stage == 2 else 1)
-        ag = _ring_s(b * trainable, n, _link(w, hw, n))  # the updated weights, after the step: nothing to hide
+        rs = (_ring_s(grads, n, _link(w, hw, n)) + (n > 1) * COLLECTIVE_LATENCY_S) * (
+            micro_steps if c.zero_stage == 2 else 1
+        )
+        # the updated weights, after the step: nothing to hide
+        ag = _ring_s(b * trainable, n, _link(w, hw, n)) + (n > 1) * COLLECTIVE_LATENCY_S
         return overlap * rs, (1 - overlap) * rs + ag
     # ZeRO-3 and FSDP2: every micro-batch gathers the weights forward and again backward, reduce-scatters gradients
     # FSDP2 shards over dp_shard x cp (every rank that is not a TP peer), hybrid inside one machine
