@@ -20,6 +20,7 @@ from hf_scale.config_types import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MAC
 from hf_scale.errors import UserError
 from hf_scale.files import already_written, check_output_file, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
+from hf_scale.planner.hardware import DEFAULT_GPU, gpu_names, hardware
 from hf_scale.planner.parallel import SIZES
 from hf_scale.planner.rank import (
     DEFAULT_SAFETY_MARGIN,
@@ -29,7 +30,7 @@ from hf_scale.planner.rank import (
     train_argv,
     with_qlora_fallback,
 )
-from hf_scale.planner.report import format_plan_table, plan_dict, plan_warnings, write_plot
+from hf_scale.planner.report import Budget, format_plan_table, plan_dict, plan_warnings, write_plot
 
 _UNITS = {
     "B": 1,
@@ -54,6 +55,7 @@ Memory sizes take units B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB
 
 examples:
   hf-scale plan meta-llama/Llama-3.1-8B --gpus-per-machine 8 --gpu-memory 80GiB --seq-len 4096
+  hf-scale plan meta-llama/Llama-3.1-8B --gpu a100-80gb --seq-len 8192 --tokens 2e9 --price-per-gpu-hour 2.5
   hf-scale plan ./config.json --gpu-memory 24GiB --gpus-per-machine 4 --lora-r 16 --json
   hf-scale plan ./my-model --num-machines 2 --cpu-memory 1TiB --plot plan.png --write-config plan.yaml
   hf-scale generate plan.yaml        # or both at once: hf-scale generate --strategy auto --model MODEL
@@ -94,7 +96,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser, description: str | None 
         "--num-machines", "--machines", dest="num_machines", type=int, default=1, metavar="N",
         help="number of machines: the config's topology.num_machines (default 1)",
     )
-    group.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="memory of one GPU (default 80GiB)")
+    group.add_argument("--gpu", metavar="NAME", help=f"the GPU the times are predicted for, one of "
+                       f"{', '.join(gpu_names())} (default {DEFAULT_GPU}); its memory unless --gpu-memory says so")
+    group.add_argument("--gpu-memory", metavar="SIZE", help="memory of one GPU (default: the --gpu's, 80GiB for "
+                       f"{DEFAULT_GPU})")
     group.add_argument(
         "--cpu-memory", metavar="SIZE", help="CPU RAM per machine, checked for offload (default: not checked)"
     )
@@ -181,7 +186,8 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
                         "LoRA adapter on it)")
     if not 0 <= args.safety_margin < 1:
         raise UserError(f"--safety-margin {args.safety_margin} is invalid: allowed 0 <= fraction < 1, e.g. 0.1")
-    gpu_memory = parse_size("--gpu-memory", args.gpu_memory)
+    gpu = hardware(args.gpu or DEFAULT_GPU)
+    gpu_memory = gpu.memory_bytes if args.gpu_memory is None else parse_size("--gpu-memory", args.gpu_memory)
     cpu_memory = None if args.cpu_memory is None else parse_size("--cpu-memory", args.cpu_memory)
     from hf_scale.planner.model_shapes import model_shapes
 
@@ -196,7 +202,7 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
         lora_r=args.lora_r,
         load_in_4bit=args.load_in_4bit,
     )
-    budget = {"gpu_memory": gpu_memory, "cpu_memory": cpu_memory,
+    budget = {"gpu_memory": gpu_memory, "cpu_memory": cpu_memory, "gpu": gpu,
               "activation_checkpointing": args.activation_checkpointing, "safety_margin": args.safety_margin}
     plan = with_qlora_fallback(make_plan(workload, **budget), **budget)
     for warning in plan_warnings(plan):  # here, so that generate --strategy auto warns too
@@ -237,6 +243,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Hub repository's config.json is fetched, from the cache when it is there)"
     )
     add_plan_arguments(parser)
+    budget = parser.add_argument_group("time budget")
+    budget.add_argument("--tokens", type=float, metavar="N", help="tokens to train: the plan adds each candidate's "
+                        "wall-clock hours and GPU-hours")
+    budget.add_argument("--price-per-gpu-hour", type=float, metavar="PRICE",
+                        help="with --tokens: the cost of the run (in the price's currency)")
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     output.add_argument("--plot", metavar="PLAN.png", help="write a stacked-bar chart of every candidate")
@@ -246,11 +257,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_plan)
 
 
+def check_budget(args: argparse.Namespace) -> None:
+    """--tokens and --price-per-gpu-hour in range, or a one-line UserError."""
+    if args.tokens is not None and not 1 <= args.tokens < float("inf"):
+        raise UserError(f"--tokens {args.tokens:g} is invalid: allowed a positive number of tokens to train, e.g. 2e9")
+    price = args.price_per_gpu_hour
+    if price is not None and not (price >= 0 and price < float("inf")):
+        raise UserError(f"--price-per-gpu-hour {price} is invalid: allowed a number >= 0")
+    if price is not None and args.tokens is None:
+        raise UserError(f"--price-per-gpu-hour {price} needs --tokens N: the cost is of training N tokens")
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    check_budget(args)
     for flag, path in (("--plot", args.plot), ("--write-config", args.write_config)):
         if path is not None:
             check_output_file(Path(path), flag)
     plan = plan_from_args(args, args.model)
+    budget = Budget(args.tokens, args.price_per_gpu_hour)
     # Everything that can fail is computed before any file is written.
     config_text = planned_config_yaml(plan) if args.write_config and plan.recommended is not None else None
     if config_text is not None:
@@ -260,9 +284,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if config_text is not None:
         write_text_atomically(Path(args.write_config), config_text)
     if args.json:
-        print(json.dumps(plan_dict(plan), indent=2))
+        print(json.dumps(plan_dict(plan, budget), indent=2))
     else:
-        print(format_plan_table(plan), end="")
+        print(format_plan_table(plan, budget), end="")
     written = sys.stderr if args.json else sys.stdout  # --json keeps stdout one JSON document
     if args.plot:
         print(f"wrote {args.plot} (memory per GPU of every candidate)", file=written)

@@ -394,3 +394,13 @@ def test_the_gpu_session_runs_its_stages_keeps_their_logs_and_refuses_an_unknown
     wrong = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "nope"], cwd=REPO, capture_output=True, text=True,
                            timeout=60)
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "'nope' is not one of" in wrong.stderr
+
+
+def test_planner_time_accuracy_prints_every_published_row_and_its_error(tmp_path):
+    output, png = tmp_path / "acc.json", tmp_path / "acc.png"
+    result = _bench("planner_time_accuracy.py", "--output", str(output), "--plot", str(png), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(output.read_text())
+    assert len(data["rows"]) >= 30 and all("predicted" in row and "source" in row for row in data["rows"])
+    assert f"{len(data['rows'])} rows: median absolute error" in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

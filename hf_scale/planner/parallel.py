@@ -1,5 +1,5 @@
-"""TP, CP and HSDP x TP candidates of the planner: which sizes make sense for a model and topology, and their speed
-score (their memory: hf_scale.planner.estimate.fsdp_parallel_estimate).
+"""TP, CP and HSDP x TP candidates of the planner: which sizes make sense for a model and topology (their memory:
+hf_scale.planner.estimate.fsdp_parallel_estimate; their time: hf_scale.planner.time_model).
 
 Memory follows what accelerate builds (FSDP2 over the ``dp_shard x cp`` mesh dimension, TP inside it, transformers'
 Llama ``tp_plan``): parameters, gradients and optimizer states are split over every rank that does not replicate
@@ -17,14 +17,6 @@ from hf_scale.planner.estimate import Candidate, Workload
 
 SIZES = (2, 4, 8)
 """TP and CP degrees offered: TP past 8 leaves an 8-GPU machine; CP past 8 is past what the ring overlaps."""
-# Per TP degree: TP all-reduces every layer's activations twice forward and twice backward over NVLink; the
-# fraction of the step it costs grows with the degree (each rank's matmuls shrink, the all-reduce does not).
-TP_SPEED = {2: 0.85, 4: 0.75, 8: 0.65}
-# Per CP degree: the ring passes K/V chunks while attention computes; at long sequences it mostly overlaps.
-CP_SPEED = {2: 0.92, 4: 0.88, 8: 0.84}
-OFFLOAD_SPEED = 0.30 / 0.86
-"""FSDP2 CPU offload (parameters and gradients in CPU RAM, the optimizer step on the CPU) relative to sharding on
-the GPU: the ZeRO-3 full-offload over ZeRO-3 ratio of the base table."""
 
 
 def candidates(w: Workload, base: list[Candidate]) -> list[Candidate]:
@@ -48,9 +40,3 @@ def candidates(w: Workload, base: list[Candidate]) -> list[Candidate]:
             if name == "tp" and w.num_machines > 1 and w.gpus_per_machine // size > 1:
                 out.append(Candidate(f"fsdp2_hybrid_tp{size}", f"HSDP x TP={size}", "fsdp", hybrid=True, tp=size))
     return [replace(c, activation_checkpointing=ac) for c in out for ac in {b.activation_checkpointing for b in base}]
-
-
-def speed(w: Workload, c: Candidate, base: float) -> float:
-    """``base``: the score of the same sharding without TP/CP."""
-    score = base * TP_SPEED.get(c.tp, 1.0) * CP_SPEED.get(c.cp, 1.0)
-    return score * OFFLOAD_SPEED if c.offload_params else score

@@ -1,39 +1,24 @@
-"""Candidates, their expected speed, and the recommendation: the fastest candidate that fits.
+"""Candidates, their predicted step time, and the recommendation: the fastest candidate that fits.
 
-Speed is a relative score, not a time prediction: it only has to order the candidates the way they run on
-NVLink machines with a fast interconnect between them. The order follows the communication volume and
-what crosses PCIe: DDP (one all-reduce) > ZeRO-1 (reduce-scatter + all-gather of updated weights) >
-ZeRO-2 (same, gradients partitioned as they are produced) > FSDP2 / ZeRO-3 (parameters all-gathered in
-forward and again in backward) > optimizer offload (the step runs on the CPU) > parameter offload (weights
-cross PCIe every forward and backward). Sharding parameters across machines pays the inter-node link on
-every gather, so FSDP2 hybrid (shard inside a machine, replicate across) ranks above full sharding across
-machines. Activation checkpointing recomputes the forward: about 4/3 of the compute.
+"Fastest" is the most tokens per second per GPU the time model predicts (hf_scale.planner.time_model: compute,
+communication of the layout over the links it crosses, optimizer step, CPU offload) on the plan's GPU profile
+(hf_scale.planner.hardware); per GPU, so that TP/CP candidates, whose groups share sequences, compare with the rest.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from hf_scale.config import DistributedConfig, validate_config
 from hf_scale.planner import parallel
 from hf_scale.planner.estimate import Candidate, Estimate, Workload, estimate
+from hf_scale.planner.hardware import Hardware, hardware
+from hf_scale.planner.time_model import StepTime, step_time
 from hf_scale.presets import PLACEHOLDER_MAIN_IP
 
-# Relative throughput on one machine (DDP = 1.0).
-BASE_SPEED = {
-    "ddp": 1.00,
-    "zero1": 0.97,
-    "zero2": 0.94,
-    "fsdp2_hybrid_shard": 0.90,
-    "fsdp2_full_shard": 0.88,
-    "zero3": 0.86,
-    "zero2_offload_opt": 0.55,
-    "zero3_offload_opt": 0.45,
-    "zero3_offload_opt_params": 0.30,
-}
-# Full parameter sharding across machines gathers every layer over the inter-node link.
-CROSS_MACHINE_SHARDING_SPEED = 0.75
-ACTIVATION_CHECKPOINTING_SPEED = 0.75
+TIE = 0.02
+"""Predicted throughputs closer than this (relative) rank as equal."""
 DEFAULT_SAFETY_MARGIN = 0.10
 """Fraction of GPU (and CPU) memory kept free for the CUDA context, NCCL, cuBLAS workspaces and allocator
 fragmentation; the estimates are of what PyTorch allocates."""
@@ -60,10 +45,10 @@ _BASE = [
 
 @dataclass(frozen=True)
 class Assessment:
-    """A candidate's estimate, speed score and verdict."""
+    """A candidate's estimate, predicted time and verdict."""
 
     estimate: Estimate
-    speed: float
+    time: StepTime
     fits: bool
     reason: str
     """Why it does not fit ("" when it fits)."""
@@ -89,6 +74,8 @@ class Plan:
     recommended: Assessment | None
     qlora_because: str | None = None
     """Set when the plan switched to QLoRA: why the fine-tune asked for fits no candidate."""
+    hardware: Hardware | None = None
+    """The GPU profile the times are predicted on."""
 
     @property
     def gpu_budget(self) -> int:
@@ -115,18 +102,6 @@ def candidates(w: Workload, activation_checkpointing: str) -> list[Candidate]:
     return out + parallel.candidates(w, out)
 
 
-def speed(w: Workload, c: Candidate) -> float:
-    if c.key in BASE_SPEED:
-        score = BASE_SPEED[c.key]
-    else:  # TP/CP candidates: the FSDP2 sharding they build on, charged for their communication
-        score = parallel.speed(w, c, BASE_SPEED["fsdp2_hybrid_shard" if c.hybrid else "fsdp2_full_shard"])
-    if w.num_machines > 1 and (c.zero_stage == 3 or (c.engine == "fsdp" and not c.hybrid)):
-        score *= CROSS_MACHINE_SHARDING_SPEED
-    if c.activation_checkpointing:
-        score *= ACTIVATION_CHECKPOINTING_SPEED
-    return score
-
-
 def make_plan(
     w: Workload,
     *,
@@ -134,8 +109,11 @@ def make_plan(
     cpu_memory: int | None = None,
     activation_checkpointing: str = "auto",
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    gpu: Hardware | None = None,
 ) -> Plan:
-    """Estimate every candidate, order them by speed, recommend the fastest that fits."""
+    """Estimate every candidate's memory and time on ``gpu`` (default: the H100 SXM profile), order them by predicted
+    tokens per second per GPU, recommend the fastest that fits."""
+    gpu = gpu or hardware()
     gpu_budget = int(gpu_memory * (1 - safety_margin))
     cpu_budget = None if cpu_memory is None else int(cpu_memory * (1 - safety_margin))
     assessed = []
@@ -149,11 +127,12 @@ def make_plan(
             )
         if cpu_budget is not None and e.cpu_per_machine > cpu_budget:
             reasons.append(f"needs {gib(e.cpu_per_machine)} CPU RAM per machine > {gib(cpu_budget)} usable")
-        assessed.append(Assessment(e, speed(w, c), not reasons, "; ".join(reasons)))
-    # Stable sort: equal speeds keep the list order (less sharding first).
-    assessed.sort(key=lambda a: -a.speed)
+        assessed.append(Assessment(e, step_time(w, c, gpu), not reasons, "; ".join(reasons)))
+    # Predictions within TIE of each other are a tie (the model is not that exact): the list order, less sharding and
+    # fewer moving parts first, decides (stable sort).
+    assessed.sort(key=lambda a: -round(math.log(a.time.tokens_per_s) / math.log1p(TIE)))
     recommended = next((a for a in assessed if a.fits), None)
-    return Plan(w, gpu_memory, cpu_memory, safety_margin, tuple(assessed), recommended)
+    return Plan(w, gpu_memory, cpu_memory, safety_margin, tuple(assessed), recommended, hardware=gpu)
 
 
 QLORA_DEFAULT_R = 16

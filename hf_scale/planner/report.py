@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hf_scale.errors import UserError
 from hf_scale.files import save_figure_atomically
-from hf_scale.planner.rank import Plan, distributed_config, gib, train_argv, train_flags
+from hf_scale.planner.rank import Assessment, Plan, distributed_config, gib, train_argv, train_flags
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "logits", "buffers")
 _GIB = 2**30
@@ -15,6 +16,37 @@ _GIB = 2**30
 
 def _fmt(n: int) -> str:
     return f"{n / _GIB:.1f}"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the run is to train (`plan --tokens N`) and what a GPU-hour costs, for the wall-clock and cost lines."""
+
+    tokens: float | None = None
+    price_per_gpu_hour: float | None = None
+
+
+def run_time(plan: Plan, a: Assessment, budget: Budget) -> dict[str, float] | None:
+    """Wall-clock hours, GPU-hours and cost of training ``budget.tokens`` tokens with ``a`` (None without tokens)."""
+    if budget.tokens is None:
+        return None
+    gpus = plan.workload.world_size
+    hours = budget.tokens / (a.time.tokens_per_s * gpus) / 3600
+    out = {"hours": hours, "gpu_hours": hours * gpus}
+    if budget.price_per_gpu_hour is not None:
+        out["cost"] = out["gpu_hours"] * budget.price_per_gpu_hour
+    return out
+
+
+def _time_line(plan: Plan, a: Assessment, budget: Budget) -> str:
+    t = a.time
+    line = (f"{t.step_s:.3g} s/step, {t.tokens_per_s:,.0f} tokens/s per GPU, MFU {t.mfu:.0%}, "
+            f"checkpoint save {t.save_s:.0f} s")
+    run = run_time(plan, a, budget)
+    if run is not None:
+        line += f"; {budget.tokens:,.0f} tokens: {run['hours']:,.1f} h wall-clock, {run['gpu_hours']:,.0f} GPU-hours"
+        line += f", cost {run['cost']:,.0f}" if "cost" in run else ""
+    return line
 
 
 def _workload_line(plan: Plan) -> str:
@@ -31,9 +63,10 @@ def _workload_line(plan: Plan) -> str:
     )
 
 
-def format_plan_table(plan: Plan) -> str:
+def format_plan_table(plan: Plan, budget: Budget = Budget()) -> str:
     """The human-readable plan: one row per candidate (fastest first), then the verdict."""
-    header = ("candidate", "AC", *CATEGORIES, "GPU total", "CPU/machine", "speed", "fits")
+    header = ("candidate", "AC", *CATEGORIES, "GPU total", "CPU/machine", "step s", "tok/s/GPU", "MFU", "bound",
+              "fits")
     rows = [header]
     for a in plan.assessments:
         e = a.estimate
@@ -45,20 +78,24 @@ def format_plan_table(plan: Plan) -> str:
                 *(_fmt(v) for v in e.breakdown().values()),
                 _fmt(e.gpu_total),
                 _fmt(e.cpu_per_machine) if e.cpu_per_machine else "-",
-                f"{a.speed:.2f}",
+                f"{a.time.step_s:.3g}",
+                f"{a.time.tokens_per_s:,.0f}",
+                f"{a.time.mfu:.0%}",
+                a.time.dominant,
                 mark,
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [_workload_line(plan), "memory per GPU in GiB; speed relative to DDP (higher is faster)", ""]
+    lines = [_workload_line(plan), "memory per GPU in GiB; predicted time of one step (one micro-batch per GPU) on "
+             f"{plan.hardware.label if plan.hardware else '?'}; bound: its largest term", ""]
     for row in rows:
         cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
-        cells += [cell.rjust(width) for cell, width in zip(row[2:-1], widths[2:-1], strict=True)]
-        lines.append("  ".join(cells + [row[-1]]).rstrip())
+        cells += [cell.rjust(width) for cell, width in zip(row[2:-2], widths[2:-2], strict=True)]
+        lines.append("  ".join(cells + [row[-2].ljust(widths[-2]), row[-1]]).rstrip())
     lines.append("")
     padded = padding_line(plan)
     lines += [padded, ""] if padded else []
-    lines += verdict_lines(plan)
+    lines += verdict_lines(plan, budget)
     return "\n".join(lines) + "\n"
 
 
@@ -90,8 +127,9 @@ def plan_warnings(plan: Plan) -> list[str]:
     return warnings
 
 
-def verdict_lines(plan: Plan) -> list[str]:
-    """The recommendation and why each faster candidate was rejected."""
+def verdict_lines(plan: Plan, budget: Budget = Budget()) -> list[str]:
+    """The recommendation with its predicted time, why each faster candidate was rejected, and what makes the next
+    slower ones that fit slower."""
     lines = [f"QLoRA: {plan.qlora_because}"] if plan.qlora_because else []
     if plan.recommended is None:
         lines.append("no candidate fits; every one was rejected:")
@@ -105,11 +143,22 @@ def verdict_lines(plan: Plan) -> list[str]:
             f"recommended: {best.candidate.label}{ac} ({best.slug}): {gib(best.estimate.gpu_total)} per GPU "
             f"of {gib(plan.gpu_budget)} usable{padding}"
         )
+        lines.append(f"  predicted: {_time_line(plan, best, budget)}")
         if plan.rejected_faster:
             lines.append("faster candidates rejected:")
     for a in plan.rejected_faster:
         ac = " + AC" if a.candidate.activation_checkpointing else ""
         lines.append(f"  {a.candidate.label}{ac}: {a.reason}")
+    slower = [a for a in plan.assessments[plan.assessments.index(plan.recommended) + 1:] if a.fits][:3] \
+        if plan.recommended is not None else []
+    if slower:
+        lines.append("slower candidates that fit (what their step spends most on):")
+    for a in slower:
+        ac = " + AC" if a.candidate.activation_checkpointing else ""
+        t = a.time
+        lines.append(f"  {a.candidate.label}{ac}: {t.tokens_per_s:,.0f} tokens/s per GPU, {t.dominant} "
+                     f"(compute {t.compute_s:.3g} s, communication {t.communication_s:.3g} s, optimizer "
+                     f"{t.optimizer_s:.3g} s, offload {t.offload_s:.3g} s)")
     if plan.recommended is None:
         lines.append(
             "try more GPUs or machines, a shorter --seq-len, or --cpu-memory if the "
@@ -120,8 +169,20 @@ def verdict_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def plan_dict(plan: Plan) -> dict[str, Any]:
-    """JSON-ready plan: inputs, model, every candidate with its byte breakdown, the recommendation."""
+def time_dict(plan: Plan, a: Assessment, budget: Budget) -> dict[str, Any]:
+    """A candidate's predicted time as JSON: seconds by term, throughput, MFU, the run's hours when --tokens."""
+    t = a.time
+    out: dict[str, Any] = {
+        "step_s": t.step_s, "compute_s": t.compute_s, "communication_s": t.communication_s,
+        "optimizer_s": t.optimizer_s, "offload_s": t.offload_s, "save_s": t.save_s, "bound": t.dominant,
+        "tokens_per_s_per_gpu": t.tokens_per_s, "mfu": t.mfu,
+    }
+    run = run_time(plan, a, budget)
+    return out | ({"run": run} if run is not None else {})
+
+
+def plan_dict(plan: Plan, budget: Budget = Budget()) -> dict[str, Any]:
+    """JSON-ready plan: inputs, model, every candidate with its byte breakdown and time, the recommendation."""
     w, s = plan.workload, plan.workload.shapes
     candidates = []
     for a in plan.assessments:
@@ -135,7 +196,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                 "seq_len": w.cp_seq_len(c.cp),
                 "bytes_per_gpu": {**e.breakdown(), "total": e.gpu_total},
                 "cpu_bytes_per_machine": e.cpu_per_machine,
-                "speed": round(a.speed, 4),
+                "time": time_dict(plan, a, budget),
                 "fits": a.fits,
                 "rejected_because": a.reason or None,
             }
@@ -154,7 +215,10 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "workload": {
             "num_machines": w.num_machines,
             "gpus_per_machine": w.gpus_per_machine,
+            "gpu": plan.hardware.name if plan.hardware else None,
             "gpu_memory_bytes": plan.gpu_memory,
+            "tokens": budget.tokens,
+            "price_per_gpu_hour": budget.price_per_gpu_hour,
             "cpu_memory_bytes": plan.cpu_memory,
             "safety_margin": plan.safety_margin,
             "seq_len": w.seq_len,
@@ -169,7 +233,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "candidates": candidates,
         "recommended": best.slug if best else None,
         "recommended_config": distributed_config(plan, best).model_dump(mode="json") if best else None,
-        "verdict": verdict_lines(plan),
+        "verdict": verdict_lines(plan, budget),
         "warnings": plan_warnings(plan),
     }
 

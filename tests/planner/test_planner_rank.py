@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 
 from hf_scale.generators.deepspeed_json import deepspeed_config
 from hf_scale.planner import Workload, distributed_config, make_plan, model_shapes
+from hf_scale.planner.rank import TIE
 
 GIB = 2**30
 SHAPES = {
@@ -31,17 +32,19 @@ def plan(shapes, name, *, machines=1, cpu=None, **workload):
     return make_plan(w, gpu_memory=80 * GIB, cpu_memory=cpu)
 
 
-def test_sub_1b_model_on_8x80gb_gets_ddp(shapes):
+def test_sub_1b_model_on_8x80gb_fits_everything_and_ddp_is_within_reach(shapes):
     p = plan(shapes, "0.5b")
-    assert p.recommended.slug == "ddp"
-    assert p.rejected_faster == ()
+    assert p.rejected_faster == () and all(a.fits for a in p.assessments if not a.candidate.offload_params)
+    ddp = next(a for a in p.assessments if a.slug == "ddp")
+    # DDP's fp32 all-reduce and unsharded optimizer step cost it a little against FSDP2's overlapped gathers
+    assert ddp.time.tokens_per_s > 0.85 * p.recommended.time.tokens_per_s
 
 
-def test_8b_full_fine_tune_on_8x80gb_gets_a_sharded_strategy_and_says_why_ddp_was_rejected(shapes):
+def test_8b_full_fine_tune_on_8x80gb_gets_a_sharded_strategy_and_says_why_ddp_does_not_fit(shapes):
     p = plan(shapes, "8b")
     best = p.recommended.candidate
     assert best.zero_stage >= 2 or best.engine == "fsdp"
-    reasons = {a.slug: a.reason for a in p.rejected_faster}
+    reasons = {a.slug: a.reason for a in p.assessments}
     assert "needs 192.0 GiB per GPU > 72.0 GiB usable" in reasons["ddp"]
     assert all(not a.fits for a in p.rejected_faster)
 
@@ -64,13 +67,14 @@ def test_lora_lets_8b_run_with_plain_ddp(shapes):
     assert plan(shapes, "8b", lora_r=16).recommended.slug == "ddp"
 
 
-def test_candidates_are_ordered_fastest_first_and_hybrid_beats_full_shard_across_machines(shapes):
+def test_candidates_are_ordered_fastest_first_and_offload_comes_last(shapes):
     p = plan(shapes, "8b", machines=2)
     order = [a.slug for a in p.assessments]
-    assert order[:3] == ["ddp", "zero1", "zero2"]
-    assert order.index("fsdp2_hybrid_shard") < order.index("fsdp2_full_shard")
-    assert order.index("zero3") < order.index("zero3_offload_opt")
-    assert all(a.speed >= b.speed for a, b in zip(p.assessments, p.assessments[1:], strict=False))
+    assert order.index("zero3") < order.index("zero3_offload_opt") < order.index("zero3_offload_opt_params")
+    assert order.index("fsdp2_full_shard") < order.index("fsdp2_full_shard_ac")  # recomputing costs time
+    # fastest first, predictions closer than TIE being a tie that the list order decides
+    speeds = [a.time.tokens_per_s for a in p.assessments]
+    assert all(a >= b / (1 + TIE) ** 2 for a, b in zip(speeds, speeds[1:], strict=False))
     assert "fsdp2_hybrid_shard" not in [a.slug for a in plan(shapes, "8b").assessments]
 
 
