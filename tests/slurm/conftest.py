@@ -1,12 +1,13 @@
 """A real 2-node SLURM cluster on this machine for the tests marked `slurm`, from Debian's `slurm-wlm` and
 `munge` packages (`.ci/run` installs them): one `munged` with its own key, one `slurmctld` and two `slurmd`
-(nodes n1 and n2, both on localhost, each on its own port), their config, sockets, logs and state all in one
+(nodes n1 to n4, all on localhost, each on its own port), their config, sockets, logs and state all in one
 temporary directory, on free ports, so that two pytest-xdist workers can each run a cluster of their own.
-The node names must resolve (`127.0.0.1 n1 n2` in /etc/hosts, which `.ci/run` adds): the sbatch script takes
+The node names must resolve (`127.0.0.1 n1 n2 n3 n4` in /etc/hosts, which `.ci/run` adds): the sbatch script takes
 the allocation's first host as the rendezvous address.
 
-Besides the compute partition `debug` (the default) the cluster has `urgent`, a higher PriorityTier over the
-same nodes, so that a job there preempts (requeues) one in `debug` after its GraceTime, and `tight`, where
+Besides the compute partition `debug` (n1, n2; the default) the cluster has `spare` (n3, n4: a job that nothing
+preempts), `urgent`, a higher PriorityTier over debug's nodes, so that a job there preempts one in `debug`
+(SIGTERM to its steps, then GraceTime), and `tight` (debug's nodes), where
 `hf-scale doctor --slurm` finds what breaks a job (a time limit under the --signal lead, preemption that cancels,
 no grace time). JobRequeue=0: the generated sbatch's own `--requeue` is what makes its job requeueable.
 """
@@ -27,7 +28,7 @@ import pytest
 from train_helpers import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
-NODES = ("n1", "n2")
+NODES = ("n1", "n2", "n3", "n4")
 GRACE_TIME_S = 90
 CONFIG = """\
 ClusterName=hfscale{ctld_port}
@@ -57,6 +58,7 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 {nodes}
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={grace}
+PartitionName=spare Nodes=n3,n4 MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=OFF
 PartitionName=urgent Nodes=n1,n2 MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 PartitionName=tight Nodes=n1,n2 MaxTime=2 State=UP PriorityTier=1 PreemptMode=CANCEL GraceTime=0
 """
@@ -107,7 +109,9 @@ class Cluster:
         for name in NODES:
             self._daemon("slurmd", "-N", name, "-f", str(self.conf))
         deadline = time.monotonic() + 60
-        while self.run("sinfo", "-h", "-p", "debug", "-t", "idle", "-o", "%D", check=False).stdout.strip() != "2":
+        while sorted(set(self.run("sinfo", "-h", "-N", "-t", "idle", "-o", "%N", check=False).stdout.split())) != list(
+            NODES
+        ):
             assert time.monotonic() < deadline, (self.root / "slurmctld.log").read_text()[-3000:]
             time.sleep(0.5)
 
@@ -117,8 +121,11 @@ class Cluster:
         assert result.returncode == 0, f"{command}: exit {result.returncode}\n{result.stderr}"
 
     def stop(self) -> None:
-        """Cancel what is left, then end the daemons by their pid files (slurmd first: it ends the job steps)."""
+        """Cancel what is left, then end the daemons by their pid files."""
         self.run("scancel", "--full", "--user", "root", check=False)
+        deadline = time.monotonic() + 60  # the slurmds end the jobs' processes; then nothing is left behind
+        while self.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
         pid_files = [self.root / f"slurmd-{name}.pid" for name in NODES]
         pid_files += [self.root / "slurmctld.pid", self.root / "munged.pid"]
         for pid_file in pid_files:
@@ -143,7 +150,8 @@ def _unavailable() -> str | None:
     if os.geteuid() != 0:
         return "a SLURM test cluster runs its slurmd as root"
     try:
-        socket.gethostbyname(NODES[0])
+        for name in NODES:
+            socket.gethostbyname(name)
     except OSError:
         return f"the test nodes' names do not resolve: add '127.0.0.1 {' '.join(NODES)}' to /etc/hosts"
     return None

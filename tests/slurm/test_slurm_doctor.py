@@ -65,7 +65,7 @@ def test_each_mismatch_with_the_real_cluster_is_one_finding_with_its_fix(slurm, 
     wrong = _doctor(slurm, "--slurm", str(sbatch), "--partition", "gpu")
     assert wrong.returncode == 2 and wrong.stdout == ""
     assert wrong.stderr == ("hf-scale: error: --partition gpu: no such partition on this cluster (partitions: debug, "
-                            "urgent, tight)\n")
+                            "spare, urgent, tight)\n")
 
 
 def test_without_scontrol_the_slurm_check_says_where_to_run_it(sbatch, tmp_path):
