@@ -35,6 +35,7 @@ from hf_scale.train.checkpoint import store as checkpoint
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 STEPS = 16  # room for three stops, each a step or two after a checkpoint
+FIRST_EPOCH_STEPS = 14
 TRAIN = ["--max_steps", str(STEPS), "--save_steps", "2", "--seed", "5", "--warmup_ratio", "0", "--loop",
          "accelerate", "--max_seq_length", "32"]
 SETS = ["strategy=ddp", "precision=no", "batch.micro_batch_size=2", "optimizer.lr=1e-3",
@@ -156,17 +157,23 @@ def test_two_node_jobs_train_like_one_process_and_resume_bit_identically_after_s
         if one.poll() is None:
             one.kill()
 
-    log = _output(stopped_dir, stopped)
+    _assert_trained_alike(reference, whole_dir / "out", out, _output(stopped_dir, stopped))
+
+
+def _assert_trained_alike(reference: Path, whole_out: Path, out: Path, log: str) -> None:
     assert log.count("hf_scale: resuming from") == 3, log[-4000:]  # rank 0 alone says it, once a start
     assert len(re.findall(r"^hf_scale: run: ", log, re.MULTILINE)) == 4  # one run line per start, not per rank
+    assert log.count(f"Exited with exit code {EXIT_PREEMPTED}") == 2 * 3  # both nodes, each stop
 
-    # The 2-node job trains like one process: the same samples, the same losses and weights (up to summation order).
-    whole_out, want = whole_dir / "out", {r["step"]: r for r in read_metrics(reference)}
-    for record in read_metrics(whole_out):
-        assert record["loss"] == pytest.approx(want[record["step"]]["loss"], rel=1e-4)
+    # The 2-node job trains like one process: the same samples, the same losses (up to summation order) through
+    # the first epoch (113 examples keep a target token at 32 tokens: 14 full global batches of 8). The epoch's
+    # last, partial batch is split otherwise by 2 ranks than by one, so from there on only the weights stay close.
+    want = {r["step"]: r for r in read_metrics(reference)}
+    for record in read_metrics(whole_out)[:FIRST_EPOCH_STEPS]:
+        assert record["loss"] == pytest.approx(want[record["step"]]["loss"], rel=1e-5)
         assert record["tokens"] == want[record["step"]]["tokens"]
     ref_weights, whole_weights = load_file(reference / "model.safetensors"), load_file(whole_out / "model.safetensors")
-    assert all(torch.allclose(whole_weights[name], ref_weights[name], atol=1e-5) for name in ref_weights)
+    assert all(torch.allclose(whole_weights[name], ref_weights[name], atol=1e-3) for name in ref_weights)
 
     # The stopped job ends bit-identical to the uninterrupted one, every step logged once.
     assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
@@ -175,7 +182,6 @@ def test_two_node_jobs_train_like_one_process_and_resume_bit_identically_after_s
     stopped_weights = load_file(out / "model.safetensors")
     assert stopped_weights.keys() == whole_weights.keys()
     assert all(torch.equal(stopped_weights[name], whole_weights[name]) for name in whole_weights)
-    assert EXIT_PREEMPTED == 75
 
 
 def test_the_node_count_guard_refuses_another_allocation_in_one_line(slurm, generated, tmp_path):
