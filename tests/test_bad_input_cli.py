@@ -607,6 +607,10 @@ ISSUE_21 = [
     Case("doctor-config-not-utf8", ["doctor", "--config", "c.yaml"], "--config c.yaml: not UTF-8 text (byte 0xff at "
          "line 1)", {"c.yaml": b"x: \xff\n"}),
     Case("doctor-config-unreadable", ["doctor", "--config", "c.yaml"], "--config c.yaml", {"c.yaml": UNREADABLE}),
+    Case("doctor-slurm-missing", ["doctor", "--slurm", "nope.sbatch"],
+         "--slurm nope.sbatch: not found; expected a generated launch/NAME.sbatch file"),
+    Case("doctor-partition-without-slurm", ["doctor", "--partition", "gpu"],
+         "--partition gpu: only with --slurm FILE.sbatch"),
     Case("plan-model-dev-zero", ["plan", "/dev/zero"], "/dev/zero: is a character device, not a regular file"),
     Case("plan-model-config-fifo", ["plan", "d"], "d/config.json: is a FIFO (named pipe)", {"d/config.json": FIFO}),
     plan_case("hidden-word", [], "MODEL 'm.json': hidden_size='big' is invalid: allowed an integer from 1 to",

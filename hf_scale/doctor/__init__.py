@@ -35,6 +35,7 @@ from hf_scale.doctor.allreduce import (
 )
 from hf_scale.doctor.config import DEFAULT_OPS, config_requirements, config_verdict
 from hf_scale.doctor.parallel_support import train_support
+from hf_scale.errors import UserError
 from hf_scale.installed import version_of
 from hf_scale.precision_rules import fp8_backends
 
@@ -47,6 +48,7 @@ examples:
   hf-scale doctor --config accelerate_configs/zero3_offload.yaml --output-dir /scratch/run1
   hf-scale doctor --config my_run.yaml --json       # a DistributedConfig; exit 1 if it cannot run here
   hf-scale doctor --config ds_configs/zero2.json --no-allreduce
+  hf-scale doctor --slurm launch/run.sbatch --partition gpu   # the SLURM cluster against the sbatch file
 """
 
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "flash-attn", "liger-kernel",
@@ -252,6 +254,14 @@ def _stdout_to_stderr():
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    if args.slurm:  # the cluster, not this node: nothing here is probed
+        from hf_scale.doctor.slurm import format_slurm, slurm_report
+
+        report = slurm_report(args.slurm, args.partition)
+        print(json.dumps(report, indent=2) if args.json else format_slurm(report), end="\n" if args.json else "")
+        return 1 if report["findings"] else 0
+    if args.partition:
+        raise UserError(f"--partition {args.partition}: only with --slurm FILE.sbatch")
     with _stdout_to_stderr():
         report = build_report(config=args.config, output_dir=args.output_dir, allreduce=not args.no_allreduce)
     print(json.dumps(report, indent=2) if args.json else format_text(report), end="\n" if args.json else "")
@@ -270,6 +280,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="a DistributedConfig YAML, an accelerate YAML or a DeepSpeed JSON to check against "
                         "this node")
+    parser.add_argument("--slurm", metavar="FILE.sbatch",
+                        help="instead of this node, read the SLURM cluster (scontrol) the generated sbatch file will "
+                        "be queued on: requeue, time limit vs the --signal lead, GPU GRES, preemption grace time; "
+                        "exit 1 on a mismatch")
+    parser.add_argument("--partition", metavar="NAME", help="with --slurm: the partition (default: the cluster's)")
     parser.add_argument("--output-dir", default=".", metavar="DIR", help="where outputs will go (free disk; default .)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-allreduce", action="store_true",
