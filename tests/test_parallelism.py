@@ -198,6 +198,10 @@ def test_version_problem_names_the_version_needed(monkeypatch):
     assert parallelism.version_problem("cp").startswith("cp needs torch >= 99.0 (")
     monkeypatch.setitem(parallelism.NEEDS, "sp", {"no-such-package-hf-scale": "1.0"})
     assert "not installed" in parallelism.version_problem("sp")
+    monkeypatch.setitem(parallelism.NEEDS, "tp", {**parallelism.NEEDS["tp"], "python": "99.0"})
+    problem = parallelism.version_problem("tp")
+    assert problem.startswith("tp needs Python >= 99.0 (3.")
+    assert "transformers >= 5.24.0 requires it): run it from a Python >= 99.0 environment" in problem
 
 
 def test_accelerate_launch_sizes_are_taken_over_by_train_py(monkeypatch):
