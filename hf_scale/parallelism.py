@@ -211,6 +211,12 @@ def layout_problems(
     if tp > 1 and strategy == "ddp" and layout.dp_replicate > 1:
         errors.append(f"{where}.tp={tp} with strategy ddp and dp_replicate={layout.dp_replicate}: accelerate cannot "
                       "compose DDP and TP; use strategy fsdp (dp_shard x tp, preset fsdp2_tp), or tp = world size")
+    if tp > 1 and cp > 1:
+        # accelerate composes them on its own mesh; hf_scale's TP is built by transformers at load, on a mesh
+        # accelerate's context_parallel does not share (train/model/parallel.py). The planner offers neither; a peer
+        # project's YAML (accelerate's nd.yaml) asks for both.
+        errors.append(f"{where}.tp={tp} with {where}.cp={cp}: hf_scale's train.py runs TP or CP, not both (its TP "
+                      "mesh is transformers', which context parallelism does not use); set one of them to 1")
     if sp > 1 and strategy != "deepspeed":
         errors.append(f"{where}.sp={sp} needs strategy deepspeed (got {strategy}): sequence parallelism is "
                       "DeepSpeed's Ulysses/ALST (accelerate's sp_backend deepspeed); for FSDP2 use cp")
@@ -263,12 +269,6 @@ def _config_problems(cfg: Any) -> tuple[list[str], list[str]]:
     errors, warnings = layout_problems(layout, strategy=cfg.strategy, fsdp_version=cfg.fsdp.version,
                                        processes_per_machine=cfg.topology.processes_per_machine,
                                        tp_across_machines=cfg.parallelism.tp_across_machines)
-    if layout.tp > 1 and layout.cp > 1:
-        # accelerate composes them on its own mesh; hf_scale's TP is built by transformers at load, on a mesh
-        # accelerate's context_parallel does not share (train/model/parallel.py). The planner offers neither.
-        errors.append(f"parallelism.tp={layout.tp} with parallelism.cp={layout.cp}: hf_scale's train.py runs TP or "
-                      "CP, not both (its TP mesh is transformers', which context parallelism does not use); set "
-                      "one of them to 1")
     return errors, warnings
 
 

@@ -246,9 +246,10 @@ def test_tp_with_cp_is_refused_by_the_config_with_hf_scales_reason():
                           "parallelism": {"tp": 2, "cp": 2}})
 
 
-def test_train_py_needs_the_config_that_says_the_same_sizes_under_accelerate_launch(tmp_path):
-    """accelerate launch's parallelism_config without --hf_scale_config, or with one of other sizes: one line, exit 2,
-    before anything is loaded."""
+def test_train_py_judges_the_launched_sizes_and_a_config_must_say_the_same(tmp_path):
+    """accelerate launch's parallelism_config without --hf_scale_config is judged by the config rules (here: sizes
+    for 4 ranks in one process), with a config of other sizes refused: one line, exit 2, before anything is
+    loaded."""
     from train_helpers import TRAIN_PY, child_env, run
 
     env = {**child_env(), "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
@@ -256,7 +257,8 @@ def test_train_py_needs_the_config_that_says_the_same_sizes_under_accelerate_lau
     command = [sys.executable, TRAIN_PY, "--output_dir", str(tmp_path / "out")]
     result = run(command, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "parallelism_config (dp_shard=2 x tp=2) needs --hf_scale_config" in result.stderr
+    assert ("the accelerate config's parallelism_config: strategy single runs one process; sizes dp_shard=2 x tp=2 "
+            "need several") in result.stderr
     config = tmp_path / "tp2.yaml"
     config.write_text("strategy: ddp\ntopology: {processes_per_machine: 2}\nparallelism: {tp: 2}\n")
     result = run(command + ["--hf_scale_config", str(config)], env=env)
