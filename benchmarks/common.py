@@ -61,7 +61,7 @@ def environment() -> dict:
 
     cuda = torch.cuda.is_available()
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "hf_scale": hf_scale.__version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -270,7 +270,7 @@ def failures_recorded(output: Path, benchmark: str):
     except CommandFailed as failure:
         path = output.with_name(f"{output.stem}.failed.json")
         write_results(path, {"benchmark": benchmark, "status": "failed",
-                             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                              "failure": failure.record()})
         print(f"{benchmark}: {failure}\n(whole stderr in {path})", file=sys.stderr)
         raise SystemExit(1) from None

@@ -176,7 +176,7 @@ def stale_build_lock(name: str, now: float | None = None) -> str | None:
     if since is None or _holders(lock) != []:  # a build in progress (or no /proc): torch's wait is right
         return None
     age_s = max(0, int((time.time() if now is None else now) - since))
-    stamp = datetime.datetime.fromtimestamp(since, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    stamp = datetime.datetime.fromtimestamp(since, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return (f"torch's JIT-build lock {lock} exists since {stamp} ({age_s // 3600} h {age_s % 3600 // 60} min ago) and "
             f"no process on this machine holds it (a run killed while building {name} left it): every run that loads "
             f"{name} would wait on it forever, without output; remove it (rm {lock}) unless another machine sharing "

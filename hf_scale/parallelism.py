@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool
 
-from hf_scale.installed import version_of
+from hf_scale.installed import PYTHON, version_of
 
 SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 """The mesh dimensions, in the order the rule messages name them."""
@@ -37,9 +37,10 @@ CP_COMM_STRATEGIES = ("allgather", "alltoall")
 # `from_pretrained(distributed_config=DistributedConfig(tp_size, fsdp_size, dp_replicate_size))` and clips with
 # `Trainer._mixed_mesh_grad_norm`; transformers 4.x's DistributedConfig has only `enable_expert_parallel`, the sizes
 # arrived during 5.x (huggingface/transformers#44996, then dp_replicate_size), so the floor is the release this path
-# is proven with (tests/train/model/test_parallel.py), not an older one it might run on.
+# is proven with (tests/train/model/test_parallel.py), not an older one it might run on. transformers 5.24 requires
+# Python 3.11 (on 3.10 pip stops at an older 5.x): named first, since upgrading transformers cannot help there.
 NEEDS: dict[str, dict[str, str]] = {
-    "tp": {"torch": "2.3.0", "accelerate": "1.10.0", "transformers": "5.24.0"},
+    "tp": {PYTHON: "3.11", "torch": "2.3.0", "accelerate": "1.10.0", "transformers": "5.24.0"},
     "cp": {"torch": "2.6.0", "accelerate": "1.10.0"},
     "sp": {"accelerate": "1.12.0", "deepspeed": "0.18.2", "transformers": "4.54.0"},
     "hsdp": {"torch": "2.6.0", "accelerate": "1.10.0"},
@@ -210,6 +211,12 @@ def layout_problems(
     if tp > 1 and strategy == "ddp" and layout.dp_replicate > 1:
         errors.append(f"{where}.tp={tp} with strategy ddp and dp_replicate={layout.dp_replicate}: accelerate cannot "
                       "compose DDP and TP; use strategy fsdp (dp_shard x tp, preset fsdp2_tp), or tp = world size")
+    if tp > 1 and cp > 1:
+        # accelerate composes them on its own mesh; hf_scale's TP is built by transformers at load, on a mesh
+        # accelerate's context_parallel does not share (train/model/parallel.py). The planner offers neither; a peer
+        # project's YAML (accelerate's nd.yaml) asks for both.
+        errors.append(f"{where}.tp={tp} with {where}.cp={cp}: hf_scale's train.py runs TP or CP, not both (its TP "
+                      "mesh is transformers', which context parallelism does not use); set one of them to 1")
     if sp > 1 and strategy != "deepspeed":
         errors.append(f"{where}.sp={sp} needs strategy deepspeed (got {strategy}): sequence parallelism is "
                       "DeepSpeed's Ulysses/ALST (accelerate's sp_backend deepspeed); for FSDP2 use cp")
@@ -262,12 +269,6 @@ def _config_problems(cfg: Any) -> tuple[list[str], list[str]]:
     errors, warnings = layout_problems(layout, strategy=cfg.strategy, fsdp_version=cfg.fsdp.version,
                                        processes_per_machine=cfg.topology.processes_per_machine,
                                        tp_across_machines=cfg.parallelism.tp_across_machines)
-    if layout.tp > 1 and layout.cp > 1:
-        # accelerate composes them on its own mesh; hf_scale's TP is built by transformers at load, on a mesh
-        # accelerate's context_parallel does not share (train/model/parallel.py). The planner offers neither.
-        errors.append(f"parallelism.tp={layout.tp} with parallelism.cp={layout.cp}: hf_scale's train.py runs TP or "
-                      "CP, not both (its TP mesh is transformers', which context parallelism does not use); set "
-                      "one of them to 1")
     return errors, warnings
 
 
@@ -319,6 +320,9 @@ def version_problem(kind: str) -> str | None:
         have = Version(written) if (written := version_of(package)) else None
         if have is None or have.release < Version(needed).release:
             shown = "not installed" if have is None else f"{have} is installed"
+            if package == PYTHON:
+                return (f"{kind} needs Python >= {needed} ({have} runs here; transformers >= "
+                        f"{NEEDS[kind]['transformers']} requires it): run it from a Python >= {needed} environment")
             return f"{kind} needs {package} >= {needed} ({shown}); pip install '{package}>={needed}'"
     return None
 

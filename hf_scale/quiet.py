@@ -208,14 +208,31 @@ def transformers_progress_bars_on_a_terminal(verbose: bool) -> Iterator[None]:
 
 def progress_bars_on_a_terminal_only() -> None:
     """datasets' and transformers' progress bars off unless stderr is a terminal (see the module docstring);
-    a choice the user made with HF_DATASETS_DISABLE_PROGRESS_BARS / HF_HUB_DISABLE_PROGRESS_BARS stands."""
-    if sys.stderr.isatty() or os.environ.get(TERMINAL_ENV) == "1":  # a launch script's filter: a terminal behind it
-        return
-    if "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ:
-        import datasets
+    a choice the user made with HF_DATASETS_DISABLE_PROGRESS_BARS / HF_HUB_DISABLE_PROGRESS_BARS stands. The
+    choice is applied here, not left to the libraries: they read the variable once, at import, and a process that
+    imported them before it was set (a test run, a notebook) would otherwise keep the state some earlier code
+    left."""
+    # TERMINAL_ENV: a launch script's filter (a pipe) with a terminal behind it.
+    terminal = sys.stderr.isatty() or os.environ.get(TERMINAL_ENV) == "1"
+    for variable, library in (("HF_DATASETS_DISABLE_PROGRESS_BARS", "datasets"),
+                              ("HF_HUB_DISABLE_PROGRESS_BARS", "transformers")):
+        chosen = os.environ.get(variable)
+        if chosen is None and terminal:
+            continue
+        _PROGRESS_BARS[library](chosen is None or chosen.strip().lower() in _TRUE)
 
-        datasets.disable_progress_bars()
-    if "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:
-        from transformers.utils import logging as transformers_logging
 
-        transformers_logging.disable_progress_bar()
+def _datasets_progress_bars(disable: bool) -> None:
+    import datasets
+
+    (datasets.disable_progress_bars if disable else datasets.enable_progress_bars)()
+
+
+def _transformers_progress_bars(disable: bool) -> None:
+    from transformers.utils import logging as transformers_logging
+
+    (transformers_logging.disable_progress_bar if disable else transformers_logging.enable_progress_bar)()
+
+
+_PROGRESS_BARS = {"datasets": _datasets_progress_bars, "transformers": _transformers_progress_bars}
+"""Turns a library's progress bars off (True) or on (False)."""

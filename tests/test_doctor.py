@@ -31,7 +31,11 @@ def cli(*args: str, env=None) -> subprocess.CompletedProcess:
 def test_report_structure_on_this_node(tmp_path):
     report = doctor.build_report(config=None, output_dir=str(tmp_path / "not" / "yet"), allreduce=True)
     assert set(report) == {"host", "versions", "gpus", "build", "kernels", "parallelism", "environment", "disk",
-                           "allreduce", "fp8"}
+                           "memlock_bytes", "allreduce", "fp8"}
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    assert report["memlock_bytes"] == (None if soft == resource.RLIM_INFINITY else soft)
     assert set(report["parallelism"]) == {"tp", "cp", "sp", "hsdp"}
     assert report["parallelism"]["tp"]["usable"] is True  # torch 2.13, accelerate 1.15, transformers 5: TP on gloo
     if not report["gpus"]:
@@ -280,3 +284,30 @@ def test_doctor_names_a_stale_deepspeed_build_lock(tmp_path, monkeypatch):
     problems, _ = doctor.config_verdict(req, [H100], build["deepspeed_ops"], {})
     assert problems == ["optimizer.type=AdamW with zero_optimization.offload_optimizer.device=cpu needs DeepSpeed's "
                         f"cpu_adam op, but {status['stale_lock']}"]
+
+
+def test_the_installed_deepspeeds_changes_and_pinned_offload_against_ulimit_l(tmp_path):
+    """DeepSpeed on this node (0.19.8) refuses removed keys and a 0-step warmup at start: doctor says so before the
+    queue. Offload pins host memory by default since 0.19.5: a locked-memory limit (ulimit -l) is a warning, none
+    without a limit or with pin_memory false."""
+    statuses = dict.fromkeys(("cpu_adam", "async_io", "fused_adam"), USABLE)
+    offload = doctor.config_requirements(str(REPO / "ds_configs" / "zero3_offload.json"))
+    _, warnings = doctor.config_verdict(offload, [H100] * 8, statuses, {}, memlock_bytes=8 * 2**20)
+    (pinned,) = warnings
+    assert pinned.startswith("zero_optimization.offload_optimizer and zero_optimization.offload_param pin host memory")
+    assert "limits locked memory to 8192 KiB (ulimit -l)" in pinned
+    assert doctor.config_verdict(offload, [H100] * 8, statuses, {}, memlock_bytes=None) == ([], [])
+    unpinned = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())
+    for block in ("offload_optimizer", "offload_param"):
+        unpinned["zero_optimization"][block]["pin_memory"] = False
+    (tmp_path / "unpinned.json").write_text(json.dumps(unpinned))
+    req = doctor.config_requirements(str(tmp_path / "unpinned.json"))
+    assert doctor.config_verdict(req, [H100] * 8, statuses, {}, memlock_bytes=64 * 1024) == ([], [])
+
+    old = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    old |= {"amp": {"enabled": True}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    problems, _ = doctor.config_verdict(doctor.config_requirements(str(tmp_path / "old.json")), [H100] * 8, statuses,
+                                        {})
+    assert [p.split(":")[0] for p in problems] == ["amp", "scheduler.params.warmup_num_steps"]
+    assert "DeepSpeed >= 0.19.7 refuses the config at start: NVIDIA Apex AMP was removed" in problems[0]

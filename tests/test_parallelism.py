@@ -198,6 +198,10 @@ def test_version_problem_names_the_version_needed(monkeypatch):
     assert parallelism.version_problem("cp").startswith("cp needs torch >= 99.0 (")
     monkeypatch.setitem(parallelism.NEEDS, "sp", {"no-such-package-hf-scale": "1.0"})
     assert "not installed" in parallelism.version_problem("sp")
+    monkeypatch.setitem(parallelism.NEEDS, "tp", {**parallelism.NEEDS["tp"], "python": "99.0"})
+    problem = parallelism.version_problem("tp")
+    assert problem.startswith("tp needs Python >= 99.0 (3.")
+    assert "transformers >= 5.24.0 requires it): run it from a Python >= 99.0 environment" in problem
 
 
 def test_accelerate_launch_sizes_are_taken_over_by_train_py(monkeypatch):
@@ -242,9 +246,10 @@ def test_tp_with_cp_is_refused_by_the_config_with_hf_scales_reason():
                           "parallelism": {"tp": 2, "cp": 2}})
 
 
-def test_train_py_needs_the_config_that_says_the_same_sizes_under_accelerate_launch(tmp_path):
-    """accelerate launch's parallelism_config without --hf_scale_config, or with one of other sizes: one line, exit 2,
-    before anything is loaded."""
+def test_train_py_judges_the_launched_sizes_and_a_config_must_say_the_same(tmp_path):
+    """accelerate launch's parallelism_config without --hf_scale_config is judged by the config rules (here: sizes
+    for 4 ranks in one process), with a config of other sizes refused: one line, exit 2, before anything is
+    loaded."""
     from train_helpers import TRAIN_PY, child_env, run
 
     env = {**child_env(), "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
@@ -252,7 +257,8 @@ def test_train_py_needs_the_config_that_says_the_same_sizes_under_accelerate_lau
     command = [sys.executable, TRAIN_PY, "--output_dir", str(tmp_path / "out")]
     result = run(command, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "parallelism_config (dp_shard=2 x tp=2) needs --hf_scale_config" in result.stderr
+    assert ("the accelerate config's parallelism_config: strategy single runs one process; sizes dp_shard=2 x tp=2 "
+            "need several") in result.stderr
     config = tmp_path / "tp2.yaml"
     config.write_text("strategy: ddp\ntopology: {processes_per_machine: 2}\nparallelism: {tp: 2}\n")
     result = run(command + ["--hf_scale_config", str(config)], env=env)

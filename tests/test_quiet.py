@@ -86,7 +86,10 @@ def test_commands_drop_only_deepspeeds_no_gpu_notice():
 
 def test_replicas_log_errors_only_and_keep_the_users_own_settings(monkeypatch):
     for name in quiet._REPLICA_ENV:
-        monkeypatch.delenv(name, raising=False)
+        # Set, then removed: monkeypatch records the variable only so, and restores it after the test; a bare
+        # delenv of an absent variable records nothing, and what quiet_training sets would outlive the test.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")  # set by the user: kept
     quiet.quiet_training(replica=True)
     try:
@@ -162,6 +165,12 @@ def test_library_progress_bars_are_drawn_on_a_terminal_only(monkeypatch):
         monkeypatch.setenv("HF_SCALE_TERMINAL", "1")
         quiet.progress_bars_on_a_terminal_only()
         assert datasets.is_progress_bar_enabled()
+        # Set after datasets was imported (datasets reads it only then): followed all the same, whatever an earlier
+        # caller in this process left the bars at.
+        datasets.enable_progress_bars()
+        monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        quiet.progress_bars_on_a_terminal_only()
+        assert not datasets.is_progress_bar_enabled()
     finally:
         (datasets.enable_progress_bars if before[0] else datasets.disable_progress_bars)()
         (transformers_logging.enable_progress_bar if before[1] else transformers_logging.disable_progress_bar)()

@@ -47,6 +47,7 @@ CHECKS: list[Check] = [
     trainer_values.check_hf_scale_config_flags,
     trainer_values.check_deepspeed_overrides_flags,
     trainer_values.check_trainer_compared_values,
+    deepspeed_json.check_deepspeed_changes,
     deepspeed_json.check_deepspeed_schema,
     topology.check_use_cpu_processes,
     topology.check_use_cpu_ignores_plugin,

@@ -7,8 +7,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from hf_scale import deepspeed_changes
 from hf_scale.check.accelerate_yaml import range_problem, value_problem
-from hf_scale.check.findings import ERROR, Finding, get_path, ignored_key_severity, in_file, is_comment_key, rename_fix
+from hf_scale.check.findings import (
+    ERROR,
+    WARNING,
+    Finding,
+    get_path,
+    ignored_key_severity,
+    in_file,
+    is_comment_key,
+    rename_fix,
+)
 from hf_scale.check.inputs import CheckInputs
 from hf_scale.check.knowledge import (
     BATCH_KEYS,
@@ -63,6 +73,9 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
 
     file = inp.deepspeed_file or ""
     sample = with_sample_values(inp.deepspeed)
+    for change in deepspeed_changes.removed_keys(sample):  # `deepspeed-key-removed`, each one (DeepSpeed: the first)
+        section, _, key = change.path.rpartition(".")
+        del (sample[section] if section else sample)[key]
     with deepspeed_off_stdout():
         from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
@@ -108,6 +121,26 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
                 rename_fix(key, tracked.read, "DeepSpeed config key", file),
                 {f"{file}:{key}": inp.deepspeed[key]},
             )
+
+
+def check_deepspeed_changes(inp: CheckInputs) -> Iterator[Finding]:
+    """`deepspeed-key-removed`, `deepspeed-warmup-refused`: what a DeepSpeed release refuses at start in a config that
+    ran before (hf_scale.deepspeed_changes): a removed key (`amp`, `elasticity`, `sparse_attention`, MiCS, ...), a
+    warmup scheduler with `warmup_num_steps` 0. An error where the installed DeepSpeed refuses it, a warning where it
+    is older (the cluster's install will)."""
+    if inp.deepspeed is None:
+        return
+    file = inp.deepspeed_file or ""
+    for change in deepspeed_changes.removed_keys(inp.deepspeed):
+        yield Finding(ERROR if change.applies_here else WARNING, "deepspeed-key-removed", file, change.path,
+                      f"{change.describe()}.", f"{in_file(file)}remove `{change.path}`.",
+                      {f"{file}:{change.path}": get_path(inp.deepspeed, change.path, None)})
+    change = deepspeed_changes.warmup_refused(inp.deepspeed)
+    if change is not None:
+        yield Finding(ERROR if change.applies_here else WARNING, "deepspeed-warmup-refused", file, change.path,
+                      f"{change.describe()}.", f'{in_file(file)}set `{change.path}` to 1 or more, or "auto" (the '
+                      "Trainer fills it from --warmup_steps, at least 1).",
+                      {f"{file}:{change.path}": get_path(inp.deepspeed, change.path, None)})
 
 
 def _schema_finding(file: str, ds: dict[str, Any], key: str, item: dict[str, Any], model: Any) -> Finding:

@@ -143,6 +143,16 @@ def network_env(environ: dict[str, str] | None = None) -> dict:
             if name in ENV_NAMES or name.startswith(ENV_PREFIXES) or name.endswith("_SOCKET_IFNAME")}
 
 
+def memlock_limit() -> int | None:
+    """The soft locked-memory limit in bytes (``ulimit -l``), None when unlimited (or not known: not POSIX)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def disk(path: str) -> dict:
     """Free space where outputs go (the nearest existing parent of `path`)."""
     probe = Path(path).resolve()
@@ -172,12 +182,13 @@ def build_report(*, config: str | None, output_dir: str, allreduce: bool) -> dic
         "parallelism": train_support(bool(gpu_list)),
         "environment": network_env(),
         "disk": disk(output_dir),
+        "memlock_bytes": memlock_limit(),
         "allreduce": allreduce_report(gpu_list, enabled=allreduce),
         "fp8": {"gpu": any(g["fp8"] for g in gpu_list), "backends": fp8_backends()},
     }
     if requirements:
         problems, warnings = config_verdict(requirements, gpu_list, report["build"]["deepspeed_ops"], os.environ,
-                                            report["fp8"]["backends"])
+                                            report["fp8"]["backends"], report["memlock_bytes"])
         report["config"] = {**{k: v for k, v in requirements.items() if k != "deepspeed"},
                             "can_run": not problems, "problems": problems, "warnings": warnings}
     return report

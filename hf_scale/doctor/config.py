@@ -106,9 +106,11 @@ def _accelerate_requirements(path: str, file: Path, data: dict) -> dict:
 
 
 def config_verdict(req: dict, gpu_list: list[dict], op_statuses: dict[str, dict], environ: dict[str, str],
-                   fp8_installed: dict[str, str | None] | None = None) -> tuple[list[str], list[str]]:
+                   fp8_installed: dict[str, str | None] | None = None,
+                   memlock_bytes: int | None = None) -> tuple[list[str], list[str]]:
     """(problems that stop the config on this node, warnings). Pure: the node's facts are arguments
-    (``fp8_installed``: :func:`fp8_backends`'s report)."""
+    (``fp8_installed``: :func:`fp8_backends`'s report; ``memlock_bytes``: the locked-memory limit, ``ulimit -l``,
+    None when unlimited)."""
     from hf_scale.deepspeed_ops import FIXES, GENERIC_FIX, required_ops
 
     problems: list[str] = []
@@ -141,7 +143,25 @@ def config_verdict(req: dict, gpu_list: list[dict], op_statuses: dict[str, dict]
             block = zero.get(key) or {}
             if block.get("device") == "nvme" and block.get("nvme_path") and not os.path.isdir(block["nvme_path"]):
                 problems.append(f"zero_optimization.{key}.nvme_path={block['nvme_path']} does not exist on this node")
+        _deepspeed_changes(ds, memlock_bytes, problems, warnings)
     if (req["num_machines"] or 1) > 1 and not any(name.endswith("_SOCKET_IFNAME") for name in environ):
         warnings.append("several machines and no NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME: NCCL picks an interface by "
                         "itself; set them to the network between the nodes if the rendezvous hangs")
     return problems, warnings
+
+
+def _deepspeed_changes(ds: dict, memlock_bytes: int | None, problems: list[str], warnings: list[str]) -> None:
+    """What the installed DeepSpeed refuses in a config that ran on an older one (hf_scale.deepspeed_changes: this
+    node's DeepSpeed is the one the job gets), and pinned offload against the locked-memory limit."""
+    from hf_scale import deepspeed_changes
+
+    warmup = deepspeed_changes.warmup_refused(ds)
+    for change in [*deepspeed_changes.removed_keys(ds), *([warmup] if warmup else [])]:
+        (problems if change.applies_here else warnings).append(f"{change.path}: {change.describe()}")
+    pinned = deepspeed_changes.pinned_offload(ds)
+    if pinned and memlock_bytes is not None:
+        warnings.append(
+            f"{' and '.join(pinned)} pin host memory (pin_memory true: DeepSpeed >= "
+            f"{deepspeed_changes.PINNED_OFFLOAD_SINCE}'s default) but this node limits locked memory to "
+            f"{memlock_bytes // 1024} KiB (ulimit -l): pinned offload buffers hold the offloaded states, GBs; raise "
+            "the limit (ulimit -l unlimited; a container's memlock ulimit) or set pin_memory: false in those blocks")

@@ -147,3 +147,30 @@ def _fsdp_section(cfg: DistributedConfig) -> dict[str, Any]:
         # The key `accelerate config` writes for FSDP1's strategy; accelerate reads fsdp_sharding_strategy first.
         section["fsdp_reshard_after_forward"] = section["fsdp_sharding_strategy"]
     return section
+
+
+def fsdp_settings_from_launch(environ: dict[str, str]) -> FSDPSettings:
+    """The fsdp section whose plugin fields (:func:`fsdp_plugin_fields`) `accelerate launch` exported from a YAML's
+    fsdp_config as FSDP_* variables: the same tables read the other way, for a YAML train.py runs without
+    --hf_scale_config (a peer project's parallelism config). accelerate's launcher defaults stand for what is unset."""
+
+    def flag(name: str, default: bool) -> bool:
+        return environ.get(f"FSDP_{name}", str(default)).strip().lower() == "true"
+
+    version = 2 if environ.get("FSDP_VERSION", "1").strip() == "2" else 1
+    if version == 2:
+        sharding = "full_shard" if flag("RESHARD_AFTER_FORWARD", True) else "shard_grad_op"
+    else:
+        by_name = {name: sharding for sharding, name in _FSDP1_SHARDING.items()}
+        sharding = by_name.get(environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD"), "full_shard")
+    by_type = {name: kind for kind, name in _STATE_DICT_TYPE.items()}
+    return FSDPSettings(
+        version=version,
+        sharding=sharding,
+        transformer_layer_cls_to_wrap=[c.strip() for c in environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",")
+                                       if c.strip()],
+        state_dict_type=by_type.get(environ.get("FSDP_STATE_DICT_TYPE", ""), "sharded" if version == 2 else "full"),
+        cpu_ram_efficient_loading=flag("CPU_RAM_EFFICIENT_LOADING", True),
+        offload_params=flag("OFFLOAD_PARAMS", False),
+        activation_checkpointing=flag("ACTIVATION_CHECKPOINTING", False),
+    )

@@ -56,6 +56,11 @@ def _dependencies() -> list[str]:
     return sorted(req for req in requires if "extra ==" not in req)  # the core dependencies, not the extras
 
 
+def _requires_python() -> str:
+    """The Python floor of the installed hf_scale (its pyproject's requires-python), so the packed copy keeps it."""
+    return metadata.metadata(DISTRIBUTION).get("Requires-Python") or ""
+
+
 def _pyproject(dependencies: list[str]) -> str:
     listed = "".join(f"    {json.dumps(dep)},\n" for dep in dependencies)  # a JSON string is a TOML string
     return f"""# Written by hf-scale generate: the hf_scale {__version__} that generated this directory.
@@ -66,7 +71,7 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "{DISTRIBUTION}"
 version = "{__version__}"
-requires-python = ">=3.10"
+requires-python = "{_requires_python()}"
 dependencies = [
 {listed}]
 

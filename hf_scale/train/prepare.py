@@ -222,9 +222,9 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, given: frozenset[str]) 
         fills.update(from_yaml.fills)
         given |= from_yaml.decided  # what the YAML decided counts as given for --hf_scale_config below
     if request.layout.model_parallel_size > 1 and not parsed.hf_scale_config:
-        raise UserError(f"the accelerate config's parallelism_config ({request.layout.describe()}) needs "
-                        "--hf_scale_config: train.py builds the mesh from it (hf-scale generate writes both, and its "
-                        "launch script passes it)")
+        _refuse_launched_layout(request)  # what the sizes cannot be under the engine, before what this machine lacks
+        request = reconcile.apply_launched_layout(request, reconcile.filled(parsed, fills), os.environ,
+                                                  gpu_present=distributed.has_gpu())
     launched = request  # the launcher's own sizes, judged after --hf_scale_config had its say on them
     if parsed.hf_scale_config:
         from_config = reconcile.apply_hf_scale_config(parsed.hf_scale_config, request,

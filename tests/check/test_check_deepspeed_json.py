@@ -88,6 +88,11 @@ TRIGGERS = {
     ),
     "negative-micro-batch": (DS_YAML, merged(DS_JSON, {"train_micro_batch_size_per_gpu": -2}), [], None, [],
                              "deepspeed-value-invalid", "error"),
+    "removed-key": (DS_YAML, merged(DS_JSON, {"elasticity": {"enabled": False}}), [], None, [],
+                    "deepspeed-key-removed", "error"),
+    "warmup-zero": (DS_YAML, merged(DS_JSON, {"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_num_steps": 0, "total_num_steps": "auto", "warmup_max_lr": "auto", "warmup_type": "linear"}}}), [],
+        None, [], "deepspeed-warmup-refused", "error"),
 }
 
 @pytest.mark.parametrize("case", sorted(TRIGGERS))
@@ -214,3 +219,46 @@ def test_a_section_is_judged_beside_the_zero_section_deepspeed_reads_with_it(sta
     _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds, runner="deepspeed")
     invalid = [f for f in payload["findings"] if f["code"] == "deepspeed-config-invalid"]
     assert bool(invalid) == refused
+
+
+def test_removed_keys_are_deepspeeds_own_each_reported_once_and_a_warning_on_an_older_deepspeed(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """The table is the installed DeepSpeed's (it refuses the first it meets; check names every one, once, not also
+    as deepspeed-config-invalid); on a DeepSpeed older than the release that removed them the same findings are
+    warnings (the cluster's newer install refuses them)."""
+    from deepspeed.runtime import config as ds_config
+
+    from hf_scale import deepspeed_changes
+
+    capsys.readouterr()  # DeepSpeed's import notice
+    removed = {*ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS,
+               *(f"zero_optimization.{key}" for key in ds_config._REMOVED_ZERO_CONFIG_KEYS)}
+    assert set(deepspeed_changes.REMOVED_KEYS) == removed
+    ds = merged(DS_JSON, {"amp": {"enabled": True}, "curriculum_learning": {"enabled": False},
+                          "progressive_layer_drop": {"enabled": False},
+                          "zero_optimization": {"mics_shard_size": 8, "mics_hierarchical_params_gather": False}})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, ds)
+    found = sorted((f["severity"], f["code"], f["key"]) for f in payload["findings"])
+    assert found == [("error", "deepspeed-key-removed", key) for key in (
+        "amp", "curriculum_learning", "progressive_layer_drop", "zero_optimization.mics_hierarchical_params_gather",
+        "zero_optimization.mics_shard_size")]
+    monkeypatch.setattr(deepspeed_changes, "version_of", lambda name: "0.19.2")
+    _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, merged(DS_JSON, {"elasticity": {}, "scheduler": {
+        "type": "WarmupLR", "params": {"warmup_num_steps": 0}}}))
+    changes = [f for f in payload["findings"] if f["code"].startswith("deepspeed-")]
+    assert [(f["severity"], f["code"]) for f in changes] == [("warning", "deepspeed-key-removed"),
+                                                             ("warning", "deepspeed-warmup-refused")]
+    assert changes[0]["problem"].startswith("DeepSpeed >= 0.19.7 refuses the config at start: elastic training")
+    assert "(installed here: 0.19.2)" in changes[1]["problem"]
+
+
+@pytest.mark.parametrize(("steps", "refused"), [(0, True), (-5, True), (2.5, True), ("ten", True), (1, False),
+                                                 ("auto", False)])
+def test_warmup_schedulers_need_a_positive_whole_warmup(steps, refused):
+    from hf_scale import deepspeed_changes
+
+    for scheduler in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        ds = {"scheduler": {"type": scheduler, "params": {"warmup_num_steps": steps}}}
+        assert (deepspeed_changes.warmup_refused(ds) is not None) is refused
+    assert deepspeed_changes.warmup_refused({"scheduler": {"type": "OneCycle", "params": {"warmup_num_steps": 0}}}) \
+        is None

@@ -207,7 +207,8 @@ def test_an_unreachable_hub_is_one_attempt_and_one_line(tmp_path):
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
     env = {**os.environ, "HF_ENDPOINT": closed, "HF_HUB_CACHE": str(tmp_path / "cache"), "NO_PROXY": "127.0.0.1"}
-    env.pop("HF_HUB_OFFLINE", None)
+    for switch in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # huggingface_hub reads either one
+        env.pop(switch, None)
     line = _one_error_line(_plan("meta-x/Llama-8B", env=env))
     assert "cannot reach the Hugging Face Hub" in line and "pass its path (hf-scale plan ./config.json)" in line
 

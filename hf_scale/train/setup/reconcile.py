@@ -71,18 +71,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
 
     cfg = load_config(path)
     where = f"--hf_scale_config={path}"
-    # What the flags and the model cannot run with the layout first (on any machine), then what this machine cannot
-    # run (its versions; cp without a GPU).
-    from hf_scale.train.model import parallel
-
-    refusal = parallel.flag_refusal(cfg.layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
-                                    lora_r=ns.lora_r, where=f"{where}: parallelism")
-    if refusal:
-        raise UserError(refusal)
-    _refuse_layout_for_local_model(cfg.layout, ns, f"{where}: parallelism")
-    refusal = parallelism.train_refusal(cfg.layout, f"{where}: parallelism", gpu_present=has_gpu())
-    if refusal:
-        raise UserError(refusal)
+    _refuse_layout(cfg.layout, ns, f"{where}: parallelism", gpu_present=has_gpu())
     refusal = launched_layout_mismatch(cfg, request.layout, request.cp_comm_strategy, where)
     if refusal:  # accelerate launch's parallelism_config
         raise UserError(refusal)
@@ -164,6 +153,42 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
         raise UserError("; ".join(flags.contradictions))
     _launch_agrees(cfg, request, where)
     return ConfigFills(request, {**flags.fills, "deepspeed": deepspeed_value})
+
+
+def _refuse_layout(layout: parallelism.Layout, ns, where: str, *, gpu_present: bool) -> None:
+    """What the flags and the model cannot run with the layout first (on any machine), then what this machine cannot
+    run (its versions; cp without a GPU)."""
+    from hf_scale.train.model import parallel
+
+    refusal = parallel.flag_refusal(layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
+                                    lora_r=ns.lora_r, where=where)
+    if refusal:
+        raise UserError(refusal)
+    _refuse_layout_for_local_model(layout, ns, where)
+    refusal = parallelism.train_refusal(layout, where, gpu_present=gpu_present)
+    if refusal:
+        raise UserError(refusal)
+
+
+LAUNCHED_LAYOUT = "the accelerate config's parallelism_config"
+
+
+def apply_launched_layout(request: LaunchRequest, ns, environ: Mapping[str, str], *,
+                          gpu_present: bool) -> LaunchRequest:
+    """`accelerate launch` with a TP/CP/SP parallelism_config and no --hf_scale_config (a peer project's YAML, e.g.
+    TRL's context_parallel_2gpu.yaml): the YAML says all train.py takes from a config for the layout. The sizes,
+    cp_comm_strategy (already in ``request``) and, for FSDP under TP, the plugin settings accelerate exported from
+    its fsdp_config (generators.accelerate_yaml.fsdp_settings_from_launch: the generator's own table, read back) are
+    judged by the rules --hf_scale_config's layout is, and complete the request as it would."""
+    _refuse_layout(request.layout, ns, LAUNCHED_LAYOUT, gpu_present=gpu_present)
+    if request.strategy == "fsdp" and request.layout.tp > 1:
+        # As apply_hf_scale_config: transformers shards the model at load (detect_launch turned accelerate's plugin
+        # off), with the YAML's fsdp settings.
+        from hf_scale.generators.accelerate_yaml import fsdp_settings_from_launch
+
+        request = dataclasses.replace(request, fsdp_settings=fsdp_settings_from_launch(dict(environ)).model_dump())
+    default_comm = parallelism.ParallelismSettings.model_fields["cp_comm_strategy"].default
+    return dataclasses.replace(request, cp_comm_strategy=request.cp_comm_strategy or default_comm)
 
 
 def _refuse_layout_for_local_model(layout, ns, where: str) -> None:

@@ -159,3 +159,23 @@ def test_the_generated_sp_launch_script_runs_and_equals_one_process(reference, t
     got, want = read_metrics(out), read_metrics(reference)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
+
+
+def test_trls_alst_ulysses_yaml_runs_without_an_hf_scale_config(tmp_path):
+    """TRL's examples/accelerate_configs/alst_ulysses_4gpu.yaml (tests/data/peer_configs), changed only where this
+    2-core CPU machine requires: 2 processes (dp_shard 2 -> 1, sp stays 2). `accelerate launch` of it runs train.py
+    with no --hf_scale_config: the inline ZeRO-3, bf16 and sp=2 (DeepSpeed Ulysses) all come from the YAML."""
+    import yaml
+
+    trl = yaml.safe_load((REPO / "tests" / "data" / "peer_configs" / "trl_alst_ulysses_4gpu.yaml").read_text())
+    trl["num_processes"] = 2
+    trl["parallelism_config"]["parallelism_config_dp_shard_size"] = 1
+    config = tmp_path / "alst_ulysses_2cpu.yaml"
+    config.write_text(yaml.safe_dump(trl))
+    out = tmp_path / "run"
+    result = run_ok(launcher_command("accelerate", config=config) + [
+        "--max_steps", "2", *TRAIN, "--per_device_train_batch_size", "4", "--loop", "accelerate",
+        "--output_dir", str(out)], env=child_env(), timeout=600)
+    assert "deepspeed ZeRO-3 (sp=2) on 2 process(es) (accelerate)" in result.stderr, result.stderr[-3000:]
+    steps = read_metrics(out)
+    assert [r["step"] for r in steps] == [1, 2] and all(r["loss"] > 0 for r in steps)
