@@ -22,7 +22,7 @@ import shlex
 
 from hf_scale.config import DistributedConfig
 from hf_scale.config_types import host_problem, name_problem
-from hf_scale.exit_codes import EXIT_PREEMPTED, PREEMPTED_MARKER_ENV
+from hf_scale.exit_codes import EXIT_PREEMPTED, PREEMPTED_MARKER_ENV, RESUME_DEFAULT_ENV
 from hf_scale.generators import layout
 
 # Seconds before the SLURM time limit at which the training processes are asked to checkpoint and stop.
@@ -340,16 +340,12 @@ unset MACHINE_RANK  # a value exported at submission would give every node the s
 # Each node runs: accelerate launch --config_file accelerate_configs/{name}.yaml \\
 #   --machine_rank $SLURM_NODEID --main_process_ip $MAIN_PROCESS_IP ... \\
 #   -m {layout.TRAINING_MODULE} --hf_scale_config {layout.hf_scale_config(name)} "$@"
-# A requeued job continues from the newest complete checkpoint (a fresh start when there is none),
-# unless the arguments already say where to resume from.
-args=("$@")
-case " $* " in
-  *" --resume_from_checkpoint"*) ;;
-  *) args+=(--resume_from_checkpoint auto) ;;
-esac
+# A requeued job continues from the newest complete checkpoint (a fresh start when there is none), unless
+# train.py's flags say where to resume from, in any spelling: train.py decides, having read them.
+export {RESUME_DEFAULT_ENV}=auto
 # No --kill-on-bad-exit: every node must finish writing its checkpoint shard before the step ends.
 status=0
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_script" "${{args[@]}}" || status=$?
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_script" "$@" || status=$?
 if [ "$status" -eq {EXIT_PREEMPTED} ]; then
   echo "hf-scale: checkpoint saved before the time limit; requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"

@@ -28,7 +28,7 @@ from hf_scale.train.loops import evaluation
 from hf_scale.train.model.arguments import ModelArguments
 from hf_scale.train.model.load import check_lora_flags
 from hf_scale.train.setup import distributed, flag_values, guard, loop_flags, reconcile, run_spec
-from hf_scale.train.setup.parser import build_parser, parse_flags
+from hf_scale.train.setup.parser import build_parser, parse_flags, resume_default
 from hf_scale.train.setup.run_spec import RunSpec
 
 
@@ -176,6 +176,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], 
     """The flags, which of them were given (the recipe's count) and the recipe's path. The only reader of the
     command line: from here on "was --x given" is a question to the set, never to the raw argv again."""
     ns, given, recipe_path = parse_flags(sys.argv[1:] if argv is None else argv)
+    resume_default(ns, given)
     if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.train.entry) saw only the command line
         quiet.undo()
     # One spelling of activation checkpointing from here on.

@@ -17,7 +17,8 @@ from test_launch_injection import shellcheck_binary
 STANDIN = """#!/usr/bin/env bash
 # Records its arguments and the rendezvous variables instead of launching anything.
 printf '%s\\n' "$@" > "$ARGV_LOG"
-echo "RANK=${RANK:-} WORLD_SIZE=${WORLD_SIZE:-} PET_NODE_RANK=${PET_NODE_RANK:-}" >> "$ARGV_LOG"
+echo "RANK=${RANK:-} WORLD_SIZE=${WORLD_SIZE:-} PET_NODE_RANK=${PET_NODE_RANK:-} HF_SCALE_RESUME=${HF_SCALE_RESUME:-}" \
+  >> "$ARGV_LOG"
 """
 
 PLATFORMS = {
@@ -72,15 +73,27 @@ def test_each_platform_reaches_accelerate_launch(platform, root, tmp_path):
     assert argv[argv.index("--main_process_ip") + 1] == address
     assert argv[argv.index("--main_process_port") + 1] == port
     assert argv[argv.index("--output_dir") + 1] == "/output/multi"
-    assert argv[-2:] == ["--resume_from_checkpoint", "auto"]
+    assert argv[-2:] == ["--output_dir", "/output/multi"]  # train.py's flags as given: it decides the resume
     # The pod-level values are gone: accelerate launch sets each process's own.
-    assert pod_env == "RANK= WORLD_SIZE= PET_NODE_RANK="
+    assert pod_env == "RANK= WORLD_SIZE= PET_NODE_RANK= HF_SCALE_RESUME=auto"
 
 
-def test_an_explicit_resume_is_kept(root, tmp_path):
-    result, recorded = _run(root, tmp_path, PLATFORMS["skypilot"][0], "--resume_from_checkpoint", "/output/x")
+@pytest.mark.parametrize("given", [[], ["--resume_from_checkpoint", "/output/x"],
+                                   ["--resume-from-checkpoint=/output/x"], ["--resume-from-checkpoint", "/output/x"]],
+                         ids=["none", "underscore", "dashed=", "dashed"])
+def test_a_restarted_node_resumes_auto_unless_train_py_reads_an_explicit_resume(root, tmp_path, monkeypatch, given):
+    """What the node passes on, read as train.py reads it (its parser, then the resume default the script sets)."""
+    from hf_scale.train.setup.parser import parse_flags, resume_default
+
+    result, recorded = _run(root, tmp_path, PLATFORMS["skypilot"][0], *given)
     assert result.returncode == 0, result.stderr
-    assert recorded.count("--resume_from_checkpoint") == 1
+    *argv, pod_env = recorded.splitlines()
+    train_args = argv[argv.index("--hf_scale_config"):]
+    train_args[1] = str(root / train_args[1])
+    monkeypatch.setenv("HF_SCALE_RESUME", pod_env.rsplit("HF_SCALE_RESUME=", 1)[1])
+    namespace, flags_given, _ = parse_flags(train_args)
+    resume_default(namespace, flags_given)
+    assert namespace.resume_from_checkpoint == ("/output/x" if given else "auto")
 
 
 @pytest.mark.parametrize(("variables", "message"), [
