@@ -157,7 +157,7 @@ def prepare(argv: list[str] | None) -> Run:
     stop.install()
     args = _training_arguments(ns)
     data_args = _dataclass_from(ns, DataArguments)
-    spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing)
+    spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing, load_in_4bit=ns.load_in_4bit)
     if state.is_main_process:
         print(f"hf_scale: run: {spec.describe()}", file=sys.stderr, flush=True)
         if spec.final_save_is_checkpoint:

@@ -240,6 +240,7 @@ def write_state(path: Path, *, step: int, spec, **position) -> None:
         "data_seed": spec.data_seed,
         "loop": spec.loop,
         "parallelism": spec.layout.sizes(),
+        "quantization": spec.quantization,
     }
     (path / STATE).write_text(json.dumps(state, indent=2) + "\n")
 
