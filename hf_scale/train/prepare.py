@@ -18,6 +18,7 @@ from transformers import TrainingArguments
 
 from hf_scale import deepspeed_ops, hub, parallelism, quiet, rules
 from hf_scale.errors import UserError
+from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.train.checkpoint import final_checkpoint, ownership
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data import sources
@@ -158,6 +159,9 @@ def prepare(argv: list[str] | None) -> Run:
     args = _training_arguments(ns)
     data_args = _dataclass_from(ns, DataArguments)
     spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing, load_in_4bit=ns.load_in_4bit)
+    restarts = os.environ.get(RESUME_DEFAULT_ENV)  # a job that restarts itself: it must be able to resume
+    if restarts and (problem := rules.restart_loop_problem(spec.layout.sp, spec.loop)):
+        raise UserError(problem)
     if state.is_main_process:
         print(f"hf_scale: run: {spec.describe()}", file=sys.stderr, flush=True)
         if spec.final_save_is_checkpoint:
