@@ -183,7 +183,8 @@ def test_a_generated_sp_cluster_node_survives_a_preemption_and_resumes(tmp_path)
     # The Trainer loop asked for over it (the user's flags come last): refused at the first start, not after the
     # first preemption, in one line, nothing written.
     refused = run([*command, "--loop", "trainer"], env=env, timeout=300)
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    # (the launcher reports train.py's exit 2 as its own failure, 1: passing 2 through is the launch script's)
+    assert refused.returncode in (1, 2) and not training_traceback_frames(refused.stderr), refused.stderr[-3000:]
     assert ("train.py: error: sp=2 with --loop trainer in a job that restarts itself: the Trainer path does not "
             "resume sequence-parallel runs") in refused.stderr
     assert not out.exists() or not any(out.iterdir())
