@@ -1,4 +1,5 @@
-"""How hf_scale's processes tell whoever started them how they ended: exit codes and the preemption marker.
+"""How hf_scale's processes tell whoever started them how they ended: exit codes and the preemption marker (and
+how a restarted one is told to continue: the resume default).
 
 A low-level module (no imports): the training runtime (hf_scale.train) sets these, the generated launch
 scripts (hf_scale.generators.launch) test them, and neither depends on the other for it.
@@ -25,3 +26,9 @@ once, holds back what the launcher adds after it, and exits EXIT_BAD_INPUT."""
 TERMINAL_ENV = "HF_SCALE_TERMINAL"
 """Set to 1 by the generated launch scripts when their own stderr is a terminal: the launcher's output reaches it
 through the scripts' filter (a pipe), and train.py draws progress bars only on a terminal (hf_scale.quiet)."""
+
+RESUME_DEFAULT_ENV = "HF_SCALE_RESUME"
+"""Set to ``auto`` by the generated cluster scripts (the sbatch, the node script): a restarted job continues from the
+newest intact checkpoint, unless train.py's own flags (in any spelling, or its recipe) say where to resume from.
+train.py decides it after parsing its flags (hf_scale.train.setup.parser.resume_default): a script appending
+``--resume_from_checkpoint auto`` would replace an explicit ``--resume-from-checkpoint X`` (the last flag wins)."""

@@ -331,6 +331,9 @@ def _check_train_args(cfg: DistributedConfig, name: str) -> None:
     taken = sorted(flags.given & owned.keys())  # given in any spelling train.py takes
     if taken:
         raise UserError(f"cluster.train_args: --{taken[0]} is not allowed: {owned[taken[0]]}")
+    problem = rules.restart_loop_problem(cfg.layout.sp, flags.namespace.loop) if "loop" in flags.given else None
+    if problem:
+        raise UserError(f"cluster.train_args: {problem}")
     contradictions = list(against_config(flags, cfg, "cluster.train_args").contradictions)
     if not contradictions:  # what the layout cannot run with: train.py's rule, before the process group
         from hf_scale.train.model import parallel

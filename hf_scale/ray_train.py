@@ -116,13 +116,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[
     output_dir = str(Path(ns.output_dir).resolve())
     train_args = ["--hf_scale_config", str(Path(ns.hf_scale_config).resolve()), "--output_dir", output_dir,
                   *train_args]
-    if not any(arg.split("=")[0] == "--resume_from_checkpoint" for arg in train_args):
-        train_args += ["--resume_from_checkpoint", "auto"]
     try:
         flags = parse_train_flags(train_args)
         check_flags_alone(flags.namespace)  # train.py's own refusals before its process group, one source
     except UserError as error:
         raise UserError(f"train.py's arguments: {error}") from None
+    if "resume_from_checkpoint" not in flags.given:  # in any spelling train.py takes, or from its recipe
+        train_args += ["--resume_from_checkpoint", "auto"]
     contradictions = against_config(flags, cfg, f"--hf_scale_config={ns.hf_scale_config}").contradictions
     if contradictions:
         raise UserError("; ".join(contradictions))

@@ -30,6 +30,28 @@ def given_flags(argv: Sequence[str], names: Iterable[str]) -> frozenset[str]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Jobs that restart themselves
+# --------------------------------------------------------------------------------------------------
+
+
+def restart_loop_flags(sp: int) -> list[str]:
+    """What the generated scripts of a job that restarts itself (the sbatch, the cluster node script) pass before
+    the user's flags: the manual loop under sequence parallelism, the only loop that resumes an sp run (the
+    Trainer's data skip cannot pass DeepSpeed's Ulysses adapter: hf_scale.train.checkpoint.reshard)."""
+    return ["--loop", "accelerate"] if sp > 1 else []
+
+
+def restart_loop_problem(sp: int, loop: str) -> str | None:
+    """Why a job that restarts itself after a preemption (it resumes `auto` on every start) cannot train `loop` at
+    this sp: every restart would be refused, until the scheduler gives up. None when it can."""
+    if sp > 1 and loop == "trainer":
+        return (f"sp={sp} with --loop trainer in a job that restarts itself: the Trainer path does not resume "
+                "sequence-parallel runs, so every restart after a preemption would be refused; use --loop accelerate "
+                "(it resumes them exactly)")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
 # Batch and precision
 # --------------------------------------------------------------------------------------------------
 

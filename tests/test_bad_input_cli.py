@@ -226,6 +226,10 @@ GENERATE = [
             "cluster.train_args: --output_dir is not allowed"),
     gen_set("train-args-hf-scale-config", "zero3", ["cluster.train_args=[--hf_scale_config, x.yaml]"],
             "cluster.train_args: --hf_scale_config is not allowed"),
+    gen_set("train-args-sp-trainer-loop", "zero2", ["topology.processes_per_machine=2", "parallelism.sp=2",
+                                                   "cluster.train_args=[--loop, trainer]"],
+            "cluster.train_args: sp=2 with --loop trainer in a job that restarts itself: the Trainer path does not "
+            "resume sequence-parallel runs"),
     # cluster.env: a secret would be written in plain text into every manifest (and is never echoed back); the
     # variables the runtime sets for the rendezvous are its own.
     gen_set("env-hf-token", "zero3", ["cluster.env={HF_TOKEN: hf_AbCdEf0123456789}"],

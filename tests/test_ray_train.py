@@ -48,10 +48,11 @@ def test_parse_adds_the_config_output_dir_and_resume(tmp_path):
     assert cfg.world_size == 2 and ns.max_failures == ray_train.DEFAULT_MAX_FAILURES
     assert argv[-4:] == ["--max_steps", "3", "--resume_from_checkpoint", "auto"]
     assert argv[argv.index("--output_dir") + 1] == str(Path("out").resolve())
+    checkpoint = str(tmp_path / "o" / "checkpoint-5")
     (tmp_path / "o" / "checkpoint-5").mkdir(parents=True)  # an explicit checkpoint must exist (check_flags_alone)
-    _, _, given = ray_train.parse(["--hf_scale_config", str(config), "--output_dir", "o", "--resume_from_checkpoint",
-                                   str(tmp_path / "o" / "checkpoint-5")])
-    assert given.count("--resume_from_checkpoint") == 1
+    for flag in ("--resume_from_checkpoint", "--resume-from-checkpoint"):  # any spelling train.py takes
+        _, _, given = ray_train.parse(["--hf_scale_config", str(config), "--output_dir", "o", flag, checkpoint])
+        assert given[-2:] == [flag, checkpoint] and "auto" not in given
     assert ray_train.scaling(cfg, 0) == {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1}}
     assert ray_train.scaling(cfg, 8)["resources_per_worker"] == {"GPU": 1}
     with pytest.raises(UserError, match="world_size=2 needs 2 GPUs"):

@@ -321,7 +321,8 @@ def _refuse(found: Layout, verify: bool, skipped: list[str] = ()) -> NoReturn:
     else:
         sibling = (f"the newest complete one beside it is {found.newest}" if found.newest
                    else "export a complete OUTPUT_DIR/checkpoint-STEP")
-    raise UserError(f"CHECKPOINT_DIR {path}: incomplete or corrupt checkpoint (no valid {layout.MANIFEST}); {sibling}")
+    why = found.problem if found.kind == layout.INCOMPLETE else f"no valid {layout.MANIFEST}"
+    raise UserError(f"CHECKPOINT_DIR {path}: incomplete or corrupt checkpoint ({why}); {sibling}")
 
 
 def _validate_shard_size(size: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import shlex
 
+from hf_scale import rules
 from hf_scale.config import DistributedConfig
 from hf_scale.config_types import host_problem, name_problem
 from hf_scale.exit_codes import (
@@ -27,6 +28,7 @@ from hf_scale.exit_codes import (
     EXIT_PREEMPTED,
     PREEMPTED_MARKER_ENV,
     REFUSED_MARKER_ENV,
+    RESUME_DEFAULT_ENV,
     TERMINAL_ENV,
 )
 from hf_scale.generators import layout
@@ -315,6 +317,17 @@ def hostfile(cfg: DistributedConfig, name: str) -> str:
     )
 
 
+def restart_loop_args(cfg: DistributedConfig) -> tuple[str, str]:
+    """The flags a job that restarts itself passes before the user's (rules.restart_loop_flags), as shell words, and
+    the comment line saying why (both empty when there are none)."""
+    flags = rules.restart_loop_flags(cfg.layout.sp)
+    if not flags:
+        return "", ""
+    return (" ".join(flags) + " ",
+            f"\n# {' '.join(flags)}: sp={cfg.layout.sp} resumes only in the manual loop (the Trainer path does not "
+            "resume\n# sequence-parallel runs); train.py refuses --loop trainer in a job that restarts itself.")
+
+
 def sbatch_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     """SLURM batch script: one task per node running ``launch/NAME.accelerate.sh``; rank from
     ``$SLURM_NODEID``, rank-0 address = first host of the allocation; requeues on exit 75."""
@@ -331,6 +344,7 @@ def sbatch_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
         "--output=%x-%j.out",
     ]
     port = _env_default("main_process_port", "MAIN_PROCESS_PORT", topo.main_process_port)
+    restart_loop, restart_note = restart_loop_args(cfg)
     return (
         "#!/usr/bin/env bash\n"
         + "".join(f"#SBATCH {directive}\n" for directive in directives)
@@ -385,16 +399,12 @@ unset MACHINE_RANK  # a value exported at submission would give every node the s
 # Each node runs: accelerate launch --config_file accelerate_configs/{name}.yaml \\
 #   --machine_rank $SLURM_NODEID --main_process_ip $MAIN_PROCESS_IP ... \\
 #   -m {layout.TRAINING_MODULE} --hf_scale_config {layout.hf_scale_config(name)} "$@"
-# A requeued job continues from the newest complete checkpoint (a fresh start when there is none),
-# unless the arguments already say where to resume from.
-args=("$@")
-case " $* " in
-  *" --resume_from_checkpoint"*) ;;
-  *) args+=(--resume_from_checkpoint auto) ;;
-esac
+# A requeued job continues from the newest complete checkpoint (a fresh start when there is none), unless
+# train.py's flags say where to resume from, in any spelling: train.py decides, having read them.{restart_note}
+export {RESUME_DEFAULT_ENV}=auto
 # No --kill-on-bad-exit: every node must finish writing its checkpoint shard before the step ends.
 status=0
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_script" "${{args[@]}}" || status=$?
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_script" {restart_loop}"$@" || status=$?
 if [ "$status" -eq {EXIT_PREEMPTED} ]; then
   echo "hf-scale: checkpoint saved before the time limit; requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"

@@ -4,7 +4,8 @@
 ``NAME.node.sh`` is the container command of the TrainJob and PyTorchJob manifests and the ``run`` of the SkyPilot
 task. Each platform tells a node who it is in its own variables; the script maps them onto the variables of
 ``NAME.accelerate.sh`` (MACHINE_RANK, MAIN_PROCESS_IP, MAIN_PROCESS_PORT), refuses a node count or processes per
-node that disagree with the config (exit 2, one line), adds ``--resume_from_checkpoint auto`` and then *becomes*
+node that disagree with the config (exit 2, one line), asks train.py to resume ``auto`` unless its flags name a
+checkpoint (RESUME_DEFAULT_ENV) and then *becomes*
 ``NAME.accelerate.sh`` (exec): SIGTERM from the kubelet or the cloud reaches that script's handler, the training
 saves a checkpoint and the pod exits 75; the restarted pod resumes from the volume.
 
@@ -22,8 +23,17 @@ SkyPilot                    SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, SKYPILOT_NOD
 from __future__ import annotations
 
 from hf_scale.config import DistributedConfig
+from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.generators import layout
-from hf_scale.generators.launch import _check_name, _comment, _env_default, _generated, _preamble, q
+from hf_scale.generators.launch import (
+    _check_name,
+    _comment,
+    _env_default,
+    _generated,
+    _preamble,
+    q,
+    restart_loop_args,
+)
 
 NODE_VARIABLES = {
     "kubeflow": ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"),
@@ -38,6 +48,7 @@ def node_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     _check_name(name)
     topo = cfg.topology
     nodes, procs = topo.num_machines, topo.processes_per_machine
+    restart_loop, restart_note = restart_loop_args(cfg)
     body = f"""
 # One node (a Kubernetes pod, a SkyPilot node) of {nodes} x {procs} processes: the platform's variables become
 # launch/{name}.accelerate.sh's, which this script then becomes (exec), so SIGTERM reaches its handler: the
@@ -94,13 +105,9 @@ export MACHINE_RANK="$rank" MAIN_PROCESS_IP="${{master:-127.0.0.1}}" MAIN_PROCES
 unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT PET_NNODES PET_NPROC_PER_NODE PET_NODE_RANK \\
   PET_MASTER_ADDR PET_MASTER_PORT
 # A restarted node continues from the newest complete checkpoint in --output_dir (a fresh start when there is
-# none), unless the arguments already say where to resume from.
-args=("$@")
-case " $* " in
-  *" --resume_from_checkpoint"*) ;;
-  *) args+=(--resume_from_checkpoint auto) ;;
-esac
-exec bash {_generated(layout.launch_file(f"{name}.accelerate.sh"))} "${{args[@]}}"
+# none), unless train.py's flags name one, in any spelling: train.py decides, having read them.{restart_note}
+export {RESUME_DEFAULT_ENV}=auto
+exec bash {_generated(layout.launch_file(f"{name}.accelerate.sh"))} {restart_loop}"$@"
 """
     return _preamble(header, name) + body
 

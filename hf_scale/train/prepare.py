@@ -18,6 +18,7 @@ from transformers import TrainingArguments
 
 from hf_scale import deepspeed_ops, hub, parallelism, quiet, rules
 from hf_scale.errors import UserError
+from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.train.checkpoint import final_checkpoint, ownership
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data import sources
@@ -28,7 +29,7 @@ from hf_scale.train.loops import evaluation
 from hf_scale.train.model.arguments import ModelArguments
 from hf_scale.train.model.load import check_lora_flags
 from hf_scale.train.setup import distributed, flag_values, guard, loop_flags, reconcile, run_spec
-from hf_scale.train.setup.parser import build_parser, parse_flags
+from hf_scale.train.setup.parser import build_parser, parse_flags, resume_default
 from hf_scale.train.setup.run_spec import RunSpec
 
 
@@ -165,7 +166,10 @@ def prepare(argv: list[str] | None) -> Run:
     stop.install()
     args = _training_arguments(ns)
     data_args = _dataclass_from(ns, DataArguments)
-    spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing)
+    spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing, load_in_4bit=ns.load_in_4bit)
+    restarts = os.environ.get(RESUME_DEFAULT_ENV)  # a job that restarts itself: it must be able to resume
+    if restarts and (problem := rules.restart_loop_problem(spec.layout.sp, spec.loop)):
+        raise UserError(problem)
     if state.is_main_process:
         print(f"hf_scale: run: {spec.describe()}", file=sys.stderr, flush=True)
         if spec.final_save_is_checkpoint:
@@ -184,6 +188,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], 
     """The flags, which of them were given (the recipe's count) and the recipe's path. The only reader of the
     command line: from here on "was --x given" is a question to the set, never to the raw argv again."""
     ns, given, recipe_path = parse_flags(sys.argv[1:] if argv is None else argv)
+    resume_default(ns, given)
     if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.train.entry) saw only the command line
         quiet.undo()
     # One spelling of activation checkpointing from here on.

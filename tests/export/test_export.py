@@ -99,8 +99,9 @@ def test_export_refuses_an_incomplete_checkpoint_in_one_line(tmp_path_factory, t
     result = run(EXPORT + [str(broken), str(out)], timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"hf-scale: error: CHECKPOINT_DIR {broken}: incomplete or corrupt checkpoint (no valid "
-        f"{checkpoint_layout.MANIFEST}); export a complete OUTPUT_DIR/checkpoint-STEP"
+        f"hf-scale: error: CHECKPOINT_DIR {broken}: incomplete or corrupt checkpoint (no "
+        f"{checkpoint_layout.MANIFEST} (an interrupted save, or not written by hf_scale)); export a complete "
+        "OUTPUT_DIR/checkpoint-STEP"
     ]
     assert not out.exists() and not list(tmp_path.glob(".tmp-export-*"))
 

@@ -757,6 +757,7 @@ EXIT_75_PROBE = """\
 import os, pathlib, signal, sys, psutil
 from hf_scale.train.checkpoint.preemption import mark_preempted
 pathlib.Path(os.environ["PROBE_OUT"], "argv").write_text(" ".join(sys.argv[1:]))
+pathlib.Path(os.environ["PROBE_OUT"], "resume").write_text(os.environ.get("HF_SCALE_RESUME", ""))
 # What SLURM's --signal=USR1 does to the job step (the srun task's processes): the step's shell hears it,
 # train.py saves a checkpoint, marks it and exits 75.
 signal.signal(signal.SIGUSR1, lambda *_: None)
@@ -780,8 +781,9 @@ def slurm_env(tmp_path: Path, env: dict, submit_dir: Path) -> dict:
             "SLURM_NODEID": "0", "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
 
 
-@pytest.mark.parametrize("given", [[], ["--resume_from_checkpoint", "runs/x/checkpoint-7"]])
-def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path):
+@pytest.mark.parametrize("given", [[], ["--resume_from_checkpoint", "runs/x/checkpoint-7"],
+                                   ["--resume-from-checkpoint", "runs/x/checkpoint-7"]])
+def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path, monkeypatch):
     cfg = validate_config({"strategy": "single", "precision": "no"})
     generate_into(tmp_path, cfg, "one")
     (tmp_path / "probe.py").write_text(EXIT_75_PROBE)
@@ -790,8 +792,15 @@ def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path):
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 75, result.stderr[-2000:]
     argv = (tmp_path / "argv").read_text()
-    expected = "runs/x/checkpoint-7" if given else "auto"
-    assert argv.endswith(f"--resume_from_checkpoint {expected}") and argv.count("--resume_from_checkpoint") == 1
+    assert argv.endswith(" ".join(given))  # passed on as given, nothing added
+    assert [word for word in argv.split() if word.startswith("--resume")] == given[:1]
+    # train.py resumes `auto` unless its flags (any spelling) name a checkpoint: read as it reads them.
+    from hf_scale.train.setup.parser import parse_flags, resume_default
+
+    monkeypatch.setenv("HF_SCALE_RESUME", (tmp_path / "resume").read_text())
+    namespace, flags_given, _ = parse_flags(["--output_dir", "o", *given])
+    resume_default(namespace, flags_given)
+    assert namespace.resume_from_checkpoint == ("runs/x/checkpoint-7" if given else "auto")
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
 
 

@@ -170,25 +170,37 @@ def _inside(name: str) -> bool:
     return bool(name) and not parts.is_absolute() and ".." not in parts.parts
 
 
-def size_problem(path: Path, entries: dict[str, dict]) -> str | None:
-    """The first file the manifest lists that is missing or has another size, or None."""
+def files_problem(path: Path, entries: dict[str, dict]) -> str | None:
+    """The first file the manifest lists that is missing or has another size, or the first file of the checkpoint
+    it does not list, or None. `seal` lists every file, so one left out was added or edited out afterwards: its
+    content is vouched for by nothing (a damaged weights file would load unchecked), and the checkpoint is not
+    intact."""
     for name, entry in sorted(entries.items()):
         file = path / name
         if not file.is_file():
             return f"{name} is missing (listed in {MANIFEST})"
         if file.stat().st_size != entry["size"]:
             return f"{name} has {file.stat().st_size} bytes, {MANIFEST} records {entry['size']}"
+    unlisted = next((name for name in checkpoint_files(path) if name not in entries), None)
+    if unlisted is not None:
+        return f"{unlisted} is not listed in {MANIFEST}: nothing vouches for its content"
     return None
 
 
+def checkpoint_files(path: Path) -> list[str]:
+    """Every file under checkpoint `path` (relative POSIX names, sorted) but its manifest: what `seal` records."""
+    return sorted(f.relative_to(path).as_posix() for f in path.rglob("*")
+                  if f.is_file() and f.name not in (MANIFEST, MANIFEST + ".tmp"))
+
+
 def problem(path: Path) -> str | None:
-    """Why `path` is not a complete checkpoint (manifest and file sizes; cheap), or None."""
+    """Why `path` is not a complete checkpoint (manifest, file sizes, no file left out of it; cheap), or None."""
     entries, found = read_manifest(path)
-    return found or size_problem(path, entries)
+    return found or files_problem(path, entries)
 
 
 def is_complete(path: Path) -> bool:
-    """The manifest exists and every file it lists has the recorded size."""
+    """The manifest exists, every file it lists has the recorded size and it lists every file."""
     return problem(path) is None
 
 

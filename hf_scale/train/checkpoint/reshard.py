@@ -74,6 +74,7 @@ def check_resumable(path: Path, spec: RunSpec) -> dict:
             f"--resume_from_checkpoint={path}: written by --loop {saved_loop}, resumed with --loop {loop}; "
             f"the two loops keep different checkpoint layouts: resume with --loop {saved_loop}, {convert}"
         )
+    _check_quantization(path, state, spec, convert)
     saved_sizes = state.get("parallelism", {})
     saved = _state_layout(state["strategy"], state.get("zero_stage"), saved_sizes.get("tp", 1))
     wanted = _state_layout(spec.strategy, spec.zero_stage, spec.layout.tp)
@@ -104,6 +105,23 @@ def check_resumable(path: Path, spec: RunSpec) -> dict:
     if sp > 1:
         _check_sp(path, state, spec, sp, convert)
     return state
+
+
+_BASES = {"4bit": "a 4-bit base (--load_in_4bit)", None: "an unquantized base"}
+
+
+def _check_quantization(path: Path, state: dict, spec: RunSpec, convert: str) -> None:
+    """A LoRA adapter continues only on the base it was trained on: resumed on another (a QLoRA checkpoint without
+    --load_in_4bit) it would train on weights it never saw, without a word. Checkpoints written before the state
+    recorded it ("quantization" absent) cannot tell, and are not refused."""
+    if "quantization" not in state or state["quantization"] == spec.quantization:
+        return
+    saved = _BASES.get(state["quantization"], f"a {state['quantization']} base")
+    flag = "with --load_in_4bit" if state["quantization"] == "4bit" else "without --load_in_4bit"
+    raise UserError(
+        f"--resume_from_checkpoint={path}: saved on {saved}, resumed on {_BASES[spec.quantization]}; its adapter "
+        f"continues only on the base it was trained on: resume {flag}, {convert}"
+    )
 
 
 def _check_sp(path: Path, state: dict, spec: RunSpec, sp: int, convert: str) -> None:

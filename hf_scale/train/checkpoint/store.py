@@ -42,12 +42,13 @@ from hf_scale.train.checkpoint.layout import (
     STATE,
     TMP_PREFIX,
     checkpoint_dir,
+    checkpoint_files,
     checkpoint_folders,
     complete_checkpoints,
+    files_problem,
     is_removable_temporary,
     manifest_text,
     read_manifest,
-    size_problem,
     staging_dir,
     step_of,  # noqa: F401 - still imported from here by tests/generators/test_launch_signals.py
 )
@@ -102,7 +103,7 @@ def verify(path: Path, state=_ONE_PROCESS) -> str | None:
     found, entries = None, None
     if state.is_main_process:
         entries, found = read_manifest(path)
-        found = found or size_problem(path, entries)
+        found = found or files_problem(path, entries)
     found, entries = integrity.broadcast(state, (found, entries))
     if found:
         return found
@@ -245,6 +246,7 @@ def write_state(path: Path, *, step: int, spec, **position) -> None:
         "data_seed": spec.data_seed,
         "loop": spec.loop,
         "parallelism": spec.layout.sizes(),
+        "quantization": spec.quantization,
     }
     (path / STATE).write_text(json.dumps(state, indent=2) + "\n")
 
@@ -274,8 +276,7 @@ def seal(directory: Path, step: int, state) -> None:
     atomically. Collective: each rank flushes and hashes a share of the files; the main process writes."""
     sizes = None
     if state.is_main_process:
-        sizes = {str(f.relative_to(directory)): f.stat().st_size for f in sorted(directory.rglob("*"))
-                 if f.is_file() and f.name not in (MANIFEST, MANIFEST + ".tmp")}
+        sizes = {name: (directory / name).stat().st_size for name in checkpoint_files(directory)}
     sizes = integrity.broadcast(state, sizes)
     digests = integrity.digests(directory, sizes, state, fsync=True)
     if state.is_main_process:

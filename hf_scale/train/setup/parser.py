@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_scale import rules
 from hf_scale.errors import UserError
+from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.inputs import NEGATIVE_NUMBER
 from hf_scale.train.data import sources
 from hf_scale.train.data.arguments import DataArguments
@@ -75,3 +77,16 @@ def parse_flags(argv: list[str], *, read_recipe: bool = True) -> tuple[argparse.
     if unknown:
         raise UserError(f"unrecognized arguments: {' '.join(unknown)} (see python train.py --help)")
     return namespace, rules.given_flags(argv, vars(namespace)), recipe_path
+
+
+def resume_default(namespace: argparse.Namespace, given: frozenset[str]) -> None:
+    """``--resume_from_checkpoint auto`` when the generated cluster scripts ask for it (RESUME_DEFAULT_ENV=auto) and
+    the flags (``given``: any spelling, a recipe) name no checkpoint: an explicit resume always wins."""
+    value = os.environ.get(RESUME_DEFAULT_ENV)
+    if not value:
+        return
+    if value != "auto":
+        raise UserError(f"{RESUME_DEFAULT_ENV}={value[:100]} is invalid: allowed auto (what the generated cluster "
+                        "scripts set), or unset")
+    if "resume_from_checkpoint" not in given:
+        namespace.resume_from_checkpoint = "auto"

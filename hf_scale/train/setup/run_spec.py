@@ -52,6 +52,9 @@ class RunSpec:
     --hf_scale_config says otherwise."""
     cp_comm_strategy: str = "allgather"
     """How context-parallel ranks exchange keys/values (the config's parallelism.cp_comm_strategy; cp > 1 only)."""
+    quantization: str | None = None
+    """The base model's weights as loaded: "4bit" (--load_in_4bit, QLoRA's NF4 base) or None (unquantized). A
+    checkpoint records it: its adapter continues only on the base it was trained on (reshard.check_resumable)."""
     final_save_is_checkpoint: bool = False
     """ZeRO-3 without 16-bit gathering on save: the run ends with the final step's checkpoint, not a safetensors
     model (hf_scale.train.checkpoint.final_checkpoint)."""
@@ -107,7 +110,7 @@ class RunSpec:
         )
 
 
-def build(request, args, *, loop: str, packing: bool) -> RunSpec:
+def build(request, args, *, loop: str, packing: bool, load_in_4bit: bool = False) -> RunSpec:
     """The run spec from the launch request and the final `TrainingArguments`: the batch arithmetic in this one
     block."""
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
@@ -133,6 +136,7 @@ def build(request, args, *, loop: str, packing: bool) -> RunSpec:
         fp8_backend=request.fp8_backend,
         layout=request.layout,
         cp_comm_strategy=request.cp_comm_strategy or "allgather",
+        quantization="4bit" if load_in_4bit else None,
         # The config as DeepSpeed will run it ("auto" filled by accelerate's plugin).
         final_save_is_checkpoint=rules.zero3_without_gathering(plugin.deepspeed_config if plugin else None),
     )

@@ -70,6 +70,30 @@ def test_a_file_of_another_size_than_recorded_makes_the_checkpoint_incomplete(tm
     assert layout.problem(path) == f"model.safetensors is missing (listed in {layout.MANIFEST})"
 
 
+@pytest.mark.parametrize("listed", [{}, {"optimizer.bin", layout.STATE}], ids=["files-empty", "weights-left-out"])
+def test_a_file_the_manifest_leaves_out_makes_the_checkpoint_not_intact_for_resume_auto_and_export(tmp_path, listed):
+    """A manifest edited to leave a file out (`"files": {}`, or the weights dropped) vouches for nothing about that
+    file: a damaged one would load unchecked. Every reader refuses it, naming the file."""
+    state = {**ACCELERATE, "world_size": 1, "strategy": "ddp", "epoch": 0, "samples_consumed_in_epoch": 2}
+    _checkpoint(tmp_path, 1, {"model.safetensors": "w", "optimizer.bin": "o"}, state=state)
+    path = _checkpoint(tmp_path, 2, {"model.safetensors": "w", "optimizer.bin": "o"}, state=state)
+    manifest = json.loads((path / layout.MANIFEST).read_text())
+    manifest["files"] = {name: entry for name, entry in manifest["files"].items() if name in listed}
+    (path / layout.MANIFEST).write_text(json.dumps(manifest))
+    (path / "model.safetensors").write_text("d")  # damaged, same size: only a checksum would tell
+    first = "hf_scale_state.json" if not listed else "model.safetensors"
+    why = f"{first} is not listed in {layout.MANIFEST}: nothing vouches for its content"
+    found = layout.detect_layout(path)
+    assert (found.kind, found.problem, found.newest) == (layout.INCOMPLETE, why, tmp_path / "checkpoint-1")
+    assert checkpoint.verify(path) == why
+    assert checkpoint.newest_verified(tmp_path) == (tmp_path / "checkpoint-1", [(path, why)])  # auto, messages
+    assert layout.detect_layout(tmp_path).newest == tmp_path / "checkpoint-1"
+    with pytest.raises(UserError, match=f"^--resume_from_checkpoint={path}: {why}; it was left as it is"):
+        checkpoint.resolve_resume(str(path), str(tmp_path), checkpoint._ONE_PROCESS)
+    assert _export_error(path, tmp_path).startswith(f"CHECKPOINT_DIR {path}: ")
+    assert why in _export_error(path, tmp_path)
+
+
 BAD_MANIFESTS = {
     "not-json": "{", "not-utf8": b"\xff\xfe", "list": "[1, 2]", "number": "42", "null": "null", "string": '"x"',
     "files-list": '{"files": ["a"]}', "files-missing": '{"step": 2}', "entry-string": '{"files": {"a": "x"}}',

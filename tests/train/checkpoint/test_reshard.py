@@ -8,8 +8,10 @@ allows run in tests/train/model/test_sequence_parallel_train.py.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
+from dataclasses import replace
 
 import pytest
 from checkpoint_runs import COMMON, launcher, strategy_args, trained
@@ -140,3 +142,34 @@ def test_the_trainer_path_refuses_sequence_parallel_checkpoints_either_way(saved
     with pytest.raises(UserError, match="^--resume_from_checkpoint=.*: sp=2: the Trainer path does not resume "
                                         "sequence-parallel runs .*; train them with --loop accelerate"):
         reshard.check_resumable(tmp_path, _spec("trainer", 2, resumed_sp, 2))
+
+
+@pytest.mark.parametrize(("saved", "resumed", "refusal"), [
+    ("4bit", None, "saved on a 4-bit base (--load_in_4bit), resumed on an unquantized base; its adapter continues "
+                   "only on the base it was trained on: resume with --load_in_4bit, or convert it"),
+    (None, "4bit", "saved on an unquantized base, resumed on a 4-bit base (--load_in_4bit); its adapter continues "
+                   "only on the base it was trained on: resume without --load_in_4bit, or convert it"),
+    ("4bit", "4bit", None), (None, None, None)])
+def test_an_adapter_resumes_only_on_the_base_quantization_it_was_trained_on(saved, resumed, refusal, tmp_path):
+    """A QLoRA checkpoint resumed without --load_in_4bit would continue its adapter on a full-precision base without
+    a word: hf_scale_state.json records the base's quantization, and another one is refused before anything loads."""
+    spec = _spec("accelerate", 2, 1, 2)
+    checkpoint.write_state(tmp_path, step=2, spec=replace(spec, quantization=saved), epoch=0,
+                           samples_consumed_in_epoch=8)
+    if refusal is None:
+        assert reshard.check_resumable(tmp_path, replace(spec, quantization=resumed))["quantization"] == saved
+        return
+    with pytest.raises(UserError) as error:
+        reshard.check_resumable(tmp_path, replace(spec, quantization=resumed))
+    assert str(error.value).startswith(f"--resume_from_checkpoint={tmp_path}: {refusal}")
+    assert "\n" not in str(error.value)
+
+
+def test_a_checkpoint_that_records_no_quantization_is_not_refused_for_it(tmp_path):
+    """Written before hf_scale_state.json recorded the base's quantization: it cannot tell, so nothing is refused."""
+    spec = _spec("accelerate", 2, 1, 2)
+    checkpoint.write_state(tmp_path, step=2, spec=spec, epoch=0, samples_consumed_in_epoch=8)
+    state = json.loads((tmp_path / "hf_scale_state.json").read_text())
+    del state["quantization"]
+    (tmp_path / "hf_scale_state.json").write_text(json.dumps(state))
+    assert reshard.check_resumable(tmp_path, replace(spec, quantization="4bit"))["step"] == 2

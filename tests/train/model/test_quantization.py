@@ -121,6 +121,21 @@ def test_one_process_trains_an_adapter_on_a_4bit_base(one_process):
         assert torch.isfinite(model(input_ids=PROBE_IDS).logits).all()
 
 
+def test_a_qlora_checkpoint_resumed_without_load_in_4bit_is_refused_in_one_line(one_process, tmp_path, capfd):
+    """The real checkpoint of a QLoRA run records its 4-bit base; resumed on a full-precision base (the flag left
+    out) train.py refuses before anything loads, instead of continuing the adapter on weights it never saw."""
+    saved = one_process / f"checkpoint-{STEPS}"
+    assert json.loads((saved / "hf_scale_state.json").read_text())["quantization"] == "4bit"
+    flags = [flag for flag in COMMON if flag != "--load_in_4bit"]
+    out = tmp_path / "resumed"
+    assert run_in_process([*flags, "--max_steps", str(STEPS + 1), "--per_device_train_batch_size", "8",
+                           "--output_dir", str(out), "--resume_from_checkpoint", str(saved)]) == 2
+    (line,) = [line for line in capfd.readouterr().err.splitlines() if "error" in line]
+    assert line.startswith(f"train.py: error: --resume_from_checkpoint={saved}: saved on a 4-bit base "
+                           "(--load_in_4bit), resumed on an unquantized base;")
+    assert not (out / "metrics.jsonl").exists()
+
+
 @pytest.mark.multiprocess
 def test_ddp_manual_loop_equals_one_process(one_process, tmp_path):
     out = tmp_path / "ddp"

@@ -179,3 +179,52 @@ def test_trls_alst_ulysses_yaml_runs_without_an_hf_scale_config(tmp_path):
     assert "deepspeed ZeRO-3 (sp=2) on 2 process(es) (accelerate)" in result.stderr, result.stderr[-3000:]
     steps = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2] and all(r["loss"] > 0 for r in steps)
+
+
+def test_a_generated_sp_cluster_node_survives_a_preemption_and_resumes(tmp_path):
+    """`generate --targets skypilot` with parallelism.sp=2: the node script runs the loop that resumes sp runs (the
+    manual loop: the Trainer path refuses sp checkpoints), so SIGTERM saves and exits 75 and the same command started
+    again (a recovered node: HF_SCALE_RESUME=auto) resumes from that checkpoint and finishes, with no --loop given."""
+    import signal
+    import subprocess
+    import time
+
+    generated = generate_config(tmp_path / "generated", "sp", preset="zero2", sets=[
+        "topology.processes_per_machine=2", "precision=no", "parallelism.sp=2", "batch.micro_batch_size=4",
+        "batch.gradient_accumulation_steps=2", "optimizer.lr=0.001", "deepspeed.torch_adam=true",
+        "cluster.image=registry.example.com/hf-scale:0.1.0", "cluster.output_dir=/output"],
+        extra=("--targets", "skypilot"))
+    out = tmp_path / "run"
+    env = {**child_env(), "TRAIN_SCRIPT": str(REPO / "train.py"), "MAIN_PROCESS_PORT": str(free_port()),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "SKYPILOT_NUM_NODES": "1",
+           "SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "127.0.0.1", "SKYPILOT_NUM_GPUS_PER_NODE": "2"}
+    command = ["bash", str(generated / "launch" / "sp.node.sh"), "--max_steps", "12", "--save_steps", "1", *TRAIN,
+               "--output_dir", str(out)]
+    # The Trainer loop asked for over it (the user's flags come last): refused at the first start, not after the
+    # first preemption, in one line, nothing written.
+    refused = run([*command, "--loop", "trainer"], env=env, timeout=300)
+    assert refused.returncode == 2 and not training_traceback_frames(refused.stderr), refused.stderr[-3000:]
+    assert ("train.py: error: sp=2 with --loop trainer in a job that restarts itself: the Trainer path does not "
+            "resume sequence-parallel runs") in refused.stderr
+    assert not out.exists() or not any(out.iterdir())
+    log = tmp_path / "node.log"
+    with open(log, "w") as sink:
+        node = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not checkpoint.complete_checkpoints(out):
+            assert node.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.05)
+        node.send_signal(signal.SIGTERM)  # what a preempted node's process gets
+        assert node.wait(timeout=300) == 75, log.read_text()[-3000:]
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    stopped = checkpoint.step_of(checkpoint.complete_checkpoints(out)[-1])
+    assert stopped < 12 and not (out / "model.safetensors").exists()
+    restarted = run(command, env={**env, "MAIN_PROCESS_PORT": str(free_port())}, timeout=600)
+    assert restarted.returncode == 0, restarted.stderr[-4000:]
+    assert f"hf_scale: resuming from {out / f'checkpoint-{stopped}'}" in restarted.stderr
+    assert "deepspeed ZeRO-2 (sp=2) on 2 process(es) (accelerate), accelerate loop:" in restarted.stderr
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 13))
