@@ -1,11 +1,13 @@
 """Ranks stop when their launcher dies (hf_scale.train.checkpoint.launcher_watch): a real torchrun whose agent
-alone is killed with SIGKILL, as an OOM killer or a scheduler that signals only the launcher would."""
+alone is killed with SIGKILL, as an OOM killer or a scheduler that signals only the launcher would; and a rank
+whose stop cannot finish, ended after the grace time."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -75,3 +77,41 @@ def test_ranks_stop_with_a_checkpoint_and_release_the_lock_when_torchrun_is_kill
     lock = output_lock.OutputDirLock(out)  # not refused "another run is using it"
     lock.acquire()
     lock.release()
+
+
+_ORPHAN = """
+import sys, time
+from hf_scale.train.checkpoint import launcher_watch
+from hf_scale.train.checkpoint.store import StopRequest
+assert launcher_watch.watch(StopRequest(), "python") is None  # plain python: never watched
+launcher_watch.watch(StopRequest(), "torchrun", poll_s=0.1, grace_s=float(sys.argv[1]))
+print("watching", flush=True)
+while True:  # a rank stuck where no stop check comes (a collective waiting for a dead peer)
+    time.sleep(0.1)
+"""
+
+
+def test_a_rank_whose_stop_never_ends_exits_after_the_grace_time(tmp_path):
+    """A real parent (the launcher) with a real child (the rank) that never reaches a stop check: killed parent,
+    child gone once the grace time is over, saying why."""
+    log = tmp_path / "stderr"
+    parent_code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', sys.argv[1], '2']); "
+                   "print(child.pid, flush=True); time.sleep(600)")
+    with open(log, "w") as stderr:
+        parent = subprocess.Popen([sys.executable, "-c", parent_code, _ORPHAN], env=child_env(),
+                                  stdout=subprocess.PIPE, stderr=stderr, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "watching", log.read_text()
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(child), log.read_text()
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+    text = log.read_text()
+    assert f"the exit of its launcher (pid {parent.pid}); saving a checkpoint" in text, text
+    assert "did not end within 2 s; exiting without it" in text, text
