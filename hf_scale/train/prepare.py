@@ -19,7 +19,7 @@ from transformers import TrainingArguments
 from hf_scale import deepspeed_ops, hub, parallelism, quiet, rules
 from hf_scale.errors import UserError
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
-from hf_scale.train.checkpoint import final_checkpoint, ownership
+from hf_scale.train.checkpoint import final_checkpoint, launcher_watch, ownership
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data import sources
 from hf_scale.train.data.arguments import DataArguments
@@ -164,6 +164,7 @@ def prepare(argv: list[str] | None) -> Run:
     # From here on SIGTERM/SIGUSR1 mean "checkpoint after the current optimizer step and exit 75".
     stop = checkpoint.StopRequest()
     stop.install()
+    launcher_watch.watch(stop, launch.request.launcher)  # and so does the death of the launcher that started this rank
     args = _training_arguments(ns)
     data_args = _dataclass_from(ns, DataArguments)
     spec = run_spec.build(launch.request, args, loop=ns.loop, packing=data_args.packing, load_in_4bit=ns.load_in_4bit)

@@ -466,6 +466,10 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         self.signal_name = self.signal_name or signal.Signals(signum).name  # the first one says why it stopped
 
+    def request(self, reason: str) -> None:
+        """A stop this process decided itself (launcher_watch: its launcher died), taken as a signal would be."""
+        self.signal_name = self.signal_name or reason
+
     def settle(self) -> None:
         """The checkpoint is saved and the process is ending: a repeated stop signal must change nothing (exit 75).
         Ignored, not handled: while the interpreter finalizes it puts every Python handler back to the default
