@@ -50,18 +50,20 @@ def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
 def check_hf_scale_config_flags(inp: CheckInputs) -> Iterator[Finding]:
     """`hf-scale-config-mismatch`: a training flag contradicts the DistributedConfig of `--hf_scale_config`
     (e.g. its batch.micro_batch_size=2 and `--per_device_train_batch_size 4`), or the accelerate YAML launches
-    another world size, engine or ZeRO stage; train.py stops on it with this message. The config's values fill the
+    another world size, engine, parallelism, ZeRO stage, mixed_precision or FSDP activation checkpointing; train.py
+    stops on it with this message (its own rule: hf_scale.train.setup.reconcile). The config's values fill the
     flags left unset (hf_scale.train.setup.reconcile.fill_flags_from_config)."""
     file = inp.hf_scale_config_file or ""
     where = f"--hf_scale_config={file}: "
     name = Path(file).name
-    for contradiction in (*_launch_contradictions(inp, where), *inp.hf_scale_config_contradictions):
+    launch = tuple(_launch_contradictions(inp, where))
+    for contradiction in (*launch, *inp.hf_scale_config_contradictions):
         text = contradiction.removeprefix(where)
         key = text.split(" ", 1)[0].split("=", 1)[0]
         flags = " ".join(dict.fromkeys(re.findall(r"--\w+", text.split(" but ", 1)[-1]))) or "--bf16/--fp16"
         fix = (
             f"Drop {flags} from the training args (train.py takes `{key}` from {name}), or change `{key}` in {name}."
-            if key not in _LAUNCH_KEYS
+            if contradiction not in launch
             else f"Launch with the accelerate YAML generated from {name} (`hf-scale generate {file}`), or change "
             f"`{key}` in {name} to what {Path(inp.accelerate_file).name} launches."
         )
@@ -76,36 +78,43 @@ def check_hf_scale_config_flags(inp: CheckInputs) -> Iterator[Finding]:
         )
 
 
-_LAUNCH_KEYS = ("world_size", "strategy", "deepspeed.zero_stage", "parallelism", "parallelism.cp_comm_strategy")
-
-
 def _launch_contradictions(inp: CheckInputs, where: str) -> Iterator[str]:
-    """What train.py's apply_hf_scale_config refuses about the accelerate launch of this YAML, in its words: the
-    world size, an engine the YAML chooses, the ZeRO stage of the DeepSpeed settings."""
+    """What train.py's apply_hf_scale_config refuses about the accelerate launch of this YAML, by its own rules
+    (hf_scale.train.setup.reconcile: one function per rule, the message or None) on what the files say: the world
+    size, an engine the YAML chooses, the parallelism_config, the ZeRO stage, mixed_precision, FSDP's activation
+    checkpointing."""
+    from hf_scale.train.setup import reconcile
+
     cfg = inp.hf_scale_config
     if cfg is None:
         return
+    where = where.removesuffix(": ")
+    env = inp.launch_env or {}
     world = world_size_of(inp)
-    if world is not None and cfg.world_size != world:
-        yield (f"{where}world_size={cfg.world_size} ({cfg.topology.num_machines} machines x "
-               f"{cfg.topology.processes_per_machine} processes_per_machine) but the accelerate launcher started "
-               f"WORLD_SIZE={world}")
+    yield from _said(reconcile.world_size_mismatch(cfg, "accelerate", world, where) if world is not None else None)
     engine = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(inp.accelerate.get("distributed_type"))
-    if engine is not None and engine != cfg.strategy:
-        yield f"{where}strategy={cfg.strategy} but the accelerate launch configures {engine}"
+    yield from _said(reconcile.engine_mismatch(cfg, "accelerate", engine or "ddp", where))
     layout = yaml_layout(inp)
     if layout is not None:
-        from hf_scale.train.setup.reconcile import launched_layout_mismatch
-
         comm = inp.accelerate[SECTION].get(f"{parallelism.YAML_PREFIX}cp_comm_strategy")
-        mismatch = launched_layout_mismatch(cfg, layout, comm if layout.cp > 1 else None, where.removesuffix(": "))
-        if mismatch:
-            yield mismatch
+        yield from _said(reconcile.launched_layout_mismatch(cfg, layout, comm if layout.cp > 1 else None, where))
     view = deepspeed_view(inp) if engine == "deepspeed" == cfg.strategy else None
-    stage = get_path(view.config, "zero_optimization.stage", None) if view is not None else None
-    if is_int(stage) and stage != cfg.deepspeed.zero_stage:
+    stage = get_path(view.config, "zero_optimization.stage", None if view.from_yaml else 0) if view else None
+    if is_int(stage):
         source = view.file if not view.from_yaml else "the accelerate config's deepspeed_config"
-        yield f"{where}deepspeed.zero_stage={cfg.deepspeed.zero_stage} but {source} has zero_optimization.stage={stage}"
+        yield from _said(reconcile.zero_stage_mismatch(cfg, stage, source, where))
+    mixed = env.get("ACCELERATE_MIXED_PRECISION", inp.accelerate.get("mixed_precision"))
+    if isinstance(mixed, str) and (engine != "deepspeed" or (view is not None and view.from_yaml)):
+        yield from _said(reconcile.precision_mismatch(cfg, mixed, where))
+    if engine == "fsdp" == cfg.strategy and cfg.layout.tp <= 1:
+        written = env.get("FSDP_ACTIVATION_CHECKPOINTING",
+                          get_path(inp.accelerate, "fsdp_config.fsdp_activation_checkpointing", None))
+        yield from _said(reconcile.fsdp_checkpointing_mismatch(cfg, None if written is None else str(written), where))
+
+
+def _said(refusal: str | None) -> Iterator[str]:
+    if refusal:
+        yield refusal
 
 
 # Trainer comparisons already reported by their own checks (batch sizes, accumulation, precision).

@@ -283,3 +283,48 @@ def test_deepspeed_with_a_config_whose_strategy_is_not_deepspeed_is_train_pys_re
     problems = [f["problem"] for f in payload["findings"] if f["code"] == "hf-scale-config-mismatch"]
     refusal = "strategy=ddp but --deepspeed=ds.json asks for DeepSpeed; drop --deepspeed"
     assert any(p.startswith(refusal) for p in problems), problems
+
+
+# rule -> (accelerate YAML preset, changes to it, hf_scale config preset): a launch that breaks that one rule of
+# train.py's (hf_scale.train.setup.reconcile), the finding's key.
+ONE_RULE_BROKEN = {
+    "world_size": ("ddp", {}, "ddp_multinode"),
+    "strategy": ("zero3", {}, "ddp"),
+    "deepspeed.zero_stage": ("zero2", {}, "zero3"),
+    "parallelism": ("fsdp2_tp", {}, "fsdp2_full_shard"),
+    "precision": ("ddp", {"mixed_precision": "fp16"}, "ddp"),
+    "fsdp.activation_checkpointing": ("fsdp2_full_shard", {"fsdp_config": {"fsdp_activation_checkpointing": True}},
+                                      "fsdp2_full_shard"),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(ONE_RULE_BROKEN))
+def test_check_and_train_py_say_the_same_line_for_each_launch_rule(rule, tmp_path, monkeypatch, capsys):
+    """Issue 30: check restated train.py's start rules. Now both call the same functions: check on the files, and
+    train.py's own prepare path (detect_launch + apply_hf_scale_config) under the environment accelerate's launch
+    code computes for the same YAML, give one line, word for word."""
+    from hf_scale.check.inputs import load_inputs
+    from hf_scale.errors import UserError
+    from hf_scale.train.setup.distributed import detect_launch
+    from hf_scale.train.setup.parser import build_parser
+    from hf_scale.train.setup.reconcile import apply_hf_scale_config
+
+    yaml_name, changes, config_name = ONE_RULE_BROKEN[rule]
+    monkeypatch.chdir(REPO)
+    written = merged(yaml.safe_load((REPO / f"accelerate_configs/{yaml_name}.yaml").read_text()), changes)
+    accelerate = tmp_path / f"{yaml_name}.yaml"
+    accelerate.write_text(yaml.safe_dump(written))
+    config = f"hf_scale_configs/{config_name}.yaml"
+    code, out, err = run_cli(["check", "--accelerate-config", str(accelerate), "--json", "--", "--hf_scale_config",
+                              config], capsys)
+    said = [(f["key"], f["problem"]) for f in json.loads(out)["findings"] if f["code"] == "hf-scale-config-mismatch"]
+
+    env = load_inputs(str(accelerate), training_args=["--hf_scale_config", config]).launch_env
+    assert env is not None
+    for name, value in {**env, "WORLD_SIZE": str(written["num_processes"])}.items():
+        monkeypatch.setenv(name, value)
+    ns = build_parser().parse_args(["--hf_scale_config", config])
+    with pytest.raises(UserError) as refused:
+        apply_hf_scale_config(config, detect_launch(None), ns, {"hf_scale_config"})
+    line = str(refused.value).removeprefix(f"--hf_scale_config={config}: ")
+    assert (code, said) == (1, [(rule, f"{line}: train.py stops at start on this.")]), err

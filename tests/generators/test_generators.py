@@ -804,6 +804,29 @@ def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path, m
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
 
 
+REFUSAL_PROBE = """\
+# train.py's exit on a refusal (hf_scale.errors.exit_refusing): the line into the launch script's marker, exit 2.
+from hf_scale.errors import UserError, exit_refusing
+exit_refusing("train.py", UserError("--x=1: refused on every rank"))
+"""
+
+
+def test_sbatch_passes_a_refusal_through_as_one_line_and_exit_2_without_requeueing(tmp_path):
+    """The sbatch runs NAME.accelerate.sh under srun and exits with its status: a train.py refusal is the line once
+    and exit 2 (not accelerate's CalledProcessError traceback and exit 1), and the job is not requeued (only 75
+    is)."""
+    cfg = validate_config({"strategy": "single", "precision": "no"})
+    generate_into(tmp_path, cfg, "one")
+    (tmp_path / "probe.py").write_text(REFUSAL_PROBE)
+    env = slurm_env(tmp_path, script_env(tmp_path), tmp_path)
+    result = subprocess.run(["bash", str(tmp_path / "launch" / "one.sbatch"), "--max_steps", "1"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert [line for line in output.splitlines() if line.strip()] == ["train.py: error: --x=1: refused on every rank"]
+    assert not (tmp_path / "scontrol.log").exists()
+
+
 @pytest.mark.multiprocess
 def test_sbatch_job_trains_with_every_configured_value_from_its_spool_copy(tmp_path):
     """As SLURM runs it: a copy of the sbatch file in a spool folder, started in the submit directory, which

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from train_helpers import child_env, free_port
+from train_helpers import child_env, free_port, training_traceback_frames
 
 from hf_scale.cli import main
 from hf_scale.errors import UserError, exit_refusing
@@ -79,4 +79,34 @@ def test_a_refusal_through_each_launch_script_is_one_line_once_exit_2(preset, ki
     errors = [text for text in output.splitlines() if "error" in text.lower()]
     assert len(errors) == 1 and line in errors[0], output[-4000:]
     assert not [noise for noise in LAUNCHER_NOISE if noise in output], output[-4000:]
+    assert not list(tmp_path.glob("hf-scale.*")), "the script's status folder is left behind"
+
+
+@pytest.mark.multiprocess
+def test_a_refusal_through_the_cluster_node_script_is_one_line_once_exit_2(tmp_path):
+    """launch/NAME.node.sh (the container command of the TrainJob/PyTorchJob manifests, SkyPilot's `run`) becomes
+    NAME.accelerate.sh: a refusal of every rank after `accelerate launch` started them is one line, once, exit 2,
+    no traceback, nothing written. Run here as SkyPilot runs one node (its SKYPILOT_* variables)."""
+    import subprocess
+
+    root = tmp_path / "generated"
+    cluster = ("cluster.image=registry.example.com/hf-scale:0.1.0", "cluster.output_dir=/output")
+    sets = [arg for item in (*CPU_2PROC, *cluster) for arg in ("--set", item)]
+    assert main(["generate", "--preset", "ddp", *sets, "--name", "run", "--targets", "skypilot",
+                 "--output-dir", str(root)]) == 0
+    port = str(free_port())
+    env = child_env(tmp_path / "cache")
+    env.pop("TRAIN_SCRIPT", None)
+    env.update(MAIN_PROCESS_PORT=port, TMPDIR=str(tmp_path), SKYPILOT_NUM_NODES="1", SKYPILOT_NODE_RANK="0",
+               SKYPILOT_NODE_IPS="127.0.0.1", SKYPILOT_NUM_GPUS_PER_NODE="2")
+    out = tmp_path / "out"
+    command = ["bash", str(root / "launch" / "run.node.sh"), "--bf16", "--fp16", "--output_dir", str(out)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    line = "train.py: error: --bf16 and --fp16 are both set; choose one precision"
+    assert result.returncode == 2, output[-4000:]
+    assert output.count(line) == 1 and [t for t in output.splitlines() if "error" in t.lower()] == [line], output
+    assert not training_traceback_frames(output), output[-4000:]
+    assert not [noise for noise in LAUNCHER_NOISE if noise in output], output[-4000:]
+    assert not out.exists() or not any(out.iterdir())
     assert not list(tmp_path.glob("hf-scale.*")), "the script's status folder is left behind"

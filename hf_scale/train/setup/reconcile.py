@@ -77,21 +77,16 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
         raise UserError(refusal)
     request = dataclasses.replace(request, layout=cfg.layout, cp_comm_strategy=cfg.parallelism.cp_comm_strategy)
 
-    if cfg.world_size != request.world_size:
-        raise UserError(
-            f"{where}: world_size={cfg.world_size} ({cfg.topology.num_machines} machines x "
-            f"{cfg.topology.processes_per_machine} processes_per_machine) but the {request.launcher} launcher "
-            f"started WORLD_SIZE={request.world_size}"
-            + (_how_to_launch(cfg, path) if request.launcher == "python" else "")
-        )
+    refusal = world_size_mismatch(cfg, request.launcher, request.world_size, where)
+    if refusal:
+        raise UserError(refusal + (_how_to_launch(cfg, path) if request.launcher == "python" else ""))
 
     launcher_chose_engine = request.strategy in ("deepspeed", "fsdp")
     wanted = cfg.strategy
     deepspeed_value = ns.deepspeed
-    if launcher_chose_engine and request.strategy != wanted:
-        raise UserError(
-            f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
-        )
+    refusal = engine_mismatch(cfg, request.launcher, request.strategy, where)
+    if refusal:
+        raise UserError(refusal)
     if launcher_chose_engine and wanted == "fsdp" and cfg.layout.tp > 1:
         # accelerate launch's FSDP under TP: transformers shards at load (detect_launch turned accelerate's
         # plugin off), with the config's fsdp settings, as under torchrun.
@@ -126,22 +121,12 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
         if request.deepspeed_config_file is None and inline is None:
             deepspeed_value = deepspeed_config(cfg, "auto")
             request = dataclasses.replace(request, strategy="deepspeed", zero_stage=cfg.deepspeed.zero_stage)
-        elif request.zero_stage != cfg.deepspeed.zero_stage:
-            raise UserError(
-                f"{where}: deepspeed.zero_stage={cfg.deepspeed.zero_stage} but {source} "
-                f"has zero_optimization.stage={request.zero_stage}"
-            )
-        elif inline is not None and inline.mixed_precision != cfg.precision:
-            raise UserError(
-                f"{where}: precision={cfg.precision} but the accelerate config has mixed_precision="
-                f"{inline.mixed_precision}"
-            )
         else:
+            refusal = (zero_stage_mismatch(cfg, request.zero_stage, source, where)
+                       or precision_mismatch(cfg, inline.mixed_precision if inline else None, where))
+            if refusal:
+                raise UserError(refusal)
             deepspeed_value = request.deepspeed_config_file or ns.deepspeed
-    elif wanted in ("ddp", "single") and request.strategy != ("ddp" if request.world_size > 1 else "single"):
-        raise UserError(
-            f"{where}: strategy={wanted} but the {request.launcher} launch configures {request.strategy}"
-        )
 
     if cfg.precision == "fp8":
         if request.fp8_backend not in (None, cfg.fp8.backend):
@@ -323,19 +308,59 @@ def _launch_agrees(cfg, request: LaunchRequest, where: str) -> None:
     the accelerate config's mixed_precision must be the config's precision."""
     if cfg.strategy == "fsdp":
         if request.launcher == "accelerate" and request.fsdp_settings is None:
-            yaml_value = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
-            if yaml_value != cfg.fsdp.activation_checkpointing:
-                raise UserError(f"{where}: fsdp.activation_checkpointing={_show(cfg.fsdp.activation_checkpointing)} "
-                                f"but the accelerate config has fsdp_activation_checkpointing={_show(yaml_value)}")
+            refusal = fsdp_checkpointing_mismatch(cfg, os.environ.get("FSDP_ACTIVATION_CHECKPOINTING"), where)
+            if refusal:
+                raise UserError(refusal)
         elif cfg.fsdp.activation_checkpointing and not has_gpu():
             raise UserError(f"{where}: fsdp.activation_checkpointing=true: without a GPU train.py shards with torch's "
                             "fully_shard, which does not apply it; use activation_checkpointing: true instead (the "
                             "same decoder layers are recomputed)")
-    if request.mixed_precision not in (None, cfg.precision) and request.strategy != "deepspeed":
-        raise UserError(
-            f"{where}: precision={cfg.precision} but the accelerate config has mixed_precision="
-            f"{request.mixed_precision}"
-        )
+    refusal = precision_mismatch(cfg, request.mixed_precision, where) if request.strategy != "deepspeed" else None
+    if refusal:
+        raise UserError(refusal)
+
+
+# The rules of the launch against the config, each pure (the message or None; ``where``: "--hf_scale_config=FILE"):
+# train.py refuses on them at start (above), `hf-scale check` says them from the files (hf_scale.check.trainer_values).
+
+def world_size_mismatch(cfg, launcher: str, world_size: int, where: str) -> str | None:
+    if cfg.world_size == world_size:
+        return None
+    return (f"{where}: world_size={cfg.world_size} ({cfg.topology.num_machines} machines x "
+            f"{cfg.topology.processes_per_machine} processes_per_machine) but the {launcher} launcher started "
+            f"WORLD_SIZE={world_size}")
+
+
+def engine_mismatch(cfg, launcher: str, launched_strategy: str, where: str) -> str | None:
+    """An engine the launcher chose (DeepSpeed, FSDP) that is not the config's strategy."""
+    if launched_strategy in ("deepspeed", "fsdp") and launched_strategy != cfg.strategy:
+        return f"{where}: strategy={cfg.strategy} but the {launcher} launch configures {launched_strategy}"
+    return None
+
+
+def zero_stage_mismatch(cfg, zero_stage: int | None, source: str, where: str) -> str | None:
+    """``source``: the launcher's DeepSpeed JSON, or the accelerate config's inline deepspeed_config."""
+    if zero_stage == cfg.deepspeed.zero_stage:
+        return None
+    return (f"{where}: deepspeed.zero_stage={cfg.deepspeed.zero_stage} but {source} has "
+            f"zero_optimization.stage={zero_stage}")
+
+
+def precision_mismatch(cfg, mixed_precision: str | None, where: str) -> str | None:
+    """The accelerate config's mixed_precision (None: not launched by accelerate) against the config's precision."""
+    if mixed_precision in (None, cfg.precision):
+        return None
+    return f"{where}: precision={cfg.precision} but the accelerate config has mixed_precision={mixed_precision}"
+
+
+def fsdp_checkpointing_mismatch(cfg, launched: str | None, where: str) -> str | None:
+    """accelerate's FSDP plugin applies fsdp.activation_checkpointing: the FSDP_ACTIVATION_CHECKPOINTING accelerate
+    launch exports from the YAML (None: left out) must say the same."""
+    yaml_value = str(launched or "false").lower() == "true"
+    if yaml_value == cfg.fsdp.activation_checkpointing:
+        return None
+    return (f"{where}: fsdp.activation_checkpointing={_show(cfg.fsdp.activation_checkpointing)} but the accelerate "
+            f"config has fsdp_activation_checkpointing={_show(yaml_value)}")
 
 
 def _fill_or_match(ns, given: Set[str], where: str, flag: str, field: str, value, fills: dict) -> list[str]:
