@@ -217,7 +217,15 @@ def plan_hardware(args: argparse.Namespace) -> Hardware:
     if path is not None and args.gpu is not None:
         raise UserError(f"--gpu {args.gpu} and --hardware {path} are both given: choose one (the file describes the "
                         "GPU and its node)")
-    return hardware(args.gpu or DEFAULT_GPU) if path is None else hardware_from_file(path)
+    gpu = hardware(args.gpu or DEFAULT_GPU) if path is None else hardware_from_file(path)
+    run_dir = getattr(args, "calibrate", None)
+    if run_dir is None:
+        return gpu
+    from hf_scale.planner.calibrate import calibrate
+
+    calibration = calibrate(run_dir, gpu, gpus_per_machine=args.gpus_per_machine, optimizer=args.optimizer)
+    args.calibration = calibration  # run_plan prints it (and --json carries it)
+    return calibration.apply(gpu)
 
 
 def planned_config_yaml(plan: Plan) -> str:
@@ -254,6 +262,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_plan_arguments(parser)
     measured = parser.add_argument_group("your own hardware")
+    measured.add_argument("--calibrate", metavar="RUN_DIR", help="the output directory of a finished train.py run "
+                          "on this hardware: its metrics.jsonl's measured step corrects every predicted step (the "
+                          "factor that makes the plan predict that run's layout as measured)")
     measured.add_argument("--hardware", metavar="FILE", help="a GPU profile of your own node (YAML, the fields of one "
                           "entry of hf_scale/planner/data/hardware.yaml) in place of --gpu's (not with --gpu)")
     budget = parser.add_argument_group("time budget")
@@ -296,9 +307,16 @@ def run_plan(args: argparse.Namespace) -> int:
         write_plot(plan, Path(args.plot))
     if config_text is not None:
         write_text_atomically(Path(args.write_config), config_text)
+    calibration = getattr(args, "calibration", None)
     if args.json:
-        print(json.dumps(plan_dict(plan, budget), indent=2))
+        data = plan_dict(plan, budget)
+        if calibration is not None:
+            data["calibration"] = calibration.as_dict()
+            print(calibration.describe(plan.hardware), file=sys.stderr)  # stdout stays one JSON document
+        print(json.dumps(data, indent=2))
     else:
+        if calibration is not None:
+            print(calibration.describe(plan.hardware))
         print(format_plan_table(plan, budget), end="")
     written = sys.stderr if args.json else sys.stdout  # --json keeps stdout one JSON document
     if args.plot:
