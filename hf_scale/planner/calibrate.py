@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hf_scale.errors import UserError
+from hf_scale.inputs import load_json, read_bytes, read_text
 from hf_scale.planner.estimate import Candidate, Workload
 from hf_scale.planner.hardware import Hardware
 from hf_scale.planner.time_model import step_time
@@ -31,6 +32,8 @@ METRICS = "metrics.jsonl"
 STATE = "hf_scale_state.json"
 LIVE = "hf_scale_live.json"
 ADAPTER = "adapter_config.json"
+MAX_METRICS_BYTES = 2**30
+"""metrics.jsonl read at most (a record is ~300 bytes: millions of steps)."""
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _ENGINES = {"single": "ddp", "ddp": "ddp", "deepspeed": "deepspeed", "fsdp": "fsdp"}
 
@@ -84,9 +87,9 @@ def _fail(run_dir: Path, why: str) -> UserError:
 
 def _json(path: Path, run_dir: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as error:
-        raise _fail(run_dir, f"{path.name} cannot be read ({str(error).splitlines()[0]})") from None
+        data = load_json(read_text(path, "file"), path.name)
+    except UserError as error:
+        raise _fail(run_dir, f"{path.name} cannot be read ({error})") from None
     if not isinstance(data, dict):
         raise _fail(run_dir, f"{path.name} is not a JSON object")
     return data
@@ -99,11 +102,15 @@ def _number(value) -> bool:
 def measured_steps(run_dir: Path) -> list[dict]:
     """The step records of metrics.jsonl (evaluation records and unreadable lines left out)."""
     path = run_dir / METRICS
-    if not path.is_file():
+    if not path.exists():
         raise _fail(run_dir, f"no {METRICS}: not the output directory of a train.py run (it writes "
                     f"OUTPUT_DIR/{METRICS}, one record per optimizer step)")
+    try:
+        text = read_bytes(path, "file", max_bytes=MAX_METRICS_BYTES).decode(errors="replace")
+    except UserError as error:
+        raise _fail(run_dir, f"{METRICS} cannot be read ({error})") from None
     records = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except ValueError:

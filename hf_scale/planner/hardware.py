@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from hf_scale.errors import UserError
+from hf_scale.inputs import load_yaml, read_text
 
 DATA = Path(__file__).with_name("data") / "hardware.yaml"
 DEFAULT_GPU = "h100-sxm"
@@ -103,10 +104,7 @@ def hardware_from_file(path: str) -> Hardware:
     """The profile in the YAML file ``path`` (`hf-scale plan --hardware FILE`: a user's own node, in the schema of one
     entry of hardware.yaml), checked strictly: a one-line UserError naming the field, its value and what is allowed."""
     flag = f"--hardware {path}"
-    try:
-        g = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        raise UserError(f"{flag} cannot be read: {str(error).splitlines()[0]}") from None
+    g = load_yaml(read_text(path, "--hardware", expected="a GPU profile (YAML)"), flag, finite=False)
     if not isinstance(g, dict):
         raise UserError(f"{flag}: expected a mapping of the fields {', '.join(FIELDS)} (one entry of {DATA.name})")
     for key in g:

@@ -77,7 +77,7 @@ def test_a_bad_profile_is_one_line_exit_2_and_writes_nothing(changes, fragment, 
 
 @pytest.mark.parametrize(("flags", "fragment"), [
     (["--gpu", "a10g"], "--gpu a10g and --hardware {path} are both given: choose one"),
-    ([], "--hardware {missing} cannot be read"),
+    ([], "--hardware {missing}: not found"),
 ])  # fmt: skip
 def test_gpu_with_hardware_is_refused_and_a_missing_file_is_one_line(flags, fragment, tmp_path, capsys):
     path, missing = write(tmp_path), tmp_path / "nothing.yaml"
