@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import sys
 import time
 
 import pytest
 from paths import TINY_LLAMA
+from train_helpers import TRAIN_PY, run_ok
 
 from hf_scale.cli import main
 from hf_scale.parallelism import Layout
@@ -131,3 +133,18 @@ def test_not_a_directory_is_one_line_exit_2(tmp_path, capsys):
         main(["plan", str(TINY_LLAMA), "--calibrate", str(tmp_path / "nothing")])
     assert exit_info.value.code == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_real_train_py_run_calibrates_the_plan_to_its_measured_step(tmp_path, capsys):
+    """One tiny one-process run of train.py (CPU, fp32): its own run directory, read as written."""
+    run = tmp_path / "real"
+    run_ok([sys.executable, TRAIN_PY, "--max_steps", "4", "--packing", "--max_seq_length", "128",
+            "--per_device_train_batch_size", "2", "--save_steps", "4", "--loop", "accelerate",
+            "--output_dir", str(run)], timeout=300)
+    cal = calibrate(str(run), hardware(), gpus_per_machine=1)
+    assert (cal.candidate.key, cal.workload.world_size, cal.workload.micro_batch_size, cal.steps) == ("ddp", 1, 2, 3)
+    assert 100 <= cal.workload.seq_len <= 128  # packed rows of 105-128 real tokens: the run's tokens per sequence
+    assert main(["plan", str(run / "config.json"), "--gpus-per-machine", "1", "--seq-len", str(cal.workload.seq_len),
+                 "--micro-batch-size", "2", "--precision", "no", "--calibrate", str(run), "--json"]) == 0
+    ddp = next(c for c in json.loads(capsys.readouterr().out)["candidates"] if c["key"] == "ddp")
+    assert ddp["time"]["step_s"] == pytest.approx(measured(run), rel=0.01)
