@@ -58,6 +58,7 @@ examples:
   hf-scale plan meta-llama/Llama-3.1-8B --gpu a100-80gb --seq-len 8192 --tokens 2e9 --price-per-gpu-hour 2.5
   hf-scale plan ./config.json --gpu-memory 24GiB --gpus-per-machine 4 --lora-r 16 --json
   hf-scale plan ./my-model --num-machines 2 --cpu-memory 1TiB --plot plan.png --write-config plan.yaml
+  hf-scale plan meta-llama/Llama-3.1-8B --hardware my-node.yaml --calibrate runs/llama8b   # your node, your run
   hf-scale generate plan.yaml        # or both at once: hf-scale generate --strategy auto --model MODEL
 
 exit codes: 0 a candidate fits (the recommendation), 1 no candidate fits (the table says why; no config is
