@@ -20,7 +20,7 @@ from hf_scale.config_types import MAX_BATCH, MAX_MACHINES, MAX_PROCESSES_PER_MAC
 from hf_scale.errors import UserError
 from hf_scale.files import already_written, check_output_file, write_text_atomically
 from hf_scale.planner.estimate import OPTIMIZER_STATE_BYTES, Workload
-from hf_scale.planner.hardware import DEFAULT_GPU, gpu_names, hardware
+from hf_scale.planner.hardware import DEFAULT_GPU, Hardware, gpu_names, hardware, hardware_from_file
 from hf_scale.planner.parallel import SIZES
 from hf_scale.planner.rank import (
     DEFAULT_SAFETY_MARGIN,
@@ -58,6 +58,7 @@ examples:
   hf-scale plan meta-llama/Llama-3.1-8B --gpu a100-80gb --seq-len 8192 --tokens 2e9 --price-per-gpu-hour 2.5
   hf-scale plan ./config.json --gpu-memory 24GiB --gpus-per-machine 4 --lora-r 16 --json
   hf-scale plan ./my-model --num-machines 2 --cpu-memory 1TiB --plot plan.png --write-config plan.yaml
+  hf-scale plan meta-llama/Llama-3.1-8B --hardware my-node.yaml --calibrate runs/llama8b   # your node, your run
   hf-scale generate plan.yaml        # or both at once: hf-scale generate --strategy auto --model MODEL
 
 exit codes: 0 a candidate fits (the recommendation), 1 no candidate fits (the table says why; no config is
@@ -186,7 +187,7 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
                         "LoRA adapter on it)")
     if not 0 <= args.safety_margin < 1:
         raise UserError(f"--safety-margin {args.safety_margin} is invalid: allowed 0 <= fraction < 1, e.g. 0.1")
-    gpu = hardware(args.gpu or DEFAULT_GPU)
+    gpu = plan_hardware(args)
     gpu_memory = gpu.memory_bytes if args.gpu_memory is None else parse_size("--gpu-memory", args.gpu_memory)
     cpu_memory = None if args.cpu_memory is None else parse_size("--cpu-memory", args.cpu_memory)
     from hf_scale.planner.model_shapes import model_shapes
@@ -208,6 +209,24 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
     for warning in plan_warnings(plan):  # here, so that generate --strategy auto warns too
         print(f"hf-scale: warning: {warning}", file=sys.stderr)
     return plan
+
+
+def plan_hardware(args: argparse.Namespace) -> Hardware:
+    """The profile the times are predicted on: --hardware FILE, else --gpu NAME (both at once are refused), corrected
+    by --calibrate RUN_DIR."""
+    path = getattr(args, "hardware", None)  # plan's own flags; generate --strategy auto has neither
+    if path is not None and args.gpu is not None:
+        raise UserError(f"--gpu {args.gpu} and --hardware {path} are both given: choose one (the file describes the "
+                        "GPU and its node)")
+    gpu = hardware(args.gpu or DEFAULT_GPU) if path is None else hardware_from_file(path)
+    run_dir = getattr(args, "calibrate", None)
+    if run_dir is None:
+        return gpu
+    from hf_scale.planner.calibrate import calibrate
+
+    calibration = calibrate(run_dir, gpu, gpus_per_machine=args.gpus_per_machine, optimizer=args.optimizer)
+    args.calibration = calibration  # run_plan prints it (and --json carries it)
+    return calibration.apply(gpu)
 
 
 def planned_config_yaml(plan: Plan) -> str:
@@ -243,6 +262,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Hub repository's config.json is fetched, from the cache when it is there)"
     )
     add_plan_arguments(parser)
+    measured = parser.add_argument_group("your own hardware")
+    measured.add_argument("--calibrate", metavar="RUN_DIR", help="the output directory of a finished train.py run "
+                          "on this hardware: its metrics.jsonl's measured step corrects every predicted step (the "
+                          "factor that makes the plan predict that run's layout as measured)")
+    measured.add_argument("--hardware", metavar="FILE", help="a GPU profile of your own node (YAML, the fields of one "
+                          "entry of hf_scale/planner/data/hardware.yaml) in place of --gpu's (not with --gpu)")
     budget = parser.add_argument_group("time budget")
     budget.add_argument("--tokens", type=float, metavar="N", help="tokens to train: the plan adds each candidate's "
                         "wall-clock hours and GPU-hours")
@@ -283,9 +308,16 @@ def run_plan(args: argparse.Namespace) -> int:
         write_plot(plan, Path(args.plot))
     if config_text is not None:
         write_text_atomically(Path(args.write_config), config_text)
+    calibration = getattr(args, "calibration", None)
     if args.json:
-        print(json.dumps(plan_dict(plan, budget), indent=2))
+        data = plan_dict(plan, budget)
+        if calibration is not None:
+            data["calibration"] = calibration.as_dict()
+            print(calibration.describe(plan.hardware), file=sys.stderr)  # stdout stays one JSON document
+        print(json.dumps(data, indent=2))
     else:
+        if calibration is not None:
+            print(calibration.describe(plan.hardware))
         print(format_plan_table(plan, budget), end="")
     written = sys.stderr if args.json else sys.stdout  # --json keeps stdout one JSON document
     if args.plot:

@@ -479,6 +479,26 @@ PLAN = [
     plan_case("write-config-exists", ["--seq-len", "512", "--write-config", "p.yaml"],
               "--write-config p.yaml exists with different content; pass --force to replace it",
               {"p.yaml": "strategy: ddp  # edited\n"}),
+    plan_case("hardware-missing", ["--hardware", "h.yaml"], "--hardware h.yaml: not found"),
+    plan_case("hardware-fifo", ["--hardware", "h.yaml"], "--hardware h.yaml: is a FIFO", {"h.yaml": FIFO}),
+    plan_case("hardware-list", ["--hardware", "h.yaml"], "--hardware h.yaml: expected a mapping of the fields",
+              {"h.yaml": "[1, 2]\n"}),
+    plan_case("hardware-syntax", ["--hardware", "h.yaml"], "--hardware h.yaml", {"h.yaml": "a: [\n"}),
+    plan_case("hardware-unknown-field", ["--hardware", "h.yaml"], "unknown field 'nvlink': allowed architecture",
+              {"h.yaml": "nvlink: 900\n"}),
+    plan_case("hardware-missing-field", ["--hardware", "h.yaml"], "missing field 'bf16_tflops'",
+              {"h.yaml": "architecture: hopper\nlabel: x\nmemory_gib: 80\n"}),
+    plan_case("hardware-with-gpu", ["--gpu", "a10g", "--hardware", "h.yaml"], "--gpu a10g and --hardware h.yaml "
+              "are both given: choose one", {"h.yaml": "{}\n"}),
+    plan_case("calibrate-missing", ["--calibrate", "run"], "--calibrate run: not a directory"),
+    plan_case("calibrate-without-metrics", ["--calibrate", "run"], "--calibrate run: no metrics.jsonl",
+              {"run/x": "x"}),
+    plan_case("calibrate-metrics-fifo", ["--calibrate", "run"], "--calibrate run: metrics.jsonl cannot be read (file "
+              "run/metrics.jsonl: is a FIFO", {"run/metrics.jsonl": FIFO}),
+    plan_case("calibrate-empty-metrics", ["--calibrate", "run"], "--calibrate run: metrics.jsonl has no training step",
+              {"run/metrics.jsonl": ""}),
+    plan_case("calibrate-without-checkpoint", ["--calibrate", "run"], "no checkpoint-STEP/hf_scale_state.json",
+              {"run/metrics.jsonl": json.dumps({"step": 1, "loss": 2.0, "tokens": 512, "step_time_s": 0.5}) + "\n"}),
 ]
 
 # --- plot --------------------------------------------------------------------------------------------------

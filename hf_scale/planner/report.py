@@ -87,7 +87,7 @@ def format_plan_table(plan: Plan, budget: Budget = Budget()) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [_workload_line(plan), "memory per GPU in GiB; predicted time of one step (one micro-batch per GPU) on "
-             f"{plan.hardware.label if plan.hardware else '?'}; bound: its largest term", ""]
+             f"{plan.hardware.label if plan.hardware else '?'}{_calibrated(plan)}; bound: its largest term", ""]
     for row in rows:
         cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
         cells += [cell.rjust(width) for cell, width in zip(row[2:-2], widths[2:-2], strict=True)]
@@ -179,6 +179,11 @@ def time_dict(plan: Plan, a: Assessment, budget: Budget) -> dict[str, Any]:
     }
     run = run_time(plan, a, budget)
     return out | ({"run": run} if run is not None else {})
+
+
+def _calibrated(plan: Plan) -> str:
+    k = plan.hardware.step_correction if plan.hardware else 1.0
+    return "" if k == 1.0 else f" (calibrated: x {k:.3f})"
 
 
 def plan_dict(plan: Plan, budget: Budget = Budget()) -> dict[str, Any]:

@@ -240,18 +240,19 @@ def step_time(
     recompute = recompute or ("full" if c.activation_checkpointing else "none")
     # tokens one GPU holds per micro-batch: TP ranks share the sequences, CP ranks split them
     tokens = w.micro_batch_size * w.cp_seq_len(c.cp) // c.cp
+    k = hw.step_correction  # `plan --calibrate`: measured / predicted of a run on this hardware, on every term
     compute, flops = _compute_s(w, c, hw, recompute, tokens)
-    hidden, exposed = _communication_s(w, c, hw, tokens, micro_steps)
-    compute *= micro_steps
+    hidden, exposed = (k * t for t in _communication_s(w, c, hw, tokens, micro_steps))
+    compute *= micro_steps * k
     communication = max(0.0, hidden - compute) + exposed
     shard = w.trainable_params / (1 if c.engine == "ddp" else w.world_size / c.tp)
-    optimizer = 0.0 if c.offload_optimizer or c.offload_params else shard * OPTIMIZER_BYTES / hw.hbm_bps
+    optimizer = 0.0 if c.offload_optimizer or c.offload_params else k * shard * OPTIMIZER_BYTES / hw.hbm_bps
     return StepTime(
         compute_s=compute,
         communication_s=communication,
         communication_total_s=hidden + exposed,
         optimizer_s=optimizer,
-        offload_s=_offload_s(w, c, hw, micro_steps),
+        offload_s=k * _offload_s(w, c, hw, micro_steps),
         tokens_per_gpu=micro_steps * tokens / c.tp,
         model_flops_per_gpu=micro_steps * flops,
         peak_flops=peak_flops(w, hw),
