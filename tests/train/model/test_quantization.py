@@ -301,17 +301,23 @@ def test_export_merge_reads_the_adapter_from_the_checkpoints_own_weights(run, re
 
 def test_an_empty_adapter_file_is_rescued_from_the_zero3_partitions(zero3_manual_loop, tmp_path):
     """ZeRO-3's classic failure, an adapter file whose tensors are empty, beside the partitions that hold the trained
-    adapter: `--merge` reads the partitions and gives the trained model (the manifest does not list the planted
-    file, hence verify=False)."""
+    adapter: `--merge` reads the partitions and gives the trained model. The empty file is sealed into the manifest,
+    as the saver that wrote it would have (a file the manifest does not list makes the checkpoint not intact)."""
+    import json
     import shutil
 
     from safetensors.torch import save_file
 
     from hf_scale.export import export
+    from hf_scale.train.checkpoint.integrity import HASH_NAME, file_digest
+    from hf_scale.train.checkpoint.layout import MANIFEST
 
     checkpoint = tmp_path / f"checkpoint-{STEPS}"
     shutil.copytree(zero3_manual_loop / f"checkpoint-{STEPS}", checkpoint)
-    save_file({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.empty(0)},
-              checkpoint / "adapter_model.safetensors")
+    planted = checkpoint / "adapter_model.safetensors"
+    save_file({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.empty(0)}, planted)
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"][planted.name] = {"size": planted.stat().st_size, HASH_NAME: file_digest(planted)}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
     export(checkpoint, tmp_path / "merged", lora="merged", verify=False)
     _assert_merged_is_the_trained_model(tmp_path / "merged", zero3_manual_loop)
