@@ -46,6 +46,7 @@ from hf_scale.check.manifest_schema import manifest_problem
 from hf_scale.cluster_config import image_problem
 from hf_scale.errors import UserError
 from hf_scale.generators import layout
+from hf_scale.rules import is_secret_setting
 
 GRACE_FLOOR_S = 120
 """Without a measured save: the least grace period we call safe (Kubernetes' default, 30 s, is not)."""
@@ -350,16 +351,12 @@ def _image_findings(path: str, kind: str, data: dict, facts: Facts, runs_hf_scal
                       "generate writes its Dockerfile), or make sure the runtime's image has it")
 
 
-SECRET_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
-"""Credentials a training job's env carries; written in the manifest, whoever reads the job reads them."""
-
-
 def _secret_findings(path: str, kind: str, facts: Facts) -> Iterator[Finding]:
     """`manifest-secret` (warning): a credential written in plain text in the manifest's env (anyone who can read
-    the job, `kubectl get -o yaml`, `sky status`, reads it); a `$VAR` or a Secret reference is fine."""
-    for name in SECRET_NAMES:
-        value = facts.env.get(name)
-        if value and not value.startswith("$"):
+    the job, `kubectl get -o yaml`, `sky status`, reads it); a `$VAR` or a Secret reference is fine. What a
+    credential is: the rule `cluster.env` is refused by (rules.is_secret_setting)."""
+    for name, value in facts.env.items():
+        if value and not str(value).startswith("$") and is_secret_setting(name, value):
             how = ("SkyPilot's `secrets:` (sky launch --secret " + name + ")" if kind == "SkyPilot" else
                    "a Kubernetes Secret (env valueFrom.secretKeyRef)")
             yield Finding(WARNING, "manifest-secret", path, f"env.{name}",
