@@ -54,7 +54,8 @@ def test_a_run_with_a_long_save_gets_a_signal_lead_and_grace_period_that_cover_i
     model = tmp_path / "llama1b.json"
     model.write_text(json.dumps(LLAMA_1B))
     node = tmp_path / "slow-disk.yaml"
-    node.write_text(yaml.safe_dump({**yaml.safe_load(DATA.read_text())["gpus"]["h100-sxm"], "storage_write_gbps": 0.02}))
+    h100 = yaml.safe_load(DATA.read_text())["gpus"]["h100-sxm"]
+    node.write_text(yaml.safe_dump({**h100, "storage_write_gbps": 0.02}))
     time, sbatch, trainjob = _generate(tmp_path, str(model), capsys, "--hardware", str(node))
     need = time["step_s"] + time["save_s"]
     assert HEADROOM * need > DEFAULT_GRACE_PERIOD_S  # the case where the prediction, not the floor, decides
