@@ -16,16 +16,15 @@ HEADROOM = 1.5
 sample) and a filesystem slower than assumed, with room to spare."""
 
 
-def needed_s(step: StepTime) -> float:
-    """Seconds a stop needs at the least: the rest of the step in progress (at most one step) and one save."""
-    return step.step_s + step.save_s
+def preemption_budget_s(step_s: float, save_s: float) -> dict[str, int]:
+    """{"lead": SLURM's --signal lead, "grace": the pods' grace period} for a step of ``step_s`` and a save of
+    ``save_s`` seconds: HEADROOM x (step + save), never below the floors (the former fixed values, 120 s for SLURM's
+    signal and 600 s for the grace period)."""
+    seconds = math.ceil(HEADROOM * (step_s + save_s))
+    return {"lead": max(DEFAULT_SIGNAL_LEAD_S, seconds), "grace": max(DEFAULT_GRACE_PERIOD_S, seconds)}
 
 
 def preemption_budget(step: StepTime) -> dict[str, int]:
-    """{cluster field: seconds} for a run whose step is ``step``: HEADROOM x (step + save), never below the floors
-    (the former fixed values, 120 s for SLURM's signal and 600 s for the grace period)."""
-    seconds = math.ceil(HEADROOM * needed_s(step))
-    return {
-        "preempt_signal_lead_s": max(DEFAULT_SIGNAL_LEAD_S, seconds),
-        "termination_grace_period_s": max(DEFAULT_GRACE_PERIOD_S, seconds),
-    }
+    """The cluster fields of :func:`preemption_budget_s` for the predicted ``step``."""
+    budget = preemption_budget_s(step.step_s, step.save_s)
+    return {"preempt_signal_lead_s": budget["lead"], "termination_grace_period_s": budget["grace"]}
