@@ -92,6 +92,11 @@ _MANIFEST_CODES = ("manifest-invalid, manifest-nodes, manifest-processes, manife
                    "(warning), manifest-restart-policy, manifest-secret (warning)")
 
 
+_TIME_CODES = ("grace-period-short (warning: a --manifest's grace period), signal-lead-short (warning: an --sbatch's "
+               "--signal lead), collective-timeout-short (--ddp_timeout or DEEPSPEED_TIMEOUT): shorter than the "
+               "predicted step + save")
+
+
 def _epilog() -> str:
     lines = []
     for fn in CHECKS:
@@ -100,6 +105,8 @@ def _epilog() -> str:
         lines += textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      ")
     lines.append("  with --manifest JOB.yaml (a TrainJob, PyTorchJob or SkyPilot task; hf_scale.check.cluster):")
     lines += textwrap.wrap(_MANIFEST_CODES, 96, initial_indent="      ", subsequent_indent="      ")
+    lines.append("  with --plan PLAN.json (`hf-scale plan --json`; hf_scale.check.time_budget):")
+    lines += textwrap.wrap(_TIME_CODES, 96, initial_indent="      ", subsequent_indent="      ")
     checks = "\n".join(lines)
     return f"""\
 runners (which "auto" values in the DeepSpeed JSON get filled in):

@@ -82,3 +82,15 @@ def test_a_file_that_is_not_a_plan_is_one_line_exit_2(tmp_path, capsys):
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and f"--plan {bad}: not the output of `hf-scale plan --json`" in lines[0], lines
+
+
+def test_sbatch_without_plan_is_one_line_exit_2(tmp_path, capsys):
+    sbatch = tmp_path / "run.sbatch"
+    sbatch.write_text("#!/bin/bash\n#SBATCH --signal=USR1@120\n")
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text("kind: TrainJob\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--manifest", str(manifest), "--sbatch", str(sbatch)])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and f"--sbatch {sbatch}: only with --plan PLAN.json" in lines[0], lines
