@@ -277,9 +277,10 @@ def run_check(args: argparse.Namespace) -> int:
                         "the --signal lead is compared with)")
     timed = []
     if args.plan:
-        from hf_scale.check.time_budget import check_time_budget, manifest_graces
+        from hf_scale.check.time_budget import check_time_budget, manifest_budgets
 
-        timed = list(check_time_budget(args.plan, inputs, graces=manifest_graces(manifests), sbatches=args.sbatch))
+        timed = list(check_time_budget(args.plan, inputs, manifests=manifest_budgets(manifests),
+                                        sbatches=args.sbatch))
     findings = regenerated_fixes(run_checks(inputs) + _manifest_findings(manifests, args.checkpoint, inputs,
                                                                          files.accelerate) + timed)
     summary = summarize(inputs, findings)

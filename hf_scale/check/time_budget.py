@@ -53,9 +53,10 @@ def _need(step: float, save: float) -> int:
     return math.ceil(step + save)
 
 
-def manifest_graces(paths: list[str]) -> list[tuple[str, int]]:
-    """(manifest, terminationGracePeriodSeconds) of each Kubernetes job given (the smallest of its pods; Kubernetes'
-    default where none is written). Files check_manifest refuses or cannot read are skipped here: it reports them."""
+def manifest_budgets(paths: list[str]) -> list[tuple[str, int | None, dict[str, str]]]:
+    """(manifest, terminationGracePeriodSeconds or None for a SkyPilot task, its environment) of each job given (the
+    smallest grace of its pods; Kubernetes' default where none is written). Files check_manifest refuses or cannot
+    read are skipped here: it reports them."""
     from hf_scale.check.cluster import manifest_kind
     from hf_scale.check.manifest_facts import manifest_facts
     from hf_scale.inputs import load_yaml_documents
@@ -64,27 +65,25 @@ def manifest_graces(paths: list[str]) -> list[tuple[str, int]]:
     for path in paths:
         for data in load_yaml_documents(read_text(Path(path), "--manifest"), f"--manifest {path}"):
             try:
-                kind = manifest_kind(data)
-                grace = manifest_facts(kind, data).grace
+                facts = manifest_facts(manifest_kind(data), data)
             except (AttributeError, TypeError, ValueError, UserError):
                 continue
-            if grace is not None:
-                out.append((path, grace))
+            out.append((path, facts.grace, dict(facts.env)))
     return out
 
 
-def check_time_budget(plan: str, inp: CheckInputs, *, graces: list[tuple[str, int]],
+def check_time_budget(plan: str, inp: CheckInputs, *, manifests: list[tuple[str, int | None, dict[str, str]]],
                       sbatches: list[str]) -> Iterator[Finding]:
-    """The three findings of this module for the prediction in ``plan``; ``graces``: (manifest, its
-    terminationGracePeriodSeconds); ``sbatches``: sbatch files."""
+    """The three findings of this module for the prediction in ``plan``; ``manifests``: :func:`manifest_budgets`;
+    ``sbatches``: sbatch files."""
     from hf_scale.planner.budgets import preemption_budget_s
 
     step, save, label = plan_times(plan)
     need = _need(step, save)
     basis = f"the predicted step {step:.0f} s + save {save:.0f} s of {label} ({plan})"
     budget = preemption_budget_s(step, save)
-    for path, grace in graces:
-        if grace < need:
+    for path, grace, _ in manifests:
+        if grace is not None and grace < need:
             yield Finding(WARNING, "grace-period-short", path, "terminationGracePeriodSeconds",
                           f"a grace period of {grace} s is shorter than {basis}: the pod is killed while the "
                           "checkpoint is written", f"set terminationGracePeriodSeconds >= {budget['grace']} (what "
@@ -97,10 +96,11 @@ def check_time_budget(plan: str, inp: CheckInputs, *, graces: list[tuple[str, in
                           f"--signal=USR1@{lead} asks for a checkpoint {lead} s before the time limit, less than "
                           f"{basis}: the job is killed while it saves",
                           f"set #SBATCH --signal=USR1@{budget['lead']}", {f"{path}:--signal": lead})
-    yield from _collective_timeouts(inp, step, save, basis)
+    yield from _collective_timeouts(inp, manifests, step, save, basis)
 
 
-def _collective_timeouts(inp: CheckInputs, step: float, save: float, basis: str) -> Iterator[Finding]:
+def _collective_timeouts(inp: CheckInputs, manifests: list[tuple[str, int | None, dict[str, str]]], step: float,
+                         save: float, basis: str) -> Iterator[Finding]:
     longest = max(step, save)
     what = "a step" if step >= save else "a checkpoint save"
     timeouts = []
@@ -108,11 +108,13 @@ def _collective_timeouts(inp: CheckInputs, step: float, save: float, basis: str)
     ddp = int(inp.training["ddp_timeout"]) if given else DDP_TIMEOUT_DEFAULT_S
     timeouts.append(("training args" if given else "train.py", "--ddp_timeout", ddp,
                      f"pass -- --ddp_timeout {math.ceil(2 * longest)} to train.py"))
-    env = inp.launch_env or {}
-    if inp.deepspeed is not None and env.get("DEEPSPEED_TIMEOUT", "").isdigit():
-        minutes = int(env["DEEPSPEED_TIMEOUT"])
-        timeouts.append((inp.accelerate_file or "launch environment", "DEEPSPEED_TIMEOUT", 60 * minutes,
-                         f"set DEEPSPEED_TIMEOUT={math.ceil(2 * longest / 60)} (minutes)"))
+    # DeepSpeed reads DEEPSPEED_TIMEOUT (minutes; deepspeed.constants.default_pg_timeout) where it creates the
+    # process group: only a run with a DeepSpeed config is concerned
+    if inp.deepspeed is not None:
+        for path, _, env in manifests:
+            if env.get("DEEPSPEED_TIMEOUT", "").isdigit():
+                timeouts.append((path, "DEEPSPEED_TIMEOUT", 60 * int(env["DEEPSPEED_TIMEOUT"]),
+                                 f"set DEEPSPEED_TIMEOUT={math.ceil(2 * longest / 60)} (minutes) in its env"))
     for file, key, seconds, fix in timeouts:
         if seconds < longest:
             yield Finding(ERROR, "collective-timeout-short", file, key,

@@ -66,6 +66,19 @@ def test_budgets_shorter_than_the_predicted_step_and_save_are_one_finding_each(p
     assert "--ddp_timeout" in by_code["collective-timeout-short"]["fix"]
 
 
+def test_a_deepspeed_timeout_shorter_than_the_save_is_a_finding(planned, tmp_path, capsys):
+    """DEEPSPEED_TIMEOUT (minutes) in the manifest's env, with a DeepSpeed config given: compared with the save."""
+    plan, config, time = planned
+    manifest, sbatch = _generate(config, tmp_path / "ds", "--set", 'cluster.env.DEEPSPEED_TIMEOUT="1"')
+    assert main(["generate", "--preset", "zero2", "--output-dir", str(tmp_path / "ds")]) == 0
+    capsys.readouterr()
+    main(["check", "--manifest", str(manifest), "--plan", str(plan), "--json",
+          str(tmp_path / "ds" / "ds_configs" / "zero2.json")])  # fmt: skip
+    found = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["code"] in CODES]
+    assert [(f["code"], f["key"]) for f in found] == [("collective-timeout-short", "DEEPSPEED_TIMEOUT")], found
+    assert f"set DEEPSPEED_TIMEOUT={-(-2 * max(time['step_s'], time['save_s']) // 60):.0f}" in found[0]["fix"]
+
+
 def test_the_files_generated_from_the_plan_pass(planned, tmp_path, capsys):
     plan, config, _ = planned
     manifest, sbatch = _generate(config, tmp_path / "planned")
