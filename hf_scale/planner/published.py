@@ -1,5 +1,6 @@
 """The published training runs of hf_scale/planner/data/published_runs.yaml and the time model's prediction of each:
-the accuracy tests/planner/test_planner_time.py holds and benchmarks/planner_time_accuracy.py prints."""
+the accuracy tests/planner/test_planner_time.py holds and benchmarks/planner_time_accuracy.py prints, in sample (the
+data file's efficiencies, which are :func:`fit` of every row) and held out (:func:`leave_one_source_out`)."""
 
 from __future__ import annotations
 

@@ -47,7 +47,9 @@ OPTIMIZER_BYTES = 30
 written, the 16-bit copy written."""
 OVERLAP = {"ddp": 0.8, "deepspeed": 0.6, "fsdp": 0.85}
 """Share of the communication during forward/backward each engine hides behind compute (DDP buckets the gradient
-all-reduce into backward; FSDP2 prefetches the next layer's all-gather; ZeRO's overlap_comm is less complete)."""
+all-reduce into backward; FSDP2 prefetches the next layer's all-gather; ZeRO's overlap_comm is less complete).
+Unconfirmed by any published row (docs/plan.md, "Why FSDP2 ranks above ZeRO-2/ZeRO-3"): they decide FSDP2 vs ZeRO-2/3
+where compute is equal."""
 COLLECTIVE_LATENCY_S = 30e-6
 """Fixed cost of one NCCL collective (launch and synchronisation), whatever its size: what makes per-layer gathers
 dearer than a few bucketed all-reduces for small models."""
