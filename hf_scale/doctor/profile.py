@@ -83,7 +83,9 @@ def measure_node(*, allreduce_processes: int) -> dict:
         "memory_copy_gbps": 2 * COPY_BYTES[device] / copy_s / _GB,
         "host_copy_gbps": host_copy,
         "allreduce_processes": allreduce.get("processes"),
-        "allreduce_busbw_gbps": allreduce.get("busbw_gbps"),
+        # from the time itself: allreduce_bandwidth's busbw_gbps is rounded to 0.01, which a slow gloo run rounds to 0
+        "allreduce_busbw_gbps": (allreduce["size_bytes"] * 2 * (allreduce["processes"] - 1) / allreduce["processes"]
+                                 / allreduce["seconds_per_allreduce"] / _GB) if allreduce else None,
         "allreduce_correct": allreduce.get("correct"),
     }
 
@@ -98,6 +100,12 @@ KNOWN = (
 def _known(name: str) -> str | None:
     """The hardware.yaml profile of the GPU the driver calls ``name``, if any."""
     return next((key for fragment, key in KNOWN if fragment in name), None)
+
+
+def _figure(x: float) -> float:
+    """``x`` to 5 significant figures (a measured rate can be 0.0005 TFLOP/s on a CPU or 3000 GB/s on a GPU: fixed
+    decimals would round the small ones away)."""
+    return float(f"{x:.5g}")
 
 
 def profile_from_measurement(m: dict) -> dict:
@@ -132,15 +140,15 @@ def profile_from_measurement(m: dict) -> dict:
     return {
         "architecture": arch,
         "label": f"{m['name']} (measured)",
-        "memory_gib": round(m["memory_bytes"] / 2**30, 2),
-        "bf16_tflops": round(peak, 6),
+        "memory_gib": _figure(m["memory_bytes"] / 2**30),
+        "bf16_tflops": _figure(peak),
         "fp8_tflops": None if base.fp8_flops is None or not key else base.fp8_flops / 1e12,
-        "hbm_gbps": round(m["memory_copy_gbps"], 3),
-        "intra_node_gbps": round(intra, 3),
+        "hbm_gbps": _figure(m["memory_copy_gbps"]),
+        "intra_node_gbps": _figure(intra),
         "inter_node_gbps": base.inter_node_bps / _GB,
-        "host_pcie_gbps": round(host, 3),
-        "gemm_efficiency": round(gemm, 4),
-        "attention_efficiency": round(min(1.0, gemm * attention_ref / gemm_ref), 4),
+        "host_pcie_gbps": _figure(host),
+        "gemm_efficiency": _figure(gemm),
+        "attention_efficiency": _figure(min(1.0, gemm * attention_ref / gemm_ref)),
         "source": f"hf-scale doctor on {m['name']}: measured {', '.join(measured)}; {rest} from {assumed}",
     }
 
