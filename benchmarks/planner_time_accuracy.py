@@ -1,5 +1,6 @@
 """The planner's time model against published training runs: predicted vs published tokens/s per GPU of every row of
-hf_scale/planner/data/published_runs.yaml, the error of each, the median absolute error and the share within +-25%.
+hf_scale/planner/data/published_runs.yaml, the error of each, the median absolute error and the share within +-25%;
+and out of sample: each source predicted with the efficiencies fitted to the other sources only (leave one source out).
 
     python benchmarks/planner_time_accuracy.py     # the table, and benchmarks/results/planner_time_accuracy.json
     python benchmarks/planner_time_accuracy.py --plot docs/plan_time_accuracy.png  # and the chart
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from common import RESULTS_DIR, environment, format_table, write_results
 
-from hf_scale.planner.published import accuracy, compare
+from hf_scale.planner.published import accuracy, compare, leave_one_source_out
 
 
 def main() -> int:
@@ -23,6 +24,7 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, help="write a predicted-vs-published PNG (needs matplotlib)")
     args = parser.parse_args()
     comparisons = compare()
+    held_out = {id(c.row): c for group in leave_one_source_out().values() for c in group}
     rows = [
         (
             c.row["model"],
@@ -31,32 +33,56 @@ def main() -> int:
             c.row["seq_len"],
             c.row["micro_batch"],
             c.row["recompute"],
+            _layout(c.row),
             round(c.published),
             round(c.predicted),
             f"{c.error:+.0%}",
+            f"{held_out[id(c.row)].error:+.0%}" if id(c.row) in held_out else "-",
             c.row["source"],
         )
         for c in comparisons
     ]
     print(
         format_table(
-            ("model", "gpu", "gpus", "seq", "mb", "recompute", "published", "predicted", "error", "source"), rows
+            ("model", "gpu", "gpus", "seq", "mb", "recompute", "layout", "published", "predicted", "error", "held out",
+             "source"),  # fmt: skip
+            rows,
         )
     )
     median, within = accuracy(comparisons)
     print(f"\n{len(comparisons)} rows: median absolute error {median:.1%}, {within:.0%} within +-25%")
+    out_median, out_within = accuracy(list(held_out.values()))
+    print(
+        f"held out (each source predicted with efficiencies fitted to the others): {len(held_out)} rows, median "
+        f"absolute error {out_median:.1%}, {out_within:.0%} within +-25%"
+    )
+    for name, group in leave_one_source_out().items():
+        m, share = accuracy(group)
+        print(f"  {name}: {len(group)} rows, median {m:.1%}, {share:.0%} within +-25%")
     write_results(
         args.output,
         {
             "environment": environment(),
             "median_abs_error": median,
             "within_25": within,
-            "rows": [{**c.row, "predicted": c.predicted, "error": c.error} for c in comparisons],
+            "held_out_median_abs_error": out_median,
+            "held_out_within_25": out_within,
+            "rows": [
+                {**c.row, "predicted": c.predicted, "error": c.error, "held_out_error": held_out[id(c.row)].error}
+                for c in comparisons
+            ],
         },
     )
     if args.plot:
         _plot(comparisons, args.plot, median, within)
     return 0
+
+
+def _layout(row: dict) -> str:
+    """The row's layout and options, e.g. fsdp_full_shard+cp2+fp8+compile."""
+    extras = [f"{k}{row[k]}" for k in ("tp", "cp") if row.get(k, 1) > 1]
+    extras += [k for k in ("fp8", "compile") if row.get(k)]
+    return "+".join([row["layout"], *extras])
 
 
 def _plot(comparisons, path: Path, median: float, within: float) -> None:

@@ -183,6 +183,11 @@ MountPath = Annotated[str, AfterValidator(_mount_path)]
 StrictInt = Annotated[int, Strict()]
 
 
+DEFAULT_GRACE_PERIOD_S = 600
+"""terminationGracePeriodSeconds without a prediction, and the floor of a predicted one."""
+DEFAULT_SIGNAL_LEAD_S = 120
+"""SLURM's --signal lead without a prediction, and the floor of a predicted one."""
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
@@ -248,9 +253,13 @@ class ClusterConfig(_Section):
     (the volume: a restarted pod does not download the model again). Refused: secrets (HF_TOKEN, *_API_KEY, ...:
     they would be written in plain text; add a secretKeyRef to the manifest, or pass --secret HF_TOKEN to sky) and
     the variables the runtime sets for the rendezvous (PET_*, SKYPILOT_*, MASTER_ADDR, RANK, ...: RESERVED_ENV)."""
-    termination_grace_period_s: Annotated[StrictInt, Field(ge=30, le=86_400)] = 600
+    termination_grace_period_s: Annotated[StrictInt, Field(ge=30, le=86_400)] = DEFAULT_GRACE_PERIOD_S
     """Seconds between SIGTERM and SIGKILL (pods' terminationGracePeriodSeconds): must cover the rest of the
-    current optimizer step plus saving one checkpoint (`hf-scale check` compares it with a measured save)."""
+    current optimizer step plus saving one checkpoint (`hf-scale check` compares it with a measured save and with
+    the planner's predicted step + save; `generate --strategy auto` sets it from them, hf_scale.planner.budgets)."""
+    preempt_signal_lead_s: Annotated[StrictInt, Field(ge=30, le=86_400)] = DEFAULT_SIGNAL_LEAD_S
+    """Seconds before the SLURM time limit at which the training processes are asked to checkpoint and stop
+    (`#SBATCH --signal=USR1@N`): the same budget, a step plus a save (`generate --strategy auto` sets it)."""
     max_restarts: Annotated[StrictInt, Field(ge=0, le=10_000)] = 10
     """Restarts after a failure or a preemption (PyTorchJob runPolicy.backoffLimit, SkyPilot
     job_recovery.max_restarts_on_errors, Ray FailureConfig.max_failures)."""

@@ -92,6 +92,11 @@ _MANIFEST_CODES = ("manifest-invalid, manifest-nodes, manifest-processes, manife
                    "(warning), manifest-restart-policy, manifest-secret (warning)")
 
 
+_TIME_CODES = ("grace-period-short (warning: a --manifest's grace period), signal-lead-short (warning: an --sbatch's "
+               "--signal lead), collective-timeout-short (--ddp_timeout or DEEPSPEED_TIMEOUT): shorter than the "
+               "predicted step + save")
+
+
 def _epilog() -> str:
     lines = []
     for fn in CHECKS:
@@ -100,6 +105,8 @@ def _epilog() -> str:
         lines += textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      ")
     lines.append("  with --manifest JOB.yaml (a TrainJob, PyTorchJob or SkyPilot task; hf_scale.check.cluster):")
     lines += textwrap.wrap(_MANIFEST_CODES, 96, initial_indent="      ", subsequent_indent="      ")
+    lines.append("  with --plan PLAN.json (`hf-scale plan --json`; hf_scale.check.time_budget):")
+    lines += textwrap.wrap(_TIME_CODES, 96, initial_indent="      ", subsequent_indent="      ")
     checks = "\n".join(lines)
     return f"""\
 runners (which "auto" values in the DeepSpeed JSON get filled in):
@@ -181,6 +188,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a checkpoint of this run (OUTPUT_DIR/checkpoint-STEP): its save time is compared with the manifests' "
         "grace period",
     )
+    parser.add_argument(
+        "--plan",
+        metavar="PLAN.json",
+        help="the output of `hf-scale plan --json` for this run: its predicted step and save are compared with the "
+        "manifests' grace period, the --sbatch files' --signal lead and the collective timeouts",
+    )
+    parser.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="FILE.sbatch",
+        help="with --plan: an sbatch script whose #SBATCH --signal lead is compared with the predicted step + save",
+    )
     parser.add_argument("--json", action="store_true", help="print {findings: [...], summary: {...}} as JSON")
     # train.py's arguments (TrainingArguments and train.py flags, or a recipe file) come after `--`: hf_scale.cli
     # hands them over as `passthrough` (FILE arguments and training arguments could not be told apart otherwise).
@@ -252,8 +272,17 @@ def run_check(args: argparse.Namespace) -> int:
         hf_scale_file=files.hf_scale,
     )
     manifests = [*args.manifest, *files.manifests]
+    if args.sbatch and not args.plan:
+        raise UserError(f"--sbatch {args.sbatch[0]}: only with --plan PLAN.json (its predicted step and save are what "
+                        "the --signal lead is compared with)")
+    timed = []
+    if args.plan:
+        from hf_scale.check.time_budget import check_time_budget, manifest_budgets
+
+        timed = list(check_time_budget(args.plan, inputs, manifests=manifest_budgets(manifests),
+                                        sbatches=args.sbatch))
     findings = regenerated_fixes(run_checks(inputs) + _manifest_findings(manifests, args.checkpoint, inputs,
-                                                                         files.accelerate))
+                                                                         files.accelerate) + timed)
     summary = summarize(inputs, findings)
     summary["checked"] += manifests
     if args.json:

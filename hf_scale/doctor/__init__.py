@@ -273,10 +273,32 @@ def run_doctor(args: argparse.Namespace) -> int:
         return 1 if report["findings"] else 0
     if args.partition:
         raise UserError(f"--partition {args.partition}: only with --slurm FILE.sbatch")
+    if args.write_profile:  # this node's speed as a plan --hardware profile
+        from hf_scale.doctor.profile import write_profile
+
+        with _stdout_to_stderr():
+            result = write_profile(args.write_profile, allreduce_processes=_allreduce_processes(args))
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            p = result["profile"]
+            print(f"wrote {result['path']}: {p['label']}, {p['bf16_tflops'] * p['gemm_efficiency']:.4g} TFLOP/s "
+                  f"large GEMMs, {p['hbm_gbps']:.4g} GB/s memory, {p['intra_node_gbps']:.4g} GB/s link\n"
+                  f"plan with it: hf-scale plan MODEL --hardware {result['path']}")
+        return 0
     with _stdout_to_stderr():
         report = build_report(config=args.config, output_dir=args.output_dir, allreduce=not args.no_allreduce)
     print(json.dumps(report, indent=2) if args.json else format_text(report), end="\n" if args.json else "")
     return 0 if report.get("config", {}).get("can_run", True) else 1
+
+
+def _allreduce_processes(args: argparse.Namespace) -> int:
+    """Processes of the profile's all-reduce: one per GPU; 2 over gloo on a CPU-only node; none with --no-allreduce."""
+    if args.no_allreduce:
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -298,6 +320,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--partition", metavar="NAME", help="with --slurm: the partition (default: the cluster's)")
     parser.add_argument("--output-dir", default=".", metavar="DIR", help="where outputs will go (free disk; default .)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--write-profile", metavar="FILE",
+                        help="instead of the report, measure this node (GEMM TFLOP/s, memory and host copy bandwidth, "
+                        "the all-reduce among its GPUs) and write it as a profile for `hf-scale plan --hardware FILE`")
     parser.add_argument("--no-allreduce", action="store_true",
                         help=f"skip the all-reduce bandwidth test (with 2+ GPUs it moves {ALLREDUCE_BYTES // 2**20} "
                         f"MiB x {ALLREDUCE_ITERS} over NCCL, a few seconds)")

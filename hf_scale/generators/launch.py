@@ -33,8 +33,6 @@ from hf_scale.exit_codes import (
 )
 from hf_scale.generators import layout
 
-# Seconds before the SLURM time limit at which the training processes are asked to checkpoint and stop.
-PREEMPT_SIGNAL_LEAD_S = 120
 # How often a stop request is repeated until the launcher has ended (a process still starting may not
 # listen yet).
 STOP_REPEAT_S = 10
@@ -338,7 +336,7 @@ def sbatch_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
         f"--nodes={topo.num_machines}",
         "--ntasks-per-node=1",
         f"--gpus-per-node={topo.processes_per_machine}",
-        f"--signal=USR1@{PREEMPT_SIGNAL_LEAD_S}",
+        f"--signal=USR1@{cfg.cluster.preempt_signal_lead_s}",
         "--requeue",
         "--open-mode=append",
         "--output=%x-%j.out",
@@ -354,9 +352,10 @@ def sbatch_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
 # The job runs in the directory it was submitted from (relative paths among the training arguments mean
 # what they mean there); each node runs launch/{name}.accelerate.sh, found next to this file.
 #
-# --signal=USR1@{PREEMPT_SIGNAL_LEAD_S} (not B:USR1): without "B:" SLURM sends the signal to every
-# process of the job steps, i.e. to the training processes that srun started, {PREEMPT_SIGNAL_LEAD_S} s
-# before the time limit; "B:" would signal only this batch shell, which cannot forward it into
+# --signal=USR1@{cfg.cluster.preempt_signal_lead_s} (not B:USR1): without "B:" SLURM sends the signal to every
+# process of the job steps, i.e. to the training processes that srun started, {cfg.cluster.preempt_signal_lead_s} s
+# before the time limit (cluster.preempt_signal_lead_s: a step plus a save, predicted by
+# `generate --strategy auto`); "B:" would signal only this batch shell, which cannot forward it into
 # srun's tasks in time. The training saves a checkpoint and exits {EXIT_PREEMPTED}; then this script
 # requeues the job, which resumes from that checkpoint.
 set -euo pipefail

@@ -53,6 +53,16 @@ def gpu_names() -> tuple[str, ...]:
     return tuple(_data()["gpus"])
 
 
+def architecture(name: str) -> str:
+    """The architecture of the known GPU ``name`` (the key of its efficiencies)."""
+    return _data()["gpus"][name]["architecture"]
+
+
+def efficiencies() -> dict[str, tuple[float, float]]:
+    """(gemm, attention) efficiency per architecture, as the data file holds them."""
+    return {arch: (e["gemm"], e["attention"]) for arch, e in _data()["efficiency"].items()}
+
+
 def hardware(name: str = DEFAULT_GPU) -> Hardware:
     """The profile ``name`` (case-insensitive; `_` and `-` alike), or a one-line UserError listing the known ones."""
     key = name.strip().lower().replace("_", "-")

@@ -1,23 +1,34 @@
 """The published training runs of hf_scale/planner/data/published_runs.yaml and the time model's prediction of each:
-the accuracy tests/planner/test_planner_time.py holds and benchmarks/planner_time_accuracy.py prints."""
+the accuracy tests/planner/test_planner_time.py holds and benchmarks/planner_time_accuracy.py prints, in sample (the
+data file's efficiencies, which are :func:`fit` of every row) and held out (:func:`leave_one_source_out`)."""
 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 
 from hf_scale.planner.estimate import Candidate, Workload
-from hf_scale.planner.hardware import hardware
+from hf_scale.planner.hardware import Hardware, architecture, hardware
 from hf_scale.planner.model_shapes import ModelShapes
 from hf_scale.planner.time_model import step_time
 
 DATA = Path(__file__).with_name("data") / "published_runs.yaml"
-LAYOUTS = {"fsdp_full_shard": Candidate("fsdp2_full_shard", "FSDP2 full shard", "fsdp")}
-"""The layouts the rows use, as the planner's candidates."""
+LAYOUTS = {
+    "fsdp_full_shard": Candidate("fsdp2_full_shard", "FSDP2 full shard", "fsdp"),
+    "zero3": Candidate("zero3", "ZeRO-3", "deepspeed", zero_stage=3),
+}
+"""The layouts the rows use, as the planner's candidates (a row's tp/cp degrees are set on them)."""
+GEMM_GRID = tuple(round(0.40 + 0.025 * i, 3) for i in range(19))
+ATTENTION_GRID = tuple(round(0.10 + 0.025 * i, 3) for i in range(17))
+"""The efficiencies :func:`fit` tries: large-GEMM share of the peak 0.40-0.85, flash attention's 0.10-0.50."""
+Efficiency = dict[str, tuple[float, float]]
+"""(gemm, attention) efficiency per architecture."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ def _data() -> dict:
     return yaml.safe_load(DATA.read_text())
 
 
+@functools.cache
 def shapes(name: str) -> ModelShapes:
     """A Llama-style model from the table's dimensions (no config.json: the rows name models by their shapes)."""
     m = _data()["models"][name]
@@ -69,25 +81,51 @@ def shapes(name: str) -> ModelShapes:
     )
 
 
-def compare() -> list[Comparison]:
-    """Every row with the time model's prediction."""
+def rows() -> list[dict]:
+    return _data()["runs"]
+
+
+@functools.cache
+def _gpu(name: str, efficiency: tuple[float, float] | None) -> Hardware:
+    hw = hardware(name)
+    if efficiency is None:
+        return hw
+    return replace(hw, gemm_efficiency=efficiency[0], attention_efficiency=efficiency[1])
+
+
+@functools.cache
+def _inputs(index: int) -> tuple[Workload, Candidate, dict]:
+    """Row ``index``'s workload, layout and step_time options (built once: :func:`fit` predicts each row hundreds of
+    times)."""
+    row = rows()[index]
+    gpus = int(row["gpus"])
+    w = Workload(
+        shapes=shapes(row["model"]),
+        gpus_per_machine=min(gpus, 8),
+        num_machines=max(gpus // 8, 1),
+        seq_len=int(row["seq_len"]),
+        micro_batch_size=int(row["micro_batch"]),
+    )
+    c = replace(LAYOUTS[row["layout"]], tp=int(row.get("tp", 1)), cp=int(row.get("cp", 1)))
+    options = dict(
+        recompute=row["recompute"],
+        micro_steps=int(row["micro_steps"]),
+        compiled=bool(row.get("compile", False)),
+        fp8=bool(row.get("fp8", False)),
+        fp8_all_gather=bool(row.get("fp8_all_gather", False)),
+    )
+    return w, c, options
+
+
+def compare(runs: list[int] | None = None, efficiency: Efficiency | None = None) -> list[Comparison]:
+    """Every row (or the rows at the indices ``runs``) with the time model's prediction, on the data file's
+    efficiencies or ``efficiency``."""
     out = []
-    for row in _data()["runs"]:
-        gpus = int(row["gpus"])
-        w = Workload(
-            shapes=shapes(row["model"]),
-            gpus_per_machine=min(gpus, 8),
-            num_machines=max(gpus // 8, 1),
-            seq_len=int(row["seq_len"]),
-            micro_batch_size=int(row["micro_batch"]),
-        )
-        t = step_time(
-            w,
-            LAYOUTS[row["layout"]],
-            hardware(row["gpu"]),
-            recompute=row["recompute"],
-            micro_steps=int(row["micro_steps"]),
-        )
+    for i in range(len(rows())) if runs is None else runs:
+        row = rows()[i]
+        w, c, options = _inputs(i)
+        pair = None if efficiency is None else efficiency[architecture(row["gpu"])]
+        t = step_time(w, c, _gpu(row["gpu"], pair), **options)
         out.append(Comparison(row, t.tokens_per_s))
     return out
 
@@ -100,3 +138,31 @@ def accuracy(comparisons: list[Comparison]) -> tuple[float, float]:
 
 def source(name: str) -> str:
     return _data()["sources"][name]
+
+
+def fit(runs: list[int]) -> Efficiency:
+    """The (gemm, attention) efficiency per architecture that predicts ``runs`` best (least mean absolute log error,
+    a grid search over :data:`GEMM_GRID` x :data:`ATTENTION_GRID`): what hardware.yaml's ``efficiency`` holds when
+    fitted to every row, and what each fold of :func:`leave_one_source_out` is fitted to."""
+    out: Efficiency = {}
+    for arch in sorted({architecture(rows()[i]["gpu"]) for i in runs}):
+        mine = [i for i in runs if architecture(rows()[i]["gpu"]) == arch]
+
+        def loss(pair: tuple[float, float], mine=mine, arch=arch) -> float:
+            return sum(abs(math.log1p(c.error)) for c in compare(mine, {arch: pair}))
+
+        out[arch] = min(itertools.product(GEMM_GRID, ATTENTION_GRID), key=loss)
+    return out
+
+
+def leave_one_source_out() -> dict[str, list[Comparison]]:
+    """Per source: its rows predicted with efficiencies fitted to every other source's rows (out of sample). A source
+    whose GPU architecture no other source measured cannot be held out and is left out of the answer."""
+    out = {}
+    for name in _data()["sources"]:
+        held = [i for i, r in enumerate(rows()) if r["source"] == name]
+        rest = [i for i, r in enumerate(rows()) if r["source"] != name]
+        efficiency = fit(rest)
+        if held and all(architecture(rows()[i]["gpu"]) in efficiency for i in held):
+            out[name] = compare(held, efficiency)
+    return out

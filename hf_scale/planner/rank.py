@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from hf_scale.config import DistributedConfig, validate_config
 from hf_scale.planner import parallel
+from hf_scale.planner.budgets import preemption_budget
 from hf_scale.planner.estimate import Candidate, Estimate, Workload, estimate
 from hf_scale.planner.hardware import Hardware, hardware
 from hf_scale.planner.time_model import StepTime, step_time
@@ -209,6 +210,7 @@ def distributed_config(plan: Plan, assessment: Assessment) -> DistributedConfig:
             "offload_optimizer": "cpu" if c.offload_optimizer else "none",
             "offload_params": "cpu" if c.offload_params else "none",
         }
+    data["cluster"] = preemption_budget(assessment.time)  # SLURM's --signal lead and the pods' grace period
     return validate_config(data)
 
 

@@ -35,6 +35,10 @@ ELEMENTWISE_BYTES = (16, 4)
 """Bytes moved forward per token per layer, per element of (hidden, intermediate) at 16-bit: two RMSNorms (read +
 write 2 x hidden), two residual adds (3 x hidden each), RoPE and layout copies (~3 x hidden); SwiGLU reads gate and
 up, writes its activation and the product (4 x intermediate). Backward moves twice as much."""
+COMPILED_ELEMENTWISE_BYTES = (11, 3)
+"""The same under torch.compile, whose Inductor fuses each residual add with the RMSNorm after it (read the input and
+the residual, write the sum and the normalised output: 4 x hidden, twice per layer) and SwiGLU into one kernel (read
+gate and up, write the product: 3 x intermediate); RoPE and layout copies (~3 x hidden) stay. Counted, not fitted."""
 LOSS_BYTES_PER_LOGIT = 32
 """Bytes per logit of the loss, forward + backward: the 16-bit logits, their fp32 upcast, the log-softmax and the
 gradient (hf_scale.planner.estimate.logits_bytes counts the same tensors)."""
@@ -43,7 +47,9 @@ OPTIMIZER_BYTES = 30
 written, the 16-bit copy written."""
 OVERLAP = {"ddp": 0.8, "deepspeed": 0.6, "fsdp": 0.85}
 """Share of the communication during forward/backward each engine hides behind compute (DDP buckets the gradient
-all-reduce into backward; FSDP2 prefetches the next layer's all-gather; ZeRO's overlap_comm is less complete)."""
+all-reduce into backward; FSDP2 prefetches the next layer's all-gather; ZeRO's overlap_comm is less complete).
+Unconfirmed by any published row (docs/plan.md, "Why FSDP2 ranks above ZeRO-2/ZeRO-3"): they decide FSDP2 vs ZeRO-2/3
+where compute is equal."""
 COLLECTIVE_LATENCY_S = 30e-6
 """Fixed cost of one NCCL collective (launch and synchronisation), whatever its size: what makes per-layer gathers
 dearer than a few bucketed all-reduces for small models."""
@@ -104,6 +110,12 @@ def gemm_efficiency(hw: Hardware, flops: float) -> float:
     return hw.gemm_efficiency * flops / (flops + GEMM_HALF_FLOPS)
 
 
+def gemm_peak(w: Workload, hw: Hardware, fp8: bool) -> float:
+    """Peak of the decoder layers' linears: the FP8 tensor cores under float8 training (torchao's float8 linears;
+    lm_head stays in bf16), the precision's peak otherwise."""
+    return hw.fp8_flops if fp8 and hw.fp8_flops else peak_flops(w, hw)
+
+
 def peak_flops(w: Workload, hw: Hardware) -> float:
     """Dense peak of the precision: bf16/fp16 tensor cores, fp32 training at half of it (TF32)."""
     return hw.bf16_flops / 2 if w.precision == "no" else hw.bf16_flops
@@ -123,9 +135,12 @@ def _link(w: Workload, hw: Hardware, group: int) -> float:
     return min(hw.intra_node_bps, w.gpus_per_machine * hw.inter_node_bps)
 
 
-def _compute_s(w: Workload, c: Candidate, hw: Hardware, recompute: Recompute, tokens: int) -> tuple[float, float]:
+def _compute_s(
+    w: Workload, c: Candidate, hw: Hardware, recompute: Recompute, tokens: int, compiled: bool, fp8: bool
+) -> tuple[float, float]:
     """(seconds, model FLOPs) of forward + backward of one micro-batch of ``tokens`` tokens on one GPU."""
     s, peak = w.shapes, peak_flops(w, hw)
+    elementwise = COMPILED_ELEMENTWISE_BYTES if compiled else ELEMENTWISE_BYTES
     attn_width = s.num_attention_heads * s.head_dim
     kv_width = s.num_key_value_heads * s.head_dim
     per_layer = s.hidden_size * (2 * attn_width + 2 * kv_width) + 3 * s.hidden_size * s.intermediate_size
@@ -133,13 +148,13 @@ def _compute_s(w: Workload, c: Candidate, hw: Hardware, recompute: Recompute, to
     layer_flops = 2 * per_layer / c.tp * tokens
     head_flops = 2 * s.hidden_size * s.vocab_size / c.tp * tokens  # lm_head is split column-wise over TP
     mlp_gemm = 2 * tokens * s.hidden_size * s.intermediate_size / c.tp
-    gemm_rate = peak * gemm_efficiency(hw, mlp_gemm)
+    gemm_rate = gemm_peak(w, hw, fp8) * gemm_efficiency(hw, mlp_gemm)
     head_rate = peak * gemm_efficiency(hw, head_flops)
     seq = w.cp_seq_len(c.cp)
     attn_fwd = 2 * seq * attn_width / c.tp * tokens * s.num_layers
     # per token per layer forward; CP ranks hold 1/cp of the tokens but attend to the whole sequence
     elem_fwd = (
-        sum(k * n for k, n in zip(ELEMENTWISE_BYTES, (s.hidden_size, s.intermediate_size / c.tp), strict=True))
+        sum(k * n for k, n in zip(elementwise, (s.hidden_size, s.intermediate_size / c.tp), strict=True))
         * w.weight_bytes
         / 2
         * tokens
@@ -169,8 +184,12 @@ def _compute_s(w: Workload, c: Candidate, hw: Hardware, recompute: Recompute, to
     return seconds, model_flops
 
 
-def _communication_s(w: Workload, c: Candidate, hw: Hardware, tokens: int, micro_steps: int) -> tuple[float, float]:
-    """(seconds hidden behind compute if the compute is long enough, seconds never hidden) per optimizer step."""
+def _communication_s(
+    w: Workload, c: Candidate, hw: Hardware, tokens: int, micro_steps: int, fp8_all_gather: bool = False
+) -> tuple[float, float]:
+    """(seconds hidden behind compute if the compute is long enough, seconds never hidden) per optimizer step.
+    ``fp8_all_gather``: FSDP2 gathers the linears' weights as float8 (1 byte; torchao's
+    enable_fsdp_float8_all_gather)."""
     s, n, b = w.shapes, w.world_size, w.weight_bytes
     trainable, total = w.trainable_params, s.total_params
     grads = b * trainable  # gradients are reduced in the compute dtype
@@ -193,6 +212,8 @@ def _communication_s(w: Workload, c: Candidate, hw: Hardware, tokens: int, micro
     shard = (w.gpus_per_machine if c.hybrid else n) // c.tp
     link = _link(w, hw, shard * c.tp)
     params = (w.frozen_bytes if w.lora_r else b * total) / c.tp
+    if fp8_all_gather:
+        params -= (b - 1) * s.linear_params / c.tp
     per_micro = 2 * _ring_s(params, shard, link) + _ring_s(grads / c.tp, shard, link)
     per_micro += (shard > 1) * 3 * s.num_layers * COLLECTIVE_LATENCY_S  # one of each per layer
     hidden += overlap * per_micro * micro_steps
@@ -234,15 +255,25 @@ def _save_s(w: Workload, c: Candidate, hw: Hardware) -> float:
 
 
 def step_time(
-    w: Workload, c: Candidate, hw: Hardware, *, recompute: Recompute | None = None, micro_steps: int = 1
+    w: Workload,
+    c: Candidate,
+    hw: Hardware,
+    *,
+    recompute: Recompute | None = None,
+    micro_steps: int = 1,
+    compiled: bool = False,
+    fp8: bool = False,
+    fp8_all_gather: bool = False,
 ) -> StepTime:
-    """The predicted step of ``c`` (``micro_steps`` micro-batches accumulated per optimizer step)."""
+    """The predicted step of ``c`` (``micro_steps`` micro-batches accumulated per optimizer step); ``compiled``
+    (torch.compile), ``fp8`` (float8 linears) and ``fp8_all_gather`` describe published runs of other trainers (the
+    planner's own candidates run eager bf16)."""
     recompute = recompute or ("full" if c.activation_checkpointing else "none")
     # tokens one GPU holds per micro-batch: TP ranks share the sequences, CP ranks split them
     tokens = w.micro_batch_size * w.cp_seq_len(c.cp) // c.cp
     k = hw.step_correction  # `plan --calibrate`: measured / predicted of a run on this hardware, on every term
-    compute, flops = _compute_s(w, c, hw, recompute, tokens)
-    hidden, exposed = (k * t for t in _communication_s(w, c, hw, tokens, micro_steps))
+    compute, flops = _compute_s(w, c, hw, recompute, tokens, compiled, fp8)
+    hidden, exposed = (k * t for t in _communication_s(w, c, hw, tokens, micro_steps, fp8_all_gather))
     compute *= micro_steps * k
     communication = max(0.0, hidden - compute) + exposed
     shard = w.trainable_params / (1 if c.engine == "ddp" else w.world_size / c.tp)
