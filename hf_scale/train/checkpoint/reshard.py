@@ -114,9 +114,9 @@ UNKNOWN = "unknown"
 
 def saved_quantization(path: Path, state: dict) -> tuple[str | None, str]:
     """The base's quantization `path` was trained on ("4bit", None for an unquantized base, or UNKNOWN) and, for a
-    message, where it was read when not from hf_scale_state.json ("" then): the state's record; for a checkpoint written before the state recorded it, the
-    quantization_config transformers writes into the saved config.json of a quantized model (both are covered by
-    the checkpoint's manifest); UNKNOWN when neither is there."""
+    message, where it was read when not from hf_scale_state.json ("" then). The state's record; for a checkpoint
+    written before the state recorded it, the quantization_config transformers writes into the saved config.json of
+    a quantized model (both covered by the checkpoint's manifest); UNKNOWN when neither is there."""
     import json
 
     from hf_scale.train.checkpoint.layout import MODEL_CONFIG
