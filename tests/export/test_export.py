@@ -155,30 +155,3 @@ def test_export_refuses_bad_input_without_writing(flags, message, tmp_path_facto
 def test_export_help_shows_examples():
     result = run_ok(EXPORT + ["--help"], timeout=60)
     assert "examples:" in result.stdout and "--lora merged" in result.stdout and "--dtype" in result.stdout
-
-
-BNB_4BIT = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
-
-
-@pytest.mark.parametrize(("recorded", "config", "expected"), [
-    ({"quantization": "4bit"}, None, "records quantization=4bit, but its config.json has no 4-bit quantization_config"),
-    ({"quantization": None}, BNB_4BIT, "records quantization=None, but its config.json has a 4-bit"),
-    ({}, BNB_4BIT, BNB_4BIT), ({}, None, None), ({"quantization": "4bit"}, BNB_4BIT, BNB_4BIT)],
-    ids=["state-4bit-config-plain", "state-plain-config-4bit", "old-state-config-4bit", "old-state-config-plain",
-         "agree"])
-def test_a_qlora_merge_takes_the_base_its_checkpoint_records_and_refuses_a_contradiction(recorded, config, expected,
-                                                                                         tmp_path):
-    """The merge reloads the base with config.json's quantization_config; a checkpoint written before
-    hf_scale_state.json recorded the quantization is taken by config.json, one whose state says otherwise is
-    refused in one line (the adapter's base is unknown), not merged into the wrong base."""
-    from hf_scale.errors import UserError
-    from hf_scale.export import qlora
-
-    (tmp_path / "hf_scale_state.json").write_text(json.dumps({"step": 2, **recorded}))
-    model_config = {"model_type": "llama", **({"quantization_config": config} if config else {})}
-    (tmp_path / "config.json").write_text(json.dumps(model_config))
-    if isinstance(expected, str):
-        with pytest.raises(UserError, match=expected):
-            qlora.quantization_of(tmp_path)
-    else:
-        assert qlora.quantization_of(tmp_path) == expected
