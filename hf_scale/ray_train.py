@@ -29,6 +29,7 @@ import sys
 import urllib.parse
 from pathlib import Path
 
+from hf_scale import rules
 from hf_scale.config import DistributedConfig, load_config
 from hf_scale.errors import UserError, exit_with_user_error
 from hf_scale.exit_codes import EXIT_PREEMPTED
@@ -114,13 +115,18 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[
     if cfg.world_size < 1:  # pragma: no cover - the config's own validation guarantees it
         raise UserError("the config's world size must be at least 1")
     output_dir = str(Path(ns.output_dir).resolve())
+    # Ray restarts the workers after a failure and every start resumes `auto`: a job that restarts itself, which
+    # runs what resumes at its sp (the manual loop under sequence parallelism), as the generated scripts do.
     train_args = ["--hf_scale_config", str(Path(ns.hf_scale_config).resolve()), "--output_dir", output_dir,
-                  *train_args]
+                  *rules.restart_loop_flags(cfg.layout.sp), *train_args]
     try:
         flags = parse_train_flags(train_args)
         check_flags_alone(flags.namespace)  # train.py's own refusals before its process group, one source
     except UserError as error:
         raise UserError(f"train.py's arguments: {error}") from None
+    problem = rules.restart_loop_problem(cfg.layout.sp, flags.namespace.loop)  # --loop trainer given, or a recipe's
+    if problem:
+        raise UserError(f"train.py's arguments: {problem}")
     if "resume_from_checkpoint" not in flags.given:  # in any spelling train.py takes, or from its recipe
         train_args += ["--resume_from_checkpoint", "auto"]
     contradictions = against_config(flags, cfg, f"--hf_scale_config={ns.hf_scale_config}").contradictions

@@ -85,6 +85,25 @@ def test_what_train_py_refuses_at_start_is_refused_by_the_driver(argv, fragment,
     assert fragment in str(refused.value)
 
 
+SP2 = "strategy: deepspeed\nprecision: 'no'\ndeepspeed: {zero_stage: 2}\ntopology: {processes_per_machine: 2}\n" \
+      "parallelism: {sp: 2}\nbatch: {micro_batch_size: 4, gradient_accumulation_steps: 2}\n"
+
+
+def test_sequence_parallel_runs_the_loop_that_resumes_and_refuses_the_trainer(tmp_path):
+    """Ray restarts its workers and each start resumes `auto`: under sp > 1 the manual loop, as the generated
+    scripts pass; an explicit --loop trainer (every restart would be refused in every worker) is one line."""
+    config = tmp_path / "sp2.yaml"
+    config.write_text(SP2)
+    base = ["--hf_scale_config", str(config), "--output_dir", str(tmp_path / "out"), "--max_steps", "3"]
+    _, _, argv = ray_train.parse(base)
+    assert argv[argv.index("--loop") + 1] == "accelerate"
+    with pytest.raises(UserError) as refused:
+        ray_train.parse([*base, "--loop", "trainer"])
+    assert "train.py's arguments: sp=2 with --loop trainer in a job that restarts itself" in str(refused.value)
+    assert "use --loop accelerate" in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_address_where_nothing_listens_is_refused_within_the_connect_timeout():
     port = free_port()  # nothing listens there: refused at once, not ray.init's endless wait
     with pytest.raises(UserError, match=f"nothing answers at 127.0.0.1:{port} within 2 s .*ray start --head"):

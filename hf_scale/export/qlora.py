@@ -35,12 +35,24 @@ def merge_dtype():
 
 
 def quantization_of(checkpoint_dir: Path) -> dict | None:
-    """The checkpoint's bitsandbytes quantization config (from its config.json), None for an unquantized run."""
-    config = checkpoint_dir / "config.json"
-    if not config.is_file():
-        return None
-    found = json.loads(config.read_text()).get("quantization_config")
-    return found if isinstance(found, dict) and found.get("quant_method") == "bitsandbytes" else None
+    """The checkpoint's bitsandbytes quantization config (from its config.json), None for an unquantized run.
+    Refused in one line when hf_scale_state.json records another base than config.json (which one the adapter
+    trained on is then unknown); a state written before it recorded the quantization leaves config.json to say
+    (transformers' own record of a quantized model, as for resume: reshard.saved_quantization)."""
+    from hf_scale.train.checkpoint.layout import MODEL_CONFIG, STATE
+
+    config = checkpoint_dir / MODEL_CONFIG
+    found = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    found = found if isinstance(found, dict) and found.get("quant_method") == "bitsandbytes" else None
+    try:
+        state = json.loads((checkpoint_dir / STATE).read_text())
+    except (OSError, ValueError):
+        state = {}
+    if isinstance(state, dict) and "quantization" in state and (state["quantization"] == "4bit") != bool(found):
+        raise UserError(f"{checkpoint_dir}: {STATE} records quantization={state['quantization']}, but its "
+                        f"{MODEL_CONFIG} {'has a' if found else 'has no'} 4-bit quantization_config: which base its "
+                        "adapter was trained on is unknown; export it without --lora merged (the adapter alone)")
+    return found
 
 
 def adapter_problem(directory: Path) -> str | None:

@@ -4,6 +4,7 @@ Real checkpoints of a one-process run (in this process); one CLI run for the exi
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 
@@ -84,3 +85,29 @@ def test_the_cli_refuses_in_one_line_with_exit_2_and_writes_nothing(run_dir, tmp
         f"content (checkpoint-2: {CORRUPT}; checkpoint-1: {CORRUPT}) (its final model is already in it: "
         "from_pretrained loads that directory)"]
     assert not (tmp_path / "exported").exists() and not list(tmp_path.glob(".tmp-export-*"))
+
+
+BNB_4BIT = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+
+
+@pytest.mark.parametrize(("recorded", "config", "expected"), [
+    ({"quantization": "4bit"}, None, "records quantization=4bit, but its config.json has no 4-bit quantization_config"),
+    ({"quantization": None}, BNB_4BIT, "records quantization=None, but its config.json has a 4-bit"),
+    ({}, BNB_4BIT, BNB_4BIT), ({}, None, None), ({"quantization": "4bit"}, BNB_4BIT, BNB_4BIT)],
+    ids=["state-4bit-config-plain", "state-plain-config-4bit", "old-state-config-4bit", "old-state-config-plain",
+         "agree"])
+def test_a_qlora_merge_takes_the_base_its_checkpoint_records_and_refuses_a_contradiction(recorded, config, expected,
+                                                                                         tmp_path):
+    """The merge reloads the base with config.json's quantization_config; a checkpoint written before
+    hf_scale_state.json recorded the quantization is taken by config.json, one whose state says otherwise is
+    refused in one line (the adapter's base is unknown), not merged into the wrong base."""
+    from hf_scale.export import qlora
+
+    (tmp_path / "hf_scale_state.json").write_text(json.dumps({"step": 2, **recorded}))
+    model_config = {"model_type": "llama", **({"quantization_config": config} if config else {})}
+    (tmp_path / "config.json").write_text(json.dumps(model_config))
+    if isinstance(expected, str):
+        with pytest.raises(UserError, match=expected):
+            qlora.quantization_of(tmp_path)
+    else:
+        assert qlora.quantization_of(tmp_path) == expected

@@ -108,19 +108,57 @@ def check_resumable(path: Path, spec: RunSpec) -> dict:
 
 
 _BASES = {"4bit": "a 4-bit base (--load_in_4bit)", None: "an unquantized base"}
+UNKNOWN = "unknown"
+"""What `saved_quantization` returns when neither the state nor the saved config.json records the base."""
+
+
+def saved_quantization(path: Path, state: dict) -> tuple[str | None, str]:
+    """The base's quantization `path` was trained on ("4bit", None for an unquantized base, or UNKNOWN) and, for a
+    message, where it was read when not from hf_scale_state.json ("" then). The state's record; for a checkpoint
+    written before the state recorded it, the quantization_config transformers writes into the saved config.json of
+    a quantized model (both covered by the checkpoint's manifest); UNKNOWN when neither is there."""
+    import json
+
+    from hf_scale.train.checkpoint.layout import MODEL_CONFIG
+
+    if "quantization" in state:
+        return state["quantization"], ""
+    try:
+        config = json.loads((path / MODEL_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return UNKNOWN, ""
+    found = config.get("quantization_config") if isinstance(config, dict) else None
+    where = f" (read from its {MODEL_CONFIG}: its hf_scale_state.json predates the record of the quantization)"
+    if not isinstance(found, dict):
+        return None, where
+    if found.get("quant_method") == "bitsandbytes" and (found.get("load_in_4bit") or found.get("_load_in_4bit")):
+        return "4bit", where
+    return str(found.get("quant_method", UNKNOWN)), where
 
 
 def _check_quantization(path: Path, state: dict, spec: RunSpec, convert: str) -> None:
     """A LoRA adapter continues only on the base it was trained on: resumed on another (a QLoRA checkpoint without
-    --load_in_4bit) it would train on weights it never saw, without a word. Checkpoints written before the state
-    recorded it ("quantization" absent) cannot tell, and are not refused."""
-    if "quantization" not in state or state["quantization"] == spec.quantization:
+    --load_in_4bit) it would train on weights it never saw, without a word. A checkpoint that records it nowhere
+    (saved_quantization: UNKNOWN) is refused when it holds an adapter or this run is quantized: nothing says which
+    base it continues on."""
+    from hf_scale.train.checkpoint.layout import ADAPTER_CONFIG
+
+    saved, where = saved_quantization(path, state)
+    if saved == spec.quantization:
         return
-    saved = _BASES.get(state["quantization"], f"a {state['quantization']} base")
-    flag = "with --load_in_4bit" if state["quantization"] == "4bit" else "without --load_in_4bit"
+    if saved == UNKNOWN:
+        if spec.quantization is None and not (path / ADAPTER_CONFIG).is_file():
+            return  # a full model's weights: no base to continue on
+        raise UserError(
+            f"--resume_from_checkpoint={path}: records no quantization of its base (no \"quantization\" in "
+            f"hf_scale_state.json, no config.json), so it cannot be told whether its adapter was trained on "
+            f"{_BASES[spec.quantization]}; {convert}"
+        )
+    flag = "with --load_in_4bit" if saved == "4bit" else "without --load_in_4bit"
     raise UserError(
-        f"--resume_from_checkpoint={path}: saved on {saved}, resumed on {_BASES[spec.quantization]}; its adapter "
-        f"continues only on the base it was trained on: resume {flag}, {convert}"
+        f"--resume_from_checkpoint={path}: saved on {_BASES.get(saved, f'a {saved} base')}{where}, "
+        f"resumed on {_BASES[spec.quantization]}; its adapter continues only on the base it was trained on: resume "
+        f"{flag}, {convert}"
     )
 
 

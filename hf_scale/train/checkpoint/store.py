@@ -401,7 +401,15 @@ def write_failure(error: BaseException) -> str | None:
     """`error` described in one line if it is a failure to write a file (full disk, quota, file size limit,
     read-only or failing filesystem), else None. torch.save and safetensors report these in their own types."""
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    if isinstance(error, CheckpointException):
+        # A sharded (torch.distributed.checkpoint) save gathers every rank's failure and raises them all on every
+        # rank, as a BaseException: the lowest failing rank's write failure, so every rank says the same line.
+        for rank, (failed, _) in sorted(error.failures.items()):
+            if (line := write_failure(failed)) is not None:
+                return f"rank {rank}: {line}"
+        return None
     if isinstance(error, (torch.distributed.DistError, MemoryError, torch.OutOfMemoryError)):
         return None
     io_failure = isinstance(error, OSError) or type(error).__name__ == "SafetensorError" or (
@@ -417,9 +425,11 @@ def write_errors_reported(what: str, output_dir: str | Path, trusted: Collection
     Only the rank that failed knows: it exits, and the launcher (torchrun, accelerate, deepspeed) stops the
     others, which may be waiting in a collective of the save.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
-    except Exception as error:
+    except (Exception, CheckpointException) as error:
         failure = write_failure(error)
         if failure is None:
             raise

@@ -302,6 +302,27 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_intact_checkpoint(loop
     assert _steps(out) == [1, 2]
 
 
+def test_a_sharded_save_that_cannot_write_is_one_line_not_a_checkpoint_exception(tmp_path):
+    """torch.distributed.checkpoint gathers the ranks' write failures into a CheckpointException, a BaseException
+    (one process here; tests/train/model/test_parallel.py has the ranks): a real file size limit makes the write
+    fail, and the save's one line names the failing rank and the intact checkpoint."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        with pytest.raises(UserError) as refused, checkpoint.write_errors_reported("checkpoint-2", tmp_path):
+            dcp.save({"weight": torch.zeros(100_000)}, checkpoint_id=str(tmp_path / "shards"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    line = str(refused.value)
+    assert line.startswith("saving checkpoint-2 failed (rank 0: ") and "\n" not in line
+    assert f"there is no intact checkpoint (of verified content) in {tmp_path}" in line and "GiB free" in line
+
+
 def test_two_runs_in_one_output_dir_the_second_is_refused_the_first_finishes_untouched(tmp_path, capfd):
     out = tmp_path / "out"
     first = subprocess.Popen([sys.executable, TRAIN_PY, "--max_steps", "12", "--save_steps", "4", "--loop",

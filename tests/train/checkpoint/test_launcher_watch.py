@@ -1,5 +1,6 @@
 """Ranks stop when their launcher dies (hf_scale.train.checkpoint.launcher_watch): a real torchrun whose agent
-alone is killed with SIGKILL, as an OOM killer or a scheduler that signals only the launcher would; and a rank
+alone is killed with SIGKILL, as an OOM killer or a scheduler that signals only the launcher would, and a real
+`deepspeed` runner killed alone (its per-node agent lives on); and a rank
 whose stop cannot finish, ended after the grace time."""
 
 from __future__ import annotations
@@ -43,12 +44,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _ranks(launcher: str, pid: int) -> list[int]:
+    """The training processes under launcher `pid`: torchrun's children; under the `deepspeed` runner the children of
+    its per-node agent (deepspeed.launcher.launch)."""
+    if launcher == "torchrun":
+        return _children(pid)
+    return [rank for agent in _children(pid) for rank in _children(agent)]
+
+
 @pytest.mark.multiprocess
-def test_ranks_stop_with_a_checkpoint_and_release_the_lock_when_torchrun_is_killed(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_ranks_stop_with_a_checkpoint_and_release_the_lock_when_the_launcher_is_killed(launcher, tmp_path):
+    """The launcher alone killed: torchrun's agent (its ranks are in sessions of their own), or the `deepspeed`
+    runner, whose per-node agent then lives on as the ranks' parent: the ranks notice all the same."""
     out, log = tmp_path / "out", tmp_path / "log"
-    command = launcher_command("torchrun") + ["--max_steps", "100000", "--save_steps", "100000",
-                                              "--output_dir", str(out)]
-    with open(log, "w") as log_file:  # a file, not a pipe: the ranks keep writing after the agent is gone
+    command = launcher_command(launcher) + ["--max_steps", "100000", "--save_steps", "100000",
+                                            "--output_dir", str(out)]
+    with open(log, "w") as log_file:  # a file, not a pipe: the ranks keep writing after the launcher is gone
         agent = subprocess.Popen(command, env=child_env(), stdout=log_file, stderr=subprocess.STDOUT)
     ranks: list[int] = []
     try:
@@ -56,15 +68,16 @@ def test_ranks_stop_with_a_checkpoint_and_release_the_lock_when_torchrun_is_kill
         while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):  # training started
             assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        ranks = _children(agent.pid)
+        ranks = _ranks(launcher, agent.pid)
         assert len(ranks) == 2, ranks
-        agent.send_signal(signal.SIGKILL)  # the agent only: the ranks are in sessions of their own
+        alive = [*_children(agent.pid), *ranks]  # with deepspeed also its agent: it ends once its ranks have
+        agent.send_signal(signal.SIGKILL)  # the launcher only
         agent.wait()
         deadline = time.monotonic() + STOPPED_WITHIN_S
-        while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        while any(map(_alive, alive)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        left = [pid for pid in ranks if _alive(pid)]
-        assert not left, f"ranks {left} still running {STOPPED_WITHIN_S} s after their launcher died\n" + \
+        left = [pid for pid in alive if _alive(pid)]
+        assert not left, f"{left} still running {STOPPED_WITHIN_S} s after their launcher died\n" + \
             log.read_text()[-3000:]
     finally:
         for pid in ranks:

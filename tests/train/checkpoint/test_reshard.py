@@ -165,11 +165,48 @@ def test_an_adapter_resumes_only_on_the_base_quantization_it_was_trained_on(save
     assert "\n" not in str(error.value)
 
 
-def test_a_checkpoint_that_records_no_quantization_is_not_refused_for_it(tmp_path):
-    """Written before hf_scale_state.json recorded the base's quantization: it cannot tell, so nothing is refused."""
-    spec = _spec("accelerate", 2, 1, 2)
-    checkpoint.write_state(tmp_path, step=2, spec=spec, epoch=0, samples_consumed_in_epoch=8)
-    state = json.loads((tmp_path / "hf_scale_state.json").read_text())
+def _written_before_quantization_was_recorded(path, spec, config: dict | None, adapter: bool = False) -> None:
+    """A checkpoint as hf_scale wrote it before hf_scale_state.json recorded the base's quantization: the state
+    without it, the saved config.json (`config`, None: none) and, for LoRA, the adapter config."""
+    checkpoint.write_state(path, step=2, spec=spec, epoch=0, samples_consumed_in_epoch=8)
+    state = json.loads((path / "hf_scale_state.json").read_text())
     del state["quantization"]
-    (tmp_path / "hf_scale_state.json").write_text(json.dumps(state))
-    assert reshard.check_resumable(tmp_path, replace(spec, quantization="4bit"))["step"] == 2
+    (path / "hf_scale_state.json").write_text(json.dumps(state))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    if adapter:
+        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+
+
+QLORA_CONFIG = {"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                                               "bnb_4bit_quant_type": "nf4"}}
+
+
+@pytest.mark.parametrize(("config", "adapter", "resumed", "refusal"), [
+    (QLORA_CONFIG, True, None, "saved on a 4-bit base (--load_in_4bit) (read from its config.json: its "
+                               "hf_scale_state.json predates the record of the quantization), resumed on an "
+                               "unquantized base; its adapter continues only on the base it was trained on: resume "
+                               "with --load_in_4bit"),
+    ({"model_type": "llama"}, True, "4bit", "saved on an unquantized base (read from its config.json"),
+    (None, True, None, "records no quantization of its base (no \"quantization\" in hf_scale_state.json, no "
+                       "config.json), so it cannot be told whether its adapter was trained on an unquantized base"),
+    (None, False, "4bit", "records no quantization of its base"),
+    (QLORA_CONFIG, True, "4bit", None), ({"model_type": "llama"}, True, None, None), (None, False, None, None)],
+    ids=["config-4bit-resumed-plain", "config-plain-resumed-4bit", "no-record-adapter", "no-record-4bit-run",
+         "config-4bit-same", "config-plain-same", "no-record-full-model"])
+def test_a_checkpoint_written_before_quantization_was_recorded_is_judged_by_its_config(config, adapter, resumed,
+                                                                                      refusal, tmp_path):
+    """Older checkpoints' hf_scale_state.json has no "quantization": the saved config.json's quantization_config
+    (transformers writes it for a quantized model) says which base; where nothing says, an adapter or a quantized
+    run is refused in one line rather than assumed."""
+    spec = _spec("accelerate", 2, 1, 2)
+    _written_before_quantization_was_recorded(tmp_path, spec, config, adapter)
+    if refusal is None:
+        assert reshard.check_resumable(tmp_path, replace(spec, quantization=resumed))["step"] == 2
+        return
+    with pytest.raises(UserError) as error:
+        reshard.check_resumable(tmp_path, replace(spec, quantization=resumed))
+    assert str(error.value).startswith(f"--resume_from_checkpoint={tmp_path}: {refusal}")
+    assert "\n" not in str(error.value)
+
+

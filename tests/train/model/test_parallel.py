@@ -18,6 +18,8 @@ accelerate refuses TP over pure replication, so it needs dp_replicate=2 x dp_sha
 from __future__ import annotations
 
 import os
+import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -37,8 +39,12 @@ from train_helpers import (
     read_eval_metrics,
     read_metrics,
     run_ok,
+    training_traceback_frames,
 )
 from transformers import AutoModelForCausalLM
+
+from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import store as checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -144,6 +150,38 @@ def test_tp2_checkpoint_resumes_exactly_and_at_dp_shard2(tp_dir, tmp_path):
     for record in other:
         assert record["loss"] == pytest.approx(want[record["step"]]["loss"], rel=1e-4)
         assert record["tokens"] == want[record["step"]]["tokens"]
+
+
+def _full_disk() -> None:
+    """In the launcher before it starts (inherited by every rank): a file may grow to 600 kB, the kernel refuses
+    more (EFBIG; Python ignores SIGXFSZ) — a real limit standing in for a full disk. The model's files fit; each
+    rank's DCP shard of the model and its Adam state does not."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+@pytest.mark.parametrize("config", [TP2, FSDP2], ids=["tp2", "fsdp2"])
+def test_a_full_disk_during_a_sharded_save_is_one_line_and_keeps_the_intact_checkpoint(config, tp_dir, tmp_path):
+    """A sharded save (torch.distributed.checkpoint, every rank writing its shards) that cannot write: DCP raises
+    every rank's failure on every rank; each says the same line (the generated scripts print it once), no
+    traceback, and checkpoint-3 stays the newest checkpoint, nothing half-written published."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copytree(tp_dir / "checkpoint-3", out / "checkpoint-3")
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    result = subprocess.run(launcher_command("torchrun") + COMMON + [
+        "--hf_scale_config", str(path), "--resume_from_checkpoint", "auto", "--save_steps", "1", "--loop", "accelerate",
+        "--output_dir", str(out)], env=child_env(), capture_output=True, text=True, timeout=600, preexec_fn=_full_disk)
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert training_traceback_frames(result.stderr) == [] and "CheckpointException" not in result.stderr, \
+        result.stderr[-4000:]
+    lines = set(re.findall(r"train\.py: error: [^\n]*", result.stderr))
+    assert len(lines) == 1, result.stderr[-4000:]
+    (line,) = lines
+    assert "train.py: error: saving checkpoint-4 failed (rank " in line, line
+    assert f"the newest intact checkpoint is {out / 'checkpoint-3'}" in line and "GiB free" in line, line
+    assert [p.name for p in checkpoint_layout.complete_checkpoints(out)] == ["checkpoint-3"]
+    assert checkpoint.verify(out / "checkpoint-3") is None
 
 
 def test_export_of_a_tp2_checkpoint_loads_with_the_trained_logits(tp_dir, tmp_path):
