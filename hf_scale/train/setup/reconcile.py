@@ -182,7 +182,7 @@ def _refuse_layout_for_local_model(layout, ns, where: str) -> None:
     from hf_scale.train.model import parallel
     from hf_scale.train.model.load import load_pretrained_config, resolve_model_path
 
-    if layout.model_parallel_size == 1:
+    if layout.model_parallel_size == 1 and layout.ep == 1:
         return
     path = resolve_model_path(ns)
     if not (Path(path) / "config.json").is_file():
