@@ -95,18 +95,26 @@ def expert_counts(config: Any) -> tuple[int | None, int | None, int]:
 
 
 def model_problem(ep: int, config: Any, where: str = "parallelism") -> str | None:
-    """Why the model cannot be split over ``ep`` ranks, or None: a dense model, a model transformers has no
-    expert-parallel plan for (``base_model_ep_plan`` missing from its config class: Llama 4 in 5.24, whose experts take
-    tokens pre-scaled by the router), or routed experts that ``ep`` does not divide (each rank holds whole experts)."""
+    """Why the model cannot be split over ``ep`` ranks, or None (:func:`experts_problem` of its config)."""
     if ep <= 1:
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     kind = getattr(text, "model_type", None) or type(text).__name__
-    routed, _, _ = expert_counts(config)
+    return experts_problem(ep, kind, expert_counts(config)[0], bool(getattr(text, "base_model_ep_plan", None)), where)
+
+
+def experts_problem(ep: int, kind: str, routed: int | None, has_ep_plan: bool,
+                    where: str = "parallelism") -> str | None:
+    """Why a model of type ``kind`` with ``routed`` experts per layer cannot be split over ``ep`` ranks, or None: a
+    dense model, a model transformers has no expert-parallel plan for (``base_model_ep_plan`` missing from its config
+    class: Llama 4 in 5.24, whose experts take tokens pre-scaled by the router), or routed experts that ``ep`` does not
+    divide (each rank holds whole experts)."""
+    if ep <= 1:
+        return None
     if routed is None:
         return (f"{where}.ep={ep} needs a mixture-of-experts model; {kind} is dense (no "
                 f"{'/'.join(EXPERT_COUNT_KEYS)} in its config): set ep to 1")
-    if not getattr(text, "base_model_ep_plan", None):
+    if not has_ep_plan:
         return (f"{where}.ep={ep}: transformers has no expert-parallel plan for {kind} (base_model_ep_plan is missing "
                 "from its config class), so from_pretrained cannot shard its experts; set ep to 1 (its experts are "
                 "then sharded by FSDP like the rest)")

@@ -122,3 +122,19 @@ def test_generate_writes_an_ep_config_that_loads_back(tmp_path):
     from hf_scale.config import load_config
 
     assert load_config(written).layout.ep == 4
+
+
+def test_generate_auto_refuses_an_ep_the_models_experts_rule_out(tmp_path, capsys):
+    """--strategy auto knows the model: an ep its 6 experts cannot split over is refused as train.py would."""
+    model = tmp_path / "moe"
+    Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                   num_experts_per_tok=2, vocab_size=128).save_pretrained(model)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--strategy", "auto", "--model", str(model), "--gpu-memory", "80GiB", "--set",
+              "strategy=fsdp", "--set", "parallelism.ep=4", "--output-dir", str(out)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "parallelism.ep=4 does not divide the model's 6 routed experts" in err and "allowed ep: 1, 2, 3, 6" in err
+    assert not out.exists()

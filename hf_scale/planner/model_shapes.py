@@ -70,6 +70,8 @@ class ModelShapes:
     """Decoder layers with routed experts (DeepSeek-style models keep the first ones dense)."""
     shared_expert_width: int = 0
     """Intermediate width of the shared experts every token runs through (Qwen2-MoE, DeepSeek), 0 without."""
+    ep_plan: bool = False
+    """transformers has an expert-parallel plan for the model (its config's base_model_ep_plan)."""
 
     @property
     def total_params(self) -> int:
@@ -337,4 +339,5 @@ def _expert_facts(lm, config) -> dict[str, int | None]:
     width = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0)
     shared_width = shared * width + (getattr(text, "shared_expert_intermediate_size", None) or 0)
     return {"num_experts": routed, "experts_per_token": active or 1, "expert_params": total,
-            "moe_layers": len(experts), "shared_expert_width": shared_width}
+            "moe_layers": len(experts), "shared_expert_width": shared_width,
+            "ep_plan": bool(getattr(text, "base_model_ep_plan", None))}

@@ -49,8 +49,8 @@ def expert_candidates(w: Workload) -> list[Candidate]:
     SIZES that divides its experts and fits inside one machine (hf_scale.expert_parallel's rules, with dp_shard = the
     world). Not with LoRA/QLoRA: adapters on expert-parallel weights are not proven (train.py refuses them)."""
     s = w.shapes
-    if not s.is_moe or w.lora_r:
-        return []
+    if not s.is_moe or w.lora_r or not s.ep_plan:
+        return []  # without an EP plan transformers cannot split the experts (train.py refuses ep)
     out = []
     for ep in SIZES:
         layout = Layout(dp_shard=w.world_size, ep=ep)
