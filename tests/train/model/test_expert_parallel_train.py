@@ -1,10 +1,10 @@
 """Expert parallelism in train.py, real processes on CPU (gloo runs transformers' all_to_all token dispatch): a tiny
 Qwen3-MoE (4 experts, 2 active, built locally) at ep=2 over FSDP2's dp_shard=2 (transformers'
 DistributedConfig(ep_size=2, fsdp_size=2): each rank holds 2 of every layer's experts, tokens exchanged by
-all-to-all) trains as one process does: the same per-step losses, gradient norms and token counts (rtol 1e-4),
-train.py's own save check passes and the saved model gives the one-process model's logits. train.py's runtime guard
-checks that the model's experts really are split 2 ways (guard.expert_split). Its refusals at start, one line and
-exit 2 before anything is written: ep with --lora_r, ep on a dense model.
+all-to-all) trains as one process does, in both loops: the same per-step losses, gradient norms and token counts
+(rtol 1e-4), train.py's own save check passes and the saved model gives the one-process model's logits. train.py's
+runtime guard checks that the model's experts really are split 2 ways (guard.expert_split). Its refusals at start,
+one line and exit 2 before anything is written: ep with --lora_r, ep on a dense model.
 
 The one-process run trains a global batch of 8 (micro 8); ep=2: micro 2 x accumulation 2 on each of the 2 data-parallel
 ranks (EP ranks see different data: ep splits the experts, not the batch). The router's auxiliary loss is off (the
@@ -56,12 +56,15 @@ def reference_dir(moe_dir, tmp_path_factory):
     return out
 
 
-def test_ep2_equals_one_process(moe_dir, ep_config, reference_dir, tmp_path):
+@pytest.mark.parametrize("loop", ["accelerate", "trainer"])
+def test_ep2_equals_one_process(loop, moe_dir, ep_config, reference_dir, tmp_path):
+    """Both loops; the one-process reference is the manual loop's (the loops train the same steps in one process:
+    tests/train/loops/test_train_equivalence.py)."""
     out = tmp_path / "ep2"
     result = run_ok(launcher_command("torchrun", nproc=2) + COMMON + [
         "--model_name_or_path", str(moe_dir), "--hf_scale_config", str(ep_config), "--output_dir", str(out),
-        "--loop", "accelerate"], env=child_env(), timeout=600)
-    assert "fsdp (dp_shard=2 (ep=2)) on 2 process(es)" in result.stderr
+        "--loop", loop], env=child_env(), timeout=600)
+    assert f"fsdp (dp_shard=2 (ep=2)) on 2 process(es) (torchrun), {loop} loop" in result.stderr
     got, want = read_metrics(out), read_metrics(reference_dir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
