@@ -4,7 +4,8 @@ DistributedConfig(ep_size=2, fsdp_size=2): each rank holds 2 of every layer's ex
 all-to-all) trains as one process does, in both loops: the same per-step losses, gradient norms and token counts
 (rtol 1e-4), train.py's own save check passes and the saved model gives the one-process model's logits. train.py's
 runtime guard checks that the model's experts really are split 2 ways (guard.expert_split). Its refusals at start,
-one line and exit 2 before anything is written: ep with --lora_r, ep on a dense model.
+one line and exit 2 before anything is written: ep with --lora_r, ep on a dense model. The Trainer's final
+checkpoint of the EP run exports to a plain Hugging Face model with the trained logits.
 
 The one-process run trains a global batch of 8 (micro 8); ep=2: micro 2 x accumulation 2 on each of the 2 data-parallel
 ranks (EP ranks see different data: ep splits the experts, not the batch). The router's auxiliary loss is off (the
@@ -16,12 +17,14 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 from train_helpers import (
     TRAIN_PY,
     assert_saved_model_verified,
     build_tiny_moe,
     child_env,
     launcher_command,
+    logits,
     read_metrics,
     run,
     run_ok,
@@ -71,6 +74,13 @@ def test_ep2_equals_one_process(loop, moe_dir, ep_config, reference_dir, tmp_pat
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
     assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
     assert_saved_model_verified(out, like=reference_dir)
+    if loop == "trainer":
+        # The Trainer's final checkpoint holds the EP run's FSDP2 shards (DCP): `hf-scale export` rebuilds the plain
+        # Hugging Face model, with the trained logits.
+        exported = tmp_path / "exported"
+        run_ok([sys.executable, "-m", "hf_scale.cli", "export", str(out / f"checkpoint-{STEPS}"), str(exported)],
+               env=child_env(), timeout=300)
+        torch.testing.assert_close(logits(exported), logits(out), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
