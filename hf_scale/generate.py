@@ -362,12 +362,14 @@ def _plan(args: argparse.Namespace):
 
 
 def _refuse_heads(cfg: DistributedConfig, plan) -> None:
-    """The model is known: --set sizes that tp or sp cannot split its heads with are refused here, as train.py would
-    before loading it (the planned sizes always divide them)."""
+    """The model is known: --set sizes that tp or sp cannot split its heads with, or an ep its experts rule out, are
+    refused here, as train.py would before loading it (the planned sizes always divide them)."""
+    from hf_scale.expert_parallel import experts_problem
     from hf_scale.parallelism import config_layout, head_problem
 
-    shapes = plan.workload.shapes
-    problem = head_problem(config_layout(cfg), shapes.num_attention_heads, shapes.num_key_value_heads)
+    shapes, layout = plan.workload.shapes, config_layout(cfg)
+    problem = (head_problem(layout, shapes.num_attention_heads, shapes.num_key_value_heads)
+               or experts_problem(layout.ep, shapes.model_type, shapes.num_experts, shapes.ep_plan))
     if problem:
         raise UserError(f"--set {problem} of {shapes.name}")
 

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool
 
+from hf_scale import expert_parallel
 from hf_scale.installed import PYTHON, version_of
 
 SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
@@ -44,6 +45,9 @@ NEEDS: dict[str, dict[str, str]] = {
     "cp": {"torch": "2.6.0", "accelerate": "1.10.0"},
     "sp": {"accelerate": "1.12.0", "deepspeed": "0.18.2", "transformers": "4.54.0"},
     "hsdp": {"torch": "2.6.0", "accelerate": "1.10.0"},
+    # ep_size and the all-to-all token dispatch arrived during transformers 5.x (the release this path is proven
+    # with); DistributedConfig._validate_resolved_ep_plan: "Expert-parallel token dispatch requires torch>=2.7".
+    "ep": {PYTHON: "3.11", "torch": "2.7.0", "transformers": "5.24.0"},
 }
 
 Size = Annotated[int, Strict(), Field(ge=1, le=16_384)]
@@ -69,10 +73,17 @@ class ParallelismSettings(BaseModel):
     """Context-parallel ranks (FSDP2 only): each holds 1/cp of every sequence; ring attention over SDPA."""
     sp: Size | None = None
     """Sequence-parallel ranks (DeepSpeed Ulysses/ALST, strategy deepspeed): heads exchanged by all-to-all."""
+    ep: Size | None = None
+    """Expert-parallel ranks of a mixture-of-experts model (strategy fsdp, fsdp.version 2): each holds 1/ep of the
+    routed experts and tokens reach them by all-to-all (transformers' DistributedConfig(ep_size)). Not a mesh
+    dimension of its own: a multiple of tp dividing dp_shard x tp, and a divisor of the model's experts; keep it
+    inside one machine. hf_scale.expert_parallel."""
     cp_comm_strategy: Literal["allgather", "alltoall"] = "allgather"
     """How context-parallel ranks exchange keys/values (accelerate's cp_comm_strategy)."""
     tp_across_machines: StrictBool = False
     """Allow a tensor-parallel group to span machines (its all-reduces then cross the slow link: a warning)."""
+    ep_across_machines: StrictBool = False
+    """Allow an expert-parallel group to span machines (its all-to-alls then cross the slow link: a warning)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,8 @@ class Layout:
     tp: int = 1
     cp: int = 1
     sp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks, carved out of dp_shard x tp (no factor of the world size; hf_scale.expert_parallel)."""
 
     @property
     def world_size(self) -> int:
@@ -122,7 +135,9 @@ class Layout:
         return {name: getattr(self, name) for name in SIZES}
 
     def describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in self.sizes().items() if size > 1) or "one process"
+        """The sizes above 1 (ep last, in brackets: it splits the experts of the ranks before it)."""
+        shown = " x ".join(f"{name}={size}" for name, size in self.sizes().items() if size > 1) or "one process"
+        return shown + (f" (ep={self.ep})" if self.ep > 1 else "")
 
 
 class LayoutError(ValueError):
@@ -154,7 +169,7 @@ def resolve(
         if world % fixed:
             raise LayoutError(_product_message(given, world, where, free))
         given[free] = world // fixed
-    layout = Layout(**{name: size or 1 for name, size in given.items()})
+    layout = Layout(**{name: size or 1 for name, size in given.items()}, ep=settings.ep or 1)
     if layout.world_size != world:
         raise LayoutError(_product_message(given, world, where, None))
     return layout
@@ -175,6 +190,7 @@ def layout_problems(
     fsdp_version: int | None,
     processes_per_machine: int,
     tp_across_machines: bool = False,
+    ep_across_machines: bool = False,
     where: str = "parallelism",
 ) -> tuple[list[str], list[str]]:
     """(refusals, warnings) of a resolved layout under a strategy, one line each. The refusals are the ones
@@ -236,7 +252,10 @@ def layout_problems(
             errors.append(f"{spans}: TP all-reduces every layer's activations, too slow across machines; "
                           f"allowed: a divisor of {processes_per_machine}, or set "
                           f"{where}.tp_across_machines=true to accept it")
-    return errors, warnings
+    ep_errors, ep_warnings = expert_parallel.layout_problems(
+        layout, strategy=strategy, fsdp_version=fsdp_version, processes_per_machine=processes_per_machine,
+        ep_across_machines=ep_across_machines, where=where)
+    return errors + ep_errors, warnings + ep_warnings
 
 
 def head_problem(layout: Layout, num_attention_heads: int, num_key_value_heads: int,
@@ -268,7 +287,8 @@ def _config_problems(cfg: Any) -> tuple[list[str], list[str]]:
     layout = config_layout(cfg)
     errors, warnings = layout_problems(layout, strategy=cfg.strategy, fsdp_version=cfg.fsdp.version,
                                        processes_per_machine=cfg.topology.processes_per_machine,
-                                       tp_across_machines=cfg.parallelism.tp_across_machines)
+                                       tp_across_machines=cfg.parallelism.tp_across_machines,
+                                       ep_across_machines=cfg.parallelism.ep_across_machines)
     return errors, warnings
 
 
@@ -329,7 +349,7 @@ def version_problem(kind: str) -> str | None:
 
 def kinds_of(layout: Layout) -> list[str]:
     """The kinds a layout uses, for version checks."""
-    kinds = [name for name in ("tp", "cp", "sp") if getattr(layout, name) > 1]
+    kinds = [name for name in ("tp", "cp", "sp", "ep") if getattr(layout, name) > 1]
     if layout.dp_replicate > 1 and layout.dp_shard > 1:
         kinds.append("hsdp")
     return kinds

@@ -14,6 +14,7 @@ from hf_scale.check import (
     deepspeed_file,
     deepspeed_json,
     fp8,
+    moe,
     parallelism,
     precision,
     qlora,
@@ -66,6 +67,8 @@ CHECKS: list[Check] = [
     parallelism.check_parallelism_block,
     parallelism.check_parallelism_layout,
     parallelism.check_parallelism_model,
+    moe.check_accelerate_expert_parallel,
+    moe.check_deepspeed_expert_parallel,
     deepspeed_json.check_deepspeed_values,
 ]
 

@@ -29,6 +29,8 @@ def check_parallelism_block(inp: CheckInputs) -> Iterator[Finding]:
         return
     known = known_section_keys(SECTION)
     for key, value in block.items():
+        if key == f"{parallelism.YAML_PREFIX}ep_size":
+            continue  # not accelerate's, and no misspelling of sp_size: `moe-accelerate-ep` says what it is
         if key not in known:
             yield Finding(
                 ignored_key_severity(key, known), "parallelism-key-unknown", inp.accelerate_file, f"{SECTION}.{key}",
@@ -106,16 +108,17 @@ def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
 
 def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
     """`parallelism-unsupported` (error): what train.py refuses for the layout before the model loads, said from
-    the files when training args are given: tp or sp not dividing the model's attention and key/value heads,
-    attention context parallelism cannot compute (a local config.json, or the embedded model train.py defaults
-    to), cp or sp with --packing or a kernel other than SDPA, tp with --lora_r (hf_scale.train.model.parallel:
-    model_problem, flag_refusal: train.py's words)."""
+    the files when training args are given: ep that the model's experts or its missing EP plan rule out, tp or sp
+    not dividing the model's attention and key/value heads, attention context parallelism cannot compute (a local
+    config.json, or the embedded model train.py defaults to), cp or sp with --packing or a kernel other than SDPA,
+    tp or ep with --lora_r (hf_scale.train.model.parallel: model_problem, flag_refusal: train.py's words)."""
     if inp.training is None:
         return
     layout, file, key = yaml_layout(inp), inp.accelerate_file, SECTION
-    if (layout is None or layout.model_parallel_size == 1) and inp.hf_scale_config is not None:
-        layout, file, key = inp.hf_scale_config.layout, inp.hf_scale_config_file, "parallelism"
-    if layout is None or layout.model_parallel_size == 1:
+    cfg = inp.hf_scale_config
+    if cfg is not None and (layout is None or layout.model_parallel_size == 1 or cfg.layout.ep > 1):
+        layout, file, key = cfg.layout, inp.hf_scale_config_file, "parallelism"  # ep is only ever the config's
+    if layout is None or (layout.model_parallel_size == 1 and layout.ep == 1):
         return
     from hf_scale.train.model import parallel
 

@@ -73,6 +73,8 @@ class Candidate:
     """Tensor-parallel degree (FSDP2 x TP, hf_scale.planner.parallel)."""
     cp: int = 1
     """Context-parallel degree (FSDP2 x CP)."""
+    ep: int = 1
+    """Expert-parallel degree of an MoE model (FSDP2 x EP): the routed experts split over ep ranks."""
 
 
 @dataclass(frozen=True)
@@ -180,20 +182,41 @@ def activation_bytes(w: Workload, *, checkpointing: bool) -> int:
     * attention: q (a h), k and v after grouped-query projection (2 a kv), sdpa/flash output (a h) that is
       also o_proj's input. Flash/memory-efficient sdpa saves only a logsumexp per head, so there is no
       seq_len^2 term
-    * SwiGLU MLP: gate and up projections (2 a i), silu(gate) (a i), and the product fed to down_proj (a i)
+    * SwiGLU MLP: gate and up projections (2 a i), silu(gate) (a i), and the product fed to down_proj (a i); in a
+      mixture-of-experts model i is the width of the experts a token runs through (ModelShapes.mlp_width: top-k
+      routed plus shared), plus the router's and the dispatch's tensors (:func:`moe_token_bytes`)
 
-    per_layer = 2 (4 + a) h + a (2h + 2kv) + 4 a i.  Without checkpointing all layers keep theirs:
+    per_layer = 2 (4 + a) h + a (2h + 2kv) + 4 a i (+ the MoE term).  Without checkpointing all layers keep theirs:
     L x per_layer x t, plus the embedding output and final norm (a h + 4 h) x t. With activation
     checkpointing each layer keeps only its input (a h), and one layer's full set is alive while it is
     recomputed in backward: (L a h + per_layer) x t.
     """
     s = w.shapes
-    a, h, i = w.weight_bytes, s.hidden_size, s.intermediate_size
+    a, h, i = w.weight_bytes, s.hidden_size, s.mlp_width
     kv = s.num_key_value_heads * s.head_dim
-    per_layer = 2 * (FP32 + a) * h + a * (2 * h + 2 * kv) + 4 * a * i
+    per_layer = 2 * (FP32 + a) * h + a * (2 * h + 2 * kv) + 4 * a * i + moe_token_bytes(w)
     if checkpointing:
         return (s.num_layers * a * h + per_layer) * w.tokens
     return (s.num_layers * per_layer + (a + FP32) * h) * w.tokens
+
+
+def moe_token_bytes(w: Workload) -> int:
+    """Per token, averaged over the decoder layers, what an MoE layer saves beyond its experts' activations: the
+    router's logits and their fp32 softmax (2 x 4 x experts), the token's copies permuted to its top-k experts and
+    their outputs before the weighted sum (2 x a x k x hidden). 0 for a dense model."""
+    s = w.shapes
+    if not s.is_moe:
+        return 0
+    per_moe_layer = 2 * FP32 * s.num_experts + 2 * w.weight_bytes * s.experts_per_token * s.hidden_size
+    return per_moe_layer * s.moe_layers // s.num_layers
+
+
+def dispatch_bytes(w: Workload, tokens: int, ep: int) -> int:
+    """The all-to-all buffers of one MoE layer under expert parallelism: the routed copies of this rank's tokens
+    sent out and the ones its experts receive (t x k x hidden each, balanced routing; transformers' all_to_all path is
+    dropless, so an unbalanced router makes the receiving side larger)."""
+    s = w.shapes
+    return 0 if ep <= 1 or not s.is_moe else 2 * w.weight_bytes * tokens * s.experts_per_token * s.hidden_size
 
 
 def logits_bytes(w: Workload) -> int:
@@ -233,7 +256,7 @@ def estimate(w: Workload, c: Candidate) -> Estimate:
     logits = logits_bytes(w)
     if c.engine == "ddp":
         return _ddp(w, c, activations, logits)
-    if c.engine == "fsdp" and (c.tp > 1 or c.cp > 1 or c.offload_params):
+    if c.engine == "fsdp" and (c.tp > 1 or c.cp > 1 or c.ep > 1 or c.offload_params):
         return fsdp_parallel_estimate(w, c, logits)
     if c.engine == "fsdp":
         return _fsdp(w, c, activations, logits)
@@ -333,18 +356,20 @@ def parallel_activation_bytes(w: Workload, *, checkpointing: bool, tp: int, cp: 
     """activation_bytes with the tokens split over cp and the TP-split tensors over tp (transformers' Llama tp_plan:
     the norms' inputs stay whole on each TP rank)."""
     s = w.shapes
-    a, h, i = w.weight_bytes, s.hidden_size, s.intermediate_size
+    a, h, i = w.weight_bytes, s.hidden_size, s.mlp_width
     kv = s.num_key_value_heads * s.head_dim
     tokens = _ceil_div(w.tokens, cp)
     # Norms (fp32 upcast + output) stay whole on each TP rank; q, k, v, attention output and the MLP are split.
-    per_layer = 2 * (FP32 + a) * h + _ceil_div(a * (2 * h + 2 * kv) + 4 * a * i, tp)
+    per_layer = 2 * (FP32 + a) * h + _ceil_div(a * (2 * h + 2 * kv) + 4 * a * i, tp) + moe_token_bytes(w)
     if checkpointing:
         return (s.num_layers * a * h + per_layer) * tokens
     return (s.num_layers * per_layer + (a + FP32) * h) * tokens
 
 
 def fsdp_parallel_estimate(w: Workload, c: Candidate, logits: int) -> Estimate:
-    """Memory of an FSDP2 candidate with TP/CP (and optionally FSDP2's CPU offload)."""
+    """Memory of an FSDP2 candidate with TP/CP/EP (and optionally FSDP2's CPU offload). Under EP the model states
+    are still split over every rank (each expert over ep x dp_shard x tp / ep ranks: transformers' efsdp), but a
+    layer gathers only this rank's 1/ep of its routed experts, and the all-to-all buffers join the buffers."""
     s = w.shapes
     replicas = w.num_machines if c.hybrid else 1
     shards = w.world_size // replicas  # dp_shard x cp x tp: every rank of a replica holds a distinct piece
@@ -354,8 +379,11 @@ def fsdp_parallel_estimate(w: Workload, c: Candidate, logits: int) -> Estimate:
     root = s.total_params - s.num_layers * s.decoder_layer_params
     # Gathered over dp_shard x cp: the root (embedding whole, lm_head split over tp) and two TP-split layers,
     # plus one layer's fp32 gradient before its reduce-scatter.
-    layer = _ceil_div(s.decoder_layer_params, c.tp)
+    experts = s.expert_layer_params
+    # the routed experts: split over ep by the EP plan (which takes them from the TP plan), else over tp
+    layer = _ceil_div(s.decoder_layer_params - experts, c.tp) + _ceil_div(experts, c.ep if c.ep > 1 else c.tp)
     gathered = a * (embed + _ceil_div(root - embed, c.tp) + 2 * layer) + FP32 * layer
+    gathered += dispatch_bytes(w, _ceil_div(w.tokens, c.cp), c.ep)
     params = _ceil_div(FP32 * trainable + a * frozen, shards)
     grads = _ceil_div(FP32 * trainable, shards)
     optimizer = _ceil_div(state * trainable, shards)
@@ -372,5 +400,5 @@ def fsdp_parallel_estimate(w: Workload, c: Candidate, logits: int) -> Estimate:
         logits=_ceil_div(logits, c.cp),
         buffers=gathered,
         cpu_per_machine=cpu,
-        notes=(f"sharded over {shards} GPUs (tp={c.tp}, cp={c.cp})",),
+        notes=(f"sharded over {shards} GPUs (tp={c.tp}, cp={c.cp}{f', ep={c.ep}' if c.ep > 1 else ''})",),
     )

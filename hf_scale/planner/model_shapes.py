@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from huggingface_hub.errors import StrictDataclassError
 
+from hf_scale import expert_parallel
 from hf_scale.errors import UserError
 from hf_scale.inputs import load_json, read_text
 
@@ -60,10 +61,55 @@ class ModelShapes:
     """The longest sequence the model was trained on (None: its config does not say)."""
     num_experts: int | None = None
     """Routed experts per MoE layer (None: a dense model), under the names transformers' MoE configs use."""
+    experts_per_token: int = 0
+    """Routed experts each token runs through (top-k; 0 for a dense model)."""
+    expert_params: int = 0
+    """Weights of the routed experts, all MoE layers together (the parameters under ``.experts.``, shared experts
+    not among them: they run for every token, like the dense part)."""
+    moe_layers: int = 0
+    """Decoder layers with routed experts (DeepSeek-style models keep the first ones dense)."""
+    shared_expert_width: int = 0
+    """Intermediate width of the shared experts every token runs through (Qwen2-MoE, DeepSeek), 0 without."""
+    ep_plan: bool = False
+    """transformers has an expert-parallel plan for the model (its config's base_model_ep_plan)."""
 
     @property
     def total_params(self) -> int:
         return sum(self.param_numels)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts and self.expert_params)
+
+    @property
+    def expert_layer_params(self) -> int:
+        """Routed expert weights of one MoE layer (what FSDP gathers of it without expert parallelism)."""
+        return self.expert_params // self.moe_layers if self.moe_layers else 0
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token runs through: the dense part and its top-k routed experts (all of them when dense).
+        What tokens/s, MFU and 6 x N FLOPs of an MoE model count."""
+        if not self.is_moe:
+            return self.total_params
+        return self.total_params - self.expert_params + self.expert_params * self.experts_per_token // self.num_experts
+
+    @property
+    def expert_width(self) -> int:
+        """Intermediate width of one routed expert (its gate, up and down projections: 3 x hidden x width)."""
+        if not self.is_moe:
+            return 0
+        return self.expert_layer_params // (self.num_experts * 3 * self.hidden_size)
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP intermediate width one token's activations and FLOPs see, averaged over the layers: the dense
+        intermediate_size, or in an MoE layer top-k routed experts plus the shared ones."""
+        if not self.is_moe:
+            return self.intermediate_size
+        moe = self.experts_per_token * self.expert_width + self.shared_expert_width
+        dense = self.num_layers - self.moe_layers
+        return (self.moe_layers * moe + dense * self.intermediate_size) // self.num_layers
 
     def lora_params(self, rank: int) -> int:
         """Trainable adapter parameters for LoRA rank ``rank`` (A: r x in, B: out x r per linear)."""
@@ -276,9 +322,22 @@ def model_shapes(model: str | PretrainedConfig, *, name: str | None = None) -> M
         lora_params_per_rank=lora_per_rank,
         linear_params=sum(m.weight.numel() for m in linears),
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
-        num_experts=next((getattr(text, key) for key in _EXPERT_COUNT_KEYS if getattr(text, key, None)), None),
+        **_expert_facts(lm, config),
     )
 
 
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-"""Qwen-MoE/OLMoE, Mixtral/gpt-oss, DeepSeek/GLM-MoE."""
+def _expert_facts(lm, config) -> dict[str, int | None]:
+    """ModelShapes' MoE fields, measured on the meta model: the routed experts' weights (transformers 5 keeps them
+    fused, ``mlp.experts.gate_up_proj`` / ``down_proj``), the layers that hold them; the counts from its config."""
+    routed, active, shared = expert_parallel.expert_counts(config)
+    if routed is None:
+        return {"num_experts": None}
+    experts = {name.split(".experts.")[0]: 0 for name, _ in lm.named_parameters()
+               if ".experts." in name and "shared" not in name}
+    total = sum(p.numel() for name, p in lm.named_parameters() if ".experts." in name and "shared" not in name)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    width = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0)
+    shared_width = shared * width + (getattr(text, "shared_expert_intermediate_size", None) or 0)
+    return {"num_experts": routed, "experts_per_token": active or 1, "expert_params": total,
+            "moe_layers": len(experts), "shared_expert_width": shared_width,
+            "ep_plan": bool(getattr(text, "base_model_ep_plan", None))}

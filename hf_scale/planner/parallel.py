@@ -1,4 +1,4 @@
-"""TP, CP and HSDP x TP candidates of the planner: which sizes make sense for a model and topology (their memory:
+"""TP, CP, EP and HSDP x TP candidates of the planner: which sizes make sense for a model and topology (their memory:
 hf_scale.planner.estimate.fsdp_parallel_estimate; their time: hf_scale.planner.time_model).
 
 Memory follows what accelerate builds (FSDP2 over the ``dp_shard x cp`` mesh dimension, TP inside it, transformers'
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hf_scale import expert_parallel
 from hf_scale.parallelism import Layout, head_problem
 from hf_scale.planner.estimate import Candidate, Workload
 
@@ -39,4 +40,26 @@ def candidates(w: Workload, base: list[Candidate]) -> list[Candidate]:
                                      offload_params=offload, **{name: size}))
             if name == "tp" and w.num_machines > 1 and w.gpus_per_machine // size > 1:
                 out.append(Candidate(f"fsdp2_hybrid_tp{size}", f"HSDP x TP={size}", "fsdp", hybrid=True, tp=size))
+    out += expert_candidates(w)
     return [replace(c, activation_checkpointing=ac) for c in out for ac in {b.activation_checkpointing for b in base}]
+
+
+def expert_candidates(w: Workload) -> list[Candidate]:
+    """FSDP2 x EP (with and without CPU offload) for a full fine-tune of a mixture-of-experts model: every ep in
+    SIZES that divides its experts and fits inside one machine (hf_scale.expert_parallel's rules, with dp_shard = the
+    world). Not with LoRA/QLoRA: adapters on expert-parallel weights are not proven (train.py refuses them)."""
+    s = w.shapes
+    if not s.is_moe or w.lora_r or not s.ep_plan:
+        return []  # without an EP plan transformers cannot split the experts (train.py refuses ep)
+    out = []
+    for ep in SIZES:
+        layout = Layout(dp_shard=w.world_size, ep=ep)
+        problems, _ = expert_parallel.layout_problems(layout, strategy="fsdp", fsdp_version=2,
+                                                      processes_per_machine=w.gpus_per_machine)
+        if problems or s.num_experts % ep:
+            continue
+        for offload in (False, True):  # FSDP2's CPU offload: transformers' DistributedConfig(fsdp_cpu_offload)
+            out.append(Candidate(f"fsdp2_ep{ep}" + ("_offload" if offload else ""),
+                                 f"FSDP2 x EP={ep}" + (" + offload" if offload else ""), "fsdp", ep=ep,
+                                 offload_params=offload))
+    return out

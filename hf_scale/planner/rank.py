@@ -203,6 +203,8 @@ def distributed_config(plan: Plan, assessment: Assessment) -> DistributedConfig:
             data["fsdp"]["offload_params"] = True
         if c.tp > 1 or c.cp > 1:
             data["parallelism"] = {"tp": c.tp, "cp": c.cp}
+        if c.ep > 1:
+            data["parallelism"] = {"ep": c.ep}  # FSDP2 over the world, the experts split over ep
     else:
         data["strategy"] = "deepspeed"
         data["deepspeed"] = {

@@ -8,7 +8,7 @@ from typing import Any
 
 from hf_scale.errors import UserError
 from hf_scale.files import save_figure_atomically
-from hf_scale.planner.rank import Assessment, Plan, distributed_config, gib, train_argv, train_flags
+from hf_scale.planner.rank import TIE, Assessment, Plan, distributed_config, gib, train_argv, train_flags
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "logits", "buffers")
 _GIB = 2**30
@@ -120,11 +120,60 @@ def plan_warnings(plan: Plan) -> list[str]:
             f"--seq-len {w.seq_len} is beyond the model's max_position_embeddings {limit}: it was not trained on "
             "sequences that long; extend its RoPE first (rope_scaling, and max_position_embeddings, in its "
             f"config.json), or train.py refuses --max_seq_length {w.seq_len}")
-    if w.shapes.num_experts:
-        warnings.append(f"a mixture-of-experts model ({w.shapes.num_experts} experts per layer): planned as if it were "
-                        "dense (every expert's weights sharded like the rest, activations of the dense MLP); expert "
-                        "parallelism is not planned yet")
+    if w.shapes.is_moe and w.lora_r:
+        warnings.append(f"a mixture-of-experts model ({w.shapes.num_experts} experts per layer) with LoRA: expert "
+                        "parallelism is not planned (train.py refuses --lora_r with parallelism.ep > 1: peft's "
+                        "adapters on expert-parallel weights are not proven); the experts are sharded like the rest")
     return warnings
+
+
+def expert_lines(plan: Plan) -> list[str]:
+    """For a mixture-of-experts model: its active share (what tokens/s and MFU count) and why the recommended ep (or
+    none) beats the others that fit: the experts a layer gathers, the all-to-all it pays, the predicted throughput."""
+    w = plan.workload
+    s = w.shapes
+    if not s.is_moe:
+        return []
+    lines = [f"mixture of experts: {s.num_experts} routed experts per layer, {s.experts_per_token} per token: "
+             f"{s.active_params:,} of {s.total_params:,} parameters active (FLOPs, tokens/s and MFU count these)"]
+    best = plan.recommended
+    if best is None or w.lora_r:
+        return lines
+    from hf_scale.planner.time_model import all_to_all_s
+
+    tokens = w.micro_batch_size * w.seq_len
+    peers = [a for a in plan.assessments if a.fits and a is not best and a.candidate.cp == 1 and a.candidate.tp == 1
+             and a.candidate.engine == "fsdp" and not a.candidate.hybrid
+             and a.candidate.offload_params == best.candidate.offload_params
+             and a.candidate.activation_checkpointing == best.candidate.activation_checkpointing]
+    others = "; ".join(f"ep={a.candidate.ep}: {a.time.tokens_per_s:,.0f} tokens/s, buffers "
+                       f"{gib(a.estimate.buffers)}" for a in sorted(peers, key=lambda a: -a.candidate.ep))
+    ep = best.candidate.ep
+    if ep > 1:
+        a2a = all_to_all_s(w, best.candidate, plan.hardware, tokens) if plan.hardware else 0.0
+        rows = tokens * s.experts_per_token // s.num_experts
+        lines.append(f"  why ep={ep}: each expert's GEMM gets the tokens routed to it from {ep} GPUs "
+                     f"({rows * ep:,} rows instead of {rows:,}), each GPU gathers 1/{ep} of a layer's experts (buffers "
+                     f"{gib(best.estimate.buffers)}) and FSDP moves 1/{ep} of the expert weights per micro-batch, for "
+                     f"{a2a:.3g} s of all-to-all per micro-batch (it grows with ep); {best.time.tokens_per_s:,.0f} "
+                     f"tokens/s per GPU" + (f" (the same layout at other ep: {others})" if others else ""))
+        tied = [a.candidate.ep for a in peers if a.candidate.ep > ep and a.time.tokens_per_s > best.time.tokens_per_s]
+        if tied:
+            lines.append(f"  ep={', '.join(map(str, tied))} predicts within {TIE:.0%} (a tie): the smaller ep, with "
+                         "fewer all-to-all peers, is recommended")
+        return lines
+    fitting = [a for a in plan.assessments if a.candidate.ep > 1 and a.fits]
+    if fitting:
+        why = (f"the fastest FSDP2 x EP that fits, {fitting[0].candidate.label}"
+               f"{' + AC' if fitting[0].candidate.activation_checkpointing else ''}, predicts "
+               f"{fitting[0].time.tokens_per_s:,.0f} tokens/s per GPU ({fitting[0].time.dominant}-bound)")
+    else:
+        smallest = min((a for a in plan.assessments if a.candidate.ep > 1), key=lambda a: a.estimate.gpu_total,
+                       default=None)
+        why = ("no ep divides the experts inside one machine" if smallest is None else
+               f"no FSDP2 x EP fits (the smallest, {smallest.candidate.label}: {smallest.reason})")
+    lines.append(f"  no ep: {best.candidate.label} predicts {best.time.tokens_per_s:,.0f} tokens/s per GPU; {why}")
+    return lines
 
 
 def verdict_lines(plan: Plan, budget: Budget = Budget()) -> list[str]:
@@ -144,6 +193,7 @@ def verdict_lines(plan: Plan, budget: Budget = Budget()) -> list[str]:
             f"of {gib(plan.gpu_budget)} usable{padding}"
         )
         lines.append(f"  predicted: {_time_line(plan, best, budget)}")
+        lines += expert_lines(plan)
         if plan.rejected_faster:
             lines.append("faster candidates rejected:")
     for a in plan.rejected_faster:
@@ -186,6 +236,11 @@ def _calibrated(plan: Plan) -> str:
     return "" if k == 1.0 else f" (calibrated: x {k:.3f})"
 
 
+def _sizes(layout) -> dict[str, int]:
+    """The layout's mesh sizes, and ep when the experts are split."""
+    return layout.sizes() | ({"ep": layout.ep} if layout.ep > 1 else {})
+
+
 def plan_dict(plan: Plan, budget: Budget = Budget()) -> dict[str, Any]:
     """JSON-ready plan: inputs, model, every candidate with its byte breakdown and time, the recommendation."""
     w, s = plan.workload, plan.workload.shapes
@@ -197,7 +252,7 @@ def plan_dict(plan: Plan, budget: Budget = Budget()) -> dict[str, Any]:
                 "key": a.slug,
                 "label": c.label,
                 "activation_checkpointing": c.activation_checkpointing,
-                "parallelism": distributed_config(plan, a).layout.sizes(),
+                "parallelism": _sizes(distributed_config(plan, a).layout),
                 "seq_len": w.cp_seq_len(c.cp),
                 "bytes_per_gpu": {**e.breakdown(), "total": e.gpu_total},
                 "cpu_bytes_per_machine": e.cpu_per_machine,

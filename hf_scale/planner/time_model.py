@@ -13,6 +13,13 @@ Compute per micro-batch on one GPU:
 * Activation checkpointing recomputes the forward in backward.
 Communication per layout: its bytes per GPU over the slowest link its group spans (NVLink/PCIe inside a machine,
 the network across machines) at :data:`LINK_EFFICIENCY`; the engine hides :data:`OVERLAP` of it behind compute.
+
+A mixture-of-experts model computes, per token, only its active weights (the dense part and top-k routed experts:
+ModelShapes.mlp_width), so FLOPs, tokens/s and MFU count active parameters; each expert's GEMM sees only the tokens
+routed to it (t x k / experts on one rank, ep times that under expert parallelism), which the GEMM efficiency
+charges. FSDP gathers every expert's weights each micro-batch; expert parallelism gathers 1/ep of them, over the
+ep x dp_shard x tp / ep ranks holding the same experts, and adds per MoE layer two all-to-alls forward and two
+backward (:func:`all_to_all_s`), not overlapped (transformers' dispatch waits for them).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's gradient bucket (bucket_cap_mb=25): one all-reduce per bucket."""
 CP_OVERLAP = 0.9
 """Ring attention passes the next K/V chunk while the current one is computed."""
+ALL_TO_ALLS_PER_MOE_LAYER = 4
+"""Dispatch and combine forward, their gradients backward (transformers' all_to_all EP implementation)."""
 
 
 @dataclass(frozen=True)
@@ -143,18 +152,21 @@ def _compute_s(
     elementwise = COMPILED_ELEMENTWISE_BYTES if compiled else ELEMENTWISE_BYTES
     attn_width = s.num_attention_heads * s.head_dim
     kv_width = s.num_key_value_heads * s.head_dim
-    per_layer = s.hidden_size * (2 * attn_width + 2 * kv_width) + 3 * s.hidden_size * s.intermediate_size
+    router = s.hidden_size * (s.num_experts or 0) * s.moe_layers / s.num_layers
+    per_layer = s.hidden_size * (2 * attn_width + 2 * kv_width) + 3 * s.hidden_size * s.mlp_width + router
     bwd = 1.0 if w.lora_r else 2.0  # a frozen base has no weight gradients
     layer_flops = 2 * per_layer / c.tp * tokens
     head_flops = 2 * s.hidden_size * s.vocab_size / c.tp * tokens  # lm_head is split column-wise over TP
     mlp_gemm = 2 * tokens * s.hidden_size * s.intermediate_size / c.tp
+    if s.is_moe:  # one expert's GEMM: the tokens routed to it (from the whole EP group) times its weights
+        mlp_gemm = 2 * tokens * c.ep * s.experts_per_token / s.num_experts * s.hidden_size * s.expert_width
     gemm_rate = gemm_peak(w, hw, fp8) * gemm_efficiency(hw, mlp_gemm)
     head_rate = peak * gemm_efficiency(hw, head_flops)
     seq = w.cp_seq_len(c.cp)
     attn_fwd = 2 * seq * attn_width / c.tp * tokens * s.num_layers
     # per token per layer forward; CP ranks hold 1/cp of the tokens but attend to the whole sequence
     elem_fwd = (
-        sum(k * n for k, n in zip(elementwise, (s.hidden_size, s.intermediate_size / c.tp), strict=True))
+        sum(k * n for k, n in zip(elementwise, (s.hidden_size, s.mlp_width / c.tp), strict=True))
         * w.weight_bytes
         / 2
         * tokens
@@ -215,6 +227,11 @@ def _communication_s(
     if fp8_all_gather:
         params -= (b - 1) * s.linear_params / c.tp
     per_micro = 2 * _ring_s(params, shard, link) + _ring_s(grads / c.tp, shard, link)
+    if c.ep > 1:  # the dense part as above; the experts, 1/ep of them, over the ranks holding the same ones
+        experts = b * s.expert_params
+        efsdp = shard * c.tp // c.ep
+        dense = 3 * _ring_s((b * total - experts) / c.tp, shard, link)
+        per_micro = dense + 3 * _ring_s(experts / c.ep, efsdp, _link(w, hw, n))
     per_micro += (shard > 1) * 3 * s.num_layers * COLLECTIVE_LATENCY_S  # one of each per layer
     hidden += overlap * per_micro * micro_steps
     exposed += (1 - overlap) * per_micro * micro_steps
@@ -224,12 +241,32 @@ def _communication_s(
         exposed += (1 - overlap) * replicate
     if c.tp > 1:  # two all-reduces of the activations per layer forward, two backward, none hidden (no async TP)
         exposed += micro_steps * 4 * s.num_layers * 2 * _ring_s(tokens * s.hidden_size * b, c.tp, hw.intra_node_bps)
+    if c.ep > 1:
+        exposed += micro_steps * all_to_all_s(w, c, hw, tokens)
     if c.cp > 1:  # the ring passes K and V forward, K, V and their gradients backward, while attention computes
         kv = tokens * 2 * s.num_key_value_heads * s.head_dim * b
         ring = micro_steps * s.num_layers * 3 * (c.cp - 1) * kv / (_link(w, hw, c.cp) * LINK_EFFICIENCY)
         hidden += CP_OVERLAP * ring
         exposed += (1 - CP_OVERLAP) * ring
     return hidden, exposed
+
+
+def all_to_all_s(w: Workload, c: Candidate, hw: Hardware, tokens: int) -> float:
+    """Seconds of one micro-batch's expert dispatch under ep: per MoE layer ALL_TO_ALLS_PER_MOE_LAYER all-to-alls, each
+    sending the routed copies of this rank's tokens (t x k x hidden) but the 1/ep staying home, over the links to its
+    peers, plus a fixed cost per peer (NCCL's all-to-all is ep - 1 point-to-point sends): the term that grows
+    with ep."""
+    s = w.shapes
+    if c.ep <= 1 or not s.is_moe:
+        return 0.0
+    routed = tokens * s.experts_per_token * s.hidden_size * w.weight_bytes
+    # the peers on this machine over NVLink/PCIe; those on other machines over this GPU's own network adapter (an
+    # all-to-all has no ring whose traffic the machine's adapters could share)
+    local = min(c.ep, w.gpus_per_machine)
+    one = routed * (local - 1) / c.ep / (hw.intra_node_bps * LINK_EFFICIENCY)
+    one += routed * (c.ep - local) / c.ep / (hw.inter_node_bps * LINK_EFFICIENCY)
+    one += (c.ep - 1) * COLLECTIVE_LATENCY_S
+    return s.moe_layers * ALL_TO_ALLS_PER_MOE_LAYER * one
 
 
 def _offload_s(w: Workload, c: Candidate, hw: Hardware, micro_steps: int) -> float:

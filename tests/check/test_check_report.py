@@ -29,7 +29,7 @@ from check_cases import (
 from hf_scale import check
 
 FAMILIES = ("accelerate_yaml", "deepspeed_file", "batch", "precision", "deepspeed_json", "trainer_values", "topology",
-            "zero", "fp8", "parallelism", "qlora")
+            "zero", "fp8", "parallelism", "qlora", "moe")
 
 
 def all_triggers() -> dict[str, tuple]:

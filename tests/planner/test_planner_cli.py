@@ -49,8 +49,9 @@ def test_plan_prints_a_table_with_every_candidate_and_the_verdict(llama8b, capsy
     assert "slower candidates that fit" in out and "needs 192.0 GiB per GPU" not in out
 
 
-def test_a_mixture_of_experts_model_is_planned_as_dense_said_in_one_line(tmp_path, capsys):
-    """Issue 35: until expert parallelism is planned, an MoE config plans (no crash) and says how it was planned."""
+def test_a_mixture_of_experts_model_is_planned_with_expert_parallelism_and_lora_says_why_not(tmp_path, capsys):
+    """Issue 35: an MoE config plans FSDP2 x EP candidates (their ep in --json), silently; with LoRA, where train.py
+    refuses ep > 1, it plans no EP and says so in one line."""
     path = tmp_path / "moe.json"
     path.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512,
                                 "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -58,11 +59,17 @@ def test_a_mixture_of_experts_model_is_planned_as_dense_said_in_one_line(tmp_pat
                                 "num_experts_per_tok": 2, "vocab_size": 1024, "max_position_embeddings": 4096}))
     assert main(["plan", str(path), "--json"]) == 0
     captured = capsys.readouterr()
+    assert captured.err == ""
+    data = json.loads(captured.out)
+    assert data["recommended"]
+    assert {c["parallelism"].get("ep", 1) for c in data["candidates"]} == {1, 2, 4, 8}
+    assert main(["plan", str(path), "--json", "--lora-r", "8"]) == 0
+    captured = capsys.readouterr()
     (line,) = captured.err.splitlines()
-    assert line == ("hf-scale: warning: a mixture-of-experts model (8 experts per layer): planned as if it were dense "
-                    "(every expert's weights sharded like the rest, activations of the dense MLP); expert parallelism "
-                    "is not planned yet")
-    assert json.loads(captured.out)["recommended"]
+    assert line == ("hf-scale: warning: a mixture-of-experts model (8 experts per layer) with LoRA: expert parallelism "
+                    "is not planned (train.py refuses --lora_r with parallelism.ep > 1: peft's adapters on "
+                    "expert-parallel weights are not proven); the experts are sharded like the rest")
+    assert {c["parallelism"].get("ep", 1) for c in json.loads(captured.out)["candidates"]} == {1}
 
 
 def test_plan_json_has_byte_breakdowns_that_add_up(llama8b, capsys):

@@ -32,18 +32,22 @@ def accelerate_parallelism_config(layout: Layout, cp_comm_strategy: str = "allga
 
 
 def sharded_at_load(layout: Layout) -> bool:
-    """transformers builds this layout's model already sharded (TP, and FSDP2 over the data-parallel ranks)."""
-    return layout.tp > 1
+    """transformers builds this layout's model already sharded (TP and/or EP, and FSDP2 over the data-parallel
+    ranks)."""
+    return layout.tp > 1 or layout.ep > 1
 
 
 def load_kwargs(layout: Layout, fsdp_settings: dict | None) -> dict:
-    """The `from_pretrained` arguments that build the model on the layout's mesh (none without TP)."""
+    """The `from_pretrained` arguments that build the model on the layout's mesh (none without TP or EP): the
+    model's own TP plan under tp > 1, its expert-parallel plan (``base_model_ep_plan``: experts split over ep, tokens
+    dispatched by all-to-all) under ep > 1, FSDP2 over dp_shard (and the experts over dp_shard x tp / ep)."""
     if not sharded_at_load(layout):
         return {}
     from transformers.distributed.configuration_utils import DistributedConfig
 
     return {"distributed_config": DistributedConfig(
-        tp_size=layout.tp, tp_plan="auto", fsdp_size=layout.dp_shard, dp_replicate_size=layout.dp_replicate,
+        tp_size=layout.tp, tp_plan="auto" if layout.tp > 1 else None, fsdp_size=layout.dp_shard,
+        dp_replicate_size=layout.dp_replicate, ep_size=layout.ep,
         fsdp_cpu_offload=bool((fsdp_settings or {}).get("offload_params", False)),
     )}
 
@@ -100,6 +104,9 @@ def flag_refusal(layout: Layout, *, packing: bool, attn_implementation: str, lor
         # `auto` resolves to sdpa under sp (hf_scale.train.model.attention.resolve's `required`).
         return (f"{sp} with --attn_implementation={attn_implementation}: Ulysses runs here around sdpa; use "
                 "--attn_implementation sdpa (or auto)")
+    if layout.ep > 1 and lora_r > 0:
+        return (f"--lora_r={lora_r} with expert parallelism ({where}.ep={layout.ep}): hf_scale has not proven peft's "
+                "LoRA layers on expert-parallel weights; train all weights (--lora_r 0) or set parallelism.ep to 1")
     if layout.tp > 1 and lora_r > 0:
         return (f"--lora_r={lora_r} with tensor parallelism ({where}.tp={layout.tp}): hf_scale has not proven peft's "
                 "LoRA layers on DTensor weights; train all weights (--lora_r 0) or set parallelism.tp to 1")
@@ -107,11 +114,18 @@ def flag_refusal(layout: Layout, *, packing: bool, attn_implementation: str, lor
 
 
 def model_problem(layout: Layout, model_config, where: str) -> str | None:
-    """What the model's config rules out for the layout, or None: heads that tp or sp cannot split whole
-    (parallelism.head_problem), attention that context parallelism cannot compute (context_parallel.model_refusal).
-    train.py asks before the model loads: in prepare when config.json is local, else once it has been read."""
+    """What the model's config rules out for the layout, or None: experts that ep cannot split (a dense model, no
+    expert-parallel plan in transformers, experts ep does not divide: expert_parallel.model_problem), heads that tp
+    or sp cannot split whole (parallelism.head_problem), attention that context parallelism cannot compute
+    (context_parallel.model_refusal). train.py asks before the model loads: in prepare when config.json is local,
+    else once it has been read."""
+    from hf_scale import expert_parallel
     from hf_scale.parallelism import head_problem
     from hf_scale.train.model.context_parallel import model_refusal
+
+    problem = expert_parallel.model_problem(layout.ep, model_config, where)
+    if problem:
+        return problem
 
     config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     heads = getattr(config, "num_attention_heads", None)

@@ -40,6 +40,8 @@ class Expected:
     """Tensor-parallel size: the model's weights must be DTensors split tp ways (transformers' tp_size)."""
     cp: int = 1
     """Context-parallel size: accelerate's ParallelismConfig must have it (its prepare applies the ring attention)."""
+    ep: int = 1
+    """Expert-parallel size: each rank must hold 1/ep of every MoE layer's routed experts."""
     sp: int = 1
     """Sequence-parallel size: DeepSpeed's batch counts the data-parallel ranks only (world size / sp)."""
 
@@ -64,6 +66,9 @@ class Observed:
     """The model's tensor-parallel size (transformers' tp_size; 1 when not built on a mesh)."""
     cp: int = 1
     """The context-parallel size of accelerate's ParallelismConfig (1 without one)."""
+    ep: int = 1
+    """How many ways the model's routed experts are split (all experts / the ones one rank holds; 1: dense, or not
+    split)."""
 
 
 def deepspeed_engine_facts(engine) -> dict:
@@ -135,7 +140,22 @@ def observe(
         single_process_cpu_launch=single_cpu_launch,
         tp=getattr(model, "tp_size", None) or 1,
         cp=getattr(getattr(state, "parallelism_config", None), "cp_size", None) or 1,
+        ep=expert_split(model),
     )
+
+
+def expert_split(model) -> int:
+    """How many ways transformers split the model's routed experts: the config's expert count over the count an
+    experts module holds after its expert-parallel plan (GroupedGemmParallel sets ``num_experts`` to the local count
+    and marks the module ``_is_expert_parallel``); 1 when no module is split."""
+    from hf_scale.expert_parallel import expert_counts
+
+    local = next((m.num_experts for m in model.modules() if getattr(m, "_is_expert_parallel", False)), None)
+    if local is None:
+        return 1
+    config = next(m.config for m in model.modules() if hasattr(m, "config"))  # under a DDP/DeepSpeed wrapper too
+    routed, _, _ = expert_counts(config)
+    return routed // local if routed and local else 1
 
 
 def find_problems(expected: Expected, observed: Observed) -> list[str]:
@@ -181,6 +201,9 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
     if observed.tp != expected.tp:
         problems.append(f"tensor parallelism of {expected.tp} was requested but the model is built with tp_size "
                         f"{observed.tp}")
+    if observed.ep != expected.ep:
+        problems.append(f"expert parallelism of {expected.ep} was requested but the model's routed experts are split "
+                        f"{observed.ep} way(s)")
     if observed.cp != expected.cp:
         problems.append(f"context parallelism of {expected.cp} was requested but accelerate runs cp_size "
                         f"{observed.cp}: its prepare would not apply the ring attention")

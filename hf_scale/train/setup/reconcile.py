@@ -87,19 +87,20 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
     refusal = engine_mismatch(cfg, request.launcher, request.strategy, where)
     if refusal:
         raise UserError(refusal)
-    if launcher_chose_engine and wanted == "fsdp" and cfg.layout.tp > 1:
-        # accelerate launch's FSDP under TP: transformers shards at load (detect_launch turned accelerate's
-        # plugin off), with the config's fsdp settings, as under torchrun.
+    if launcher_chose_engine and wanted == "fsdp" and (cfg.layout.tp > 1 or cfg.layout.ep > 1):
+        # accelerate launch's FSDP under TP or EP: transformers shards at load (under TP detect_launch turned
+        # accelerate's plugin off; EP is only the config's, so here), with its fsdp settings, as under torchrun.
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
         request = dataclasses.replace(request, fsdp_settings=cfg.fsdp.model_dump())
     if not launcher_chose_engine and wanted == "fsdp":
         # With tp > 1 transformers applies FSDP2 itself while it builds the model on the mesh (model/parallel.py),
         # for the Trainer as for the manual loop; without, only the manual loop shards with torch's fully_shard.
-        if ns.loop != "accelerate" and cfg.layout.tp <= 1:
+        if ns.loop != "accelerate" and cfg.layout.tp <= 1 and cfg.layout.ep <= 1:
             raise UserError(
                 f"{where}: strategy=fsdp under {request.launcher} runs in the manual loop only; add --loop "
                 "accelerate, or launch the Trainer with `accelerate launch --config_file accelerate_configs/NAME.yaml`"
             )
-        if cfg.layout.dp_replicate > 1 and cfg.layout.dp_shard > 1 and cfg.layout.tp == 1:
+        if cfg.layout.dp_replicate > 1 and cfg.layout.dp_shard > 1 and cfg.layout.tp == 1 and cfg.layout.ep == 1:
             # HSDP is a 2-D mesh that accelerate builds from the YAML's parallelism_config (and transformers under
             # TP); neither torch's fully_shard here nor the plugin alone has one: FSDP2 would shard over every rank.
             # Named as the user wrote it: hybrid_shard, or the parallelism sizes alone.
@@ -182,7 +183,7 @@ def _refuse_layout_for_local_model(layout, ns, where: str) -> None:
     from hf_scale.train.model import parallel
     from hf_scale.train.model.load import load_pretrained_config, resolve_model_path
 
-    if layout.model_parallel_size == 1:
+    if layout.model_parallel_size == 1 and layout.ep == 1:
         return
     path = resolve_model_path(ns)
     if not (Path(path) / "config.json").is_file():
@@ -239,7 +240,7 @@ def launched_layout_mismatch(cfg, launched: parallelism.Layout, cp_comm_strategy
     """Where the accelerate config's parallelism_config (its sizes ``launched``, its ``cp_comm_strategy``) disagrees
     with the config's parallelism, or None. Pure: train.py refuses it at start (apply_hf_scale_config), `hf-scale
     check` says it from the two files (hf_scale.check.trainer_values)."""
-    if launched.active and launched != cfg.layout:
+    if launched.active and launched.sizes() != cfg.layout.sizes():  # ep is the config's alone (no accelerate key)
         return (f"{where}: parallelism {cfg.layout.describe()} but the accelerate config's parallelism_config has "
                 f"{launched.describe()}")
     comm = cfg.parallelism.cp_comm_strategy

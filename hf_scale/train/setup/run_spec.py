@@ -87,6 +87,7 @@ class RunSpec:
             zero3_init=self.zero3_init,
             fsdp_version=self.fsdp_version,
             tp=self.layout.tp,
+            ep=self.layout.ep,
             cp=self.layout.cp,
             sp=self.layout.sp,
         )
@@ -99,7 +100,7 @@ class RunSpec:
     def describe(self) -> str:
         """The one line train.py logs at the start."""
         engine = f"deepspeed ZeRO-{self.zero_stage}" if self.strategy == "deepspeed" else self.strategy
-        if self.layout.model_parallel_size > 1:
+        if self.layout.model_parallel_size > 1 or self.layout.ep > 1:
             engine += f" ({self.layout.describe()})"
         return (
             f"{engine} on {self.world_size} process(es) ({self.launcher}), {self.loop} loop: global batch size "

@@ -104,3 +104,26 @@ def test_tensor_parallel_run_needs_a_model_built_with_that_tp_size():
     not_built = Observed(2, "MULTI_CPU", 2, "none", micro_batch_size=4, mixed_precision="no")
     assert find_problems(expected, not_built) == [
         "tensor parallelism of 2 was requested but the model is built with tp_size 1"]
+
+
+def test_expert_parallel_run_needs_a_model_whose_experts_are_split_that_many_ways():
+    """The measure is the model itself: the config's routed experts over what an experts module holds after
+    transformers' EP plan (a real Qwen3-MoE module, its num_experts set to the local count as GroupedGemmParallel
+    does)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hf_scale.train.setup.guard import expert_split
+
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=16, num_experts=4, num_experts_per_tok=2, vocab_size=64))
+    assert expert_split(model) == 1  # not split
+    experts = next(m for name, m in model.named_modules() if name.endswith("mlp.experts"))
+    experts.num_experts, experts._is_expert_parallel = 2, True
+    assert expert_split(model) == 2
+    expected = Expected("fsdp", 2, 4, 2, "no", ep=2)
+    not_split = Observed(2, "MULTI_CPU", 2, "fsdp2", micro_batch_size=4, mixed_precision="no")
+    assert find_problems(expected, not_split) == [
+        "expert parallelism of 2 was requested but the model's routed experts are split 1 way(s)"]
+    assert find_problems(expected, Observed(2, "MULTI_CPU", 2, "fsdp2", micro_batch_size=4, mixed_precision="no",
+                                            ep=2)) == []
