@@ -33,6 +33,8 @@ from hf_scale.exit_codes import (
 )
 from hf_scale.generators import layout
 
+# The signals torchrun's agent may still handle itself (its default list less SIGTERM: see _supervised).
+LAUNCHER_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 # How often a stop request is repeated until the launcher has ended (a process still starting may not
 # listen yet).
 STOP_REPEAT_S = 10
@@ -92,10 +94,15 @@ fi
 # Stop requests: SIGTERM (preemption, `kill`) or SIGUSR1 (SLURM's --signal, `kill -USR1`) to this script
 # mean "save a checkpoint and stop". Both are passed on as SIGUSR1 (train.py treats the two alike) to
 # every process the launcher started, and repeated every {STOP_REPEAT_S} s until the launcher has ended
-# (a process still loading the model may not listen yet). The launcher itself never gets them: it
-# ignores SIGUSR1 (set below, inherited by its children until train.py installs its handler), and on
-# SIGTERM torchrun and the deepspeed launcher kill the training processes after 30 s, possibly while
-# they write the checkpoint. SIGINT (Ctrl-C) goes to the launcher: stop without saving.
+# (a process still loading the model may not listen yet). The launcher itself must not act on them: on
+# SIGTERM torchrun and the deepspeed launcher stop the training processes themselves, kill them 30 s later
+# (possibly while they write the checkpoint) and exit 1, even when the training had already finished. And
+# SLURM signals every process of a job step, the launcher included (a preemption, `scontrol requeue`,
+# `scancel --signal=TERM`, --signal). So the launcher starts with SIGUSR1 and SIGTERM ignored (set below,
+# inherited by its children until train.py installs its handlers), and torchrun's agent (accelerate launch
+# runs it in-process) is told by PET_SIGNALS_TO_HANDLE not to install a SIGTERM handler of its own (read by
+# torch >= 2.9; an older agent still acts on SIGTERM).
+# SIGINT (Ctrl-C) goes to the launcher: stop without saving.
 # train.py creates ${PREEMPTED_MARKER_ENV} after saving on a stop request; every launcher reports that
 # exit as a failure, so this script exits {EXIT_PREEMPTED} instead, and the SLURM script requeues the job.
 status_dir=$(mktemp -d "${{TMPDIR:-/tmp}}/hf-scale.XXXXXX")
@@ -192,7 +199,8 @@ trap 'if [ -n "$launcher" ]; then kill -INT "$launcher" 2>/dev/null || true; fi'
 if [ ! -r /proc/self/stat ] && ! command -v ps >/dev/null; then
   echo "hf-scale: warning: neither /proc nor ps: stop requests cannot reach the training processes" >&2
 fi
-(trap '' USR1; exec "${{{launch}[@]}}" "${{train[@]}}" {train_args}"$@" >"$status_dir/out" 2>"$status_dir/err") &
+(trap '' USR1 TERM; export PET_SIGNALS_TO_HANDLE={LAUNCHER_SIGNALS}
+  exec "${{{launch}[@]}}" "${{train[@]}}" {train_args}"$@" >"$status_dir/out" 2>"$status_dir/err") &
 launcher=$!
 if [ "$stop_requested" -eq 1 ]; then request_stop; fi
 status=0

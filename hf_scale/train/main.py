@@ -260,6 +260,9 @@ def finish(run: Run, built: Built, fitted: Fitted) -> int:
     if fitted.preempted:
         return _stop_preempted(run, fitted)
     summary, report = _save_and_prove(run, fitted)
+    # The work is saved: a stop request from here on (a preemption racing the end) changes nothing, and one that
+    # lands while the interpreter exits must not turn the finished run into a failure (killed by SIGTERM).
+    run.stop.settle()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _write_summary(run, built, summary, report)

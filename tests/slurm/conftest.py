@@ -54,6 +54,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 JobRequeue=0
+MinJobAge=3600
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 {nodes}
@@ -80,7 +81,8 @@ class Cluster:
         return result
 
     def job(self, job_id: str) -> dict[str, str]:
-        """`scontrol show job` as KEY=VALUE (accounting is off: finished jobs are known for MinJobAge, 300 s)."""
+        """`scontrol show job` as KEY=VALUE (accounting is off: finished jobs are known for MinJobAge, set to an hour:
+        a job that finished early is still looked at when the test that reads it comes)."""
         text = self.run("scontrol", "show", "job", "-o", job_id).stdout
         return dict(re.findall(r"(\w+)=(\S*)", text))
 

@@ -2,31 +2,39 @@
 scontrol and scancel, the generated files unchanged; the only option added at submission is
 `--gpus-per-node=0` (the test nodes have no GPU GRES, and sbatch refuses a GRES request they cannot meet).
 
-One test runs three trainings side by side: the uninterrupted 2-node x 1-process DDP job (partition spare),
-the same job stopped three times and requeued (partition debug), and the one-process reference. The first
-two stops are what SLURM sends the job steps: `--signal=USR1@120` (not "B:") signals every process of the
-steps 120 s before the time limit, which `scancel --signal=USR1 JOB` does at once (a real time limit would
-cost CI minutes); `scancel --signal=TERM JOB` is the other stop request. Each time train.py saves a
-checkpoint, the step exits 75, the script requeues the job, and the requeued job (released at once: SLURM
-would hold it ~2 minutes) resumes. The third stop is a priority preemption: a job in partition `urgent`
-(higher PriorityTier, PreemptMode=REQUEUE) takes the nodes, and SLURM sends SIGTERM to the steps. The job ends
-bit-identical to the uninterrupted one, every step logged once.
+The module's trainings run side by side (`started`): the one-process reference, the uninterrupted 2-node x
+1-process DDP job and the 2-node ZeRO-2 job (partition spare, where nothing preempts them), and the DDP job that
+is stopped over and over (partition debug). Its stops, each after a checkpoint of the current start:
+1. `scancel --signal=USR1`: what the generated `--signal=USR1@120` (not "B:") does 120 s before the time limit,
+   signalling every process of the steps (a real time limit would cost CI minutes);
+2. `scancel --signal=TERM`, the other stop request;
+3. `scontrol requeue`: SLURM itself ends the running job (SIGTERM to every process, the batch shell included,
+   SIGKILL after KillWait) and queues it again;
+4. a priority preemption: a job in partition `urgent` (higher PriorityTier, PreemptMode=REQUEUE) takes the nodes,
+   and SLURM sends SIGTERM to the steps (GraceTime before the kill);
+5. a lost node: SIGKILL to the training process of node n2. The job ends non-zero in bounded time, nothing of it
+   is left running, the newest complete checkpoint verifies, and the job submitted again resumes from it.
+After stops 1-4 train.py has saved a checkpoint and the job is queued again (released at once: SLURM would hold
+it ~2 minutes). The job ends bit-identical to the uninterrupted one, every step logged once.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 from cluster_helpers import LOOPBACK_ENV
 from safetensors.torch import load_file
-from train_helpers import TRAIN_PY, child_env, free_port, read_metrics
+from train_helpers import TRAIN_PY, child_env, free_port, prebuilt_shm_comm_op, read_metrics
 
 from hf_scale.cli import main
 from hf_scale.exit_codes import EXIT_PREEMPTED
@@ -34,16 +42,20 @@ from hf_scale.train.checkpoint import store as checkpoint
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
-STEPS = 16  # room for three stops, each a step or two after a checkpoint
+STEPS = 40  # five stops, each a few steps after a checkpoint of its start, and steps left after the last
 FIRST_EPOCH_STEPS = 14
 TRAIN = ["--max_steps", str(STEPS), "--save_steps", "2", "--seed", "5", "--warmup_ratio", "0", "--loop",
          "accelerate", "--max_seq_length", "32"]
-SETS = ["strategy=ddp", "precision=no", "batch.micro_batch_size=2", "optimizer.lr=1e-3",
-        "topology.processes_per_machine=1"]
-# name: --set values; the one-process reference keeps the global batch (8) with 4 accumulation steps.
-CONFIGS = {"job": ["topology.num_machines=2", "topology.main_process_ip=n1", "batch.gradient_accumulation_steps=2"],
-           "one": ["topology.num_machines=1", "batch.gradient_accumulation_steps=4"]}
+SETS = ["precision=no", "batch.micro_batch_size=2", "optimizer.lr=1e-3", "topology.processes_per_machine=1"]
+TWO_NODES = ["topology.num_machines=2", "topology.main_process_ip=n1", "batch.gradient_accumulation_steps=2"]
+# name: (preset, --set values); the one-process reference keeps the global batch (8) with 4 accumulation steps.
+CONFIGS = {"job": ("ddp", ["strategy=ddp", *TWO_NODES]),
+           "zero2": ("zero2", TWO_NODES),
+           "one": ("ddp", ["strategy=ddp", "topology.num_machines=1", "batch.gradient_accumulation_steps=4"])}
 GPU_LESS = "--gpus-per-node=0"
+NODE_LOSS_BOUND_S = 120
+"""How soon a job whose node died must end: gloo sees the peer's sockets close at once; never the 30-minute
+collective timeout."""
 PORTS: dict[str, int] = {}
 """Each submitted job's rendezvous port (MAIN_PROCESS_PORT)."""
 
@@ -51,10 +63,50 @@ PORTS: dict[str, int] = {}
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("generated")
-    for name, sets in CONFIGS.items():
+    for name, (preset, sets) in CONFIGS.items():
         args = [arg for item in SETS + sets for arg in ("--set", item)]
-        assert main(["generate", "--preset", "ddp", *args, "--name", name, "--output-dir", str(root)]) == 0
+        assert main(["generate", "--preset", preset, *args, "--name", name, "--output-dir", str(root)]) == 0
     return root
+
+
+class Started(NamedTuple):
+    root: Path
+    reference: subprocess.Popen
+    whole: str
+    zero2: str
+
+
+@pytest.fixture(scope="module")
+def started(slurm, generated, tmp_path_factory):
+    """The runs that nothing interrupts, started at once so that they train while the stopped job is stopped."""
+    root = tmp_path_factory.mktemp("jobs")
+    reference = subprocess.Popen([sys.executable, TRAIN_PY, *TRAIN, "--hf_scale_config",
+                                  str(generated / "hf_scale_configs" / "one.yaml"), "--output_dir",
+                                  str(root / "reference")], env=child_env(), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+    try:
+        whole = _submit(slurm, generated, root / "whole", "--partition=spare", args=[*TRAIN, "--output_dir", "out"])
+        # DeepSpeed's CPU comm op, built once (as a node would have it), so that no job step compiles it.
+        extensions = prebuilt_shm_comm_op(root / "torch_extensions")
+        zero2 = _submit(slurm, generated, root / "zero2", "--partition=spare", name="zero2",
+                        env={"TORCH_EXTENSIONS_DIR": str(extensions)}, args=[*TRAIN, "--output_dir", "out"])
+        yield Started(root, reference, whole, zero2)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait()
+
+
+def _reference(started: Started) -> Path:
+    _, stderr = started.reference.communicate(timeout=600)
+    assert started.reference.returncode == 0, stderr[-4000:]
+    return started.root / "reference"
+
+
+def _finished(slurm, job_id: str, submit_dir: Path) -> Path:
+    job = slurm.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=600)
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _output(submit_dir, job_id)[-4000:]
+    return submit_dir / "out"
 
 
 def _job_env(tmp: Path, slurm) -> dict[str, str]:
@@ -67,10 +119,11 @@ def _job_env(tmp: Path, slurm) -> dict[str, str]:
     return env
 
 
-def _submit(slurm, generated: Path, submit_dir: Path, *options: str, args: list[str]) -> str:
+def _submit(slurm, generated: Path, submit_dir: Path, *options: str, args: list[str], name: str = "job",
+            env: dict[str, str] | None = None) -> str:
     submit_dir.mkdir(exist_ok=True)
-    env = _job_env(submit_dir, slurm)
-    result = subprocess.run(["sbatch", "--parsable", GPU_LESS, *options, str(generated / "launch" / "job.sbatch"),
+    env = {**_job_env(submit_dir, slurm), **(env or {})}
+    result = subprocess.run(["sbatch", "--parsable", GPU_LESS, *options, str(generated / "launch" / f"{name}.sbatch"),
                              *args], cwd=submit_dir, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().split(";")[0]
@@ -79,7 +132,7 @@ def _submit(slurm, generated: Path, submit_dir: Path, *options: str, args: list[
 
 
 def _output(submit_dir: Path, job_id: str) -> str:
-    return (submit_dir / f"hf-scale-job-{job_id}.out").read_text()
+    return next(submit_dir.glob(f"hf-scale-*-{job_id}.out")).read_text()
 
 
 def _wait_for_checkpoint_after(slurm, job_id: str, submit_dir: Path, step: int, timeout: float = 420) -> int:
@@ -97,26 +150,30 @@ def _wait_for_checkpoint_after(slurm, job_id: str, submit_dir: Path, step: int, 
 
 
 def _requeued(slurm, job_id: str, submit_dir: Path, out: Path, restarts: int) -> int:
-    """After a stop request to the running job's steps: the job checkpointed, its step exited 75 and the script
-    requeued it. Release it (SLURM holds a requeued job ~120 s); the step of the newest checkpoint."""
+    """After a stop of the running job: the job checkpointed, ended and is queued again (by its script after the
+    step's exit 75, or by SLURM). Release it (SLURM holds a requeued job ~120 s); the step of the newest checkpoint."""
     job = slurm.wait(job_id, {"PENDING", "COMPLETED", "FAILED", "CANCELLED"})
     log = _output(submit_dir, job_id)
     assert job["JobState"] == "PENDING" and job["Restarts"] == str(restarts), (job, log[-4000:])
-    assert log.count(f"hf-scale: checkpoint saved before the time limit; requeueing job {job_id}") == restarts, log
     # once a stop, from rank 0 (which of SLURM's signal and the script's SIGUSR1 came first does not matter)
     assert len(re.findall(r"^hf_scale: stopped by ", log, re.MULTILINE)) == restarts, log[-4000:]
     assert not (out / "model.safetensors").exists()  # stopped, not finished
     saved = checkpoint.step_of(checkpoint.complete_checkpoints(out)[-1])
-    # SLURM holds a requeued job ~120 s, by which time the stopped run is gone from its nodes; released at once, it
-    # must still wait for that (its rendezvous port and the nodes free), as the hold would.
+    _wait_until_gone(slurm, job_id)
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    return saved
+
+
+def _wait_until_gone(slurm, job_id: str) -> None:
+    """SLURM holds a requeued job ~120 s, by which time the stopped run is gone from its nodes; a job released at
+    once, or submitted again, must still wait for that (its rendezvous port and the nodes free), as the hold
+    would."""
     deadline = time.monotonic() + 120
     while sorted(slurm.run("sinfo", "-h", "-N", "-p", "debug", "-t", "idle", "-o", "%N").stdout.split()) != [
         "n1", "n2"
-    ] or _listening(PORTS[job_id]):
+    ] or _listening(PORTS[job_id]) or _job_processes(slurm, job_id):
         assert time.monotonic() < deadline, "the stopped run did not leave its nodes"
         time.sleep(0.5)
-    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-    return saved
 
 
 def _listening(port: int) -> bool:
@@ -124,66 +181,127 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.skip(reason="issue 34: in the merged suite the requeued job ended FAILED (ExitCode 1:0) after the "
-                  "scancel --signal=TERM stop (passed alone on its branch); off until the cause is found")
-def test_two_node_jobs_train_like_one_process_and_resume_bit_identically_after_stops(slurm, generated, tmp_path):
-    reference = tmp_path / "reference"
-    one = subprocess.Popen([sys.executable, TRAIN_PY, *TRAIN, "--hf_scale_config",
-                            str(generated / "hf_scale_configs" / "one.yaml"), "--output_dir", str(reference)],
-                           env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        whole_dir, stopped_dir = tmp_path / "whole", tmp_path / "stopped"
-        # On partition spare (nodes n3, n4), where nothing preempts it.
-        whole = _submit(slurm, generated, whole_dir, "--partition=spare", args=[*TRAIN, "--output_dir", "out"])
-        stopped = _submit(slurm, generated, stopped_dir, args=[*TRAIN, "--output_dir", "out"])
-        out = stopped_dir / "out"
-        saved = _wait_for_checkpoint_after(slurm, stopped, stopped_dir, 0)
-        slurm.run("scancel", "--signal=USR1", stopped)  # what --signal=USR1@120 does at the time limit
-        saved = _requeued(slurm, stopped, stopped_dir, out, restarts=1)
-        saved = _wait_for_checkpoint_after(slurm, stopped, stopped_dir, saved)
-        slurm.run("scancel", "--signal=TERM", stopped)
-        saved = _requeued(slurm, stopped, stopped_dir, out, restarts=2)
-        saved = _wait_for_checkpoint_after(slurm, stopped, stopped_dir, saved)
-        # Priority preemption: a job in `urgent` (higher PriorityTier) takes debug's nodes; SLURM sends SIGTERM to
-        # our steps (PreemptMode=REQUEUE, GraceTime before the kill), and our job requeues itself after the save.
-        urgent = slurm.run("sbatch", "--parsable", "--partition=urgent", "--nodes=2", "--exclusive",
-                           f"--output={tmp_path}/urgent-%j.out", "--wrap", "true").stdout.strip().split(";")[0]
-        _requeued(slurm, stopped, stopped_dir, out, restarts=3)
-        assert slurm.wait(urgent, {"COMPLETED", "FAILED", "CANCELLED"})["JobState"] == "COMPLETED"
-        for job_id, submit_dir in ((whole, whole_dir), (stopped, stopped_dir)):
-            job = slurm.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
-            assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _output(submit_dir, job_id)[-4000:]
-        _, stderr = one.communicate(timeout=420)
-        assert one.returncode == 0, stderr[-4000:]
-    finally:
-        if one.poll() is None:
-            one.kill()
-
-    _assert_trained_alike(reference, whole_dir / "out", out, _output(stopped_dir, stopped))
+def _job_processes(slurm, job_id: str) -> dict[int, dict[str, str]]:
+    """The processes of this cluster's job on every "node" (all are this machine): pid -> environment, read from
+    /proc (another cluster on the machine numbers its jobs alike: its SLURM_CONF differs)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes()
+        except OSError:
+            continue  # ended meanwhile
+        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_CONF") == slurm.env["SLURM_CONF"]:
+            found[int(entry.name)] = env
+    return found
 
 
-def _assert_trained_alike(reference: Path, whole_out: Path, out: Path, log: str) -> None:
-    assert log.count("hf_scale: resuming from") == 3, log[-4000:]  # rank 0 alone says it, once a start
-    assert len(re.findall(r"^hf_scale: run: ", log, re.MULTILINE)) == 4  # one run line per start, not per rank
-    assert log.count(f"Exited with exit code {EXIT_PREEMPTED}") == 2 * 3  # both nodes, each stop
+def _kill_node(slurm, job_id: str, node: str) -> list[int]:
+    """SIGKILL to the training processes (the launcher's children: they have LOCAL_RANK) of one node of the job."""
+    pids = [pid for pid, env in _job_processes(slurm, job_id).items()
+            if env.get("SLURMD_NODENAME") == node and "LOCAL_RANK" in env]
+    assert pids, f"no training process of job {job_id} on {node}"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
 
-    # The 2-node job trains like one process: the same samples, the same losses (up to summation order) through
-    # the first epoch (113 examples keep a target token at 32 tokens: 14 full global batches of 8). The epoch's
-    # last, partial batch is split otherwise by 2 ranks than by one, so from there on only the weights stay close.
-    want = {r["step"]: r for r in read_metrics(reference)}
-    for record in read_metrics(whole_out)[:FIRST_EPOCH_STEPS]:
-        assert record["loss"] == pytest.approx(want[record["step"]]["loss"], rel=1e-5)
-        assert record["tokens"] == want[record["step"]]["tokens"]
-    ref_weights, whole_weights = load_file(reference / "model.safetensors"), load_file(whole_out / "model.safetensors")
-    assert all(torch.allclose(whole_weights[name], ref_weights[name], atol=1e-3) for name in ref_weights)
 
+@pytest.mark.skip(reason="issue 34: passed on 2026-11-28 04:00 (all five stops, bit-identical); at 04:23 on a loaded "
+                  "machine the start after the TERM requeue ended FAILED 1:0 within ~15 s without printing a line "
+                  "(cause not found: the cluster's logs were removed with it); off until found")
+def test_a_two_node_job_stopped_five_ways_resumes_bit_identically(slurm, generated, started, tmp_path):
+    stopped_dir = tmp_path / "stopped"
+    stopped = _submit(slurm, generated, stopped_dir, args=[*TRAIN, "--output_dir", "out"])
+    out = stopped_dir / "out"
+    saved = _wait_for_checkpoint_after(slurm, stopped, stopped_dir, 0)
+    slurm.run("scancel", "--signal=USR1", stopped)  # what --signal=USR1@120 does at the time limit
+    saved = _requeued(slurm, stopped, stopped_dir, out, restarts=1)
+    saved = _wait_for_checkpoint_after(slurm, stopped, stopped_dir, saved)
+    slurm.run("scancel", "--signal=TERM", stopped)
+    saved = _requeued(slurm, stopped, stopped_dir, out, restarts=2)
+    saved = _wait_for_checkpoint_after(slurm, stopped, stopped_dir, saved)
+    slurm.run("scontrol", "requeue", stopped)  # SLURM ends the running job itself and queues it again
+    saved = _requeued(slurm, stopped, stopped_dir, out, restarts=3)
+    saved = _wait_for_checkpoint_after(slurm, stopped, stopped_dir, saved)
+    # Priority preemption: a job in `urgent` (higher PriorityTier) takes debug's nodes; SLURM sends SIGTERM to
+    # our steps (PreemptMode=REQUEUE, GraceTime before the kill), and our job requeues itself after the save.
+    urgent = slurm.run("sbatch", "--parsable", "--partition=urgent", "--nodes=2", "--exclusive",
+                       f"--output={tmp_path}/urgent-%j.out", "--wrap", "true").stdout.strip().split(";")[0]
+    saved = _requeued(slurm, stopped, stopped_dir, out, restarts=4)
+    assert slurm.wait(urgent, {"COMPLETED", "FAILED", "CANCELLED"})["JobState"] == "COMPLETED"
+    log = _output(stopped_dir, stopped)
+
+    # A lost node: n2's training process killed. The job ends non-zero soon, nothing of it is left running, and the
+    # newest complete checkpoint verifies.
+    _wait_for_checkpoint_after(slurm, stopped, stopped_dir, saved)
+    _kill_node(slurm, stopped, "n2")
+    lost_at = time.monotonic()
+    job = slurm.wait(stopped, {"COMPLETED", "FAILED", "CANCELLED", "PENDING"}, timeout=NODE_LOSS_BOUND_S + 60)
+    assert time.monotonic() - lost_at < NODE_LOSS_BOUND_S, job
+    assert job["JobState"] == "FAILED" and job["ExitCode"] != "0:0", (job, _output(stopped_dir, stopped)[-4000:])
+    _wait_until_gone(slurm, stopped)  # the step's processes end with it (bounded by the same wait)
+    newest, skipped = checkpoint.newest_verified(out)
+    assert newest == checkpoint.complete_checkpoints(out)[-1] and not skipped, (newest, skipped)
+    # Submitted again, it resumes from that checkpoint and finishes.
+    again = _submit(slurm, generated, stopped_dir, args=[*TRAIN, "--output_dir", "out"])
+    _finished(slurm, again, stopped_dir)
+    assert f"hf_scale: resuming from out/{newest.name}" in _output(stopped_dir, again)
+
+    whole_out = _finished(slurm, started.whole, started.root / "whole")
+    _assert_stopped_log(log)
     # The stopped job ends bit-identical to the uninterrupted one, every step logged once.
     assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
     assert [(r["step"], r["loss"]) for r in read_metrics(out)] == [(r["step"], r["loss"]) for r in
                                                                   read_metrics(whole_out)]
-    stopped_weights = load_file(out / "model.safetensors")
+    stopped_weights, whole_weights = load_file(out / "model.safetensors"), load_file(whole_out / "model.safetensors")
     assert stopped_weights.keys() == whole_weights.keys()
     assert all(torch.equal(stopped_weights[name], whole_weights[name]) for name in whole_weights)
+
+
+def _assert_stopped_log(log: str) -> None:
+    """What the stopped job printed over its five starts, four of them stopped."""
+    assert log.count("hf_scale: resuming from") == 4, log[-4000:]  # rank 0 alone says it, once a start
+    assert len(re.findall(r"^hf_scale: run: ", log, re.MULTILINE)) == 5  # one run line per start, not per rank
+    # The steps exit 75 on each stop; the script requeues on it, except after `scontrol requeue` (SLURM requeued
+    # the job and ended the batch shell).
+    assert log.count(f"Exited with exit code {EXIT_PREEMPTED}") == 2 * 4, log
+    assert log.count("hf-scale: checkpoint saved before the time limit; requeueing job") == 3, log
+    # SLURM signals every process of a step, the launcher too: it leaves the stop to the training processes.
+    assert "death signal" not in log and "SignalException" not in log, log
+
+
+@pytest.mark.parametrize("job", ["whole", "zero2"])
+def test_a_two_node_job_trains_like_one_process(slurm, started, job):
+    """DDP and ZeRO-2 on 2 nodes x 1 process: the same samples, losses and gradient norms (up to summation order) as
+    one process through the first epoch (113 examples keep a target token at 32 tokens: 14 full global batches of
+    8), and the DDP job's weights after it (checkpoint-14) those of one process. Each epoch's last, partial batch
+    is filled on 2 ranks by accelerate's even_batches with samples from the epoch's start (see
+    hf_scale/train/data/batches.py), so from there on the one process trains otherwise; the ZeRO-2 job, dealt the
+    same samples as the DDP job, keeps its losses and weights to the end."""
+    submit_dir = started.root / job
+    out = _finished(slurm, getattr(started, job), submit_dir)
+    reference = _reference(started)
+    want = {r["step"]: r for r in read_metrics(reference)}
+    got = read_metrics(out)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for record in got[:FIRST_EPOCH_STEPS]:
+        assert record["loss"] == pytest.approx(want[record["step"]]["loss"], rel=1e-5)
+        assert record["grad_norm"] == pytest.approx(want[record["step"]]["grad_norm"], rel=1e-4)
+        assert record["tokens"] == want[record["step"]]["tokens"]
+    assert len(re.findall(r"^hf_scale: run: ", _output(submit_dir, getattr(started, job)), re.MULTILINE)) == 1
+    if job == "whole":
+        weights, like = (load_file(path / f"checkpoint-{FIRST_EPOCH_STEPS}" / "model.safetensors")
+                         for path in (out, reference))
+    else:
+        ddp = _finished(slurm, started.whole, started.root / "whole")
+        for record, ddp_record in zip(got, read_metrics(ddp), strict=True):
+            assert record["loss"] == pytest.approx(ddp_record["loss"], rel=1e-5)
+            assert record["grad_norm"] == pytest.approx(ddp_record["grad_norm"], rel=1e-4)
+        weights, like = load_file(out / "model.safetensors"), load_file(ddp / "model.safetensors")
+    assert weights.keys() == like.keys()
+    assert all(torch.allclose(weights[name], like[name], rtol=0, atol=1e-5) for name in like)
 
 
 def test_the_node_count_guard_refuses_another_allocation_in_one_line(slurm, generated, tmp_path):
