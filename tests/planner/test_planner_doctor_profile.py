@@ -55,7 +55,7 @@ def test_the_plans_predictions_scale_with_the_measured_numbers(tmp_path):
     # launch cost keeps it from exactly 2)
     assert fast.compute_s == pytest.approx(slow.compute_s / 2, rel=0.01)
     assert fast.optimizer_s == pytest.approx(slow.optimizer_s / 2, rel=1e-3)  # the file keeps 5 significant figures
-    assert 1.98 < fast.tokens_per_s / slow.tokens_per_s <= 2.0
+    assert 1.98 < fast.tokens_per_s / slow.tokens_per_s <= 2.0 * (1 + 1e-4)  # 5 significant figures each
 
 
 def test_write_profile_into_a_missing_directory_is_one_line_exit_2(tmp_path, capsys):
