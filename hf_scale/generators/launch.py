@@ -402,9 +402,22 @@ unset MACHINE_RANK  # a value exported at submission would give every node the s
 # A requeued job continues from the newest complete checkpoint (a fresh start when there is none), unless
 # train.py's flags say where to resume from, in any spelling: train.py decides, having read them.{restart_note}
 export {RESUME_DEFAULT_ENV}=auto
+# Every node refuses the same bad input with the same line: the job's log holds each refusal once. srun's
+# stderr passes a filter that prints a repeated "PROG: error: ..." line once and, once a refusal was printed,
+# drops srun's "task N: Exited with exit code {EXIT_BAD_INPUT}" lines (the refusal is the reason). The filter
+# ignores stop requests (a preemption signals every process of the job): it ends when srun's output does.
+once_per_job() {{
+  trap '' TERM USR1 INT
+  exec awk '
+    /^[^ ]+: error: / && !/^srun: / {{ if (seen[$0]++) next; refused = 1 }}
+    refused && /^srun: error: .*: Exited with exit code {EXIT_BAD_INPUT}$/ {{ next }}
+    {{ print; fflush() }}'
+}}
+exec 3>&1
 # No --kill-on-bad-exit: every node must finish writing its checkpoint shard before the step ends.
 status=0
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_script" {restart_loop}"$@" || status=$?
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_script" {restart_loop}"$@" 2>&1 >&3 \
+  | once_per_job >&2 || status=${{PIPESTATUS[0]}}
 if [ "$status" -eq {EXIT_PREEMPTED} ]; then
   echo "hf-scale: checkpoint saved before the time limit; requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"
