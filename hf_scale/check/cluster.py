@@ -221,7 +221,8 @@ def _train_args_findings(path: str, kind: str, facts: Facts, config: tuple[str, 
     (hf_scale.check.train_flags) and compared with the hf_scale config train.py gets (``config``: its path and
     DistributedConfig, when it is known here). `manifest-not-hf-scale`: the command runs no hf_scale training, or a
     train.py of no hf_scale mark (hf_scale.check.manifest_facts.TrainCommand.hf_scale) whose arguments hf_scale's
-    parser refuses or cannot read here (``$VAR``, ``$(...)``): a script of its own (SkyPilot's gpt-oss task runs TRL's /sft/train.py --model_id ...)."""
+    parser refuses or cannot read here (``$VAR``, ``$(...)``): a script of its own (SkyPilot's gpt-oss task runs
+    TRL's /sft/train.py --model_id ...)."""
     command = train_command(facts)
     if command is None:
         return [_not_hf_scale(path, kind, f"runs no hf_scale training (no -m {layout.TRAINING_MODULE}, "
