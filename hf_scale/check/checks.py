@@ -66,6 +66,7 @@ CHECKS: list[Check] = [
     parallelism.check_parallelism_block,
     parallelism.check_parallelism_layout,
     parallelism.check_parallelism_model,
+    parallelism.check_launched_fsdp,
     deepspeed_json.check_deepspeed_values,
 ]
 

@@ -199,9 +199,14 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], 
 def _refuse_launched_layout(request: distributed.LaunchRequest) -> None:
     """The layout rules (parallelism.layout_problems, as for a config) applied to the sizes `accelerate launch`
     exported from its YAML's parallelism_config, under the engine it launched: e.g. a MULTI_GPU (DDP) YAML with
-    dp_shard=4 shards nothing, a DEEPSPEED one with dp_replicate=2 describes replicas DeepSpeed never makes."""
+    dp_shard=4 shards nothing, a DEEPSPEED one with dp_replicate=2 describes replicas DeepSpeed never makes; and its
+    sp_attn_implementation, when hf_scale's Ulysses does not run that kernel (parallelism.sp_attn_problem)."""
     if request.layout == parallelism.Layout():
         return
+    problem = parallelism.sp_attn_problem(request.layout, request.sp_attn_implementation,
+                                          "the accelerate config's parallelism_config")
+    if problem:  # never Ulysses on sdpa behind the YAML's back
+        raise UserError(problem)
     per_machine = int(os.environ.get("LOCAL_WORLD_SIZE") or request.world_size)
     errors, _ = parallelism.layout_problems(request.layout, strategy=request.strategy,
                                             fsdp_version=request.accelerate_fsdp_version,
