@@ -17,7 +17,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from hf_scale import deepspeed_ops, hub, parallelism, quiet, rules
-from hf_scale.errors import UserError
+from hf_scale.errors import UserError, announce_started
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.train.checkpoint import final_checkpoint, launcher_watch, ownership
 from hf_scale.train.checkpoint import store as checkpoint
@@ -158,6 +158,7 @@ def prepare(argv: list[str] | None) -> Run:
     if hub_target is not None:  # first whether there will be a model to push, then the token
         final_checkpoint.refuse_push(launch.deepspeed_config, hub_target.repo_id, ns.output_dir)
         hub.check_target(hub_target, "--push_to_hub")
+    announce_started()  # the start checks passed: a launch script shows what it held back (hf_scale.exit_codes)
     state = distributed.init_process_state(launch.request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
     if launch.overrides_warning and state.is_main_process:
         print(f"hf_scale: warning: {launch.overrides_warning}", file=sys.stderr, flush=True)
