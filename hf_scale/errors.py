@@ -8,12 +8,13 @@ traceback. Everything that raises :class:`UserError` relies on the entry points
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from hf_scale.exit_codes import EXIT_BAD_INPUT, REFUSED_MARKER_ENV
+from hf_scale.exit_codes import EXIT_BAD_INPUT, REFUSED_MARKER_ENV, STARTED_MARKER_ENV
 
 
 class UserError(Exception):
@@ -45,6 +46,15 @@ def exit_refusing(prog: str, error: UserError) -> NoReturn:
     except OSError:  # the script's folder is gone: say it here
         exit_with_user_error(prog, error)
     sys.exit(error.exit_code)
+
+
+def announce_started() -> None:
+    """Tell a generated launch script (STARTED_MARKER_ENV, see hf_scale.exit_codes) that this process's start checks
+    passed: it stops holding the launcher's output back. Nothing without the variable; a lost marker only delays it."""
+    marker = os.environ.get(STARTED_MARKER_ENV)
+    if marker:
+        with contextlib.suppress(OSError):  # the folder is gone: the script holds back HOLD_START_S at most
+            open(marker, "a", encoding="utf-8").close()
 
 
 def run_or_exit(prog: str, fn: Callable[[], int | None]) -> int:

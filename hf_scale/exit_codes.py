@@ -23,6 +23,18 @@ exit 1) and every rank that refuses prints the same line. The generated launch s
 file: the first rank to refuse writes its one line there (and prints nothing), and the script prints that line
 once, holds back what the launcher adds after it, and exits EXIT_BAD_INPUT."""
 
+STARTED_MARKER_ENV = "HF_SCALE_STARTED_MARKER"
+"""The launchers print their own start-up lines (the deepspeed launcher's [INFO] block, DeepSpeed's accelerator notice)
+before train.py has judged its flags. The generated launch scripts point this variable at a file that train.py creates
+once its start checks (flags, config, launcher, machine) have passed, before the process group; until it exists (or
+a refusal's marker, or HOLD_START_S), the scripts' filter holds the launcher's output back: a start-time refusal is
+then the one line alone, and a run that starts shows those lines, late by its start checks."""
+
+HOLD_START_S = 120
+"""Seconds the generated launch scripts hold the launcher's output back at most, waiting for STARTED_MARKER_ENV's file
+(a training that never gets there still shows its output; a TRAIN_SCRIPT of one's own ends the hold by creating the
+file, as it may create the preemption marker)."""
+
 TERMINAL_ENV = "HF_SCALE_TERMINAL"
 """Set to 1 by the generated launch scripts when their own stderr is a terminal: the launcher's output reaches it
 through the scripts' filter (a pipe), and train.py draws progress bars only on a terminal (hf_scale.quiet)."""

@@ -400,6 +400,23 @@ def train_refusal(layout: Layout, where: str, *, gpu_present: bool) -> str | Non
     return None
 
 
+SP_ATTN_IMPLEMENTATIONS = ("sdpa",)
+"""The kernels hf_scale's Ulysses (sp > 1) runs around: the model loads with it and the Accelerator's
+DeepSpeedSequenceParallelConfig gets it (hf_scale.train.model.sequence_parallel). accelerate also takes
+flash_attention_2/3 and hub kernels; hf_scale has proven none of them under sp, so an accelerate YAML asking for one is
+refused, not run on sdpa behind its back."""
+
+
+def sp_attn_problem(layout: Layout, value: str | None, where: str) -> str | None:
+    """Why hf_scale does not run the accelerate config's ``sp_attn_implementation`` (None: unset, or allowed). One rule
+    for train.py (the value `accelerate launch` exported) and `hf-scale check` (the YAML's key)."""
+    if layout.sp <= 1 or value is None or value in SP_ATTN_IMPLEMENTATIONS:
+        return None
+    return (f"{where}.sp_attn_implementation={value}: hf_scale runs Ulysses (sp={layout.sp}) around "
+            f"{' or '.join(SP_ATTN_IMPLEMENTATIONS)} only; allowed: {', '.join(SP_ATTN_IMPLEMENTATIONS)} (or leave "
+            "it unset)")
+
+
 def launch_layout(environ: dict[str, str]) -> Layout:
     """The sizes `accelerate launch` passes the processes (PARALLELISM_CONFIG_*, utils/launch.py), 1 when unset."""
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":

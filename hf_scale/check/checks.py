@@ -67,6 +67,7 @@ CHECKS: list[Check] = [
     parallelism.check_parallelism_block,
     parallelism.check_parallelism_layout,
     parallelism.check_parallelism_model,
+    parallelism.check_launched_fsdp,
     moe.check_accelerate_expert_parallel,
     moe.check_deepspeed_expert_parallel,
     deepspeed_json.check_deepspeed_values,

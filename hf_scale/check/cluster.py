@@ -221,13 +221,19 @@ def _train_args_findings(path: str, kind: str, facts: Facts, config: tuple[str, 
     (hf_scale.check.train_flags) and compared with the hf_scale config train.py gets (``config``: its path and
     DistributedConfig, when it is known here). `manifest-not-hf-scale`: the command runs no hf_scale training, or a
     train.py of no hf_scale mark (hf_scale.check.manifest_facts.TrainCommand.hf_scale) whose arguments hf_scale's
-    parser refuses: a script of its own (SkyPilot's gpt-oss task runs TRL's /sft/train.py --model_id ...)."""
+    parser refuses or cannot read here (``$VAR``, ``$(...)``): a script of its own (SkyPilot's gpt-oss task runs
+    TRL's /sft/train.py --model_id ...)."""
     command = train_command(facts)
     if command is None:
         return [_not_hf_scale(path, kind, f"runs no hf_scale training (no -m {layout.TRAINING_MODULE}, "
                                           "launch/NAME.node.sh or train.py in its command)")]
+    if command.unresolved and not command.hf_scale:
+        # Values that are the job's ($VAR, $(...)) cannot be parsed here, so nothing shows this train.py is hf_scale's.
+        return [_not_hf_scale(path, kind, f"runs {command.script} with values only the job knows "
+                                          f"({' '.join(command.unresolved)}) and no hf_scale mark (-m "
+                                          f"{layout.TRAINING_MODULE}, launch/NAME.node.sh or --hf_scale_config)")]
     if command.unresolved:
-        return []  # values that are the job's ($VAR, $(...)): nothing certain to parse
+        return []  # hf_scale's, with values that are the job's: nothing certain to parse
     return list(_parsed_train_args(path, kind, command, config))
 
 

@@ -71,7 +71,8 @@ def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
     `num_processes` (accelerate raises once the processes started); TP/CP/SP with a strategy that cannot run them,
     data-parallel sizes the strategy gives no meaning (dp_shard under MULTI_GPU, dp_replicate under DEEPSPEED),
     CP with SP, a TP group larger than a machine or not dividing its processes (an error, as in `hf-scale
-    generate`: an accelerate YAML has no key that accepts TP across machines on purpose)."""
+    generate`: an accelerate YAML has no key that accepts TP across machines on purpose), an sp_attn_implementation
+    hf_scale's Ulysses does not run (parallelism.sp_attn_problem, train.py's rule)."""
     layout = yaml_layout(inp)
     world = world_size_of(inp)
     if layout is None or world is None:
@@ -89,6 +90,16 @@ def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
             {**where, f"{inp.accelerate_file}:num_processes": world},
         )
         return
+    key = f"{parallelism.YAML_PREFIX}sp_attn_implementation"
+    attn = inp.accelerate[SECTION].get(key)
+    problem = None if parallelism_value_problem(key, attn) else parallelism.sp_attn_problem(
+        layout, None if attn is None else str(attn), SECTION)
+    if problem:  # train.py's own rule: it stops on it at start
+        yield Finding(ERROR, "parallelism-unsupported", inp.accelerate_file, f"{SECTION}.{key}",
+                      f"{problem}: train.py stops on it at start.",
+                      f"{in_file(inp.accelerate_file)}set `{SECTION}.{key}` to "
+                      f"{parallelism.SP_ATTN_IMPLEMENTATIONS[0]} or remove it.",
+                      {f"{inp.accelerate_file}:{SECTION}.{key}": attn})
     machines = inp.accelerate.get("num_machines", 1)
     machines = machines if is_int(machines) and machines >= 1 else 1
     strategy = rules.STRATEGY_OF_DISTRIBUTED_TYPE.get(str(inp.accelerate.get("distributed_type")), "ddp")
@@ -134,3 +145,32 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
                       {f"{file}:{key}": layout.describe()})
 
 
+
+
+def check_launched_fsdp(inp: CheckInputs) -> Iterator[Finding]:
+    """`fsdp-setting-not-run` (warning): an FSDP YAML with tp > 1 in its parallelism_config, run by train.py without
+    --hf_scale_config, is not sharded by accelerate's plugin: train.py reads the fsdp settings back from what
+    `accelerate launch` exports (generators.accelerate_yaml.fsdp_settings_from_launch, the generator's own table) and
+    has transformers shard the model with them. Each fsdp_config key whose value that table does not give back (the
+    section the generator writes for the settings read back) is one line: the YAML's value, and what train.py runs."""
+    layout = yaml_layout(inp)
+    if (inp.hf_scale_config is not None or inp.launch_env is None or layout is None or layout.tp <= 1
+            or inp.accelerate.get("distributed_type") != "FSDP"):
+        return
+    from hf_scale.config import DistributedConfig
+    from hf_scale.generators.accelerate_yaml import accelerate_config, fsdp_settings_from_launch
+
+    settings = fsdp_settings_from_launch(inp.launch_env)
+    cfg = DistributedConfig.model_validate({"strategy": "fsdp", "fsdp": settings.model_dump()})
+    runs = accelerate_config(cfg, deepspeed_config_file=None)["fsdp_config"]
+    written = inp.accelerate.get("fsdp_config")
+    for key, value in (written.items() if isinstance(written, dict) else ()):
+        if key in runs and str(value).strip().lower() != str(runs[key]).lower():
+            yield Finding(
+                WARNING, "fsdp-setting-not-run", inp.accelerate_file, f"fsdp_config.{key}",
+                f"`fsdp_config.{key}`={value!r}, but train.py runs {key}={runs[key]!r}: under tp={layout.tp} it "
+                "shards the model itself with the fsdp settings it reads back from the YAML, and this value is not "
+                "one of them.",
+                f"{in_file(inp.accelerate_file)}set `fsdp_config.{key}` to {runs[key]!r}, or write the run as an "
+                "hf_scale config (`hf-scale generate`) and pass --hf_scale_config.",
+                {f"{inp.accelerate_file}:fsdp_config.{key}": value})

@@ -26,9 +26,11 @@ from hf_scale.config_types import host_problem, name_problem
 from hf_scale.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_PREEMPTED,
+    HOLD_START_S,
     PREEMPTED_MARKER_ENV,
     REFUSED_MARKER_ENV,
     RESUME_DEFAULT_ENV,
+    STARTED_MARKER_ENV,
     TERMINAL_ENV,
 )
 from hf_scale.generators import layout
@@ -112,24 +114,47 @@ export {PREEMPTED_MARKER_ENV}="$status_dir/preempted"
 # ${REFUSED_MARKER_ENV} instead, the launcher's output passes through a filter that holds back what comes
 # after that file exists, and this script prints the line once and exits {EXIT_BAD_INPUT}, as `python train.py` does.
 export {REFUSED_MARKER_ENV}="$status_dir/refused"
+# The launchers print their own start-up lines before train.py has judged its flags: the filter also holds the output
+# back until train.py's start checks have passed (it creates ${STARTED_MARKER_ENV}), {HOLD_START_S} s at most, so that
+# a refusal at start is its one line alone (no preflight process: train.py's checks need its parser, i.e. transformers).
+export {STARTED_MARKER_ENV}="$status_dir/started"
 if [ -t 2 ]; then export {TERMINAL_ENV}=1; fi  # progress bars still drawn on a terminal behind the filter
 mkfifo "$status_dir/out" "$status_dir/err"
 # The filter ignores stop requests (SLURM signals every process of the step): it ends when the launcher's
 # processes have all closed their output.
 until_refused() {{
   "$(command -v python3 || echo python)" -c '
-import os, signal, sys
+import os, select, signal, sys, time
 for stop in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
     signal.signal(stop, signal.SIG_IGN)
-marker = sys.argv[1]
+refused, started, hold_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
 out = os.fdopen(1, "wb", buffering=0)
-while chunk := os.read(0, 65536):
-    if not os.path.exists(marker):
-        try:
-            out.write(chunk)
-        except OSError:
-            pass  # the terminal is gone: keep draining so the launcher never blocks
-' "${REFUSED_MARKER_ENV}"
+held, deadline = [], time.monotonic() + hold_s
+def write(data):
+    try:
+        out.write(data)
+    except OSError:
+        pass  # the terminal is gone: keep draining so the launcher never blocks
+while True:
+    if held and os.path.exists(refused):
+        held = []  # the start-up lines of the launcher go too: the script prints the refusal alone
+    if held is not None and (os.path.exists(started) or time.monotonic() > deadline):
+        write(b"".join(held))
+        held = None
+    if held is not None and not select.select([0], [], [], 0.2)[0]:
+        continue
+    chunk = os.read(0, 65536)
+    if not chunk:
+        break
+    if os.path.exists(refused):
+        continue
+    if held is not None:
+        held.append(chunk)
+    else:
+        write(chunk)
+if held and not os.path.exists(refused):
+    write(b"".join(held))  # the launcher ended before train.py started (its own error): show all it said
+' "${REFUSED_MARKER_ENV}" "${STARTED_MARKER_ENV}" {HOLD_START_S}
 }}
 until_refused <"$status_dir/out" &
 out_filter=$!
@@ -409,9 +434,22 @@ unset MACHINE_RANK  # a value exported at submission would give every node the s
 # A requeued job continues from the newest complete checkpoint (a fresh start when there is none), unless
 # train.py's flags say where to resume from, in any spelling: train.py decides, having read them.{restart_note}
 export {RESUME_DEFAULT_ENV}=auto
+# Every node refuses the same bad input with the same line: the job's log holds each refusal once. srun's
+# stderr passes a filter that prints a repeated "PROG: error: ..." line once and, once a refusal was printed,
+# drops srun's "task N: Exited with exit code {EXIT_BAD_INPUT}" lines (the refusal is the reason). The filter
+# ignores stop requests (a preemption signals every process of the job): it ends when srun's output does.
+once_per_job() {{
+  trap '' TERM USR1 INT
+  exec awk '
+    /^[^ ]+: error: / && !/^srun: / {{ if (seen[$0]++) next; refused = 1 }}
+    refused && /^srun: error: .*: Exited with exit code {EXIT_BAD_INPUT}$/ {{ next }}
+    {{ print; fflush() }}'
+}}
+exec 3>&1
 # No --kill-on-bad-exit: every node must finish writing its checkpoint shard before the step ends.
 status=0
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_script" {restart_loop}"$@" || status=$?
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_script" {restart_loop}"$@" 2>&1 >&3 \
+  | once_per_job >&2 || status=${{PIPESTATUS[0]}}
 if [ "$status" -eq {EXIT_PREEMPTED} ]; then
   echo "hf-scale: checkpoint saved before the time limit; requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"

@@ -17,7 +17,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from hf_scale import deepspeed_ops, hub, parallelism, quiet, rules
-from hf_scale.errors import UserError
+from hf_scale.errors import UserError, announce_started
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.train.checkpoint import final_checkpoint, launcher_watch, ownership
 from hf_scale.train.checkpoint import store as checkpoint
@@ -158,6 +158,7 @@ def prepare(argv: list[str] | None) -> Run:
     if hub_target is not None:  # first whether there will be a model to push, then the token
         final_checkpoint.refuse_push(launch.deepspeed_config, hub_target.repo_id, ns.output_dir)
         hub.check_target(hub_target, "--push_to_hub")
+    announce_started()  # the start checks passed: a launch script shows what it held back (hf_scale.exit_codes)
     state = distributed.init_process_state(launch.request, ddp_timeout_s=ns.ddp_timeout, ddp_backend=ns.ddp_backend)
     if launch.overrides_warning and state.is_main_process:
         print(f"hf_scale: warning: {launch.overrides_warning}", file=sys.stderr, flush=True)
@@ -199,9 +200,14 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], 
 def _refuse_launched_layout(request: distributed.LaunchRequest) -> None:
     """The layout rules (parallelism.layout_problems, as for a config) applied to the sizes `accelerate launch`
     exported from its YAML's parallelism_config, under the engine it launched: e.g. a MULTI_GPU (DDP) YAML with
-    dp_shard=4 shards nothing, a DEEPSPEED one with dp_replicate=2 describes replicas DeepSpeed never makes."""
+    dp_shard=4 shards nothing, a DEEPSPEED one with dp_replicate=2 describes replicas DeepSpeed never makes; and its
+    sp_attn_implementation, when hf_scale's Ulysses does not run that kernel (parallelism.sp_attn_problem)."""
     if request.layout == parallelism.Layout():
         return
+    problem = parallelism.sp_attn_problem(request.layout, request.sp_attn_implementation,
+                                          "the accelerate config's parallelism_config")
+    if problem:  # never Ulysses on sdpa behind the YAML's back
+        raise UserError(problem)
     per_machine = int(os.environ.get("LOCAL_WORLD_SIZE") or request.world_size)
     errors, _ = parallelism.layout_problems(request.layout, strategy=request.strategy,
                                             fsdp_version=request.accelerate_fsdp_version,

@@ -3,6 +3,8 @@ ignores, values of the wrong type or range (accelerate copies them through and f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from check_cases import (
@@ -169,3 +171,26 @@ def test_num_processes_auto_is_valid_on_one_machine(machines, expected, tmp_path
     assert codes(payload) == expected
     for finding in payload["findings"]:
         assert "one machine only" in finding["problem"]
+
+
+def test_a_peer_tp_yamls_fsdp_settings_are_compared_with_what_train_py_runs(tmp_path, monkeypatch, capsys):
+    """accelerate's tp_hsdp.yaml (tests/data/peer_configs), run without --hf_scale_config: train.py shards it with the
+    fsdp settings read back through the generator's table. A value that table does not give back is one line each;
+    one it does (reshard_after_forward false = shard_grad_op) and the public file as it is are silent."""
+    public = yaml.safe_load((Path(__file__).parents[1] / "data" / "peer_configs" / "accelerate_tp_hsdp.yaml")
+                            .read_text())
+    _, payload = check_json(tmp_path, monkeypatch, capsys, public)
+    assert "fsdp-setting-not-run" not in [f["code"] for f in payload["findings"]], payload
+    edited = merged(public, {"fsdp_config": {"fsdp_state_dict_type": "LOCAL_STATE_DICT",
+                                             "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                                             "fsdp_reshard_after_forward": False}})
+    _, payload = check_json(tmp_path, monkeypatch, capsys, edited)
+    lines = [(f["key"], f["problem"].split(":")[0]) for f in payload["findings"] if f["code"] == "fsdp-setting-not-run"]
+    assert lines == [
+        ("fsdp_config.fsdp_auto_wrap_policy",
+         "`fsdp_config.fsdp_auto_wrap_policy`='SIZE_BASED_WRAP', but train.py runs fsdp_auto_wrap_policy="
+         "'TRANSFORMER_BASED_WRAP'"),
+        ("fsdp_config.fsdp_state_dict_type",
+         "`fsdp_config.fsdp_state_dict_type`='LOCAL_STATE_DICT', but train.py runs fsdp_state_dict_type="
+         "'SHARDED_STATE_DICT'"),
+    ], payload

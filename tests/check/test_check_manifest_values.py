@@ -197,3 +197,15 @@ def test_several_documents_are_read_for_the_jobs_among_them(tmp_path, capsys):
     pipeline = "name: pipeline\n---\n" + SKY_TASK + "file_mounts: {/out: {name: bucket, mode: MOUNT}}\n"  # SkyPilot's
     code, findings = _findings(tmp_path, capsys, pipeline)
     assert code == 0 and [(f["code"], f["key"]) for f in findings] == [("manifest-not-read", "document 1")], findings
+
+
+@pytest.mark.parametrize("args", ["--model_id $MODEL --output_dir /out/run", "--output_dir $OUT"])
+def test_a_train_py_with_job_values_and_no_hf_scale_mark_is_not_taken_for_hf_scale(tmp_path, capsys, args):
+    """`python train.py $VAR...` of no hf_scale mark (-m hf_scale.train, a node script, --hf_scale_config) cannot be
+    parsed here: said once as not hf_scale's, not compared as if it were (no output volume or grace period)."""
+    task = SKY_TASK.replace("-m hf_scale.train --output_dir /out/run", f"train.py {args}")
+    code, findings = _findings(tmp_path, capsys, task)
+    assert code == 0 and [f["code"] for f in findings] == ["manifest-not-hf-scale"], findings
+    assert "$" in findings[0]["problem"], findings
+    marked = SKY_TASK.replace("-m hf_scale.train --output_dir /out/run", f"train.py --hf_scale_config c.yaml {args}")
+    assert "manifest-not-hf-scale" not in [f["code"] for f in _findings(tmp_path, capsys, marked)[1]]

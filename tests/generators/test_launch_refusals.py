@@ -79,6 +79,8 @@ def test_a_refusal_through_each_launch_script_is_one_line_once_exit_2(preset, ki
     errors = [text for text in output.splitlines() if "error" in text.lower()]
     assert len(errors) == 1 and line in errors[0], output[-4000:]
     assert not [noise for noise in LAUNCHER_NOISE if noise in output], output[-4000:]
+    if kind != "torchrun":  # refused at start: nothing of the launcher's own start-up lines either
+        assert output.splitlines() == [line], output[-4000:]
     assert not list(tmp_path.glob("hf-scale.*")), "the script's status folder is left behind"
 
 

@@ -310,3 +310,14 @@ def test_the_node_count_guard_refuses_another_allocation_in_one_line(slurm, gene
     assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", job
     assert _output(tmp_path, job_id).splitlines() == [
         "hf-scale: error: accelerate_configs/job.yaml expects 2 nodes, the allocation has 1"]
+
+
+def test_a_refusal_on_every_node_is_one_line_once_in_the_job_log(slurm, generated, tmp_path):
+    """Each node's accelerate launch refuses the same flags: the job's log holds the line once (not once per node,
+    nor srun's per-task exit lines), and the job exits 2."""
+    job_id = _submit(slurm, generated, tmp_path, args=["--bf16", "--fp16", "--output_dir", str(tmp_path / "out")])
+    job = slurm.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
+    log = _output(tmp_path, job_id)
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", (job, log)
+    assert log.splitlines() == ["train.py: error: --bf16 and --fp16 are both set; choose one precision"], log
+    assert not (tmp_path / "out").exists()

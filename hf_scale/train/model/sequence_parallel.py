@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from hf_scale.parallelism import Layout
+from hf_scale.parallelism import SP_ATTN_IMPLEMENTATIONS, Layout
 from hf_scale.train.data.labels import IGNORE_INDEX
 
 MODEL_KEYS = ("input_ids", "position_ids")
@@ -38,7 +38,9 @@ def accelerate_config(layout: Layout):
     return ParallelismConfig(
         dp_shard_size=layout.dp_shard, sp_size=layout.sp, sp_backend="deepspeed",
         # Rows are padded to the batch's longest (a multiple of sp), so lengths vary from batch to batch.
-        sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
+        # The one kernel hf_scale runs Ulysses around (a YAML asking for another is refused at start).
+        sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
+                                                   sp_attn_implementation=SP_ATTN_IMPLEMENTATIONS[0]),
     )
 
 

@@ -64,6 +64,8 @@ class LaunchRequest:
     cp_comm_strategy: str | None = None
     """How context-parallel ranks exchange keys/values: `accelerate launch`'s parallelism_config (None: not given),
     then the `--hf_scale_config`'s (which must agree)."""
+    sp_attn_implementation: str | None = None
+    """The kernel `accelerate launch`'s parallelism_config asks Ulysses to run around (None: not launched with sp)."""
     fp8_backend: str | None = None
     """FP8 training's backend (torchao | te | msamp: the config's fp8.backend) when the YAML's mixed_precision or
     the --hf_scale_config asks for fp8; None otherwise."""
@@ -180,6 +182,8 @@ def detect_launch(deepspeed_flag: str | None) -> LaunchRequest:
         layout=launched_layout,
         accelerate_fsdp_version=int(os.environ.get("FSDP_VERSION") or 1) if strategy == "fsdp" else None,
         cp_comm_strategy=os.environ.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY") if launched_layout.cp > 1 else None,
+        sp_attn_implementation=(os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION")
+                                if launched_layout.sp > 1 else None),
     )
 
 

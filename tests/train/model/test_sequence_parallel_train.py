@@ -163,13 +163,15 @@ def test_the_generated_sp_launch_script_runs_and_equals_one_process(reference, t
 
 def test_trls_alst_ulysses_yaml_runs_without_an_hf_scale_config(tmp_path):
     """TRL's examples/accelerate_configs/alst_ulysses_4gpu.yaml (tests/data/peer_configs), changed only where this
-    2-core CPU machine requires: 2 processes (dp_shard 2 -> 1, sp stays 2). `accelerate launch` of it runs train.py
+    2-core CPU machine requires: 2 processes (dp_shard 2 -> 1, sp stays 2), sp_attn_implementation sdpa (its
+    flash_attention_2 needs a CUDA GPU; hf_scale refuses it under sp). `accelerate launch` of it runs train.py
     with no --hf_scale_config: the inline ZeRO-3, bf16 and sp=2 (DeepSpeed Ulysses) all come from the YAML."""
     import yaml
 
     trl = yaml.safe_load((REPO / "tests" / "data" / "peer_configs" / "trl_alst_ulysses_4gpu.yaml").read_text())
     trl["num_processes"] = 2
     trl["parallelism_config"]["parallelism_config_dp_shard_size"] = 1
+    trl["parallelism_config"]["parallelism_config_sp_attn_implementation"] = "sdpa"
     config = tmp_path / "alst_ulysses_2cpu.yaml"
     config.write_text(yaml.safe_dump(trl))
     out = tmp_path / "run"

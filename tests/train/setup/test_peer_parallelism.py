@@ -76,7 +76,9 @@ def test_the_layout_comes_from_the_yaml(name, launched):
 # hf_scale's own refusal (check says the same). Never "needs --hf_scale_config".
 ON_CPU = {
     "trl_context_parallel_2gpu.yaml": "the accelerate config's parallelism_config: cp=2 cannot run on this machine",
-    "trl_alst_ulysses_4gpu.yaml": None,
+    "trl_alst_ulysses_4gpu.yaml": "the accelerate config's parallelism_config.sp_attn_implementation="
+                                  "flash_attention_2: hf_scale runs Ulysses (sp=2) around sdpa only; allowed: sdpa "
+                                  "(or leave it unset)",
     "accelerate_nd.yaml": "the accelerate config's parallelism_config.tp=2 with the accelerate config's "
                           "parallelism_config.cp=2: hf_scale's train.py runs TP or CP, not both",
     "accelerate_cp.yaml": "the accelerate config's parallelism_config: cp=8 cannot run on this machine",
@@ -117,3 +119,28 @@ def test_the_fsdp_settings_read_back_are_the_ones_the_generator_wrote(tmp_path):
         path = tmp_path / "fsdp.yaml"
         path.write_text(yaml.safe_dump(accelerate_config(cfg, deepspeed_config_file=None)))
         assert fsdp_settings_from_launch(launched_env(path)) == cfg.fsdp
+
+
+def test_ulysses_runs_around_the_kernel_the_yaml_names_or_is_refused(tmp_path, monkeypatch):
+    """The YAML's sp_attn_implementation: sdpa (hf_scale's) is taken; another kernel is one line naming the field, the
+    value and what is allowed, never Ulysses on sdpa behind the YAML's back."""
+    import re
+
+    import yaml
+
+    from hf_scale.train.prepare import _parse, _reconcile_with_launcher
+
+    trl = yaml.safe_load((PEERS / "trl_alst_ulysses_4gpu.yaml").read_text())
+    refused = "sp_attn_implementation=flash_attention_3: hf_scale runs Ulysses (sp=2) around sdpa only; allowed: sdpa"
+    for attn, refusal in (("sdpa", None), ("flash_attention_3", refused)):
+        trl["parallelism_config"]["parallelism_config_sp_attn_implementation"] = attn
+        path = tmp_path / f"{attn}.yaml"
+        path.write_text(yaml.safe_dump(trl))
+        for key, value in launched_env(path).items():
+            monkeypatch.setenv(key, value)
+        parsed, given, _ = _parse(["--output_dir", str(tmp_path / "out")])
+        if refusal is None:
+            assert _reconcile_with_launcher(parsed, given).request.sp_attn_implementation == "sdpa"
+        else:
+            with pytest.raises(UserError, match=re.escape(refusal)):
+                _reconcile_with_launcher(parsed, given)
