@@ -83,13 +83,13 @@ def _child(kind: str, argv: list[str], cwd: str, env: dict[str, str], out: str, 
     """In the fork: what `subprocess` would have given the command (its own session, directory, environment,
     standard streams and the interpreter's default signal dispositions), then the command."""
     os.setsid()  # one process group: a timeout kills the ranks with it
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    for fd, path in ((1, out), (2, err)):
+    for fd, path in ((1, out), (2, err)):  # first: whatever fails next is in the run's output
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(opened, fd)
         os.close(opened)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -105,7 +105,7 @@ def _child(kind: str, argv: list[str], cwd: str, env: dict[str, str], out: str, 
     sys.exit(0)
 
 
-def run(command: list[str], *, cwd: Path, env: dict[str, str], timeout: float, train_py: str,
+def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: float, train_py: str,
         server_env: dict[str, str]):
     """The CompletedProcess of `command` run from the preloaded server, or None where it must be a subprocess.
     The server runs in `server_env` (the tests' usual child environment)."""
@@ -121,7 +121,7 @@ def run(command: list[str], *, cwd: Path, env: dict[str, str], timeout: float, t
     argv = command[2:] if kind == "train" else command[3:]
     with tempfile.TemporaryDirectory(prefix="preloaded-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        process = context.Process(target=_child, args=(kind, argv, str(cwd), env, out, err, train_py))
+        process = context.Process(target=_child, args=(kind, argv, str(cwd or os.getcwd()), env, out, err, train_py))
         process.start()
         process.join(timeout)
         timed_out = process.exitcode is None
