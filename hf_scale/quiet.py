@@ -149,9 +149,34 @@ def quiet_training(*, replica: bool | None = None) -> None:
         _quiet_kernels()
         warnings.filterwarnings("ignore", message=PIN_MEMORY_ON_CPU, category=UserWarning)
     if is_replica() if replica is None else replica:
-        for name, value in _REPLICA_ENV.items():
-            os.environ.setdefault(name, value)
+        ours = [name for name in _REPLICA_ENV if name not in os.environ]
+        for name in ours:
+            os.environ[name] = _REPLICA_ENV[name]
+        _quiet_loaded_libraries(ours)
         _add_filter(DEEPSPEED_LOGGER, min_level=logging.ERROR)
+
+
+def _quiet_loaded_libraries(names: Sequence[str]) -> None:
+    """The libraries read those variables once, when they are imported: where they are loaded already (a Ray
+    Train worker that unpickled the loop, a process forked from one that imported them), the same settings through
+    their own APIs. Only the variables set here (`names`): the user's own choice stays."""
+    transformers, datasets = sys.modules.get("transformers"), sys.modules.get("datasets")
+    if transformers is not None:
+        from transformers.utils import logging as transformers_logging
+
+        if "TRANSFORMERS_VERBOSITY" in names:
+            transformers_logging.set_verbosity_error()
+        if "HF_HUB_DISABLE_PROGRESS_BARS" in names:
+            transformers_logging.disable_progress_bar()
+    if "HF_HUB_DISABLE_PROGRESS_BARS" in names and "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if datasets is not None:
+        if "DATASETS_VERBOSITY" in names:
+            datasets.utils.logging.set_verbosity_error()
+        if "HF_DATASETS_DISABLE_PROGRESS_BARS" in names:
+            datasets.disable_progress_bars()
 
 
 @contextlib.contextmanager

@@ -169,3 +169,48 @@ def test_every_allowed_exception_still_exists():
     graph = import_graph()
     gone = sorted(edge for edge in ALLOWED if edge[1] not in graph.get(edge[0], ()))
     assert gone == [], f"fixed: remove {gone} from ALLOWED"
+
+
+# Libraries a run needs only for what it asks (LoRA/QLoRA, fp8, Liger, Ray, TensorBoard, plots, cluster validators):
+# importing one at module level would make every start of train.py and every `hf-scale` command pay for it.
+OPTIONAL_LIBRARIES = ("peft", "bitsandbytes", "torchao", "transformer_engine", "liger_kernel", "ray", "tensorboardX",
+                      "torch.utils.tensorboard", "matplotlib", "kubeflow", "jsonschema", "sky", "psutil")
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Import statements that run when the module is imported: at top level and in module-level if/try blocks
+    (not in functions, classes' methods or `if TYPE_CHECKING:`)."""
+    found, pending = [], list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+            pending.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            pending.extend(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+        elif isinstance(node, ast.With | ast.ClassDef):
+            pending.extend(node.body)
+    return found
+
+
+def _optional_imports(tree: ast.Module) -> list[str]:
+    names = []
+    for node in _module_level_imports(tree):
+        imported = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        names += [name for name in imported if node.__class__ is ast.Import or not node.level
+                  if any(name == lib or name.startswith(lib + ".") for lib in OPTIONAL_LIBRARIES)]
+    return names
+
+
+def test_optional_libraries_are_imported_only_inside_the_functions_that_use_them():
+    """train.py without LoRA/QLoRA/fp8 and every `hf-scale` command load none of hf_scale's optional libraries
+    themselves (transformers may still import what is installed: docs/benchmarks.md, "Start-up")."""
+    found = {name: _optional_imports(ast.parse(path.read_text())) for name, path in _modules().items()}
+    assert {name: libs for name, libs in found.items() if libs} == {}
+
+
+def test_the_optional_import_rule_sees_a_module_level_import():
+    tree = ast.parse("import os\ntry:\n    import peft\nexcept ImportError:\n    pass\n"
+                     "def f():\n    import ray\nif TYPE_CHECKING:\n    import torchao\n")
+    assert _optional_imports(tree) == ["peft"]

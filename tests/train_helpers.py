@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import preloaded
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,9 +137,14 @@ def launcher_command(launcher: str, nproc: int = 2, *, config: Path | None = Non
 def run(
     command: list[str], *, cwd: Path = REPO, env: dict | None = None, timeout: int = LAUNCH_TIMEOUT_S
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command, cwd=cwd, env=env or child_env(), capture_output=True, text=True, timeout=timeout
-    )
+    """`command` to its end: `python train.py` and `torchrun ... train.py` start from the preloaded fork server
+    (tests/preloaded.py) where they can, everything else as a subprocess."""
+    env = env or child_env()
+    preloaded_result = preloaded.run(command, cwd=cwd, env=env, timeout=timeout, train_py=TRAIN_PY,
+                                     server_env=child_env())
+    if preloaded_result is not None:
+        return preloaded_result
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_ok(command: list[str], **kwargs) -> subprocess.CompletedProcess:

@@ -1,0 +1,137 @@
+"""Training runs started from a process that has imported train.py's runtime once.
+
+A tiny training run is mostly imports: torch, transformers and what transformers itself imports when it is
+installed (peft and bitsandbytes through TrainingArguments, torchao through modeling_utils) take ~10 s of CPU per
+process, the steps of the tiny model a few. Every `python train.py` and every rank of `torchrun ... train.py` that
+a test starts through `train_helpers.run` paid them again; here they start from a multiprocessing fork server that
+imported them once (per pytest worker):
+
+- `python train.py ARGS` is train.py run by runpy in a fork of the server;
+- `torchrun ARGS` is torchrun's own `main` in a fork of the server, given its `--run-path` and
+  `--start-method fork` (torchrun's documented way to run the script in its own interpreter), so the ranks are forks
+  of the preloaded agent, with the rendezvous, environment and supervision torchrun gives them.
+
+What keeps the real subprocess: other launchers (accelerate, deepspeed), any environment that differs from the
+server's (what the preloaded modules read at import, HF_DATASETS_CACHE or PATH among them, would be stale), and the
+tests of a launcher's or the interpreter's own behaviour (signals, exit at interpreter shutdown, output filtering),
+which call `subprocess` themselves. HF_SCALE_TESTS_PRELOAD=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# What the server imports before it forks anything: train.py's runtime and torchrun.
+PRELOAD = ["preloaded_runtime"]
+
+# Variables that differ between the server's first environment and a later run's without any import reading them:
+# pytest's per-test name, and what libraries set in os.environ when the test process imports them (they set the
+# same in the server when it imports them).
+PER_TEST = {"PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "CRC32C_SW_MODE"}
+_server: dict = {}
+
+
+def _kind(command: list[str], train_py: str) -> str | None:
+    if command[:2] == [sys.executable, train_py]:
+        return "train"
+    if command[:3] == TORCHRUN and train_py in command:
+        return "torchrun"
+    return None
+
+
+def _context(server_env: dict[str, str], env: dict[str, str]):
+    """The fork server's context (started in `server_env` by the first run), where `env` is the server's."""
+    if not _server:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(server_env)
+        try:
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _server.update(context=context, env=dict(server_env))
+    return _server["context"] if _comparable(_server["env"]) == _comparable(env) else None
+
+
+def _comparable(env: dict[str, str]) -> dict[str, str]:
+    """The environment but for PER_TEST."""
+    return {key: value for key, value in env.items() if key not in PER_TEST}
+
+
+def _log(how: str, command: list[str]) -> None:
+    """With HF_SCALE_TESTS_PRELOAD_LOG=FILE, one line per run: how it started (to see what the server serves)."""
+    if log := os.environ.get("HF_SCALE_TESTS_PRELOAD_LOG"):
+        with open(log, "a") as out:
+            out.write(f"{how}\t{os.environ.get('PYTEST_CURRENT_TEST', '')}\t{' '.join(command)[:200]}\n")
+
+
+def _child(kind: str, argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, train_py: str) -> None:
+    """In the fork: what `subprocess` would have given the command (its own session, directory, environment,
+    standard streams and the interpreter's default signal dispositions), then the command."""
+    os.setsid()  # one process group: a timeout kills the ranks with it
+    for fd, path in ((1, out), (2, err)):  # first: whatever fails next is in the run's output
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    if kind == "train":
+        sys.argv = [train_py, *argv]
+        runpy.run_path(train_py, run_name="__main__")
+    else:
+        from torch.distributed.run import main
+
+        main(["--run-path", "--start-method", "fork", *argv])
+    sys.exit(0)
+
+
+def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: float, train_py: str,
+        server_env: dict[str, str]):
+    """The CompletedProcess of `command` run from the preloaded server, or None where it must be a subprocess.
+    The server runs in `server_env` (the tests' usual child environment)."""
+    kind = _kind(command, train_py)
+    if kind is None or os.environ.get("HF_SCALE_TESTS_PRELOAD") == "0":
+        return None
+    context = _context(server_env, env)
+    if context is None:
+        base, given = _comparable(_server["env"]), _comparable(env)
+        _log(f"subprocess ({sorted(k for k in base.keys() | given.keys() if base.get(k) != given.get(k))})", command)
+        return None
+    _log("preloaded", command)
+    argv = command[2:] if kind == "train" else command[3:]
+    with tempfile.TemporaryDirectory(prefix="preloaded-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        process = context.Process(target=_child, args=(kind, argv, str(cwd or os.getcwd()), env, out, err, train_py))
+        process.start()
+        process.join(timeout)
+        timed_out = process.exitcode is None
+        if timed_out:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.join()
+        # Text mode as subprocess.run(text=True) reads it: universal newlines (a progress bar's \r is a line end).
+        stdout = Path(out).read_text(errors="backslashreplace")
+        stderr = Path(err).read_text(errors="backslashreplace")
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
