@@ -93,13 +93,19 @@ def default_dataloader_workers(cuda: bool, local_processes: int, cores: int | No
     return max(0, min(2, (cores or 1) // max(1, local_processes) - 1))
 
 
-def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens that contribute to the loss, counted exactly as the Trainer counts ``num_items_in_batch``.
+def target_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Tokens that contribute to the loss, counted exactly as the Trainer counts ``num_items_in_batch``: a 0-dim
+    tensor where the labels are, so that a loop counting every micro-batch does not wait for the device.
 
     transformers' ``ForCausalLMLoss`` shifts labels left by one (logit ``t`` predicts label ``t+1``),
     so label 0 of each row is never a target: count ``labels[..., 1:] != -100``.
     """
-    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+    return (batch["labels"][..., 1:] != IGNORE_INDEX).sum()
+
+
+def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """:func:`target_tokens` as a Python int."""
+    return int(target_tokens(batch))
 
 
 def micro_batch_per_rank(dataloader, num_processes: int) -> int | None:

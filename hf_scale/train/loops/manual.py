@@ -28,11 +28,11 @@ from transformers import TrainingArguments
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import ownership, resume
 from hf_scale.train.checkpoint import store as checkpoint
-from hf_scale.train.data.batches import count_target_tokens, make_train_dataloader, micro_batch_per_rank
+from hf_scale.train.data.batches import make_train_dataloader, micro_batch_per_rank, target_tokens
 from hf_scale.train.data.packing import model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.manual_checkpoints import CheckpointSaver
-from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
+from hf_scale.train.loops.metrics import StepMetrics, real_tokens
 from hf_scale.train.loops.optimizer import optimizer_and_scheduler
 from hf_scale.train.model import context_parallel, fsdp, parallel, sequence_parallel
 from hf_scale.train.model.fp8 import with_fp8
@@ -327,13 +327,14 @@ class _Loop:
         rate it used, the gradient norm)."""
         accelerator = self.accelerator
         sp = self.spec.layout.sp > 1
-        targets = sequence_parallel.target_count if sp else count_target_tokens
-        local_targets = torch.tensor(sum(targets(b) for b in window), device=accelerator.device)
+        # Counted as tensors where the batches are: no wait for the device per micro-batch (as the Trainer counts).
+        targets = sequence_parallel.target_tokens if sp else target_tokens
+        local_targets = sum(targets(b) for b in window).to(accelerator.device)
         # The ranks of one TP or CP group hold the same batch here: count each data-parallel rank's tokens once (SP
         # ranks hold disjoint shards of theirs already; CP ranks shard theirs in the forward).
         copies = self.spec.layout.loader_copies
         global_targets = accelerator.reduce(local_targets, reduction="sum") // copies
-        local_tokens = torch.tensor(sum(count_real_tokens(b) for b in window), device=accelerator.device)
+        local_tokens = sum(real_tokens(b) for b in window).to(accelerator.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this update (read before the scheduler moves)
         loss_sum = torch.zeros((), device=accelerator.device)
         for i, batch in enumerate(window):

@@ -62,13 +62,19 @@ def flops_per_token(model_config, num_parameters: int, seq_len: float) -> float:
     return 6.0 * num_parameters + 12.0 * layers * hidden * seq_len
 
 
-def count_real_tokens(batch) -> int:
-    """Non-padding tokens of a micro-batch (a packed batch says how many, see hf_scale.train.data.packing)."""
+def real_tokens(batch) -> torch.Tensor:
+    """Non-padding tokens of a micro-batch (a packed batch says how many, see hf_scale.train.data.packing), a 0-dim
+    tensor where the batch is, so that counting every micro-batch does not wait for the device."""
     if REAL_TOKENS in batch:
-        return int(batch[REAL_TOKENS])
+        return torch.as_tensor(batch[REAL_TOKENS])
     if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int(batch["input_ids"].numel())
+        return batch["attention_mask"].sum()
+    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+
+
+def count_real_tokens(batch) -> int:
+    """:func:`real_tokens` as a Python int."""
+    return int(real_tokens(batch))
 
 
 def compiled_graphs() -> int:
@@ -135,6 +141,7 @@ class StepMetrics:
         self._profiler = profile.from_env(is_main)  # HF_SCALE_PROFILE=DIR: a few steps under torch.profiler
         self._start = time.perf_counter()
         self._last = self._start
+        self._last_cpu = time.process_time()
         if is_main:
             path = Path(output_dir)
             path.mkdir(parents=True, exist_ok=True)
@@ -154,9 +161,12 @@ class StepMetrics:
         epoch: float,
         data_wait_s: float | None = None,
     ) -> dict:
-        now = time.perf_counter()
+        now, cpu_now = time.perf_counter(), time.process_time()
         elapsed = max(now - self._last, 1e-9)
-        self._last = now
+        # CPU seconds of this process (all its threads) in the step: unlike step_time_s, hardly changed by other
+        # jobs on the machine, so benchmarks/overhead.py can compare loops on a shared CPU.
+        cpu_s = cpu_now - self._last_cpu
+        self._last, self._last_cpu = now, cpu_now
         record = {
             "step": step,
             "epoch": round(epoch, 4),
@@ -166,6 +176,7 @@ class StepMetrics:
             "tokens": tokens,
             "tokens_per_sec": tokens / elapsed,
             "step_time_s": elapsed,
+            "step_cpu_s": cpu_s,
             "peak_memory_bytes": peak_memory_bytes(),
         }
         if data_wait_s is not None:
@@ -182,8 +193,10 @@ class StepMetrics:
         if self._profiler is not None:
             self._profiler.step()
         if self._bar is not None:
+            # The postfix waits for update's refresh, which tqdm rate-limits (mininterval); set_postfix's own
+            # refresh would redraw the bar at every step (profiled: the largest per-step cost of this method).
+            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
             if step >= self.total_steps:
                 # Finished: closed before the final save, whose own bars would otherwise print below it and
                 # the finished bar once more after them.

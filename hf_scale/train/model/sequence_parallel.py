@@ -76,9 +76,15 @@ class Collator:
         return batch
 
 
+def target_tokens(batch: dict) -> torch.Tensor:
+    """Targets of this rank's shard (the adapter has shifted the labels already), a 0-dim tensor where the labels
+    are (no wait for the device)."""
+    return (batch["shift_labels"] != IGNORE_INDEX).sum()
+
+
 def target_count(batch: dict) -> int:
-    """Targets of this rank's shard (the adapter has shifted the labels already)."""
-    return int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    """:func:`target_tokens` as a Python int."""
+    return int(target_tokens(batch))
 
 
 def loss_multiplier(layout: Layout, zero_stage: int | None) -> int:
