@@ -159,18 +159,25 @@ def _full_disk() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
-@pytest.mark.parametrize("config", [TP2, FSDP2], ids=["tp2", "fsdp2"])
-def test_a_full_disk_during_a_sharded_save_is_one_line_and_keeps_the_intact_checkpoint(config, tp_dir, tmp_path):
-    """A sharded save (torch.distributed.checkpoint, every rank writing its shards) that cannot write: DCP raises
-    every rank's failure on every rank; each says the same line (the generated scripts print it once), no
-    traceback, and checkpoint-3 stays the newest checkpoint, nothing half-written published."""
+@pytest.mark.parametrize(("config", "loop", "saved", "failing"), [
+    (TP2, "accelerate", "tp_dir", 4), (FSDP2, "accelerate", "tp_dir", 4),
+    # The Trainer resumes checkpoint-3's TrainerState, save_steps=3 included (transformers 5.24 trainer.py,
+    # _inner_training_loop: load_from_json after compute_steps; it only warns about the differing --save_steps):
+    # its first save after the resume is the end-of-training one, checkpoint-5.
+    (TP2, "trainer", "trainer_tp_dir", 5)], ids=["tp2", "fsdp2", "trainer-tp2"])
+def test_a_full_disk_during_a_sharded_save_is_one_line_and_keeps_the_intact_checkpoint(config, loop, saved, failing,
+                                                                                       request, tmp_path):
+    """A sharded save (torch.distributed.checkpoint, every rank writing its shards) that cannot write, in the manual
+    loop (tp=2, and FSDP2 resharded from tp=2) and in the Trainer (HfScaleTrainer's DCP shards): DCP raises every
+    rank's failure on every rank; each says the same line (the generated scripts print it once), no traceback, and
+    checkpoint-3 stays the newest checkpoint, nothing half-written published."""
     out = tmp_path / "out"
     out.mkdir()
-    shutil.copytree(tp_dir / "checkpoint-3", out / "checkpoint-3")
+    shutil.copytree(request.getfixturevalue(saved) / "checkpoint-3", out / "checkpoint-3")
     path = tmp_path / "config.yaml"
     path.write_text(config)
     result = subprocess.run(launcher_command("torchrun") + COMMON + [
-        "--hf_scale_config", str(path), "--resume_from_checkpoint", "auto", "--save_steps", "1", "--loop", "accelerate",
+        "--hf_scale_config", str(path), "--resume_from_checkpoint", "auto", "--save_steps", "1", "--loop", loop,
         "--output_dir", str(out)], env=child_env(), capture_output=True, text=True, timeout=600, preexec_fn=_full_disk)
     assert result.returncode != 0, result.stderr[-3000:]
     assert training_traceback_frames(result.stderr) == [] and "CheckpointException" not in result.stderr, \
@@ -178,7 +185,7 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_keeps_the_intact_chec
     lines = set(re.findall(r"train\.py: error: [^\n]*", result.stderr))
     assert len(lines) == 1, result.stderr[-4000:]
     (line,) = lines
-    assert "train.py: error: saving checkpoint-4 failed (rank " in line, line
+    assert f"train.py: error: saving checkpoint-{failing} failed (rank " in line, line
     assert f"the newest intact checkpoint is {out / 'checkpoint-3'}" in line and "GiB free" in line, line
     assert [p.name for p in checkpoint_layout.complete_checkpoints(out)] == ["checkpoint-3"]
     assert checkpoint.verify(out / "checkpoint-3") is None
@@ -203,11 +210,18 @@ def _assert_resumes_exactly(saved_dir, resumed: list[dict]) -> None:
         (want[s]["loss"], want[s]["grad_norm"], want[s]["lr"]) for s in (4, 5)]
 
 
-def test_trainer_tp2_equals_one_process_and_its_checkpoint_resumes_exactly(tmp_path):
-    reference, out = tmp_path / "trainer_reference", tmp_path / "trainer_tp2"
-    _train(reference, ["--per_device_train_batch_size", "8"], loop="trainer")
+@pytest.fixture(scope="module")
+def trainer_tp_dir(tmp_path_factory):
+    """The Trainer at tp=2 on 2 processes, checkpoint-3 kept (--save_steps 3)."""
+    out = tmp_path_factory.mktemp("tp") / "trainer_tp2"
     result = _train(out, ["--save_steps", "3"], nproc=2, config=TP2, loop="trainer")
     assert "ddp (tp=2) on 2 process(es) (torchrun), trainer loop" in result.stderr
+    return out
+
+
+def test_trainer_tp2_equals_one_process_and_its_checkpoint_resumes_exactly(trainer_tp_dir, tmp_path):
+    reference, out = tmp_path / "trainer_reference", trainer_tp_dir
+    _train(reference, ["--per_device_train_batch_size", "8"], loop="trainer")
     _assert_same_run(out, reference)
     assert_saved_model_verified(out, like=reference)
     assert (out / "checkpoint-3" / "fsdp_sharded").is_dir()  # the optimizer state the Trainer cannot write
