@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from hf_scale import check
+from hf_scale.check.codes import CATALOGUE, FILES, Family
 from hf_scale.cli import main
 
 DATA = Path(__file__).parent / "data" / "check"
@@ -157,8 +158,9 @@ def codes(payload) -> list[str]:
     return [finding["code"] for finding in payload["findings"]]
 
 
-def documented_codes() -> set[str]:
-    return {code for fn in check.CHECKS for code in check.check_codes(fn)}
+def documented_codes(family: Family = FILES) -> set[str]:
+    """The codes hf_scale.check.codes catalogues for one family of inputs (default: the config files)."""
+    return {entry.code for entry in CATALOGUE if entry.family is family}
 
 
 def run_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

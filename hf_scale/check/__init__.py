@@ -4,7 +4,8 @@ arguments *before* a job starts.
 The command reads existing files (hand-written ones from other projects too), never rewrites them, and
 reports every problem it finds as a :class:`Finding`. Each check is one small function in the module of
 its family (accelerate_yaml, deepspeed_file, batch, precision, deepspeed_json, trainer_values, topology,
-zero, parallelism); :mod:`hf_scale.check.checks` lists them in the order they run. Wherever a library already
+zero, parallelism); :mod:`hf_scale.check.checks` lists them in the order they run, :mod:`hf_scale.check.codes`
+catalogues the codes they report. Wherever a library already
 knows the answer the check asks it (:mod:`hf_scale.check.knowledge`): accelerate's config loader and ``accelerate
 launch`` parser, DeepSpeed's config parser, transformers' ``HfArgumentParser``. :mod:`~hf_scale.check.inputs`
 reads the files (:mod:`~hf_scale.check.kinds` tells an accelerate YAML, a DeepSpeed JSON and an hf_scale config given
@@ -16,6 +17,7 @@ Exit codes: 0 clean (warnings alone are printed but do not fail), 1 at least one
 """
 
 from hf_scale.check.checks import CHECKS, Check, run_checks
+from hf_scale.check.codes import CATALOGUE, CODES
 from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, is_comment_key
 from hf_scale.check.inputs import RUNNERS, CheckInputs, load_inputs
 from hf_scale.check.knowledge import (
@@ -29,8 +31,6 @@ from hf_scale.check.knowledge import (
     known_section_keys,
 )
 from hf_scale.check.report import (
-    check_codes,
-    check_doc,
     format_findings_table,
     register,
     run_check,
@@ -41,7 +41,9 @@ from hf_scale.check.topology import address_problem
 
 __all__ = [
     "ACCELERATE_RESOLVED",
+    "CATALOGUE",
     "CHECKS",
+    "CODES",
     "DS_FILE_CONFLICTING_YAML_KEYS",
     "ERROR",
     "OFFLOAD_DEVICES",
@@ -56,8 +58,6 @@ __all__ = [
     "CheckInputs",
     "Finding",
     "address_problem",
-    "check_codes",
-    "check_doc",
     "format_findings_table",
     "is_comment_key",
     "known_section_keys",

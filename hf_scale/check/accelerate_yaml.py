@@ -103,7 +103,7 @@ exported value is dropped without a word."""
 
 
 def check_fsdp2_ignored(inp: CheckInputs) -> Iterator[Finding]:
-    """`fsdp2-option-ignored` (warning): an FSDP1-only option turned on under `fsdp_version: 2`, e.g.
+    """`fsdp2-option-ignored`: an FSDP1-only option turned on under `fsdp_version: 2`, e.g.
     `fsdp_forward_prefetch: true` (FSDP2 does not implement it; accelerate ignores it silently)."""
     section = inp.accelerate.get("fsdp_config")
     if fsdp_version_of(inp) != 2 or not isinstance(section, dict):

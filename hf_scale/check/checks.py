@@ -1,7 +1,7 @@
 """Every check of `hf-scale check`, in the order they run and are listed in `hf-scale check --help`.
 
-A check is a function ``CheckInputs -> Iterator[Finding]`` whose docstring starts with the codes it emits
-("`code`, `code` (warning): what it finds"); each lives in the module of its family.
+A check is a function ``CheckInputs -> Iterator[Finding]``; each lives in the module of its family, and the codes it
+reports are entries of hf_scale.check.codes.CATALOGUE (which names that module).
 """
 
 from __future__ import annotations

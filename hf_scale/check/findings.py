@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ERROR, WARNING = "error", "warning"
+from hf_scale.check.codes import ERROR, WARNING, severity_problem
+
 TRAINING_ARGS = "training args"
 """The ``file`` of findings about the training arguments given after ``--``."""
 
@@ -25,7 +26,8 @@ class Finding:
     severity: str
     """``error`` (the job fails or silently does something else) or ``warning`` (risky, may be intended)."""
     code: str
-    """Stable identifier, e.g. ``grad-accum-mismatch``; listed in ``hf-scale check --help``."""
+    """Stable identifier, e.g. ``grad-accum-mismatch``: an entry of hf_scale.check.codes.CATALOGUE (with a severity
+    it allows), checked when the finding is made, so a misspelled code fails every test that reaches it."""
     file: str
     """The file the problem is in (as given on the command line), or ``training args``."""
     key: str
@@ -34,6 +36,11 @@ class Finding:
     fix: str
     values: dict[str, Any] = field(default_factory=dict)
     """``file:key`` -> value for every value involved (the disagreeing ones)."""
+
+    def __post_init__(self) -> None:
+        problem = severity_problem(self.code, self.severity)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def where(self) -> str:

@@ -50,7 +50,7 @@ def _ram_efficient_loading(inp: CheckInputs) -> bool:
 
 
 def check_fp8_config(inp: CheckInputs) -> Iterator[Finding]:
-    """`fp8-key-unknown` (error / warning), `fp8-value-invalid`: a key under `fp8_config` that accelerate never reads
+    """`fp8-key-unknown`, `fp8-value-invalid`: a key under `fp8_config` that accelerate never reads
     (`accelerate launch` exports it and nothing reads it: an error when it misspells one, e.g. `amax_history_length`,
     which `accelerate config` itself writes), and, with `mixed_precision: fp8`, a value accelerate refuses when the
     processes start (its FP8BackendType, its recipe kwargs: `backend: AOO`, `fp8_format: E5M2X`, `opt_level: O9`) or a
@@ -128,7 +128,7 @@ def _offloaded(inp: CheckInputs) -> Source | None:
 
 
 def check_fp8_speed(inp: CheckInputs) -> Iterator[Finding]:
-    """`fp8-no-compile`, `fp8-offload`, `fp8-small-layers` (warnings): fp8 asked for where it is usually slower than
+    """`fp8-no-compile`, `fp8-offload`, `fp8-small-layers`: fp8 asked for where it is usually slower than
     bf16: torchao without --torch_compile (the scaling casts then run as separate kernels), with offload (host transfers
     dominate), or on a model whose linear layers are all below the backend's size threshold (nothing is converted)."""
     source = fp8_source(inp)

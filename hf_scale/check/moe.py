@@ -21,7 +21,7 @@ ACCELERATE_EP_KEY = f"{parallelism.YAML_PREFIX}ep_size"
 
 
 def check_deepspeed_expert_parallel(inp: CheckInputs) -> Iterator[Finding]:
-    """`moe-deepspeed-autoep` (warning), `moe-ep-size` (error), `moe-ep-ignored` (warning): a DeepSpeed JSON whose
+    """`moe-deepspeed-autoep`, `moe-ep-size`, `moe-ep-ignored`: a DeepSpeed JSON whose
     `expert_parallel` section turns on DeepSpeed's AutoEP (it replaces the model's MoE layers inside
     deepspeed.initialize: not what hf_scale's parallelism.ep runs, nor proven with train.py); an `autoep_size` that does
     not divide the world size or the model's routed experts, or an `expert_tensor_parallel_size` other than 1
@@ -91,7 +91,7 @@ def _size_findings(inp: CheckInputs, section: dict, file: str) -> Iterator[Findi
 
 
 def check_accelerate_expert_parallel(inp: CheckInputs) -> Iterator[Finding]:
-    """`moe-accelerate-ep` (error): an expert-parallel size in the accelerate YAML's `parallelism_config:` block,
+    """`moe-accelerate-ep`: an expert-parallel size in the accelerate YAML's `parallelism_config:` block,
     which accelerate has no option for (its ep_size pull request, huggingface/accelerate#4202, was closed): ignored, so
     the experts are not split."""
     block = inp.accelerate.get("parallelism_config")

@@ -20,7 +20,7 @@ def _size_keys() -> list[str]:
 
 
 def check_parallelism_block(inp: CheckInputs) -> Iterator[Finding]:
-    """`parallelism-key-unknown` (error / warning), `parallelism-value-invalid`: a key under `parallelism_config`
+    """`parallelism-key-unknown`, `parallelism-value-invalid`: a key under `parallelism_config`
     that `accelerate launch` has no option for (copied silently and ignored: an error when it misspells one), a
     size that is not an integer >= 1, a backend or cp/sp setting accelerate's own dataclasses refuse
     (`sp_backend: megatron`, `cp_comm_strategy: ring`)."""
@@ -67,7 +67,7 @@ def yaml_layout(inp: CheckInputs) -> parallelism.Layout | None:
 
 
 def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
-    """`parallelism-size-mismatch`, `parallelism-unsupported` (error / warning): the sizes do not multiply to
+    """`parallelism-size-mismatch`, `parallelism-unsupported`: the sizes do not multiply to
     `num_processes` (accelerate raises once the processes started); TP/CP/SP with a strategy that cannot run them,
     data-parallel sizes the strategy gives no meaning (dp_shard under MULTI_GPU, dp_replicate under DEEPSPEED),
     CP with SP, a TP group larger than a machine or not dividing its processes (an error, as in `hf-scale
@@ -118,7 +118,7 @@ def check_parallelism_layout(inp: CheckInputs) -> Iterator[Finding]:
 
 
 def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
-    """`parallelism-unsupported` (error): what train.py refuses for the layout before the model loads, said from
+    """`parallelism-unsupported`: what train.py refuses for the layout before the model loads, said from
     the files when training args are given: ep that the model's experts or its missing EP plan rule out, tp or sp
     not dividing the model's attention and key/value heads, attention context parallelism cannot compute (a local
     config.json, or the embedded model train.py defaults to), cp or sp with --packing or a kernel other than SDPA,
@@ -148,7 +148,7 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
 
 
 def check_launched_fsdp(inp: CheckInputs) -> Iterator[Finding]:
-    """`fsdp-setting-not-run` (warning): an FSDP YAML with tp > 1 in its parallelism_config, run by train.py without
+    """`fsdp-setting-not-run`: an FSDP YAML with tp > 1 in its parallelism_config, run by train.py without
     --hf_scale_config, is not sharded by accelerate's plugin: train.py reads the fsdp settings back from what
     `accelerate launch` exports (generators.accelerate_yaml.fsdp_settings_from_launch, the generator's own table) and
     has transformers shard the model with them. Each fsdp_config key whose value that table does not give back (the

@@ -13,7 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hf_scale.check.checks import CHECKS, Check, run_checks
+from hf_scale.check.checks import run_checks
+from hf_scale.check.codes import help_listing
 from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding
 from hf_scale.check.generated import regenerated_fixes
 from hf_scale.check.inputs import RUNNERS, CheckInputs, load_inputs
@@ -75,39 +76,8 @@ def format_findings_table(findings: list[Finding], width: int) -> str:
     return "\n".join(lines)
 
 
-def check_doc(fn: Check) -> tuple[str, str]:
-    """(heading, description) of a check: its docstring reads "`code`, `code` (warning): what it finds"."""
-    heading, text = " ".join((fn.__doc__ or "").split()).split(": ", 1)
-    return heading.replace("`", ""), text
-
-
-def check_codes(fn: Check) -> list[str]:
-    """The finding codes a check emits (named in its docstring's heading)."""
-    return re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)+", check_doc(fn)[0])
-
-
-_MANIFEST_CODES = ("manifest-invalid, manifest-nodes, manifest-processes, manifest-gpus, manifest-image, "
-                   "manifest-output-volume, manifest-grace-period (warning without --checkpoint), "
-                   "manifest-deepspeed-batch, manifest-train-args, manifest-not-hf-scale (warning), manifest-not-read "
-                   "(warning), manifest-restart-policy, manifest-secret (warning)")
-
-
-_TIME_CODES = ("grace-period-short (warning: a --manifest's grace period), signal-lead-short (warning: an --sbatch's "
-               "--signal lead), collective-timeout-short (--ddp_timeout or DEEPSPEED_TIMEOUT): shorter than the "
-               "predicted step + save")
-
-
 def _epilog() -> str:
-    lines = []
-    for fn in CHECKS:
-        heading, text = check_doc(fn)
-        lines.append("  " + heading)
-        lines += textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      ")
-    lines.append("  with --manifest JOB.yaml (a TrainJob, PyTorchJob or SkyPilot task; hf_scale.check.cluster):")
-    lines += textwrap.wrap(_MANIFEST_CODES, 96, initial_indent="      ", subsequent_indent="      ")
-    lines.append("  with --plan PLAN.json (`hf-scale plan --json`; hf_scale.check.time_budget):")
-    lines += textwrap.wrap(_TIME_CODES, 96, initial_indent="      ", subsequent_indent="      ")
-    checks = "\n".join(lines)
+    checks = help_listing()
     return f"""\
 runners (which "auto" values in the DeepSpeed JSON get filled in):
   trainer      HF Trainer (default; also hf_scale's train.py with --loop accelerate)

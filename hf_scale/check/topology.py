@@ -66,7 +66,7 @@ def check_use_cpu_ignores_plugin(inp: CheckInputs) -> Iterator[Finding]:
 
 
 def check_fsdp_without_gpu(inp: CheckInputs) -> Iterator[Finding]:
-    """`fsdp-no-gpu` (warning): FSDP on target machines without GPUs (`--gpus-per-machine 0`). Without it the check
+    """`fsdp-no-gpu`: FSDP on target machines without GPUs (`--gpus-per-machine 0`). Without it the check
     assumes nothing about the target's GPUs (the machine running the check is often a login node)."""
     if inp.accelerate.get("distributed_type") == "FSDP" and inp.gpus_per_machine == 0:
         yield Finding(
@@ -83,7 +83,7 @@ def check_fsdp_without_gpu(inp: CheckInputs) -> Iterator[Finding]:
 
 
 def check_fsdp_final_save(inp: CheckInputs) -> Iterator[Finding]:
-    """`fsdp-sharded-final-save` (warning): FSDP whose state dict type is not FULL_STATE_DICT (`fsdp_state_dict_type:
+    """`fsdp-sharded-final-save`: FSDP whose state dict type is not FULL_STATE_DICT (`fsdp_state_dict_type:
     SHARDED_STATE_DICT`, or FSDP2's default) under a plain HF Trainer script: its final `save_model` writes the weights
     only for FULL_STATE_DICT (transformers' Trainer.save_model), so the output directory gets no model. A hand-written
     Accelerator loop saves through accelerator.get_state_dict, which gathers; so does hf_scale's train.py in both loops
@@ -280,7 +280,7 @@ def address_problem(value: Any) -> tuple[str, str] | None:
 
 
 def check_main_process_ip(inp: CheckInputs) -> Iterator[Finding]:
-    """`main-ip-invalid`, `main-ip-placeholder` (warning): `main_process_ip` is no address at all (`'1234'`,
+    """`main-ip-invalid`, `main-ip-placeholder`: `main_process_ip` is no address at all (`'1234'`,
     `${MASTER_ADDR}`, an unquoted number), or, in a multi-node YAML, a placeholder (`main-node.invalid` as
     written by `hf-scale generate`, `*.example`, documentation networks, localhost) a launch must override."""
     file, acc = inp.accelerate_file, inp.accelerate

@@ -17,7 +17,7 @@ from hf_scale.check.parallelism import SECTION, yaml_layout
 
 
 def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
-    """`ds-overrides-flags` (warning; an error when a replaced flag is given explicitly): the JSON's
+    """`ds-overrides-flags`: the JSON's
     `optimizer` block replaces `--optim`/`--optim_args`, its `scheduler` block `--lr_scheduler_type`/
     `--lr_scheduler_kwargs` (e.g. WarmupLR: constant after a logarithmic warmup, where the Trainer's default
     decays linearly). train.py warns the same way, and refuses to start on an explicit flag."""

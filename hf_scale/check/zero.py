@@ -85,7 +85,7 @@ def check_nvme_path(inp: CheckInputs) -> Iterator[Finding]:
 
 
 def check_zero3_save(inp: CheckInputs) -> Iterator[Finding]:
-    """`zero3-no-16bit-save` (warning): ZeRO-3 without 16-bit weights gathered on save, in any spelling
+    """`zero3-no-16bit-save`: ZeRO-3 without 16-bit weights gathered on save, in any spelling
     DeepSpeed reads (`stage3_gather_16bit_weights_on_model_save`, `gather_16bit_weights_on_model_save`, the
     deprecated fp16 name; asked from DeepSpeed's own ZeRO model): train.py's final save is the last step's
     checkpoint, not safetensors (hf_scale.train.checkpoint.final_checkpoint)."""

@@ -4,11 +4,13 @@ no integers or do not multiply to num_processes, and the layout rules `hf-scale 
 from __future__ import annotations
 
 import pytest
+import yaml
 from check_cases import (
     DDP_YAML,
     DS_JSON,
     DS_YAML,
     FSDP_YAML,
+    REPO,
     assert_every_fix_names_where_the_value_is,
     assert_reports_its_problem,
     check_json,
@@ -105,6 +107,13 @@ TRIGGERS = {
     "tp-across-machines": (
         merged(FSDP4, {"num_machines": 2, "main_process_ip": "10.0.0.1", **block(dp_shard=1, cp=1, tp=4)}),
         None, [], None, [], "parallelism-unsupported", "error",
+    ),
+    # accelerate's tp_hsdp.yaml with a state dict type train.py's fsdp settings under tp do not give back (more in
+    # test_check_accelerate_yaml.test_a_peer_tp_yamls_fsdp_settings_are_compared_with_what_train_py_runs)
+    "fsdp-setting-train-py-does-not-run": (
+        merged(yaml.safe_load((REPO / "tests" / "data" / "peer_configs" / "accelerate_tp_hsdp.yaml").read_text()),
+               {"fsdp_config": {"fsdp_state_dict_type": "LOCAL_STATE_DICT"}}),
+        None, [], None, [], "fsdp-setting-not-run", "warning",
     ),
 }
 

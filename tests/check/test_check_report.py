@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 from check_cases import (
@@ -25,26 +27,30 @@ from check_cases import (
     run_cli,
     run_process,
 )
+from test_docs import github_slug
 
 from hf_scale import check
+from hf_scale.check.codes import CATALOGUE, EITHER, ERROR, FAMILIES, FILES, MANIFEST, PLAN, WARNING
 
-FAMILIES = ("accelerate_yaml", "deepspeed_file", "batch", "precision", "deepspeed_json", "trainer_values", "topology",
-            "zero", "fp8", "parallelism", "qlora", "moe")
+HERE = Path(__file__).parent
+CHECK_MODULES = ("accelerate_yaml", "deepspeed_file", "batch", "precision", "deepspeed_json", "trainer_values",
+                 "topology", "zero", "fp8", "parallelism", "qlora", "moe")
 
 
 def all_triggers() -> dict[str, tuple]:
     """Every family's TRIGGERS (tests/check/test_check_FAMILY.py)."""
-    return {case: trigger for family in FAMILIES
+    return {case: trigger for family in CHECK_MODULES
             for case, trigger in importlib.import_module(f"test_check_{family}").TRIGGERS.items()}
 
 
 def test_each_family_triggers_only_its_own_codes():
     """A case lives in the test file of the module whose check reports it."""
-    for family in FAMILIES:
+    for family in CHECK_MODULES:
         emitted = {trigger[5] for trigger in importlib.import_module(f"test_check_{family}").TRIGGERS.values()}
-        module = importlib.import_module(f"hf_scale.check.{family}")
-        own = {code for fn in check.CHECKS if fn.__module__ == module.__name__ for code in check.check_codes(fn)}
+        own = {entry.code for entry in CATALOGUE if entry.module == family}
         assert emitted and emitted <= own, (family, emitted - own)
+        # ...and the catalogue names the module whose checks run in CHECKS
+        assert f"hf_scale.check.{family}" in {fn.__module__ for fn in check.CHECKS}, family
 
 
 CLEAN_CASES = {
@@ -200,15 +206,62 @@ def test_warnings_alone_exit_0(tmp_path, monkeypatch, capsys):
 def test_help_explains_every_code_runner_and_exit_code(capsys):
     code, out, _ = run_cli(["check", "--help"], capsys)
     assert code == 0
-    documented = documented_codes()
-    assert len(documented) >= 20
-    for name in [*documented, *check.RUNNERS, "exit codes", "--json", "example"]:
+    assert len(CATALOGUE) >= 70
+    for entry in CATALOGUE:  # the config files', --manifest's and --plan's codes, with their severity
+        severity = "" if entry.severity == ERROR else f" ({entry.severity})"
+        assert f"{entry.code}{severity}: " in out, entry
+    for name in [*check.RUNNERS, "exit codes", "--json", "example"]:
         assert name in out
 
 
-def test_every_documented_code_has_a_triggering_test():
+# The tests that assert each --manifest code is reported (with the configs that trigger it).
+MANIFEST_TESTS = ("test_check_cluster.py", "test_check_manifest_values.py")
+
+
+def test_every_catalogued_code_has_a_triggering_test():
+    """The config files' codes: a case in a family's TRIGGERS (deepspeed-config-path: its own tests in
+    test_check_deepspeed_file.py, which depend on the working directory); --plan's: test_check_time_budget.CODES, all
+    reported by one of its tests; --manifest's: an expected code in the manifest tests' assertions."""
     emitted = {trigger[5] for trigger in all_triggers().values()} | {"deepspeed-config-path"}
-    assert emitted == documented_codes()
+    assert emitted == documented_codes(FILES)
+    assert set(importlib.import_module("test_check_time_budget").CODES) == documented_codes(PLAN)
+    tests = "".join((HERE / name).read_text() for name in MANIFEST_TESTS)
+    assert {code for code in documented_codes(MANIFEST) if f'"{code}"' in tests} == documented_codes(MANIFEST)
+
+
+def test_a_finding_with_a_code_or_severity_the_catalogue_lacks_cannot_exist():
+    with pytest.raises(ValueError, match="'grad-acum-mismatch' is not in hf_scale.check.codes.CATALOGUE"):
+        check.Finding(ERROR, "grad-acum-mismatch", "ds.json", "gradient_accumulation_steps", "problem", "fix")
+    with pytest.raises(ValueError, match="severity 'warning', the catalogue says 'error'"):
+        check.Finding(WARNING, "fp16-and-bf16", "ds.json", "fp16.enabled", "problem", "fix")
+    assert check.Finding(WARNING, "grad-accum-mismatch", "ds.json", "x", "p", "f").severity == WARNING  # EITHER
+
+
+DOC_SEVERITY = {"error": ERROR, "warning": WARNING, "error / warning": EITHER}
+
+
+def docs_tables() -> dict[str, dict[str, str]]:
+    """docs/check.md's code tables by the anchor of the heading above each: code -> severity."""
+    tables: dict[str, dict[str, str]] = {}
+    anchor, fenced = "", False
+    for line in (REPO / "docs" / "check.md").read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if line.startswith("#") and not fenced:
+            anchor = github_slug(line.lstrip("#").strip())
+        elif line.startswith("| `"):
+            name, severity = (cell.strip() for cell in line.split("|")[1:3])
+            for code in re.findall(r"`([a-z0-9]+(?:-[a-z0-9]+)+)`", name):
+                tables.setdefault(anchor, {})[code] = DOC_SEVERITY.get(severity, severity)
+    return tables
+
+
+def test_the_docs_tables_list_exactly_the_catalogue():
+    """Each family's table in docs/check.md (the config files', --plan's, --manifest's) has one row per code of the
+    catalogue, with its severity, and no other code."""
+    tables = docs_tables()
+    assert set(tables) == {family.anchor for family in FAMILIES}
+    for family in FAMILIES:
+        assert tables[family.anchor] == {e.code: e.severity for e in CATALOGUE if e.family is family}, family.name
 
 
 def test_process_exit_1_with_table_for_the_other_project(tmp_path):
