@@ -33,10 +33,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # What the server imports before it forks anything: train.py's runtime and torchrun.
 PRELOAD = ["preloaded_runtime"]
 
-# Variables that differ between the server's first environment and a later run's without any import reading them:
-# pytest's per-test name, and what libraries set in os.environ when the test process imports them (they set the
-# same in the server when it imports them).
-PER_TEST = {"PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "CRC32C_SW_MODE"}
+# Variables that may differ between the server's environment and a run's without any preloaded import reading them:
+# pytest's per-test name; what libraries set in os.environ when the test process imports them (DeepSpeed, torch's
+# inductor, tensorboardX, Ray's client mode); and gloo's interface, read when a process group starts, not at import.
+PER_TEST = {"PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "CRC32C_SW_MODE",
+            "RAY_CLIENT_MODE", "GLOO_SOCKET_IFNAME"}
 _server: dict = {}
 
 
