@@ -36,8 +36,8 @@ PRELOAD = ["preloaded_runtime"]
 # Variables that may differ between the server's environment and a run's without any preloaded import reading them:
 # pytest's per-test name; what libraries set in os.environ when the test process imports them (DeepSpeed, torch's
 # inductor, tensorboardX, Ray's client mode); and gloo's interface, read when a process group starts, not at import.
-PER_TEST = {"PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "CRC32C_SW_MODE",
-            "RAY_CLIENT_MODE", "GLOO_SOCKET_IFNAME"}
+PER_TEST = {"PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK", "CRC32C_SW_MODE", "RAY_CLIENT_MODE",
+            "GLOO_SOCKET_IFNAME"}  # and inductor's own (TORCHINDUCTOR_*, _TORCHINDUCTOR_*), set when something compiles
 _server: dict = {}
 
 
@@ -69,8 +69,9 @@ def _context(server_env: dict[str, str], env: dict[str, str]):
 
 
 def _comparable(env: dict[str, str]) -> dict[str, str]:
-    """The environment but for PER_TEST."""
-    return {key: value for key, value in env.items() if key not in PER_TEST}
+    """The environment but for PER_TEST and torch inductor's variables."""
+    return {key: value for key, value in env.items()
+            if key not in PER_TEST and not key.lstrip("_").startswith("TORCHINDUCTOR_")}
 
 
 def _log(how: str, command: list[str]) -> None:
