@@ -85,25 +85,17 @@ def test_the_files_generated_from_the_plan_pass(planned, tmp_path, capsys):
     assert _findings(capsys, plan, manifest, sbatch) == []  # train.py's default --ddp_timeout, 1800 s, covers it
 
 
-def test_a_file_that_is_not_a_plan_is_one_line_exit_2(tmp_path, capsys):
-    bad = tmp_path / "plan.json"
-    bad.write_text('{"candidates": []}')
+@pytest.mark.parametrize("flag, name, text, says", [
+    ("--plan", "plan.json", '{"candidates": []}', "not the output of `hf-scale plan --json`"),
+    ("--sbatch", "run.sbatch", "#!/bin/bash\n#SBATCH --signal=USR1@120\n", "only with --plan PLAN.json"),
+], ids=["not-a-plan", "sbatch-without-plan"])
+def test_a_bad_plan_or_sbatch_argument_is_one_line_exit_2(flag, name, text, says, tmp_path, capsys):
+    given = tmp_path / name
+    given.write_text(text)
     manifest = tmp_path / "job.yaml"
     manifest.write_text("kind: TrainJob\n")
     with pytest.raises(SystemExit) as exit_info:
-        main(["check", "--manifest", str(manifest), "--plan", str(bad)])
+        main(["check", "--manifest", str(manifest), flag, str(given)])
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and f"--plan {bad}: not the output of `hf-scale plan --json`" in lines[0], lines
-
-
-def test_sbatch_without_plan_is_one_line_exit_2(tmp_path, capsys):
-    sbatch = tmp_path / "run.sbatch"
-    sbatch.write_text("#!/bin/bash\n#SBATCH --signal=USR1@120\n")
-    manifest = tmp_path / "job.yaml"
-    manifest.write_text("kind: TrainJob\n")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["check", "--manifest", str(manifest), "--sbatch", str(sbatch)])
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and f"--sbatch {sbatch}: only with --plan PLAN.json" in lines[0], lines
+    assert len(lines) == 1 and f"{flag} {given}: {says}" in lines[0], lines
