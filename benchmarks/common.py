@@ -57,7 +57,7 @@ def environment() -> dict:
     import torch
 
     import hf_scale
-    from hf_scale.installed import version_of
+    from hf_scale.knowledge.installed import version_of
 
     cuda = torch.cuda.is_available()
     return {
@@ -181,7 +181,7 @@ def token_lengths(model_dir: Path, data_file: Path, max_seq_length: int) -> list
     """Tokenised lengths exactly as train.py sees them (same tokenizer, format detection and truncation)."""
     from transformers import AutoTokenizer
 
-    from hf_scale.train.data.arguments import DataArguments
+    from hf_scale.train.data.data_arguments import DataArguments
     from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -309,7 +309,7 @@ def _profile(best: str, args, model_dir: Path, data_file: Path) -> dict:
         run_variant(best, short, model_dir, data_file, profile_dir=profile_dir)
     except VariantFailed as error:
         return {"variant": best, **_report_failure(f"{best} (profile)", error)}
-    from hf_scale.train.loops.profile import TOP_KERNELS
+    from hf_scale.train.loops.torch_profiler import TOP_KERNELS
 
     table = (profile_dir / TOP_KERNELS).read_text()
     text_file = args.output.with_name(f"{args.output.stem}_profile.txt")

@@ -53,7 +53,7 @@ def _generate(workdir: Path, layout_sets: list[str]) -> Path:
     """`hf-scale generate --preset fsdp2_cp` for 2 ranks: its hf_scale config and accelerate launch file."""
     out = workdir / "generated"
     sets = ["topology.processes_per_machine=2", "precision=no", "optimizer.lr=0.001", *layout_sets]
-    common.run_checked([sys.executable, "-m", "hf_scale.cli", "generate", "--preset", "fsdp2_cp",
+    common.run_checked([sys.executable, "-m", "hf_scale", "generate", "--preset", "fsdp2_cp",
                         *[part for s in sets for part in ("--set", s)], "--name", "cp", "--output-dir", str(out),
                         "--force"], env=common.child_env(1))
     return out

@@ -48,7 +48,7 @@ def commands(config: Path, out: Path, exported: Path) -> list[list[str]]:
              "--main_process_port", str(common.free_port()), str(common.TRAIN_PY),
              "--loop", "trainer", "--max_steps", str(STEPS), "--save_steps", str(STEPS),
              "--per_device_train_batch_size", "2", "--output_dir", str(out)]
-    export = [sys.executable, "-m", "hf_scale.cli", "export", str(out / f"checkpoint-{STEPS}"), str(exported)]
+    export = [sys.executable, "-m", "hf_scale", "export", str(out / f"checkpoint-{STEPS}"), str(exported)]
     return [train, export]
 
 

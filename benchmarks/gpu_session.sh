@@ -58,9 +58,9 @@ commands_of() {
     install)  # the carried wheels (word-split and globbed below) and the project
       echo "python3 -m pip install -q --no-index --no-deps --no-build-isolation .whl/*.whl -e ." ;;
     doctor)
-      echo "python3 -m hf_scale.cli doctor"
-      echo "python3 -m hf_scale.cli generate --preset zero2 --set topology.processes_per_machine=1 --output-dir $WORK/cfg --force"
-      echo "python3 -m hf_scale.cli doctor --config $WORK/cfg/accelerate_configs/zero2.yaml" ;;
+      echo "python3 -m hf_scale doctor"
+      echo "python3 -m hf_scale generate --preset zero2 --set topology.processes_per_machine=1 --output-dir $WORK/cfg --force"
+      echo "python3 -m hf_scale doctor --config $WORK/cfg/accelerate_configs/zero2.yaml" ;;
     throughput)  # one gpu.py call per variant, --merge: a stage cut short keeps the variants already measured
       for variant in baseline torch_packed_bf16 hf_scale hf_scale_loop hf_scale_best; do
         echo "python3 benchmarks/gpu.py --variants $variant $GPU_PY_SETUP --merge --output $OUT/gpu.json"
@@ -72,7 +72,7 @@ commands_of() {
       done ;;
     saves)  # bf16, one process, ZeRO-2 and FSDP2, each loop: exit 0 and the save check's line ("verified ...")
       for preset in zero2 fsdp2_full_shard; do
-        echo "python3 -m hf_scale.cli generate --preset $preset --set topology.processes_per_machine=1 --output-dir $WORK/cfg --force"
+        echo "python3 -m hf_scale generate --preset $preset --set topology.processes_per_machine=1 --output-dir $WORK/cfg --force"
         for loop in trainer accelerate; do
           echo "bash $WORK/cfg/launch/$preset.accelerate.sh --loop $loop --max_steps 4 --save_steps 2 --output_dir $WORK/runs/$preset-$loop --overwrite_output_dir"
         done

@@ -33,7 +33,7 @@ def launcher(name: str, workdir: Path, args, learning_rate: float) -> Path:
         sets.append("precision=fp8")
     elif args.cpu_smoke:  # CPU: fp32 and torch's AdamW (DeepSpeed's fused Adam needs CUDA)
         sets += ["precision='no'", "deepspeed.torch_adam=true"]
-    command = [sys.executable, "-m", "hf_scale.cli", "generate", "--preset", preset, "--name", name,
+    command = [sys.executable, "-m", "hf_scale", "generate", "--preset", preset, "--name", name,
                "--output-dir", str(workdir / "configs"), "--force"]
     for item in sets:
         command += ["--set", item]

@@ -24,7 +24,7 @@ from pathlib import Path
 def _tokenized(ns: argparse.Namespace):
     from transformers import AutoTokenizer
 
-    from hf_scale.train.data.arguments import DataArguments
+    from hf_scale.train.data.data_arguments import DataArguments
     from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(ns.model)
@@ -135,7 +135,7 @@ def _torch_packed_worker(ns: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, set_seed
 
-    from hf_scale.train.loops.profile import StepProfiler
+    from hf_scale.train.loops.torch_profiler import StepProfiler
 
     set_seed(0)
     tokenizer, dataset = _tokenized(ns)

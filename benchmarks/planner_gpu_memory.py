@@ -165,7 +165,7 @@ def _worker(slug: str, seq_len: int, micro_batch: int, out: Path, smoke: bool) -
 
 def _ops_problems(slug: str, gpus: int, seq_len: int, micro_batch: int, smoke: bool) -> list[str]:
     """The DeepSpeed ops this candidate's JSON would load, where they cannot load here (one line each)."""
-    from hf_scale.deepspeed_ops import check_config_ops
+    from hf_scale.knowledge.deepspeed_ops import check_config_ops
 
     plan = _plan(gpus, seq_len, micro_batch, smoke)
     assessment = next((a for a in plan.assessments if a.slug == slug), None)

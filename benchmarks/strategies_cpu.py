@@ -58,7 +58,7 @@ def generate(config_dir: Path, name: str, micro_batch: int) -> Path:
     command = [
         sys.executable,
         "-m",
-        "hf_scale.cli",
+        "hf_scale.commands.cli",
         "generate",
         "--preset",
         STRATEGIES[name],

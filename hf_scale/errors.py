@@ -3,7 +3,7 @@
 Bad input (a config value, a CLI flag, a dataset, a model path) is reported as *one line* that
 names the field, the value and what is allowed, and the process exits with code 2 — never a
 traceback. Everything that raises :class:`UserError` relies on the entry points
-(:func:`hf_scale.cli.main`, ``train.py``) to turn it into that line.
+(:func:`hf_scale.commands.cli.main`, ``train.py``) to turn it into that line.
 """
 
 from __future__ import annotations

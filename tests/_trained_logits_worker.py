@@ -20,7 +20,7 @@ from hf_scale import quiet
 def main() -> None:
     logits_file, flags = sys.argv[1], sys.argv[2:]
     sys.argv = [TRAIN_PY, *flags]
-    if not quiet.verbose_requested(flags):  # as hf_scale.train.entry does, before the libraries load
+    if not quiet.verbose_requested(flags):  # as hf_scale.commands.train does, before the libraries load
         quiet.quiet_training()
     from hf_scale.train import main as train_main
 

@@ -1,5 +1,5 @@
 """Shared configs and helpers of the `hf-scale check` tests (tests/check/test_check_*.py, one file per family of
-checks in hf_scale/check/). Most tests run the real CLI in-process (``hf_scale.cli.main``); a few run it as a
+checks in hf_scale/check/). Most tests run the real CLI in-process (``hf_scale.commands.cli.main``); a few run it as a
 subprocess to prove the exit codes and that no traceback escapes. Nothing from accelerate, DeepSpeed or
 transformers is mocked."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from hf_scale import check
 from hf_scale.check.codes import CATALOGUE, FILES, Family
-from hf_scale.cli import main
+from hf_scale.commands import check
+from hf_scale.commands.cli import main
 
 DATA = Path(__file__).parent / "data" / "check"
 
@@ -165,7 +165,7 @@ def documented_codes(family: Family = FILES) -> set[str]:
 
 def run_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "hf_scale.cli", "check", *args],
+        [sys.executable, "-m", "hf_scale", "check", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 
 IMAGE = "registry.example.com/team/hf-scale:0.1.0"
 CONFIGS = {

@@ -2,5 +2,5 @@
 
 import torch.distributed.run  # noqa: F401
 
-import hf_scale.train.entry  # noqa: F401
+import hf_scale.commands.train  # noqa: F401
 import hf_scale.train.main  # noqa: F401

@@ -147,7 +147,7 @@ def test_gpu_fp8_variant_is_generated_and_refused_cleanly_without_a_gpu(tmp_path
     traceback (the launcher's report stays in the variant's stderr.log)."""
     import yaml
 
-    from hf_scale.precision_rules import fp8_machine_refusal
+    from hf_scale.knowledge.precision_rules import fp8_machine_refusal
 
     data = _ok("gpu.py", tmp_path, "--cpu-smoke", "--variants", "hf_scale_fp8", "--steps", "3", "--warmup", "1",
                "--seq-len", "256", "--budget", "512", "--rows", "64", "--threads", "1")
@@ -365,7 +365,7 @@ def test_the_gpu_session_plans_every_check_of_the_gpu_issue_with_arguments_its_s
         from planner_gpu_memory import DEFAULT_CANDIDATES
     finally:
         sys.path.remove(str(BENCH))
-    from hf_scale.presets import PRESETS
+    from hf_scale.config.presets import PRESETS
     from hf_scale.train.setup.parser import build_parser
 
     plan = _session_plan()
@@ -406,7 +406,7 @@ def test_the_gpu_session_runs_its_stages_keeps_their_logs_and_refuses_an_unknown
     summary = (tmp_path / "out" / "session.tsv").read_text().splitlines()
     assert summary[0] == "stage\texit\tseconds" and summary[1].startswith("doctor\t")
     log = (tmp_path / "out" / "doctor.log").read_text()
-    assert "$ python3 -m hf_scale.cli doctor --config" in log and "zero2" in log
+    assert "$ python3 -m hf_scale doctor --config" in log and "zero2" in log
     late = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "fsdp_save"], cwd=REPO, capture_output=True,
                           text=True, timeout=60, env={**env, "DEADLINE_S": "3"})
     assert "fsdp_save\tskipped (no time left)" in (tmp_path / "out" / "session.tsv").read_text(), late.stdout

@@ -97,7 +97,8 @@ def test_dead_links_anchors_and_paths_are_reported(tmp_path):
                                    "[ok](#top-x-y) [ok](#top-x-y-1) [ok](b.md) ![i](b.md#tail)\n"
                                    "[dead](c.md) [dead](#nope) [dead](b.md#nope) `[not a link](x.md)`\n"
                                    "```\n[in code](d.md)\n# not a heading\n```\n")
-    (tmp_path / "b.md").write_text("# Tail\n`hf_scale/cli.py` `tests/gone.py::test_x` `benchmarks/results/x.json`\n")
+    (tmp_path / "b.md").write_text("# Tail\n`hf_scale/cli.py` `tests/gone.py::test_x` "
+                                   "`benchmarks/results/x.json`\n")
     (tmp_path / "hf_scale").mkdir()
     (tmp_path / "hf_scale" / "cli.py").write_text("")
     assert missing_repo_paths(tmp_path / "b.md", root=tmp_path) == [
@@ -161,3 +162,10 @@ def test_the_readme_set_up_commands_are_what_ci_runs_in_that_order():
     ci_commands = _commands((ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines())
     assert [c for c in ci_commands if c in readme_commands] == readme_commands
     assert readme_commands[-1].startswith("python3 -m pytest") and ci_commands[-1] == readme_commands[-1]
+
+
+def test_the_package_table_of_the_development_page_is_the_import_graph():
+    """docs/development.md's package table is generated from the imports (`python3 tests/import_graph.py --write`)."""
+    from import_graph import documented_table, package_table
+
+    assert documented_table() == package_table(), "run: python3 tests/import_graph.py --write"

@@ -9,60 +9,11 @@ loads by name (`cli.COMMANDS`).
 from __future__ import annotations
 
 import ast
-import functools
-from pathlib import Path
 
-import hf_scale
-from hf_scale.cli import COMMANDS
-
-PACKAGE = Path(hf_scale.__file__).parent
+from import_graph import import_graph, layer, modules
 
 # Known exceptions, each owned by work in progress; remove an entry when its edge is gone (a test says so).
 ALLOWED: set[tuple[str, str]] = set()  # no exception left
-
-
-def _modules() -> dict[str, Path]:
-    modules = {}
-    for file in PACKAGE.rglob("*.py"):
-        parts = file.relative_to(PACKAGE.parent).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
-    return modules
-
-
-def _imported(node: ast.AST, package: str, modules: dict[str, Path]) -> set[str]:
-    """The hf_scale modules an import statement reaches: `from a import b` reaches the submodule a.b when
-    there is one, else the module a itself."""
-    if isinstance(node, ast.Import):
-        return {_owner(alias.name, modules) for alias in node.names}
-    if not isinstance(node, ast.ImportFrom):
-        return set()
-    base = node.module or ""
-    if node.level:
-        parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-        base = ".".join([*parent, base] if base else parent)
-    return {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else _owner(base, modules) for a in node.names}
-
-
-def _owner(name: str, modules: dict[str, Path]) -> str | None:
-    """The hf_scale module defining `name` (None outside hf_scale)."""
-    while name and name not in modules:
-        name = name.rpartition(".")[0]
-    return name or None
-
-
-@functools.cache
-def import_graph() -> dict[str, frozenset[str]]:
-    """{module: the hf_scale modules it imports}."""
-    modules = _modules()
-    graph = {}
-    for name, file in modules.items():
-        package = name if file.name == "__init__.py" else name.rpartition(".")[0]
-        targets = set()
-        for node in ast.walk(ast.parse(file.read_text(), str(file))):
-            targets |= _imported(node, package, modules)
-        graph[name] = frozenset(targets - {None, name})
-    graph["hf_scale.cli"] |= {module for module, _ in COMMANDS.values()}
-    return graph
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -97,32 +48,17 @@ def _without_allowed(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return {source: {t for t in targets if (source, t) not in ALLOWED} for source, targets in graph.items()}
 
 
-def layer(module: str) -> int:
-    """errors and exit_codes 0, base modules (config, presets, inputs, ...) 1, generators/planner 2, train 3,
-    commands 4, cli 5."""
-    # `python -m hf_scale.ray_train` is an entry point like the commands: it runs train.py's train function.
-    commands = {name for name, _ in COMMANDS.values()} | {"hf_scale.ray_train"}
-    if module == "hf_scale.cli":
-        return 5
-    if any(module == c or module.startswith(c + ".") for c in commands):
-        return 4
-    if module.startswith("hf_scale.train"):
-        return 3
-    if module.startswith(("hf_scale.generators", "hf_scale.planner")):
-        return 2
-    return 0 if module in ("hf_scale.errors", "hf_scale.exit_codes") else 1
-
-
 def test_the_graph_sees_lazy_imports_and_the_commands_the_cli_loads_by_name():
     graph = import_graph()
-    assert "hf_scale.config" in graph["hf_scale.presets"]
+    assert "hf_scale.config.distributed_config" in graph["hf_scale.config.presets"]
     assert "hf_scale.train.data.packing" in graph["hf_scale.train.data.batches"]  # imported inside a function
-    assert "hf_scale.train.checkpoint.layout" in graph["hf_scale.export.command"]  # imported inside a function
-    assert {"hf_scale.demo", "hf_scale.export", "hf_scale.generate"} <= graph["hf_scale.cli"]
+    assert "hf_scale.train.checkpoint.layout" in graph["hf_scale.commands.export"]  # imported inside a function
+    commands = {"hf_scale.commands.demo", "hf_scale.commands.export", "hf_scale.commands.generate"}
+    assert commands <= graph["hf_scale.commands.cli"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_there_are_no_import_cycles_among_hf_scales_modules():
+def test_there_are_no_import_cycles_among_hf_scalesmodules():
     assert _cycles(_without_allowed(import_graph())) == []
 
 
@@ -147,7 +83,7 @@ def train_room(module: str) -> int | None:
 
 
 def test_every_module_of_hf_scale_train_sits_in_a_room_or_is_a_stage():
-    stages = {"hf_scale.train", "hf_scale.train.__main__", "hf_scale.train.entry", "hf_scale.train.main",
+    stages = {"hf_scale.train", "hf_scale.train.__main__", "hf_scale.commands.train", "hf_scale.train.main",
               "hf_scale.train.prepare"}
     outside = {m for m in import_graph() if train_room(m) == len(TRAIN_ROOMS)} - stages
     assert outside == set(), "a new module of hf_scale.train goes into a room (CONTRIBUTING.md)"
@@ -162,7 +98,8 @@ def test_the_rooms_of_hf_scale_train_import_downwards_only():
 
 def test_the_room_rule_sees_an_upward_import():
     assert train_room("hf_scale.train.data.packing") < train_room("hf_scale.train.loops.manual")
-    assert train_room("hf_scale.train.main") == len(TRAIN_ROOMS) and train_room("hf_scale.config") is None
+    assert train_room("hf_scale.train.main") == len(TRAIN_ROOMS)
+    assert train_room("hf_scale.config.distributed_config") is None
 
 
 def test_every_allowed_exception_still_exists():
@@ -206,7 +143,7 @@ def _optional_imports(tree: ast.Module) -> list[str]:
 def test_optional_libraries_are_imported_only_inside_the_functions_that_use_them():
     """train.py without LoRA/QLoRA/fp8 and every `hf-scale` command load none of hf_scale's optional libraries
     themselves (transformers may still import what is installed: docs/benchmarks.md, "Start-up")."""
-    found = {name: _optional_imports(ast.parse(path.read_text())) for name, path in _modules().items()}
+    found = {name: _optional_imports(ast.parse(path.read_text())) for name, path in modules().items()}
     assert {name: libs for name, libs in found.items() if libs} == {}
 
 

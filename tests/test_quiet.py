@@ -1,4 +1,4 @@
-"""Quiet by default (hf_scale.quiet), fast help (hf_scale.cli imports only the command being run), and
+"""Quiet by default (hf_scale.quiet), fast help (hf_scale.commands.cli imports only the command being run), and
 train.py's grouped --help (hf_scale.train.setup.help). In-process, except the one fresh interpreter that proves
 what `--help` imports."""
 
@@ -15,10 +15,10 @@ import pytest
 from transformers import TrainingArguments
 
 from hf_scale import quiet
-from hf_scale.cli import COMMANDS, main
-from hf_scale.train.data.arguments import DataArguments
+from hf_scale.commands.cli import COMMANDS, main
+from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.data.sources import SourceArguments
-from hf_scale.train.model.arguments import ModelArguments
+from hf_scale.train.model.model_arguments import ModelArguments
 from hf_scale.train.setup import help as train_help
 from hf_scale.train.setup.args import ScaleArguments
 from hf_scale.train.setup.parser import build_parser
@@ -31,7 +31,7 @@ def test_help_of_every_command_imports_none_of_the_heavy_libraries():
     level not even pydantic. A fresh interpreter runs them all and lists what got imported."""
     script = f"""
 import json, sys
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 seen = {{}}
 for command in [None, *{list(COMMANDS)!r}]:
     try:

@@ -218,7 +218,7 @@ def generate_config(
     command = [
         sys.executable,
         "-m",
-        "hf_scale.cli",
+        "hf_scale.commands.cli",
         "generate",
         "--preset",
         preset,
@@ -306,7 +306,7 @@ def tree(path: Path) -> dict[str, bytes] | None:
 def assert_live_values(output_dir: Path, config_path: Path) -> dict:
     """OUTPUT_DIR/hf_scale_live.json (read from the running Trainer/Accelerator/DeepSpeed engine at the first
     optimizer step) holds every value of the DistributedConfig the run was launched with."""
-    from hf_scale.config import load_config
+    from hf_scale.config.distributed_config import load_config
 
     cfg = load_config(config_path)
     live = json.loads((Path(output_dir) / "hf_scale_live.json").read_text())

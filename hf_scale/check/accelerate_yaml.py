@@ -22,7 +22,7 @@ from hf_scale.check.findings import (
     rename_fix,
 )
 from hf_scale.check.inputs import CheckInputs, fsdp_version_of
-from hf_scale.check.knowledge import OFFLOAD_DEVICES, accelerate_config_fields, known_section_keys
+from hf_scale.knowledge.library_tables import OFFLOAD_DEVICES, accelerate_config_fields, known_section_keys
 
 
 def check_accelerate_top_level(inp: CheckInputs) -> Iterator[Finding]:
@@ -168,7 +168,7 @@ def range_problem(value: Any, low: float | None, high: float | None) -> str | No
 
 # What `accelerate launch` needs of these numbers (torchrun gets num_processes // num_machines processes
 # per node; a port is 1-65535); ZeRO stages and offload devices are DeepSpeed's ZeroStageEnum and
-# OffloadDeviceEnum (tests/check/test_check_knowledge.py proves them against DeepSpeed).
+# OffloadDeviceEnum (tests/knowledge/test_library_tables.py proves them against DeepSpeed).
 ACCELERATE_RANGES = {
     "num_processes": (1, None),
     "num_machines": (1, None),
@@ -234,7 +234,7 @@ def _option_problem(key: str, value: Any, action: Any) -> str | None:
     if key.endswith(("offload_optimizer_device", "offload_param_device")) and value not in OFFLOAD_DEVICES:
         return f"must be one of {', '.join(OFFLOAD_DEVICES)}"
     if key == "main_process_ip":
-        from hf_scale.config_types import host_problem
+        from hf_scale.config.value_types import host_problem
 
         return host_problem(str(value))
     bounds = ACCELERATE_RANGES.get(key)

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hf_scale import rules
-from hf_scale.check.findings import ERROR, WARNING, Finding, Source, agree_fix, disagreement, get_path, in_file, is_int
+from hf_scale.check.findings import ERROR, WARNING, Finding, Source, agree_fix, disagreement, in_file, is_int
 from hf_scale.check.inputs import (
     DEFAULT_FLAG_NOTE,
     CheckInputs,
@@ -17,8 +16,10 @@ from hf_scale.check.inputs import (
     training_source,
     world_size_of,
 )
-from hf_scale.check.knowledge import deepspeed_off_stdout
-from hf_scale.launch_values import ACCUMULATION, MISSING_ACCUMULATION
+from hf_scale.contract.launch_values import ACCUMULATION, MISSING_ACCUMULATION
+from hf_scale.files.reading import get_path
+from hf_scale.knowledge import rules
+from hf_scale.knowledge.library_tables import deepspeed_off_stdout
 
 
 def check_gradient_accumulation(inp: CheckInputs) -> Iterator[Finding]:

@@ -43,10 +43,10 @@ from hf_scale.check.manifest_facts import (
     train_command,
 )
 from hf_scale.check.manifest_schema import manifest_problem
-from hf_scale.cluster_config import image_problem
+from hf_scale.config.cluster_section import image_problem
 from hf_scale.errors import UserError
-from hf_scale.generators import layout
-from hf_scale.rules import is_secret_setting
+from hf_scale.generators import output_paths as layout
+from hf_scale.knowledge.rules import is_secret_setting
 
 GRACE_FLOOR_S = 120
 """Without a measured save: the least grace period we call safe (Kubernetes' default, 30 s, is not)."""
@@ -184,8 +184,8 @@ class Named:
 def _named_references(path: str, facts: Facts, known: set[Path]) -> Named:
     """The configs the manifest's command names and that exist here (those already given are not compared twice),
     and its DeepSpeed JSON with a label, if it names one."""
-    from hf_scale.config import load_config
-    from hf_scale.inputs import load_json, load_yaml, read_text
+    from hf_scale.config.distributed_config import load_config
+    from hf_scale.files.reading import load_json, load_yaml, read_text
 
     references, deepspeed, ds_label, hf_scale = [], None, "", None
     for kind, (written, file) in named_files(facts, Path(path)).items():

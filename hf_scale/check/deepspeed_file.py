@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from hf_scale.check.findings import ERROR, MISSING, WARNING, Finding, get_path, in_file
+from hf_scale.check.findings import ERROR, WARNING, Finding, in_file
 from hf_scale.check.inputs import CheckInputs, is_deepspeed_yaml
-from hf_scale.check.knowledge import DS_FILE_CONFLICTING_YAML_KEYS, YAML_TO_DS_PATH
+from hf_scale.files.reading import MISSING, get_path
+from hf_scale.knowledge.library_tables import DS_FILE_CONFLICTING_YAML_KEYS, YAML_TO_DS_PATH
 
 
 def check_deepspeed_file_reference(inp: CheckInputs) -> Iterator[Finding]:

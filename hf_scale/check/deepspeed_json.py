@@ -7,20 +7,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from hf_scale import deepspeed_changes
 from hf_scale.check.accelerate_yaml import range_problem, value_problem
-from hf_scale.check.findings import (
-    ERROR,
-    WARNING,
-    Finding,
-    get_path,
-    ignored_key_severity,
-    in_file,
-    is_comment_key,
-    rename_fix,
-)
+from hf_scale.check.findings import ERROR, WARNING, Finding, ignored_key_severity, in_file, is_comment_key, rename_fix
 from hf_scale.check.inputs import CheckInputs
-from hf_scale.check.knowledge import (
+from hf_scale.files.reading import get_path
+from hf_scale.knowledge import deepspeed_changes
+from hf_scale.knowledge.library_tables import (
     BATCH_KEYS,
     CONTEXT_SECTIONS,
     PARSE_ERRORS,
@@ -125,7 +117,8 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
 
 def check_deepspeed_changes(inp: CheckInputs) -> Iterator[Finding]:
     """`deepspeed-key-removed`, `deepspeed-warmup-refused`: what a DeepSpeed release refuses at start in a config that
-    ran before (hf_scale.deepspeed_changes): a removed key (`amp`, `elasticity`, `sparse_attention`, MiCS, ...), a
+    ran before (hf_scale.knowledge.deepspeed_changes): a removed key (`amp`, `elasticity`, `sparse_attention`, MiCS,
+    ...), a
     warmup scheduler with `warmup_num_steps` 0. An error where the installed DeepSpeed refuses it, a warning where it
     is older (the cluster's install will)."""
     if inp.deepspeed is None:

@@ -16,7 +16,6 @@ TRAINING_ARGS = "training args"
 """The ``file`` of findings about the training arguments given after ``--``."""
 
 
-MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -45,15 +44,6 @@ class Finding:
     @property
     def where(self) -> str:
         return f"{self.file}:{self.key}"
-
-
-def get_path(mapping: Any, dotted: str, default: Any = MISSING) -> Any:
-    node = mapping
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
 
 
 def is_int(value: Any) -> bool:

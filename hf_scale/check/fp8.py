@@ -1,6 +1,8 @@
-"""Checks of FP8 training: the YAML's `fp8_config` keys and values as accelerate reads them (hf_scale.check.knowledge
+"""Checks of FP8 training: the YAML's `fp8_config` keys and values as accelerate reads them
+(hf_scale.knowledge.library_tables
 asks accelerate), the combinations accelerate refuses at start, in a hand-written accelerate YAML (the rule the
-config applies when generating, hf_scale.precision_rules.fp8_refusal), and where fp8 will run slower than bf16.
+config applies when generating, hf_scale.knowledge.precision_rules.fp8_refusal), and where fp8 will run slower than
+bf16.
 (A machine without an fp8 GPU is train.py's refusal before the model loads, and `doctor --config`'s.)
 """
 
@@ -9,21 +11,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from hf_scale import precision_rules, rules
 from hf_scale.check.findings import (
     ERROR,
     TRAINING_ARGS,
     WARNING,
     Finding,
     Source,
-    get_path,
     ignored_key_severity,
     in_file,
     is_comment_key,
     rename_fix,
 )
 from hf_scale.check.inputs import CheckInputs, deepspeed_view, local_model_config
-from hf_scale.check.knowledge import fp8_launch_name, fp8_value_problem, known_fp8_names
+from hf_scale.files.reading import get_path
+from hf_scale.knowledge import precision_rules, rules
+from hf_scale.knowledge.library_tables import fp8_launch_name, fp8_value_problem, known_fp8_names
 
 SECTION = "fp8_config"
 

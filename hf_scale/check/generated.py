@@ -1,7 +1,8 @@
 """Fixes for files `hf-scale generate` wrote: such a file says "do not edit" in its header (the next `generate` would
 undo an edit), so a fix that starts "In NAME, change X" is turned into one that says where the change belongs: the
 hf_scale config (or the preset and its `--set`s) it was generated from, then the command in its header regenerates
-it. The header is the one `hf_scale.generate` writes at the top of every YAML and script; a JSON file has none, and
+it. The header is the one `hf_scale.commands.generate` writes at the top of every YAML and script; a JSON file has none,
+and
 its fixes are left as they are."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hf_scale.check.findings import TRAINING_ARGS, Finding, in_file
-from hf_scale.generators.layout import GENERATED_HEADER
+from hf_scale.generators.output_paths import GENERATED_HEADER
 
 _HEADER = re.compile(r"\A(?:#[^\n]*\n)*?"  # comment lines before it (a script's #!)
                      rf"# {re.escape(GENERATED_HEADER)}\n#\s+(?P<command>[^\n]+)")

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_scale import rules
-from hf_scale.check.findings import TRAINING_ARGS, Source, get_path, is_int
+from hf_scale.check.findings import TRAINING_ARGS, Source, is_int
 from hf_scale.check.train_flags import TrainFlags, against_config, parse_train_flags
 from hf_scale.errors import UserError
-from hf_scale.inputs import load_json, load_yaml, read_text
+from hf_scale.files.reading import get_path, load_json, load_yaml, read_text
+from hf_scale.knowledge import rules
 
 RUNNERS = ("trainer", "accelerate", "deepspeed")
 """What resolves DeepSpeed's "auto" values: the HF Trainer (hf_scale's train.py resolves "auto" with the
@@ -150,7 +150,7 @@ def training_source(inp: CheckInputs, name: str) -> Source | None:
 
 def only_a_default_flag_differs(inp: CheckInputs, sources: list[Source], flags: tuple[str, ...]) -> bool:
     """The values written in the DeepSpeed settings (a JSON, or an inline DeepSpeed YAML) agree, and only a
-    training flag left at its default differs: train.py then takes the file's value (hf_scale.launch_values,
+    training flag left at its default differs: train.py then takes the file's value (hf_scale.contract.launch_values,
     hf_scale.train.setup.inline_deepspeed), a plain HF Trainer script stops."""
     written = [s for s in sources if s.file != TRAINING_ARGS]
     defaults = [s for s in sources if s.file == TRAINING_ARGS]
@@ -207,7 +207,7 @@ def _parse_training_args(argv: list[str], cwd: Path, hf_scale_file: str | None =
     named = "training args: --hf_scale_config" if hf_scale_file is None else "check: hf_scale config"
     written = namespace.hf_scale_config
     path = Path(written).expanduser()
-    from hf_scale.config import load_config
+    from hf_scale.config.distributed_config import load_config
 
     try:
         config = load_config(path if path.is_absolute() else cwd / path)

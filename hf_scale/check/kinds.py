@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_scale.errors import UserError
-from hf_scale.inputs import load_json, load_yaml_documents, read_text
+from hf_scale.files.reading import load_json, load_yaml_documents, read_text
 
 ACCELERATE, DEEPSPEED, HF_SCALE, MANIFEST = "accelerate config", "DeepSpeed config", "hf_scale config", "job manifest"
 RECIPE = "train.py recipe"
@@ -39,7 +39,7 @@ WHAT_EACH_LOOKS_LIKE = (
 @functools.cache
 def deepspeed_top_level_keys() -> frozenset[str]:
     """Every top-level key DeepSpeed's config parser reads, recorded while it parses a minimal config."""
-    from hf_scale.check.knowledge import ReadTracker, deepspeed_off_stdout
+    from hf_scale.knowledge.library_tables import ReadTracker, deepspeed_off_stdout
 
     with deepspeed_off_stdout():
         from deepspeed.runtime.config import DeepSpeedConfig
@@ -74,7 +74,7 @@ def _is_recipe(keys: set[str]) -> bool:
 
 
 def _hf_scale_fields() -> frozenset[str]:
-    from hf_scale.config import DistributedConfig
+    from hf_scale.config.distributed_config import DistributedConfig
 
     return frozenset(DistributedConfig.model_fields)
 

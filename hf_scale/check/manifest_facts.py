@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from hf_scale.check.train_flags import last_value
-from hf_scale.cluster_config import DEFAULT_IMAGE_HOME
-from hf_scale.generators import layout
+from hf_scale.config.cluster_section import DEFAULT_IMAGE_HOME
+from hf_scale.generators import output_paths as layout
 
 KUBERNETES_DEFAULT_GRACE_S = 30
 FROM_PLATFORM = "from the platform"

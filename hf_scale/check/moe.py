@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from hf_scale import expert_parallel, parallelism
 from hf_scale.check.findings import ERROR, WARNING, Finding, in_file, is_int
 from hf_scale.check.inputs import CheckInputs, local_model_config, world_size_of
+from hf_scale.config import expert_parallel, parallelism
 
 SECTION = "expert_parallel"
 """DeepSpeed's AutoEP section (deepspeed/runtime/config.py EXPERT_PARALLEL)."""

@@ -1,16 +1,18 @@
 """Checks of the YAML's ``parallelism_config:`` block (accelerate's ParallelismConfig: dp_replicate x dp_shard x tp x
 cp x sp): keys `accelerate launch` ignores, sizes that are no integers, sizes that do not multiply to
-``num_processes``, and the layout rules `hf-scale generate` enforces (hf_scale.parallelism, the one place they live).
+``num_processes``, and the layout rules `hf-scale generate` enforces (hf_scale.config.parallelism, the one place they
+live).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from hf_scale import parallelism, rules
 from hf_scale.check.findings import ERROR, WARNING, Finding, ignored_key_severity, in_file, is_int, rename_fix
 from hf_scale.check.inputs import CheckInputs, fsdp_version_of, local_model_config, world_size_of
-from hf_scale.check.knowledge import known_section_keys, parallelism_value_problem
+from hf_scale.config import parallelism
+from hf_scale.knowledge import rules
+from hf_scale.knowledge.library_tables import known_section_keys, parallelism_value_problem
 
 SECTION = "parallelism_config"
 
@@ -122,7 +124,7 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
     the files when training args are given: ep that the model's experts or its missing EP plan rule out, tp or sp
     not dividing the model's attention and key/value heads, attention context parallelism cannot compute (a local
     config.json, or the embedded model train.py defaults to), cp or sp with --packing or a kernel other than SDPA,
-    tp or ep with --lora_r (hf_scale.train.model.parallel: model_problem, flag_refusal: train.py's words)."""
+    tp or ep with --lora_r (hf_scale.train.model.parallelize: model_problem, flag_refusal: train.py's words)."""
     if inp.training is None:
         return
     layout, file, key = yaml_layout(inp), inp.accelerate_file, SECTION
@@ -131,7 +133,7 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
         layout, file, key = cfg.layout, inp.hf_scale_config_file, "parallelism"  # ep is only ever the config's
     if layout is None or (layout.model_parallel_size == 1 and layout.ep == 1):
         return
-    from hf_scale.train.model import parallel
+    from hf_scale.train.model import parallelize as parallel
 
     problem = parallel.flag_refusal(layout, packing=bool(inp.training.get("packing")),
                                     attn_implementation=str(inp.training.get("attn_implementation", "auto")),
@@ -157,7 +159,7 @@ def check_launched_fsdp(inp: CheckInputs) -> Iterator[Finding]:
     if (inp.hf_scale_config is not None or inp.launch_env is None or layout is None or layout.tp <= 1
             or inp.accelerate.get("distributed_type") != "FSDP"):
         return
-    from hf_scale.config import DistributedConfig
+    from hf_scale.config.distributed_config import DistributedConfig
     from hf_scale.generators.accelerate_yaml import accelerate_config, fsdp_settings_from_launch
 
     settings = fsdp_settings_from_launch(inp.launch_env)

@@ -6,20 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from hf_scale import launch_values, rules
-from hf_scale.check.findings import (
-    ERROR,
-    TRAINING_ARGS,
-    WARNING,
-    Finding,
-    Source,
-    agree_fix,
-    disagreement,
-    get_path,
-    in_file,
-)
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, Source, agree_fix, disagreement, in_file
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
-from hf_scale.rules import DEEPSPEED_PRECISION_BLOCKS
+from hf_scale.contract import launch_values
+from hf_scale.files.reading import get_path
+from hf_scale.knowledge import rules
+from hf_scale.knowledge.rules import DEEPSPEED_PRECISION_BLOCKS
 
 
 def _precision_sources(inp: CheckInputs) -> tuple[list[Source], dict[str, Source]]:
@@ -50,9 +42,9 @@ def check_precision(inp: CheckInputs) -> Iterator[Finding]:
     wanted, explicit = _precision_sources(inp)
     training = next((s for s in wanted if s.file == TRAINING_ARGS), None)
     untyped = training is not None and not inp.training_given & {"bf16", "fp16"}
-    # Flags left out are not compared: train.py follows the launcher's config (hf_scale.launch_values).
+    # Flags left out are not compared: train.py follows the launcher's config (hf_scale.contract.launch_values).
     compared = [s for s in wanted if s is not training] if untyped else wanted
-    # fp8 computes in bf16 outside its matmuls and runs with --bf16 (hf_scale.rules.compute_precision).
+    # fp8 computes in bf16 outside its matmuls and runs with --bf16 (hf_scale.knowledge.rules.compute_precision).
     if len({rules.compute_precision(str(s.value)) for s in compared}) > 1:
         yield from disagreement(
             "precision-mismatch",
@@ -83,7 +75,7 @@ def _followed_precision(
     inp: CheckInputs, training: Source, files: list[Source], explicit: dict[str, Source]
 ) -> Iterator[Finding]:
     """--bf16/--fp16 left out while the DeepSpeed settings fix a precision: train.py follows it (the rule of
-    hf_scale.launch_values); the HF Trainer compares `bf16.enabled`/`fp16.enabled` with the flags and stops.
+    hf_scale.contract.launch_values); the HF Trainer compares `bf16.enabled`/`fp16.enabled` with the flags and stops.
     (accelerate's `mixed_precision` alone is followed by the Trainer too: no finding.)"""
     view = deepspeed_view(inp)
     if view is None or inp.training is None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, Finding, get_path
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, Finding
 from hf_scale.check.fp8 import fp8_source
 from hf_scale.check.inputs import FSDP_VERSION_KEY, CheckInputs, fsdp_version_of
+from hf_scale.files.reading import get_path
 
 
 def check_qlora(inp: CheckInputs) -> Iterator[Finding]:

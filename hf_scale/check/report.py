@@ -172,7 +172,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --plan: an sbatch script whose #SBATCH --signal lead is compared with the predicted step + save",
     )
     parser.add_argument("--json", action="store_true", help="print {findings: [...], summary: {...}} as JSON")
-    # train.py's arguments (TrainingArguments and train.py flags, or a recipe file) come after `--`: hf_scale.cli
+    # train.py's arguments (TrainingArguments and train.py flags, or a recipe file) come after `--`:
+    # hf_scale.commands.cli
     # hands them over as `passthrough` (FILE arguments and training arguments could not be told apart otherwise).
     parser.set_defaults(func=run_check, passthrough=[])
 
@@ -182,7 +183,7 @@ def _manifest_findings(manifests: list[str], checkpoint: str | None, inputs: Che
     """Each manifest against the configs given to check (the accelerate YAML, the hf_scale config) and those its
     command names (hf_scale.check.cluster)."""
     from hf_scale.check.cluster import accelerate_reference, check_manifest, hf_scale_reference, measured_save_seconds
-    from hf_scale.inputs import load_yaml_documents, read_text
+    from hf_scale.files.reading import load_yaml_documents, read_text
 
     references = []
     if accelerate_file is not None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from hf_scale.check.findings import ERROR, WARNING, Finding
 from hf_scale.check.inputs import CheckInputs
 from hf_scale.errors import UserError
-from hf_scale.inputs import read_text
+from hf_scale.files.reading import read_text
 
 DDP_TIMEOUT_DEFAULT_S = 1800
 """transformers' TrainingArguments.ddp_timeout: the process group train.py creates (hf_scale.train.prepare)."""
@@ -59,7 +59,7 @@ def manifest_budgets(paths: list[str]) -> list[tuple[str, int | None, dict[str, 
     read are skipped here: it reports them."""
     from hf_scale.check.cluster import manifest_kind
     from hf_scale.check.manifest_facts import manifest_facts
-    from hf_scale.inputs import load_yaml_documents
+    from hf_scale.files.reading import load_yaml_documents
 
     out = []
     for path in paths:

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from hf_scale.check.accelerate_yaml import launch_int
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, get_path, in_file, is_int
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, in_file, is_int
 from hf_scale.check.inputs import CheckInputs, fsdp_version_of, world_size_of
+from hf_scale.files.reading import get_path
 
 
 def check_use_cpu_processes(inp: CheckInputs) -> Iterator[Finding]:
@@ -160,7 +161,7 @@ def check_process_count(inp: CheckInputs) -> Iterator[Finding]:
     cluster has, e.g. `num_processes: 1000000000`: per machine at most hf_scale's own bound (the
     `topology.processes_per_machine` limit of `hf-scale generate`), machines at most its `num_machines` limit.
     (--gpus-per-machine N bounds it by the target's GPUs: `processes-exceed-gpus`.)"""
-    from hf_scale.config import MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
+    from hf_scale.config.distributed_config import MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
 
     file, acc = inp.accelerate_file, inp.accelerate
     processes, machines = acc.get("num_processes"), acc.get("num_machines", 1)
@@ -255,7 +256,7 @@ def address_problem(value: Any) -> tuple[str, str] | None:
     is no IP address nor DNS name at all, a warning for a placeholder that reaches no other machine."""
     import ipaddress
 
-    from hf_scale.config_types import host_problem
+    from hf_scale.config.value_types import host_problem
 
     if not isinstance(value, str):
         return ERROR, f"is a {type(value).__name__}, not an address (YAML reads an unquoted 1234 as a number)"

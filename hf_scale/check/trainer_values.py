@@ -10,10 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hf_scale import launch_values, parallelism
-from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, get_path, in_file, is_int
+from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding, in_file, is_int
 from hf_scale.check.inputs import CheckInputs, deepspeed_view, world_size_of
 from hf_scale.check.parallelism import SECTION, yaml_layout
+from hf_scale.config import parallelism
+from hf_scale.contract import launch_values
+from hf_scale.files.reading import get_path
 
 
 def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
@@ -23,7 +25,7 @@ def check_deepspeed_overrides_flags(inp: CheckInputs) -> Iterator[Finding]:
     decays linearly). train.py warns the same way, and refuses to start on an explicit flag."""
     if inp.deepspeed is None or inp.runner != "trainer":
         return
-    from hf_scale import deepspeed_overrides
+    from hf_scale.knowledge import deepspeed_overrides
 
     file = inp.deepspeed_file or ""
     for override in deepspeed_overrides.find_overrides(inp.deepspeed, inp.training_given):
@@ -133,7 +135,8 @@ def check_trainer_compared_values(inp: CheckInputs) -> Iterator[Finding]:
     the scheduler's `warmup_max_lr` vs `--learning_rate`, `warmup_num_steps` vs `--warmup_steps`/`--warmup_ratio`,
     `total_num_steps` vs `--max_steps`): an error when the flag is typed (the HF Trainer and train.py stop), a warning
     when it is left at its default (train.py takes the JSON's value, a plain HF Trainer script stops). The
-    comparisons are hf_scale.launch_values.reconcile, the rule train.py applies (tested against transformers' own)."""
+    comparisons are hf_scale.contract.launch_values.reconcile, the rule train.py applies (tested against transformers'
+    own)."""
     if inp.deepspeed is None or inp.runner != "trainer" or inp.training is None:
         return
     if inp.training["bf16"] and inp.training["fp16"]:

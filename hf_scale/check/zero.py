@@ -6,10 +6,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from hf_scale import rules
-from hf_scale.check.findings import ERROR, WARNING, Finding, get_path, in_file, is_int
+from hf_scale.check.findings import ERROR, WARNING, Finding, in_file, is_int
 from hf_scale.check.inputs import CheckInputs, deepspeed_view
-from hf_scale.check.knowledge import OFFLOAD_KEEPS_OPTIM, OFFLOAD_REPLACEMENT, PARSE_ERRORS, deepspeed_off_stdout
+from hf_scale.files.reading import get_path
+from hf_scale.knowledge import rules
+from hf_scale.knowledge.library_tables import (
+    OFFLOAD_KEEPS_OPTIM,
+    OFFLOAD_REPLACEMENT,
+    PARSE_ERRORS,
+    deepspeed_off_stdout,
+)
 
 
 def check_offload_optimizer(inp: CheckInputs) -> Iterator[Finding]:

@@ -1,7 +1,7 @@
 """`hf-scale doctor`'s `parallelism` section: what train.py does with tensor, context and sequence parallelism and HSDP
 on this node.
 
-hf_scale.parallelism.node_support answers from the installed versions and, for cp, whether a GPU is there. HSDP
+hf_scale.config.parallelism.node_support answers from the installed versions and, for cp, whether a GPU is there. HSDP
 (`fsdp.sharding: hybrid_shard`, dp_replicate x dp_shard) needs more, because what train.py does with it depends on the
 launcher and the GPU as well:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_scale import parallelism
+from hf_scale.config import parallelism
 
 HSDP_X_TP = ("HSDP x TP (tp > 1: transformers builds the dp_replicate x dp_shard x tp mesh) is not refused before "
              "start, but hf_scale has not run it (it needs 8 processes)")

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 from hf_scale.errors import UserError
-from hf_scale.inputs import read_text
+from hf_scale.files.reading import read_text
 
 _SBATCH = re.compile(r"^#SBATCH[ \t]+(--[\w-]+)(?:[= \t][ \t]*(\S+))?", re.MULTILINE)
 _SIGNAL_LEAD = re.compile(r"^(?:[BR]:)*\w+@(\d+)$")

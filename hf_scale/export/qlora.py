@@ -8,7 +8,7 @@ cast to the output dtype. Merging into the original full-precision weights inste
 by its quantization error.
 
 The adapter is peft's adapter file where the checkpoint has a sound one (the Trainer's), else it is read from
-wherever the checkpoint keeps its weights (`hf_scale.export.sources`, like any export): the manual loop's
+wherever the checkpoint keeps its weights (`hf_scale.export.checkpoint_readers`, like any export): the manual loop's
 `model.safetensors`, DeepSpeed's ZeRO partitions, FSDP2's DCP shards (:func:`adapter_source`).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_scale.errors import UserError
-from hf_scale.export.sources import Source, find_source, safetensors_source
+from hf_scale.export.checkpoint_readers import Source, find_source, safetensors_source
 
 if TYPE_CHECKING:
     from hf_scale.train.checkpoint.layout import Layout

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from hf_scale.config import DistributedConfig
-from hf_scale.generators import dockerfile, install, kubernetes, layout, node_entry, skypilot
+from hf_scale.config.distributed_config import DistributedConfig
+from hf_scale.generators import dockerfile, install, kubernetes, node_entry, skypilot
+from hf_scale.generators import output_paths as layout
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
 from hf_scale.generators.deepspeed_json import Mode, deepspeed_json
 from hf_scale.generators.launch import launch_files

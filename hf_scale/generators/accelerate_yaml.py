@@ -11,10 +11,10 @@ accelerate 1.x needs to be told explicitly:
   comes from the JSON's bf16/fp16 blocks (fp8: bf16, as accelerate runs it; train.py takes the fp8 recipe from
   --hf_scale_config).
 * precision fp8 (without DeepSpeed): ``mixed_precision: fp8`` and an ``fp8_config`` in the keys ``accelerate
-  launch`` reads (hf_scale.precision_rules).
+  launch`` reads (hf_scale.knowledge.precision_rules).
 * FSDP hybrid sharding under FSDP2 is a 2-D device mesh: accelerate builds it from
   ``parallelism_config`` (dp_replicate = machines, dp_shard = processes per machine); so are TP, CP and SP
-  (``hf_scale.parallelism.yaml_block``: the keys ``accelerate config`` writes).
+  (``hf_scale.config.parallelism.yaml_block``: the keys ``accelerate config`` writes).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 
 import yaml
 
-from hf_scale.config import DistributedConfig, FSDPSettings
-from hf_scale.parallelism import yaml_block
-from hf_scale.precision_rules import fp8_accelerate_section
-from hf_scale.rules import FP8
+from hf_scale.config.distributed_config import DistributedConfig, FSDPSettings
+from hf_scale.config.parallelism import yaml_block
+from hf_scale.knowledge.precision_rules import fp8_accelerate_section
+from hf_scale.knowledge.rules import FP8
 
 _DISTRIBUTED_TYPE = {"single": "NO", "ddp": "MULTI_GPU", "deepspeed": "DEEPSPEED", "fsdp": "FSDP"}
 _FSDP1_SHARDING = {

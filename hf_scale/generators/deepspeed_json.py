@@ -28,8 +28,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from hf_scale.config import DistributedConfig
-from hf_scale.rules import compute_precision
+from hf_scale.config.distributed_config import DistributedConfig
+from hf_scale.knowledge.rules import compute_precision
 
 Mode = Literal["auto", "resolved"]
 MODES: tuple[Mode, ...] = ("auto", "resolved")

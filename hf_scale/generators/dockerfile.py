@@ -17,8 +17,8 @@ Kubernetes manifests run (``cluster.image``).
 
 from __future__ import annotations
 
-from hf_scale.cluster_config import CONTAINER_UID, DEFAULT_IMAGE_HOME
-from hf_scale.config import DistributedConfig
+from hf_scale.config.cluster_section import CONTAINER_UID, DEFAULT_IMAGE_HOME
+from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.generators.install import REQUIREMENTS_FILE, SOURCE_ARCHIVE, pip_install
 
 COPIED = ("accelerate_configs", "ds_configs", "hf_scale_configs", "launch", "recipes", REQUIREMENTS_FILE,
@@ -64,7 +64,7 @@ ENV HOME={HOME}
 # Kubernetes and docker stop send this signal to the command (exec form below: no shell in between); the launch
 # scripts turn it into a checkpoint and exit 75.
 STOPSIGNAL SIGTERM
-CMD ["python", "-m", "hf_scale.cli", "--help"]
+CMD ["python", "-m", "hf_scale", "--help"]
 """
 
 

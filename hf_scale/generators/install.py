@@ -23,7 +23,7 @@ from pathlib import Path
 import hf_scale
 from hf_scale import __version__
 from hf_scale.errors import UserError
-from hf_scale.generators.layout import REQUIREMENTS_FILE, SOURCE_ARCHIVE
+from hf_scale.generators.output_paths import REQUIREMENTS_FILE, SOURCE_ARCHIVE
 
 DISTRIBUTION = "hf-scale"
 PINNED = ("transformers", "accelerate", "deepspeed", "datasets", "peft", "pydantic", "pyyaml", "safetensors", "tqdm")
@@ -76,7 +76,7 @@ dependencies = [
 {listed}]
 
 [project.scripts]
-hf-scale = "hf_scale.cli:main"
+hf-scale = "hf_scale.commands.cli:main"
 
 [tool.setuptools.packages.find]
 include = ["hf_scale*"]

@@ -23,9 +23,9 @@ from typing import Any
 
 import yaml
 
-from hf_scale.cluster_config import CONTAINER_UID, DEFAULT_IMAGE_HOME, PYTORCHJOB_CONTAINER, TRAINJOB_CONTAINER
-from hf_scale.config import DistributedConfig
-from hf_scale.generators import layout
+from hf_scale.config.cluster_section import CONTAINER_UID, DEFAULT_IMAGE_HOME, PYTORCHJOB_CONTAINER, TRAINJOB_CONTAINER
+from hf_scale.config.distributed_config import DistributedConfig
+from hf_scale.generators import output_paths as layout
 from hf_scale.generators.launch import _check_name
 
 TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"

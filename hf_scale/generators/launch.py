@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import shlex
 
-from hf_scale import rules
-from hf_scale.config import DistributedConfig
-from hf_scale.config_types import host_problem, name_problem
+from hf_scale.config.distributed_config import DistributedConfig
+from hf_scale.config.value_types import host_problem, name_problem
 from hf_scale.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_PREEMPTED,
@@ -33,7 +32,8 @@ from hf_scale.exit_codes import (
     STARTED_MARKER_ENV,
     TERMINAL_ENV,
 )
-from hf_scale.generators import layout
+from hf_scale.generators import output_paths as layout
+from hf_scale.knowledge import rules
 
 # The signals torchrun's agent may still handle itself (its default list less SIGTERM: see _supervised).
 LAUNCHER_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"

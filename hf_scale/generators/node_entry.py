@@ -22,9 +22,9 @@ SkyPilot                    SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, SKYPILOT_NOD
 
 from __future__ import annotations
 
-from hf_scale.config import DistributedConfig
+from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
-from hf_scale.generators import layout
+from hf_scale.generators import output_paths as layout
 from hf_scale.generators.launch import (
     _check_name,
     _comment,
@@ -113,7 +113,7 @@ exec bash {_generated(layout.launch_file(f"{name}.accelerate.sh"))} {restart_loo
 
 
 def ray_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
-    """``launch/NAME.ray.sh``: ``python -m hf_scale.ray_train`` with this config (workers = world size) and the
+    """``launch/NAME.ray.sh``: ``python -m hf_scale.commands.ray_train`` with this config (workers = world size) and the
     config's restart budget; run it where the Ray driver runs (the head node, or `ray job submit`)."""
     _check_name(name)
     return (
@@ -126,7 +126,7 @@ def ray_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
 #   bash launch/{name}.ray.sh --output_dir /shared/runs/{name} [train.py flags]
 #   ray job submit --working-dir . -- bash launch/{name}.ray.sh --output_dir /shared/runs/{name} [train.py flags]
 generated_dir=$(CDPATH='' cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")/.." && pwd)
-exec python -m hf_scale.ray_train --hf_scale_config {_generated(layout.hf_scale_config(name))} \\
+exec python -m hf_scale.commands.ray_train --hf_scale_config {_generated(layout.hf_scale_config(name))} \\
   --max_failures {q(str(cfg.cluster.max_restarts))} "$@"
 """
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from hf_scale.config import DistributedConfig
+from hf_scale.config.distributed_config import DistributedConfig
 
 
 def _scalar(value: Any) -> str:

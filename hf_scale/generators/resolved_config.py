@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import yaml
 
-from hf_scale.config import DistributedConfig
-from hf_scale.parallelism import ParallelismSettings
+from hf_scale.config.distributed_config import DistributedConfig
+from hf_scale.config.parallelism import ParallelismSettings
 
 
 def resolved_config(cfg: DistributedConfig) -> dict:

@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from hf_scale.config import DistributedConfig
+from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.exit_codes import EXIT_PREEMPTED
-from hf_scale.generators import layout
+from hf_scale.generators import output_paths as layout
 from hf_scale.generators.install import REQUIREMENTS_FILE, SOURCE_ARCHIVE, pip_install
 from hf_scale.generators.kubernetes import job_name
 from hf_scale.generators.launch import _check_name

@@ -1,6 +1,6 @@
 """Planner: exact parameter counts (meta device), per-GPU memory and predicted step time (time_model, on the GPU
 profiles of hardware) of every distributed strategy, and the fastest one that fits. ``hf-scale plan``
-(hf_scale/plan.py) is its command line."""
+(hf_scale/commands/plan.py) is its command line."""
 
 from hf_scale.planner.estimate import Candidate, Estimate, Workload, activation_bytes, estimate, logits_bytes
 from hf_scale.planner.model_shapes import ModelShapes, load_model_config, model_shapes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from hf_scale.cluster_config import DEFAULT_GRACE_PERIOD_S, DEFAULT_SIGNAL_LEAD_S
+from hf_scale.config.cluster_section import DEFAULT_GRACE_PERIOD_S, DEFAULT_SIGNAL_LEAD_S
 from hf_scale.planner.time_model import StepTime
 
 HEADROOM = 1.5

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hf_scale.errors import UserError
-from hf_scale.inputs import load_json, read_bytes, read_text
+from hf_scale.files.reading import load_json, read_bytes, read_text
 from hf_scale.planner.estimate import Candidate, Workload
 from hf_scale.planner.hardware import Hardware
 from hf_scale.planner.time_model import step_time

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from hf_scale.errors import UserError
-from hf_scale.inputs import load_yaml, read_text
+from hf_scale.files.reading import load_yaml, read_text
 
 DATA = Path(__file__).with_name("data") / "hardware.yaml"
 DEFAULT_GPU = "h100-sxm"

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from huggingface_hub.errors import StrictDataclassError
 
-from hf_scale import expert_parallel
+from hf_scale.config import expert_parallel
 from hf_scale.errors import UserError
-from hf_scale.inputs import load_json, read_text
+from hf_scale.files.reading import load_json, read_text
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -201,7 +201,7 @@ def _hub_config_json(model: str) -> Path:
 
 
 def read_config_json(path: Path, owner: str) -> dict[str, Any]:
-    """A local config.json as a dict: read strictly (hf_scale.inputs: a FIFO or device refused without blocking,
+    """A local config.json as a dict: read strictly (hf_scale.files.reading: a FIFO or device refused without blocking,
     UTF-8, no NaN, no duplicate keys), an object with a model_type, every dimension checked (check_dimensions).
     The one reading of a model's config.json for `hf-scale plan`, train.py and `hf-scale export`; ``owner`` (the
     flag or argument that named the model) starts each one-line error."""

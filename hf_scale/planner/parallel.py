@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hf_scale import expert_parallel
-from hf_scale.parallelism import Layout, head_problem
+from hf_scale.config import expert_parallel
+from hf_scale.config.parallelism import Layout, head_problem
 from hf_scale.planner.estimate import Candidate, Workload
 
 SIZES = (2, 4, 8)
@@ -46,7 +46,8 @@ def candidates(w: Workload, base: list[Candidate]) -> list[Candidate]:
 
 def expert_candidates(w: Workload) -> list[Candidate]:
     """FSDP2 x EP (with and without CPU offload) for a full fine-tune of a mixture-of-experts model: every ep in
-    SIZES that divides its experts and fits inside one machine (hf_scale.expert_parallel's rules, with dp_shard = the
+    SIZES that divides its experts and fits inside one machine (hf_scale.config.expert_parallel's rules, with dp_shard =
+    the
     world). Not with LoRA/QLoRA: adapters on expert-parallel weights are not proven (train.py refuses them)."""
     s = w.shapes
     if not s.is_moe or w.lora_r or not s.ep_plan:

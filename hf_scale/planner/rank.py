@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from hf_scale.config import DistributedConfig, validate_config
+from hf_scale.config.distributed_config import DistributedConfig, validate_config
+from hf_scale.config.presets import PLACEHOLDER_MAIN_IP
 from hf_scale.planner import parallel
 from hf_scale.planner.budgets import preemption_budget
 from hf_scale.planner.estimate import Candidate, Estimate, Workload, estimate
 from hf_scale.planner.hardware import Hardware, hardware
 from hf_scale.planner.time_model import StepTime, step_time
-from hf_scale.presets import PLACEHOLDER_MAIN_IP
 
 TIE = 0.02
 """Predicted throughputs closer than this (relative) rank as equal."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_scale.errors import UserError
-from hf_scale.files import save_figure_atomically
+from hf_scale.files.writing import save_figure_atomically
 from hf_scale.planner.rank import TIE, Assessment, Plan, distributed_config, gib, train_argv, train_flags
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "logits", "buffers")

@@ -1,5 +1,5 @@
 """`python -m hf_scale.train` == `python train.py` (for launchers' `-m`/`--module` and installed use)."""
 
-from hf_scale.train.entry import main
+from hf_scale.commands.train import main
 
 main()

@@ -16,18 +16,21 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from hf_scale import deepspeed_ops, hub, parallelism, quiet, rules
+from hf_scale import quiet
+from hf_scale.config import parallelism
 from hf_scale.errors import UserError, announce_started
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
+from hf_scale.files import hub
+from hf_scale.knowledge import deepspeed_ops, rules
 from hf_scale.train.checkpoint import final_checkpoint, launcher_watch, ownership
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data import sources
-from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.batches import default_dataloader_workers
 from hf_scale.train.data.chat_template import read_chat_template
+from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.loops import evaluation
-from hf_scale.train.model.arguments import ModelArguments
 from hf_scale.train.model.load import check_lora_flags
+from hf_scale.train.model.model_arguments import ModelArguments
 from hf_scale.train.setup import distributed, flag_values, guard, loop_flags, reconcile, run_spec
 from hf_scale.train.setup.parser import build_parser, parse_flags, resume_default
 from hf_scale.train.setup.run_spec import RunSpec
@@ -58,7 +61,8 @@ def _validate_flags(ns) -> None:
 def check_flags_alone(ns) -> None:
     """What train.py refuses from its parsed flags alone, before a process group starts or a file is read: each value
     and combination, and an explicit --resume_from_checkpoint that is no directory. The driver of a run whose
-    train.py starts elsewhere (hf_scale.ray_train: a refusal in a worker would be retried by Ray) calls it too."""
+    train.py starts elsewhere (hf_scale.commands.ray_train: a refusal in a worker would be retried by Ray) calls it
+    too."""
     _validate_flags(ns)
     checkpoint.check_resume_path(ns.resume_from_checkpoint)
 
@@ -76,7 +80,7 @@ def _deepspeed_overrides(deepspeed, ns, given: Set[str]) -> str | None:
     """The DeepSpeed config's optimizer/scheduler blocks replace --optim / --lr_scheduler_type in both loops:
     refuse when such a flag was given explicitly (in ``given``), else return the warning line (None without such
     blocks)."""
-    from hf_scale import deepspeed_overrides
+    from hf_scale.knowledge import deepspeed_overrides
 
     config = distributed.deepspeed_config_dict(deepspeed)
     where = "the DeepSpeed config"
@@ -191,7 +195,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], 
     command line: from here on "was --x given" is a question to the set, never to the raw argv again."""
     ns, given, recipe_path = parse_flags(sys.argv[1:] if argv is None else argv)
     resume_default(ns, given)
-    if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.train.entry) saw only the command line
+    if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.commands.train) saw only the command line
         quiet.undo()
     # One spelling of activation checkpointing from here on.
     return reconcile.filled(ns, reconcile.checkpointing_spelling(ns)), given, recipe_path

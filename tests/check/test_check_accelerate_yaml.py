@@ -21,7 +21,7 @@ from check_cases import (
     merged,
 )
 
-from hf_scale import check
+from hf_scale.commands import check
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
 TRIGGERS = {

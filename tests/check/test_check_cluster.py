@@ -16,7 +16,7 @@ import yaml
 from cluster_helpers import generate_all
 
 from hf_scale.check.cluster import GRACE_FLOOR_S, manifest_kind, measured_save_seconds
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import store as checkpoint
 

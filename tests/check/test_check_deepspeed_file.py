@@ -16,7 +16,7 @@ from check_cases import (
     run_cli,
 )
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
 TRIGGERS = {

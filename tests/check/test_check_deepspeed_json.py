@@ -16,7 +16,7 @@ from check_cases import (
     merged,
 )
 
-from hf_scale.check import knowledge
+from hf_scale.knowledge import library_tables as knowledge
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
 TRIGGERS = {
@@ -228,7 +228,7 @@ def test_removed_keys_are_deepspeeds_own_each_reported_once_and_a_warning_on_an_
     warnings (the cluster's newer install refuses them)."""
     from deepspeed.runtime import config as ds_config
 
-    from hf_scale import deepspeed_changes
+    from hf_scale.knowledge import deepspeed_changes
 
     capsys.readouterr()  # DeepSpeed's import notice
     removed = {*ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS,
@@ -255,7 +255,7 @@ def test_removed_keys_are_deepspeeds_own_each_reported_once_and_a_warning_on_an_
 @pytest.mark.parametrize(("steps", "refused"), [(0, True), (-5, True), (2.5, True), ("ten", True), (1, False),
                                                  ("auto", False)])
 def test_warmup_schedulers_need_a_positive_whole_warmup(steps, refused):
-    from hf_scale import deepspeed_changes
+    from hf_scale.knowledge import deepspeed_changes
 
     for scheduler in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
         ds = {"scheduler": {"type": scheduler, "params": {"warmup_num_steps": steps}}}

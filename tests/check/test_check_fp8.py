@@ -150,7 +150,7 @@ def test_bf16_is_not_looked_at(tmp_path, monkeypatch, capsys):
 def test_a_yaml_is_refused_exactly_where_the_config_is(yaml_cfg, refused, tmp_path, monkeypatch, capsys):
     """The check and `hf-scale generate` ask the one rule (precision_rules.fp8_refusal): the same combination
     written as a DistributedConfig is refused exactly when the YAML is; the YAML's refusal is an error (exit 1)."""
-    from hf_scale.config import validate_config
+    from hf_scale.config.distributed_config import validate_config
     from hf_scale.errors import UserError
 
     code, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, train=["--bf16", "--torch_compile"])

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from check_cases import DDP_YAML, DS_JSON, DS_YAML, REPO, check_json, merged, run_cli
 
-from hf_scale.rules import given_flags
+from hf_scale.knowledge.rules import given_flags
 
 BAD_INPUTS = {
     "missing-yaml": (["--accelerate-config", "nope.yaml"], "--accelerate-config nope.yaml: not found"),
@@ -178,7 +178,7 @@ def test_a_precision_flag_left_out_follows_the_deepspeed_json_as_in_train_py(mon
 
 
 def test_a_flag_contradicting_the_hf_scale_config_is_an_error_with_train_py_message(monkeypatch, capsys):
-    from hf_scale.config import load_config
+    from hf_scale.config.distributed_config import load_config
     from hf_scale.train.setup.parser import build_parser
     from hf_scale.train.setup.reconcile import fill_flags_from_config
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.planner.hardware import DATA
 
 LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,

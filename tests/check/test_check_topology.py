@@ -15,7 +15,7 @@ from check_cases import (
     merged,
 )
 
-from hf_scale import check
+from hf_scale.commands import check
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
 TRIGGERS = {
@@ -216,7 +216,7 @@ def test_fsdp_final_save_follows_the_state_dict_type_accelerate_uses(fsdp, train
     ],
 )
 def test_absurd_process_counts_are_refused_with_what_is_allowed(acc, expected, tmp_path, monkeypatch, capsys):
-    from hf_scale.config import MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
+    from hf_scale.config.distributed_config import MAX_MACHINES, MAX_PROCESSES_PER_MACHINE
 
     yaml_cfg = merged(MULTINODE_YAML, acc)
     _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg)

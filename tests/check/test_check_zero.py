@@ -163,7 +163,7 @@ def test_optims_kept_under_offload_are_those_accelerate_maps_to_their_own_algori
     from transformers import Trainer
     from transformers.training_args import OptimizerNames
 
-    from hf_scale.check.knowledge import OFFLOAD_KEEPS_OPTIM
+    from hf_scale.knowledge.library_tables import OFFLOAD_KEEPS_OPTIM
 
     source = inspect.getsource(accelerate_deepspeed.map_pytorch_optim_to_deepspeed)
     assert "optimizer_class(optimizer.param_groups, **defaults)" in source  # the groups travel as they are

@@ -22,10 +22,10 @@ import pytest
 import yaml
 from paths import REPO, TEST_DATA
 
-from hf_scale import check
-from hf_scale.cli import main
+from hf_scale.commands import check
+from hf_scale.commands.cli import main
 from hf_scale.errors import UserError
-from hf_scale.rules import given_flags
+from hf_scale.knowledge.rules import given_flags
 from hf_scale.train.setup import distributed, inline_deepspeed
 from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.reconcile import filled
@@ -372,7 +372,7 @@ def test_the_trainer_compares_cifar_train_batch_size_as_check_says():
     and train.py's rule (launch_values) with it; check's `train-batch-mismatch` says the same (the corpus case)."""
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
 
-    from hf_scale import launch_values
+    from hf_scale.contract import launch_values
 
     config = json.loads((CORPUS / "deepspeedexamples_cifar.json").read_text())
     ns, _ = build_parser().parse_known_args(["--fp16"])

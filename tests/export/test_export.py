@@ -17,7 +17,7 @@ from hf_scale.train.checkpoint import layout as checkpoint_layout
 
 pytestmark = pytest.mark.multiprocess
 
-EXPORT = [sys.executable, "-m", "hf_scale.cli", "export"]
+EXPORT = [sys.executable, "-m", "hf_scale", "export"]
 SMALL_SHARDS = ["--max-shard-size", "200KB"]  # the tiny model (~430 KB in fp32) really splits into shards
 
 

@@ -13,8 +13,8 @@ import pytest
 from train_helpers import run, run_in_process, tree
 from transformers import AutoModelForCausalLM
 
+from hf_scale.commands.export import export
 from hf_scale.errors import UserError
-from hf_scale.export import export
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 
@@ -78,7 +78,7 @@ def test_the_cli_refuses_in_one_line_with_exit_2_and_writes_nothing(run_dir, tmp
     shutil.copytree(run_dir, out)
     for name in ("checkpoint-1", "checkpoint-2"):
         _flip_a_bit(out / name / checkpoint_layout.MODEL_WEIGHTS)
-    result = run([sys.executable, "-m", "hf_scale.cli", "export", str(out), str(tmp_path / "exported")], timeout=180)
+    result = run([sys.executable, "-m", "hf_scale", "export", str(out), str(tmp_path / "exported")], timeout=180)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"hf-scale: error: CHECKPOINT_DIR {out}: a training output directory without a checkpoint of verified "

@@ -29,8 +29,8 @@ from cluster_helpers import LOOPBACK_ENV, Connections
 from safetensors.torch import load_file
 from train_helpers import child_env, free_port, launcher_command, read_metrics, run_ok
 
-from hf_scale.cli import main
-from hf_scale.cluster_config import DEFAULT_IMAGE_HOME
+from hf_scale.commands.cli import main
+from hf_scale.config.cluster_section import DEFAULT_IMAGE_HOME
 from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.train.checkpoint import store as checkpoint
 

@@ -22,9 +22,9 @@ from cluster_helpers import generate_all
 from dockerfile_parse import DockerfileParser
 
 import hf_scale
-from hf_scale.cli import main
-from hf_scale.cluster_config import CONTAINER_UID
-from hf_scale.config import load_config
+from hf_scale.commands.cli import main
+from hf_scale.config.cluster_section import CONTAINER_UID
+from hf_scale.config.distributed_config import load_config
 from hf_scale.generators import dockerfile, install
 
 

@@ -18,7 +18,8 @@ import pytest
 import yaml
 from accelerate_launch import launch_environment
 
-from hf_scale.config import DistributedConfig, load_config, validate_config
+from hf_scale.config.distributed_config import DistributedConfig, load_config, validate_config
+from hf_scale.config.presets import PRESETS, get_preset
 from hf_scale.errors import UserError
 from hf_scale.generators import render_files
 from hf_scale.generators.accelerate_yaml import accelerate_config, accelerate_yaml
@@ -28,7 +29,6 @@ from hf_scale.generators.deepspeed_json import (
     deepspeed_json,
 )
 from hf_scale.generators.launch import hostfile, launch_files
-from hf_scale.presets import PRESETS, get_preset
 
 # Exactly the keys transformers' HfTrainerDeepSpeedConfig fills from TrainingArguments / the model.
 TRAINER_RESOLVED_KEYS = {
@@ -711,7 +711,7 @@ def test_usr1_reaches_the_training_processes_and_the_script_exits_75(tmp_path):
 
 
 def test_generated_files_contain_no_secrets(tmp_path, monkeypatch):
-    from hf_scale.cli import main
+    from hf_scale.commands.cli import main
 
     secret = "hf_SECRETtoken1234567890"
     for variable in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY"):
@@ -738,7 +738,7 @@ def test_generated_files_contain_no_secrets(tmp_path, monkeypatch):
 
 
 def test_generate_marks_scripts_executable(tmp_path):
-    from hf_scale.cli import main
+    from hf_scale.commands.cli import main
 
     assert main(["generate", "--preset", "zero3", "--output-dir", str(tmp_path)]) == 0
     for path in (tmp_path / "launch").iterdir():
@@ -835,7 +835,7 @@ def test_sbatch_job_trains_with_every_configured_value_from_its_spool_copy(tmp_p
     (read back from the live run: hf_scale_live.json). One process (accelerate's plain launcher)."""
     from train_helpers import assert_live_values, child_env
 
-    from hf_scale.cli import main
+    from hf_scale.commands.cli import main
 
     root = tmp_path / "generated"
     # precision stays the preset's bf16 (CPU bf16 here): the flags' default is fp32, so bf16 must come from the config.

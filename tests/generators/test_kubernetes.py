@@ -10,8 +10,8 @@ from cluster_helpers import CONFIGS, IMAGE, generate_all
 from kubeflow.training.api_client import ApiClient
 from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
-from hf_scale.cli import main
-from hf_scale.config import load_config
+from hf_scale.commands.cli import main
+from hf_scale.config.distributed_config import load_config
 from hf_scale.generators import kubernetes
 
 
@@ -120,7 +120,7 @@ def test_the_trainjob_says_that_restarts_are_the_runtimes(tmp_path):
 def test_switches_and_paths_named_like_secrets_are_not_secrets():
     """Only a name ending like a credential with a value that is not a switch is refused (TOKENIZERS_PARALLELISM,
     HF_TOKEN_PATH and HF_HUB_DISABLE_IMPLICIT_TOKEN=1 are settings, not secrets)."""
-    from hf_scale.cluster_config import reserved_env_problem, secret_env_problem
+    from hf_scale.config.cluster_section import reserved_env_problem, secret_env_problem
 
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_TOKEN_PATH": "/secrets/token", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
            "NCCL_SOCKET_IFNAME": "eth0", "HF_SCALE_VERBOSE": "1"}

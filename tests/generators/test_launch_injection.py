@@ -1,7 +1,7 @@
 """No value from a config can become shell code or a hostfile line.
 
 Two independent defences, each tested on its own: the config refuses every value that is not an address,
-a path or a name (tests/test_bad_input_cli.py holds those cases: one line, exit 2), and the generators
+a path or a name (tests/commands/test_cli_bad_input.py holds those cases: one line, exit 2), and the generators
 quote every value they write into a script. Here the validation is switched off to prove the quoting
 alone: the generated scripts are run with stand-in launchers and a hostile value stays a literal
 argument, never a command. Every script of every preset passes `bash -n` and shellcheck.
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from hf_scale.config import validate_config
+from hf_scale.config.distributed_config import validate_config
+from hf_scale.config.presets import PRESETS, get_preset
 from hf_scale.generators import launch
 from hf_scale.generators.launch import hostfile, launch_files
-from hf_scale.presets import PRESETS, get_preset
 
 
 def shellcheck_binary() -> str:

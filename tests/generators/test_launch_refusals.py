@@ -14,7 +14,7 @@ import json
 import pytest
 from train_helpers import child_env, free_port, training_traceback_frames
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.errors import UserError, exit_refusing
 from hf_scale.exit_codes import REFUSED_MARKER_ENV
 from hf_scale.train.setup.distributed import PeerLost

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from train_helpers import assert_live_values, child_env, free_port, path_without
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.train.checkpoint import store as checkpoint
 
 pytestmark = pytest.mark.multiprocess

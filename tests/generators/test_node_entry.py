@@ -116,8 +116,8 @@ def test_an_sp_node_runs_the_loop_that_resumes_it_and_train_py_refuses_the_other
     after it wins in train.py's parser, and train.py's start in a job that restarts itself refuses it (the same
     rule generate applies to cluster.train_args). The real preempt -> restart run: tests/train/model/
     test_sequence_parallel_train.py::test_a_generated_sp_cluster_node_survives_a_preemption_and_resumes."""
-    from hf_scale import rules
-    from hf_scale.cli import main
+    from hf_scale.commands.cli import main
+    from hf_scale.knowledge import rules
     from hf_scale.train.setup.parser import parse_flags
 
     sets = ["topology.processes_per_machine=2", "parallelism.sp=2", "cluster.image=registry.example.com/x:1"]

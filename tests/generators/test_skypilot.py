@@ -17,7 +17,7 @@ import yaml
 from cluster_helpers import CONFIGS, generate_all
 
 from hf_scale.check.manifest_schema import skypilot_problem
-from hf_scale.config import load_config
+from hf_scale.config.distributed_config import load_config
 from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.generators import install
 

@@ -7,8 +7,8 @@ import json
 
 import yaml
 
-from hf_scale.cli import main
-from hf_scale.cluster_config import DEFAULT_GRACE_PERIOD_S, DEFAULT_SIGNAL_LEAD_S
+from hf_scale.commands.cli import main
+from hf_scale.config.cluster_section import DEFAULT_GRACE_PERIOD_S, DEFAULT_SIGNAL_LEAD_S
 from hf_scale.planner.budgets import HEADROOM
 from hf_scale.planner.hardware import DATA
 

@@ -14,8 +14,8 @@ import pytest
 from paths import TINY_LLAMA
 from train_helpers import TRAIN_PY, run_ok
 
-from hf_scale.cli import main
-from hf_scale.parallelism import Layout
+from hf_scale.commands.cli import main
+from hf_scale.config.parallelism import Layout
 from hf_scale.planner import calibrate as calibration_module
 from hf_scale.planner.calibrate import calibrate
 from hf_scale.planner.hardware import hardware

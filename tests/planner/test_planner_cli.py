@@ -14,8 +14,8 @@ import pytest
 from hub_standin import HubStandIn
 from paths import TINY_LLAMA
 
-from hf_scale.cli import main
-from hf_scale.config import load_config
+from hf_scale.commands.cli import main
+from hf_scale.config.distributed_config import load_config
 from hf_scale.planner.report import clipped_bars, plan_figure
 
 TINY = str(TINY_LLAMA)
@@ -92,7 +92,7 @@ def test_plan_json_has_byte_breakdowns_that_add_up(llama8b, capsys):
 
 def test_older_flag_spellings_and_torch_dtype_names_plan_the_same(llama8b, capsys):
     """--machines is an alias of --num-machines, --micro-batch of --micro-batch-size, and --precision takes a
-    dtype in either spelling (hf_scale.rules): each pair gives the same JSON."""
+    dtype in either spelling (hf_scale.knowledge.rules): each pair gives the same JSON."""
     def plan_json(*flags):
         assert main(["plan", llama8b, "--json", *flags]) == 0
         return json.loads(capsys.readouterr().out)
@@ -165,7 +165,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, fragment, tmp_pat
 
 
 def _plan(*args: str, env: dict, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_scale.cli", "plan", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hf_scale", "plan", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=180)
 
 
@@ -245,7 +245,7 @@ def test_the_plot_labels_every_clipped_bar_with_its_total(llama8b, tmp_path, cap
     png = tmp_path / "plan.png"
     assert main(["plan", llama8b, "--gpus-per-machine", "2", "--gpu-memory", "40GiB", "--plot", str(png)]) == 0
     assert f"wrote {png}" in capsys.readouterr().out
-    from hf_scale.plan import plan_from_args
+    from hf_scale.commands.plan import plan_from_args
 
     args = _planned_args(llama8b, "--gpus-per-machine", "2", "--gpu-memory", "40GiB")
     plan = plan_from_args(args, llama8b)
@@ -264,6 +264,6 @@ def test_the_plot_labels_every_clipped_bar_with_its_total(llama8b, tmp_path, cap
 
 
 def _planned_args(*argv: str):
-    from hf_scale.cli import build_parser
+    from hf_scale.commands.cli import build_parser
 
     return build_parser(["plan"]).parse_args(["plan", *argv])

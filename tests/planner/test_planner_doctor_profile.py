@@ -9,8 +9,8 @@ import json
 import pytest
 import yaml
 
-from hf_scale.cli import main
-from hf_scale.doctor.profile import measure_node, profile_from_measurement
+from hf_scale.commands.cli import main
+from hf_scale.doctor.hardware_profile import measure_node, profile_from_measurement
 from hf_scale.planner.estimate import Candidate, Workload
 from hf_scale.planner.hardware import hardware_from_file
 from hf_scale.planner.published import shapes

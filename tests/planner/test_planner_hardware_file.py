@@ -8,7 +8,7 @@ import pytest
 import yaml
 from paths import TINY_LLAMA
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.planner.hardware import DATA, FIELDS, hardware, hardware_from_file
 
 PROFILE = {

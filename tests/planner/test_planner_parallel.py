@@ -12,7 +12,7 @@ import pytest
 import yaml
 from transformers import LlamaConfig
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.planner import Workload, activation_bytes, estimate, logits_bytes, make_plan, model_shapes
 from hf_scale.planner.estimate import Candidate
 

@@ -58,7 +58,7 @@ def test_llama_70b_on_2x80gib_gets_qlora(shapes):
 
 
 def test_an_explicit_4bit_plan_needs_lora(tmp_path):
-    from hf_scale.cli import main
+    from hf_scale.commands.cli import main
 
     LlamaConfig(**LLAMA_31_70B).save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as exit_:
@@ -70,12 +70,12 @@ def test_plan_json_and_generate_carry_qlora_to_train_flags(tmp_path):
     model = tmp_path / "llama70b"
     LlamaConfig(**LLAMA_31_70B).save_pretrained(model)
     flags = ["--gpus-per-machine", "2", "--gpu-memory", "80GiB", "--cpu-memory", "128GiB", "--seq-len", str(SEQ)]
-    planned = subprocess.run([sys.executable, "-m", "hf_scale.cli", "plan", str(model), *flags, "--json"],
+    planned = subprocess.run([sys.executable, "-m", "hf_scale", "plan", str(model), *flags, "--json"],
                              capture_output=True, text=True, check=True)
     data = json.loads(planned.stdout)
     assert data["workload"]["load_in_4bit"] is True and data["qlora_because"]
     assert data["train_flags"] == {"max_seq_length": SEQ, "lora_r": 16, "load_in_4bit": True}
-    subprocess.run([sys.executable, "-m", "hf_scale.cli", "generate", "--strategy", "auto", "--model", str(model),
+    subprocess.run([sys.executable, "-m", "hf_scale", "generate", "--strategy", "auto", "--model", str(model),
                     *flags, "--recipe", "--name", "q", "--output-dir", str(tmp_path / "out")],
                    capture_output=True, text=True, check=True)
     recipe = yaml.safe_load((tmp_path / "out" / "recipes" / "q.yaml").read_text())

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from transformers import LlamaConfig
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.planner import Candidate, Workload, estimate, make_plan, model_shapes
 
 GIB = 2**30

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from transformers import LlamaConfig
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.planner import Candidate, Workload, model_shapes
 from hf_scale.planner.hardware import efficiencies, gpu_names, hardware
 from hf_scale.planner.published import accuracy, compare, fit, leave_one_source_out, rows, source

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.doctor.slurm import node_gpus, sbatch_directives, slurm_seconds
 
 GRES = ("finding: partition {p}: nodes n1,n2 have fewer than 1 GPUs in their GRES (Gres=(null)), job.sbatch asks "
@@ -29,7 +29,7 @@ def sbatch(tmp_path_factory) -> Path:
 
 
 def _doctor(slurm, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_scale.cli", "doctor", *args], env=slurm.env,
+    return subprocess.run([sys.executable, "-m", "hf_scale", "doctor", *args], env=slurm.env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -69,7 +69,7 @@ def test_each_mismatch_with_the_real_cluster_is_one_finding_with_its_fix(slurm, 
 
 
 def test_without_scontrol_the_slurm_check_says_where_to_run_it(sbatch, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "hf_scale.cli", "doctor", "--slurm", str(sbatch)],
+    result = subprocess.run([sys.executable, "-m", "hf_scale", "doctor", "--slurm", str(sbatch)],
                             env={"PATH": str(tmp_path)}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr == ("hf-scale: error: --slurm: scontrol is not on PATH: run hf-scale doctor --slurm on a "

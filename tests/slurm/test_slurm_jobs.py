@@ -36,7 +36,7 @@ from cluster_helpers import LOOPBACK_ENV
 from safetensors.torch import load_file
 from train_helpers import TRAIN_PY, child_env, free_port, prebuilt_shm_comm_op, read_metrics
 
-from hf_scale.cli import main
+from hf_scale.commands.cli import main
 from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.train.checkpoint import store as checkpoint
 

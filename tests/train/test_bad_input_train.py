@@ -825,7 +825,7 @@ def test_a_layout_the_installed_versions_cannot_run_is_one_line_naming_the_versi
                                                                                   monkeypatch):
     """parallelism.version_problem before the process group: the package, the version needed and the one installed
     (a floor above every release stands in for an old install)."""
-    from hf_scale import parallelism
+    from hf_scale.config import parallelism
 
     monkeypatch.setitem(parallelism.NEEDS, kind, {"torch": "99.0.0"})
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))

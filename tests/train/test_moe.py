@@ -13,7 +13,7 @@ from train_helpers import TRAIN_PY, assert_saved_model_verified, build_tiny_moe,
 
 pytestmark = pytest.mark.multiprocess
 
-EXPORT = [sys.executable, "-m", "hf_scale.cli", "export"]
+EXPORT = [sys.executable, "-m", "hf_scale", "export"]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ PASS_THE_COMMAND_LINE = {
     ("hf_scale/train/setup/parser.py", "parse_flags"),  # the reading itself, for _parse
     ("hf_scale/train/setup/recipe.py", "expand_recipe"),  # the recipe's values become flags before _parse reads them
     ("hf_scale/train/setup/recipe.py", "recipe_argument"),  # where the recipe is among them (expand_recipe's 1st step)
-    ("hf_scale/rules.py", "given_flags"),  # which flags were given
+    ("hf_scale/knowledge/rules.py", "given_flags"),  # which flags were given
     # --help, answered from the parser's snapshot before anything loads (it exits: no run is prepared).
     ("hf_scale/train/setup/help_snapshot.py", "help_requested"),
     ("hf_scale/train/setup/help_snapshot.py", "print_help"),

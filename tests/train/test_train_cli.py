@@ -227,7 +227,7 @@ def test_torch_compile_with_packing_compiles_once_and_saves_and_exports_plain_we
     """--torch_compile --packing: every packed row is padded to the budget, so 20 steps of rows holding
     different examples compile a bounded number of times (metrics.jsonl counts the graphs). The model is
     wrapped; the saved model and the export must use the module's own names."""
-    from hf_scale.cli import main as cli_main
+    from hf_scale.commands.cli import main as cli_main
 
     run_ok([sys.executable, TRAIN_PY, "--torch_compile", "--packing", "--max_seq_length", "128",
             "--per_device_train_batch_size", "1", "--loop", "accelerate", "--max_steps", "20",

@@ -21,8 +21,8 @@ import shlex
 import time
 from pathlib import Path
 
-from hf_scale import rules
 from hf_scale.errors import UserError
+from hf_scale.knowledge import rules
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import REPORT_FILE

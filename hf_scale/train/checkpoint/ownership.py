@@ -15,8 +15,8 @@ import fnmatch
 import sys
 from pathlib import Path
 
-from hf_scale import hub
 from hf_scale.errors import UserError
+from hf_scale.files import hub
 from hf_scale.train.checkpoint import integrity, output_lock, reshard
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint

@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from hf_scale import launch_values
+from hf_scale.contract import launch_values
 from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import integrity
 from hf_scale.train.checkpoint import store as checkpoint

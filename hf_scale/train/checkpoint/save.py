@@ -62,7 +62,7 @@ def save_with_accelerator(accelerator, model, tokenizer, output_dir: str) -> Non
 
 def _gathered_state_dict(accelerator, model) -> dict:
     """The full state dict; a collective under ZeRO-3 and FSDP (every rank calls it)."""
-    from hf_scale.train.model.parallel import has_dtensors
+    from hf_scale.train.model.parallelize import has_dtensors
 
     if has_dtensors(model) and accelerator.distributed_type.name != "FSDP":
         from hf_scale.train.model.fsdp import full_state_dict

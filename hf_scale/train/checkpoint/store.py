@@ -467,7 +467,7 @@ class StopRequest:
 
     def install(self) -> None:
         # Only the main thread can take signals. Ray Train runs the training function in a worker thread
-        # (hf_scale.ray_train): there Ray itself stops and restarts the workers, and no signal reaches them.
+        # (hf_scale.commands.ray_train): there Ray itself stops and restarts the workers, and no signal reaches them.
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in self.SIGNALS:

@@ -12,7 +12,7 @@ Whether completion-only loss finds its `{% generation %}` markers is checked wit
 from __future__ import annotations
 
 from hf_scale.errors import UserError
-from hf_scale.inputs import read_text
+from hf_scale.files.reading import read_text
 
 FLAG = "--chat_template_path"
 MAX_TEMPLATE_BYTES = 2**20

@@ -19,7 +19,7 @@ import datasets
 import numpy as np
 
 from hf_scale.errors import UserError
-from hf_scale.train.data.arguments import DataArguments
+from hf_scale.train.data.data_arguments import DataArguments
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import datasets
 
 from hf_scale.errors import UserError
-from hf_scale.train.data.arguments import DataArguments
+from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE
 from hf_scale.train.data.pipeline import _load_file, load_raw_datasets, tokenize_dataset
 

@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from hf_scale.config.parallelism import Layout
 from hf_scale.errors import UserError
-from hf_scale.parallelism import Layout
 from hf_scale.train.data.batches import count_target_tokens
 from hf_scale.train.data.packing import model_inputs
 from hf_scale.train.model import context_parallel

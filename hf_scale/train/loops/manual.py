@@ -34,7 +34,8 @@ from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.manual_checkpoints import CheckpointSaver
 from hf_scale.train.loops.metrics import StepMetrics, real_tokens
 from hf_scale.train.loops.optimizer import optimizer_and_scheduler
-from hf_scale.train.model import context_parallel, fsdp, parallel, sequence_parallel
+from hf_scale.train.model import context_parallel, fsdp, sequence_parallel
+from hf_scale.train.model import parallelize as parallel
 from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.model.liger import apply_liger
 from hf_scale.train.setup import guard

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_scale.train.data.packing import REAL_TOKENS
-from hf_scale.train.loops import profile
+from hf_scale.train.loops import torch_profiler as profile
 from hf_scale.train.model.partitioned import full_numel
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity), by substring of torch.cuda.get_device_name().

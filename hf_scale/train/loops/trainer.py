@@ -24,7 +24,8 @@ from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
-from hf_scale.train.model import context_parallel, fsdp, parallel, sequence_parallel
+from hf_scale.train.model import context_parallel, fsdp, sequence_parallel
+from hf_scale.train.model import parallelize as parallel
 from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.setup import guard
 from hf_scale.train.setup.distributed import has_gpu

@@ -31,7 +31,7 @@ import contextlib
 
 import torch
 
-from hf_scale.parallelism import CP_ATTENTION, Layout
+from hf_scale.config.parallelism import CP_ATTENTION, Layout
 from hf_scale.train.data.labels import IGNORE_INDEX
 
 BUFFER_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hf_scale.errors import UserError
-from hf_scale.precision_rules import fp8_machine_refusal
-from hf_scale.rules import FP8_BACKEND_MODULES
+from hf_scale.knowledge.precision_rules import fp8_machine_refusal
+from hf_scale.knowledge.rules import FP8_BACKEND_MODULES
 from hf_scale.train.model.partitioned import full_shape
 
 KEEP_IN_BF16 = ("lm_head",)

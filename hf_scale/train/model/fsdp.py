@@ -24,7 +24,7 @@ def layer_classes(model, settings: dict) -> list[str]:
 def plugin_fields(model, settings: dict) -> dict:
     """accelerate's FSDP plugin fields for the config's `fsdp` section: the ones the generated accelerate YAML gives
     `accelerate launch` (fsdp_version 1 or 2 with its sharding), with the layer classes resolved for `model`."""
-    from hf_scale.config import FSDPSettings
+    from hf_scale.config.distributed_config import FSDPSettings
     from hf_scale.generators.accelerate_yaml import fsdp_plugin_fields
 
     fields = fsdp_plugin_fields(FSDPSettings(**settings))

@@ -16,14 +16,16 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from hf_scale import quiet, rules
+from hf_scale import quiet
 from hf_scale.errors import UserError
-from hf_scale.inputs import not_a_regular_file
-from hf_scale.train.model.arguments import ModelArguments
+from hf_scale.files.reading import not_a_regular_file
+from hf_scale.knowledge import rules
+from hf_scale.train.model.model_arguments import ModelArguments
 
 
 def load_dtype(spelling: str):
-    """`--torch_dtype` (either spelling, see hf_scale.rules) as transformers' `dtype`: a torch.dtype or "auto"."""
+    """`--torch_dtype` (either spelling, see hf_scale.knowledge.rules) as transformers' `dtype`: a torch.dtype or
+    "auto"."""
     name = rules.torch_dtype_name(spelling, "--torch_dtype")
     return name if name == rules.AUTO_DTYPE else getattr(torch, name)
 
@@ -204,7 +206,7 @@ def load_model(model_args: ModelArguments, *, gradient_checkpointing: bool, on_m
                sharded_precision: str | None = None):
     """The caller has already validated the path with load_pretrained_config (one-line error, no traceback)
     and resolved `--attn_implementation auto` (hf_scale.train.model.attention.resolve). `on_mesh`: the
-    arguments that build it on a tensor-parallel mesh (hf_scale.train.model.parallel.load_kwargs).
+    arguments that build it on a tensor-parallel mesh (hf_scale.train.model.parallelize.load_kwargs).
     ``sharded_precision``: the run's precision under ZeRO-3 or FSDP, which decides how a 4-bit base stores its
     weights (hf_scale.train.model.quantization)."""
     path = resolve_model_path(model_args)

@@ -15,7 +15,7 @@ bitsandbytes' uint8.
 from __future__ import annotations
 
 from hf_scale.errors import UserError
-from hf_scale.installed import version_of
+from hf_scale.knowledge.installed import version_of
 
 QUANT_TYPE = "nf4"
 """NormalFloat4: the quantiles of a normal distribution, what pretrained weights roughly follow."""

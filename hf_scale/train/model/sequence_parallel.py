@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from hf_scale.parallelism import SP_ATTN_IMPLEMENTATIONS, Layout
+from hf_scale.config.parallelism import SP_ATTN_IMPLEMENTATIONS, Layout
 from hf_scale.train.data.labels import IGNORE_INDEX
 
 MODEL_KEYS = ("input_ids", "position_ids")
@@ -46,7 +46,7 @@ def accelerate_config(layout: Layout):
 
 def collator(inner, layout: Layout, tokenizer, *, pad_to: int | None) -> Collator:
     """The sp collator around the run's, or a one-line refusal of a tokenizer Ulysses cannot run with (the flags
-    it cannot run with are refused at start: hf_scale.train.model.parallel.flag_refusal)."""
+    it cannot run with are refused at start: hf_scale.train.model.parallelize.flag_refusal)."""
     from hf_scale.errors import UserError
 
     where = f"parallelism.sp={layout.sp}"

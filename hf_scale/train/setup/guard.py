@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hf_scale import rules
 from hf_scale.errors import UserError
+from hf_scale.knowledge import rules
 
 
 class RuntimeGuardError(UserError):
@@ -148,7 +148,7 @@ def expert_split(model) -> int:
     """How many ways transformers split the model's routed experts: the config's expert count over the count an
     experts module holds after its expert-parallel plan (GroupedGemmParallel sets ``num_experts`` to the local count
     and marks the module ``_is_expert_parallel``); 1 when no module is split."""
-    from hf_scale.expert_parallel import expert_counts
+    from hf_scale.config.expert_parallel import expert_counts
 
     local = next((m.num_experts for m in model.modules() if getattr(m, "_is_expert_parallel", False)), None)
     if local is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_scale.errors import UserError
-from hf_scale.rules import PRECISIONS, precision_from_flags
+from hf_scale.knowledge.rules import PRECISIONS, precision_from_flags
 
 _ENV_PREFIX = "ACCELERATE_"
 

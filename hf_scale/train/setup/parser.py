@@ -9,13 +9,13 @@ import os
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from hf_scale import rules
 from hf_scale.errors import UserError
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
-from hf_scale.inputs import NEGATIVE_NUMBER
+from hf_scale.files.reading import NEGATIVE_NUMBER
+from hf_scale.knowledge import rules
 from hf_scale.train.data import sources
-from hf_scale.train.data.arguments import DataArguments
-from hf_scale.train.model.arguments import ModelArguments
+from hf_scale.train.data.data_arguments import DataArguments
+from hf_scale.train.model.model_arguments import ModelArguments
 from hf_scale.train.setup.args import ScaleArguments
 from hf_scale.train.setup.help import GroupedHelp
 from hf_scale.train.setup.recipe import add_config_flag, expand_recipe, recipe_argument

@@ -74,9 +74,9 @@ def recipe_argument(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[l
 
 
 def read_recipe(path: str) -> dict[str, Any]:
-    """The recipe's mapping; one-line errors for a missing, unreadable or malformed file (hf_scale.inputs reads
+    """The recipe's mapping; one-line errors for a missing, unreadable or malformed file (hf_scale.files.reading reads
     it strictly: duplicate keys, alias bombs, NaN in JSON, FIFOs and directories are refused)."""
-    from hf_scale.inputs import load_json, load_yaml, read_text
+    from hf_scale.files.reading import load_json, load_yaml, read_text
 
     where = f"recipe {path}"
     text = read_text(path, "recipe", expected="a YAML or JSON mapping of train.py flags")

@@ -15,7 +15,7 @@ anything it disagrees with is an error — never a silent override.
   accelerate launch: no HSDP mesh).
 
 :func:`follow_launcher_config` does the same for the launcher's own config (accelerate YAML precision,
-every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scale.launch_values.
+every value the Trainer compares in the DeepSpeed JSON) with the rule of hf_scale.contract.launch_values.
 
 Pure: every function here reads train.py's parsed flags (an argparse namespace) and returns the values to fill
 (flag name -> value); none writes into the namespace it is given. train.py's prepare stage builds the filled
@@ -33,9 +33,10 @@ from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Any
 
-from hf_scale import launch_values, parallelism
+from hf_scale.config import parallelism
+from hf_scale.contract import launch_values
 from hf_scale.errors import UserError
-from hf_scale.rules import compute_precision, precision_from_flags
+from hf_scale.knowledge.rules import compute_precision, precision_from_flags
 from hf_scale.train.setup.distributed import LaunchRequest, has_gpu
 
 # Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
@@ -66,7 +67,7 @@ class ConfigFills:
 def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]) -> ConfigFills:
     """The launch request completed by the config and the flag values it fills (``ns`` is only read; ``given``:
     the flags typed)."""
-    from hf_scale.config import load_config
+    from hf_scale.config.distributed_config import load_config
     from hf_scale.generators.deepspeed_json import deepspeed_config
 
     cfg = load_config(path)
@@ -144,7 +145,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
 def _refuse_layout(layout: parallelism.Layout, ns, where: str, *, gpu_present: bool) -> None:
     """What the flags and the model cannot run with the layout first (on any machine), then what this machine cannot
     run (its versions; cp without a GPU)."""
-    from hf_scale.train.model import parallel
+    from hf_scale.train.model import parallelize as parallel
 
     refusal = parallel.flag_refusal(layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
                                     lora_r=ns.lora_r, where=where)
@@ -180,7 +181,7 @@ def apply_launched_layout(request: LaunchRequest, ns, environ: Mapping[str, str]
 def _refuse_layout_for_local_model(layout, ns, where: str) -> None:
     """Heads tp/sp cannot split, attention cp cannot compute: asked here, before the process group, when the model's
     config.json is on this machine (a Hub model's is asked once build() has read it)."""
-    from hf_scale.train.model import parallel
+    from hf_scale.train.model import parallelize as parallel
     from hf_scale.train.model.load import load_pretrained_config, resolve_model_path
 
     if layout.model_parallel_size == 1 and layout.ep == 1:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hf_scale import rules
-from hf_scale.parallelism import Layout
+from hf_scale.config.parallelism import Layout
+from hf_scale.knowledge import rules
 from hf_scale.train.setup import guard
 
 
@@ -48,7 +48,7 @@ class RunSpec:
     fp8_backend: str | None = None
     """FP8 training (precision stays bf16: the autocast outside the fp8 matmuls) with this backend, or None."""
     layout: Layout = Layout()
-    """The mesh: dp_replicate x dp_shard x tp x cp x sp (hf_scale.parallelism); data parallel only unless a
+    """The mesh: dp_replicate x dp_shard x tp x cp x sp (hf_scale.config.parallelism); data parallel only unless a
     --hf_scale_config says otherwise."""
     cp_comm_strategy: str = "allgather"
     """How context-parallel ranks exchange keys/values (the config's parallelism.cp_comm_strategy; cp > 1 only)."""

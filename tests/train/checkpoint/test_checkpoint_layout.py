@@ -201,7 +201,7 @@ def test_startup_removes_exactly_the_staging_directories(tmp_path):
 
 
 def _export_error(path: Path, tmp_path: Path) -> str:
-    from hf_scale.export import export
+    from hf_scale.commands.export import export
 
     with pytest.raises(UserError) as error:
         export(path, tmp_path / "out")
@@ -233,7 +233,7 @@ def test_export_refuses_each_kind_that_is_not_a_complete_checkpoint_in_one_line(
 
 
 def test_a_push_of_the_run_directory_leaves_out_exactly_the_training_state():
-    """hf_scale.hub uploads OUTPUT_DIR without TRAINING_STATE_GLOBS, matched the way huggingface_hub's
+    """hf_scale.files.hub uploads OUTPUT_DIR without TRAINING_STATE_GLOBS, matched the way huggingface_hub's
     upload_folder matches them (filter_repo_objects on the files' relative paths)."""
     from huggingface_hub.utils import filter_repo_objects
 

@@ -304,7 +304,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_intact_checkpoint(loop
 
 def test_a_sharded_save_that_cannot_write_is_one_line_not_a_checkpoint_exception(tmp_path):
     """torch.distributed.checkpoint gathers the ranks' write failures into a CheckpointException, a BaseException
-    (one process here; tests/train/model/test_parallel.py has the ranks): a real file size limit makes the write
+    (one process here; tests/train/model/test_parallelize.py has the ranks): a real file size limit makes the write
     fail, and the save's one line names the failing rank and the intact checkpoint."""
     import torch
     import torch.distributed.checkpoint as dcp

@@ -17,8 +17,8 @@ import pytest
 from checkpoint_runs import COMMON, launcher, strategy_args, trained
 from train_helpers import TRAIN_PY, launcher_command, read_metrics, run, run_ok, training_traceback_frames
 
+from hf_scale.config.parallelism import Layout
 from hf_scale.errors import UserError
-from hf_scale.parallelism import Layout
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import reshard
 from hf_scale.train.checkpoint import store as checkpoint

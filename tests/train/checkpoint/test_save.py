@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from train_helpers import REPO, generate_config, logits, run, run_ok, tiny_moe
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_scale import rules
+from hf_scale.knowledge import rules
 from hf_scale.train.checkpoint import final_checkpoint
 from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
@@ -286,5 +286,5 @@ def test_zero3_without_gathering_ends_with_the_final_checkpoint_which_exports_to
     assert summary["final_save"] == {"verified": True, "what": "checkpoint", "checkpoint": str(final), "step": 3,
                                      "weights": "deepspeed", "export_command": command}
 
-    run_ok([sys.executable, "-m", "hf_scale.cli", *shlex.split(command)[1:]], timeout=180)
+    run_ok([sys.executable, "-m", "hf_scale", *shlex.split(command)[1:]], timeout=180)
     torch.testing.assert_close(logits(out / "model"), torch.load(trained_logits), rtol=1e-5, atol=1e-5)

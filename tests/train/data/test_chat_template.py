@@ -1,7 +1,7 @@
 """--chat_template_path: read and compiled by transformers' own Jinja environment before anything runs, set
 before tokenization (assistant-only labels through its {% generation %} markers), one-line errors.
 
-Saved with the final model and the checkpoints, and pushed: tests/test_push_to_hub.py (a real run).
+Saved with the final model and the checkpoints, and pushed: tests/files/test_hub.py (a real run).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_scale.errors import UserError
-from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.chat_template import read_chat_template
+from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.sources import SourceArguments, prepare_datasets

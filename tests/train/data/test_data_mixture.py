@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_scale.errors import UserError
-from hf_scale.train.data.arguments import DataArguments
+from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.sources import SourceArguments, data_sources, describe, prepare_datasets

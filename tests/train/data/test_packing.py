@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.errors import UserError
-from hf_scale.train.data.arguments import DataArguments
 from hf_scale.train.data.batches import make_collator
+from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.packing import (

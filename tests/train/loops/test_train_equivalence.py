@@ -52,7 +52,7 @@ from train_helpers import (
     run_ok,
 )
 
-from hf_scale import check
+from hf_scale.commands import check
 
 pytestmark = pytest.mark.multiprocess
 PEER_CONFIGS = TEST_DATA / "peer_configs"

@@ -26,7 +26,7 @@ from accelerate import Accelerator, PartialState
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_scale.parallelism import Layout
+from hf_scale.config.parallelism import Layout
 from hf_scale.train.data.batches import count_target_tokens, make_collator
 from hf_scale.train.data.packing import model_inputs
 from hf_scale.train.model import context_parallel

@@ -78,7 +78,7 @@ def test_ep2_equals_one_process(loop, moe_dir, ep_config, reference_dir, tmp_pat
         # The Trainer's final checkpoint holds the EP run's FSDP2 shards (DCP): `hf-scale export` rebuilds the plain
         # Hugging Face model, with the trained logits.
         exported = tmp_path / "exported"
-        run_ok([sys.executable, "-m", "hf_scale.cli", "export", str(out / f"checkpoint-{STEPS}"), str(exported)],
+        run_ok([sys.executable, "-m", "hf_scale", "export", str(out / f"checkpoint-{STEPS}"), str(exported)],
                env=child_env(), timeout=300)
         torch.testing.assert_close(logits(exported), logits(out), rtol=1e-5, atol=1e-5)
 

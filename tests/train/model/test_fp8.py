@@ -10,11 +10,11 @@ import pytest
 import torch
 import yaml
 
-from hf_scale import precision_rules
-from hf_scale.config import config_warnings, validate_config
+from hf_scale.config.distributed_config import config_warnings, validate_config
 from hf_scale.errors import UserError
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
 from hf_scale.generators.deepspeed_json import deepspeed_config
+from hf_scale.knowledge import precision_rules
 from hf_scale.train.model import fp8
 
 torchao = pytest.importorskip("torchao")  # the test extra installs it; the kernels are never run here

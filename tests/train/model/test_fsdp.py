@@ -21,7 +21,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from train_helpers import free_port
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_scale.config import validate_config
+from hf_scale.config.distributed_config import validate_config
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.model import fsdp

@@ -189,7 +189,7 @@ def test_fsdp2_manual_loop_equals_one_process(one_process, tmp_path):
 
 def _zero3_json(tmp_path):
     """The zero3 preset's DeepSpeed JSON for one process (as `hf-scale generate` writes it)."""
-    from hf_scale.config import validate_config
+    from hf_scale.config.distributed_config import validate_config
     from hf_scale.generators.deepspeed_json import deepspeed_config
 
     cfg = validate_config({"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}, "precision": "bf16",
@@ -220,7 +220,7 @@ def zero3_manual_loop(tmp_path_factory):
 
 
 def _export_merged(checkpoint, out, *, flag=("--lora", "merged")) -> None:
-    from hf_scale import cli
+    from hf_scale.commands import cli
 
     try:
         code = cli.main(["export", str(checkpoint), str(out), *flag])
@@ -268,7 +268,7 @@ def test_a_quiet_merge_prints_only_hf_scales_own_lines(one_process, tmp_path):
            if k not in ("HF_SCALE_VERBOSE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY")}
 
     def merge(out, *extra):
-        argv = [sys.executable, "-m", "hf_scale.cli", "export", str(one_process / f"checkpoint-{STEPS}"), str(out),
+        argv = [sys.executable, "-m", "hf_scale", "export", str(one_process / f"checkpoint-{STEPS}"), str(out),
                 "--merge", *extra]
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -287,7 +287,7 @@ def test_a_quiet_merge_prints_only_hf_scales_own_lines(one_process, tmp_path):
 @pytest.mark.parametrize("run", ["manual_loop", "zero3_manual_loop"])
 def test_export_merge_reads_the_adapter_from_the_checkpoints_own_weights(run, request, tmp_path):
     """The manual loop saves the adapter inside accelerate's model.safetensors (with the 4-bit base), ZeRO-3 in its
-    partitions: `--merge` reads it there (hf_scale.export.sources) and gives the trained model."""
+    partitions: `--merge` reads it there (hf_scale.export.checkpoint_readers) and gives the trained model."""
     from hf_scale.train.checkpoint import layout
 
     run_dir = request.getfixturevalue(run)
@@ -308,7 +308,7 @@ def test_an_empty_adapter_file_is_rescued_from_the_zero3_partitions(zero3_manual
 
     from safetensors.torch import save_file
 
-    from hf_scale.export import export
+    from hf_scale.commands.export import export
     from hf_scale.train.checkpoint.integrity import HASH_NAME, file_digest
     from hf_scale.train.checkpoint.layout import MANIFEST
 

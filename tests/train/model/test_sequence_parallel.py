@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from train_helpers import REPO, child_env, torchrun
 
-from hf_scale import parallelism
+from hf_scale.config import parallelism
 from hf_scale.train.data.embedded import build_tiny_llama
 from hf_scale.train.model import sequence_parallel
 

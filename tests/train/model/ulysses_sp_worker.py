@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from hf_scale.parallelism import Layout
+from hf_scale.config.parallelism import Layout
 from hf_scale.train.model.sequence_parallel import loss_multiplier
 
 ROWS, SEQ_LEN, PROMPTS = 4, 32, (3, 9, 17, 5)  # masked prompts: the shards hold unequal target counts

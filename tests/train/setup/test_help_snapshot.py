@@ -49,7 +49,7 @@ def test_help_requested(argv, asked):
 PROBE = """
 import json, sys
 sys.argv = ["train.py", *sys.argv[1:]]
-from hf_scale.train import entry
+from hf_scale.commands import train as entry
 try:
     entry.main()
 except SystemExit as stop:

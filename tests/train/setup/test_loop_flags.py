@@ -24,8 +24,9 @@ NOT_ON_THE_PATH = {
     "hf_scale.train.loops.trainer": "the Trainer's path (main imports it for --loop trainer only)",
     "hf_scale.train.setup.loop_flags": "the table itself",
     # They compare the flags with the launcher's configs and fill them; they apply no flag themselves.
-    "hf_scale.train.setup.reconcile": "", "hf_scale.launch_values": "", "hf_scale.train.setup.inline_deepspeed": "",
-    "hf_scale.deepspeed_overrides": "", "hf_scale.config": "", "hf_scale.generators.deepspeed_json": "",
+    "hf_scale.train.setup.reconcile": "", "hf_scale.contract.launch_values": "",
+    "hf_scale.train.setup.inline_deepspeed": "", "hf_scale.knowledge.deepspeed_overrides": "",
+    "hf_scale.config.distributed_config": "", "hf_scale.generators.deepspeed_json": "",
     "hf_scale.train.setup.flag_values": "checks each flag's range (both loops); applies none",
 }
 RECEIVERS = {"args", "ns", "parsed"}
@@ -98,7 +99,7 @@ def path():
     trees = manual_loop_path()
     assert {"hf_scale.train.loops.manual", "hf_scale.train.loops.evaluation", "hf_scale.train.loops.metrics",
             "hf_scale.train.data.batches", "hf_scale.train.model.load", "hf_scale.train.model.liger",
-            "hf_scale.train.checkpoint.store", "hf_scale.hub"} <= trees.keys()
+            "hf_scale.train.checkpoint.store", "hf_scale.files.hub"} <= trees.keys()
     return trees
 
 
@@ -188,7 +189,7 @@ def test_the_ddp_flags_given_reach_accelerates_ddp_wrapper_and_none_keeps_its_de
 def test_fractional_epochs_count_as_in_the_trainer():
     from types import SimpleNamespace
 
-    from hf_scale import launch_values
+    from hf_scale.contract import launch_values
     from hf_scale.train.loops.manual import _Length
 
     args = SimpleNamespace(max_steps=-1, num_train_epochs=0.5)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from train_helpers import REPO
 
+from hf_scale.config.parallelism import Layout
 from hf_scale.errors import UserError
-from hf_scale.parallelism import Layout
 from hf_scale.train.setup import distributed, reconcile
 
 PEERS = REPO / "tests" / "data" / "peer_configs"
@@ -108,7 +108,7 @@ def test_the_fsdp_settings_read_back_are_the_ones_the_generator_wrote(tmp_path):
     launch exports -> the same fsdp section."""
     import yaml
 
-    from hf_scale.config import DistributedConfig
+    from hf_scale.config.distributed_config import DistributedConfig
     from hf_scale.generators.accelerate_yaml import accelerate_config, fsdp_settings_from_launch
 
     for fsdp in ({}, {"sharding": "shard_grad_op", "offload_params": True, "state_dict_type": "full",

@@ -13,9 +13,9 @@ import json
 import pytest
 import yaml
 
-from hf_scale.cli import main as cli_main
+from hf_scale.commands.cli import main as cli_main
+from hf_scale.config.presets import load_preset
 from hf_scale.errors import UserError
-from hf_scale.presets import load_preset
 from hf_scale.train.main import main as train_main
 from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.recipe import expand_recipe

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from hf_scale.errors import UserError
-from hf_scale.rules import given_flags
+from hf_scale.knowledge.rules import given_flags
 from hf_scale.train.setup.distributed import LaunchRequest
 from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.reconcile import apply_hf_scale_config, checkpointing_flag, filled, typed_flags
@@ -186,7 +186,7 @@ def test_a_resolved_deepspeed_json_agrees_with_the_flags_or_is_refused_in_one_li
     from transformers import TrainingArguments
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
 
-    from hf_scale.config import validate_config
+    from hf_scale.config.distributed_config import validate_config
     from hf_scale.generators.deepspeed_json import deepspeed_config
     from hf_scale.train.setup.reconcile import follow_launcher_config
 
@@ -365,7 +365,7 @@ SP2 = {"strategy": "deepspeed", "precision": "no", "topology": {"processes_per_m
 )
 def test_flags_a_layout_cannot_run_with_are_refused_before_the_process_group(config, flags, error, tmp_path):
     """tp with LoRA and sp with packing or a kernel other than SDPA: refused with the config, not after the model
-    loaded (the rule `hf-scale check` applies too: hf_scale.train.model.parallel.flag_refusal)."""
+    loaded (the rule `hf-scale check` applies too: hf_scale.train.model.parallelize.flag_refusal)."""
     with pytest.raises(UserError) as refused:
         _apply(tmp_path, flags, config, _request(4))
     assert str(refused.value).startswith(error.format(path=tmp_path / "run.yaml"))

@@ -96,7 +96,7 @@ def test_the_checkpoint_state_is_written_from_the_run_spec(loop, tmp_path):
 def test_tensor_parallel_ranks_count_once_in_the_batch_arithmetic(tmp_path):
     """dp_shard=2 x tp=2 on 4 processes: 2 data-parallel ranks; the global batch, the guard's expectation and the
     checkpoint's layout say so."""
-    from hf_scale.parallelism import Layout
+    from hf_scale.config.parallelism import Layout
 
     args = _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3)
     spec = run_spec.build(_request(strategy="fsdp", layout=Layout(dp_shard=2, tp=2)), args, loop="accelerate",
