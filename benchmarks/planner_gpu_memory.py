@@ -67,7 +67,7 @@ def _plan(gpus: int, seq_len: int, micro_batch: int, smoke: bool = False):
 
 
 def _deepspeed_json(plan, assessment, hidden: int) -> dict:
-    from hf_scale.generators.deepspeed_json import deepspeed_config
+    from hf_scale.contract.deepspeed_json import deepspeed_config
     from hf_scale.planner import distributed_config
 
     ds = deepspeed_config(distributed_config(plan, assessment), "resolved")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_scale.config.distributed_config import load_config
-from hf_scale.generators.deepspeed_json import deepspeed_config
+from hf_scale.contract.deepspeed_json import deepspeed_config
 
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "hf_scale" / "assets" / "tiny-llama"
 

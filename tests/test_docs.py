@@ -97,10 +97,10 @@ def test_dead_links_anchors_and_paths_are_reported(tmp_path):
                                    "[ok](#top-x-y) [ok](#top-x-y-1) [ok](b.md) ![i](b.md#tail)\n"
                                    "[dead](c.md) [dead](#nope) [dead](b.md#nope) `[not a link](x.md)`\n"
                                    "```\n[in code](d.md)\n# not a heading\n```\n")
-    (tmp_path / "b.md").write_text("# Tail\n`hf_scale/cli.py` `tests/gone.py::test_x` "
+    (tmp_path / "b.md").write_text("# Tail\n`hf_scale/tool.py` `tests/gone.py::test_x` "
                                    "`benchmarks/results/x.json`\n")
     (tmp_path / "hf_scale").mkdir()
-    (tmp_path / "hf_scale" / "cli.py").write_text("")
+    (tmp_path / "hf_scale" / "tool.py").write_text("")
     assert missing_repo_paths(tmp_path / "b.md", root=tmp_path) == [
         "b.md: tests/gone.py::test_x (no such file or directory)"]
     assert dead_links(tmp_path / "a.md", root=tmp_path) == [

@@ -151,3 +151,12 @@ def test_the_optional_import_rule_sees_a_module_level_import():
     tree = ast.parse("import os\ntry:\n    import peft\nexcept ImportError:\n    pass\n"
                      "def f():\n    import ray\nif TYPE_CHECKING:\n    import torchao\n")
     assert _optional_imports(tree) == ["peft"]
+
+
+def test_the_runtime_imports_no_generator_and_no_planner_module():
+    """train.py's runtime shares with `generate` and `plan` only what sits below all three (hf_scale.contract's
+    DeepSpeed JSON and FSDP fields, hf_scale.knowledge's model shapes): a change to a generator or to the planner
+    cannot change how a run trains."""
+    edges = sorted((source, target) for source, targets in import_graph().items() if source.startswith("hf_scale.train")
+                   for target in targets if target.startswith(("hf_scale.generators", "hf_scale.planner")))
+    assert edges == []

@@ -45,7 +45,7 @@ from hf_scale.check.manifest_facts import (
 from hf_scale.check.manifest_schema import manifest_problem
 from hf_scale.config.cluster_section import image_problem
 from hf_scale.errors import UserError
-from hf_scale.generators import output_paths as layout
+from hf_scale.generators import output_paths
 from hf_scale.knowledge.rules import is_secret_setting
 
 GRACE_FLOOR_S = 120
@@ -213,7 +213,7 @@ def _not_hf_scale(path: str, kind: str, why: str) -> Finding:
                    f"{kind} {why}: taken as a training of its own, only the schema, sizes, GPUs and image tag are "
                    "compared (not train.py's arguments, the output volume or the grace period)",
                    f"nothing to do if {Path(path).name} is not meant to run hf_scale; else run -m "
-                   f"{layout.TRAINING_MODULE} (or train.py with --hf_scale_config) in its command")
+                   f"{output_paths.TRAINING_MODULE} (or train.py with --hf_scale_config) in its command")
 
 
 def _train_args_findings(path: str, kind: str, facts: Facts, config: tuple[str, Any] | None) -> list[Finding]:
@@ -225,13 +225,13 @@ def _train_args_findings(path: str, kind: str, facts: Facts, config: tuple[str, 
     TRL's /sft/train.py --model_id ...)."""
     command = train_command(facts)
     if command is None:
-        return [_not_hf_scale(path, kind, f"runs no hf_scale training (no -m {layout.TRAINING_MODULE}, "
+        return [_not_hf_scale(path, kind, f"runs no hf_scale training (no -m {output_paths.TRAINING_MODULE}, "
                                           "launch/NAME.node.sh or train.py in its command)")]
     if command.unresolved and not command.hf_scale:
         # Values that are the job's ($VAR, $(...)) cannot be parsed here, so nothing shows this train.py is hf_scale's.
         return [_not_hf_scale(path, kind, f"runs {command.script} with values only the job knows "
                                           f"({' '.join(command.unresolved)}) and no hf_scale mark (-m "
-                                          f"{layout.TRAINING_MODULE}, launch/NAME.node.sh or --hf_scale_config)")]
+                                          f"{output_paths.TRAINING_MODULE}, launch/NAME.node.sh or --hf_scale_config)")]
     if command.unresolved:
         return []  # hf_scale's, with values that are the job's: nothing certain to parse
     return list(_parsed_train_args(path, kind, command, config))

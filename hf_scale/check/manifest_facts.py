@@ -22,7 +22,7 @@ from typing import Any
 
 from hf_scale.check.train_flags import last_value
 from hf_scale.config.cluster_section import DEFAULT_IMAGE_HOME
-from hf_scale.generators import output_paths as layout
+from hf_scale.generators import output_paths
 
 KUBERNETES_DEFAULT_GRACE_S = 30
 FROM_PLATFORM = "from the platform"
@@ -262,7 +262,7 @@ def train_command(facts: Facts) -> TrainCommand | None:
     nothing to parse)."""
     args = facts.args
     for index, word in enumerate(args):
-        module = word == "-m" and args[index + 1:index + 2] == [layout.TRAINING_MODULE]
+        module = word == "-m" and args[index + 1:index + 2] == [output_paths.TRAINING_MODULE]
         if not (module or _TRAIN_SCRIPT.search(word) or _NODE_SCRIPT.search(word)):
             continue
         words = []
@@ -274,7 +274,7 @@ def train_command(facts: Facts) -> TrainCommand | None:
                 break
         words = [_substituted(arg, facts.env) for arg in words]
         passes = bool(_NODE_SCRIPT.search(word)) or any(a.partition("=")[0] in HF_SCALE_CONFIG_FLAGS for a in words)
-        script = f"-m {layout.TRAINING_MODULE}" if module else word
+        script = f"-m {output_paths.TRAINING_MODULE}" if module else word
         return TrainCommand(words, [arg for arg in words if _EXPANSION.search(arg)], passes, script,
                             module or passes)
     return None
@@ -325,7 +325,7 @@ def named_files(facts: Facts, manifest: Path) -> dict[str, tuple[str, Path]]:
         for word in facts.args:
             match = _NODE_SCRIPT.search(word)
             script = _resolve(word, manifest, facts.workdir) if match else None
-            config = script.parent.parent / layout.hf_scale_config(match["name"]) if script else None
+            config = script.parent.parent / output_paths.hf_scale_config(match["name"]) if script else None
             if config is not None and config.is_file():
                 found["hf_scale"] = (f"{word}, which passes it as --hf_scale_config", config)
                 break

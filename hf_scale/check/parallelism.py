@@ -133,14 +133,14 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
         layout, file, key = cfg.layout, inp.hf_scale_config_file, "parallelism"  # ep is only ever the config's
     if layout is None or (layout.model_parallel_size == 1 and layout.ep == 1):
         return
-    from hf_scale.train.model import parallelize as parallel
+    from hf_scale.train.model import parallelize
 
-    problem = parallel.flag_refusal(layout, packing=bool(inp.training.get("packing")),
+    problem = parallelize.flag_refusal(layout, packing=bool(inp.training.get("packing")),
                                     attn_implementation=str(inp.training.get("attn_implementation", "auto")),
                                     lora_r=int(inp.training.get("lora_r") or 0), where=key)
     config = None if problem else local_model_config(inp)
     if config is not None:
-        problem = parallel.model_problem(layout, config, key)
+        problem = parallelize.model_problem(layout, config, key)
     if problem:
         yield Finding(ERROR, "parallelism-unsupported", file, key, f"{problem} (train.py stops on it before the "
                       "model loads).", f"{in_file(file)}change `{key}` as the problem says, or the flag it names.",
@@ -152,7 +152,7 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
 def check_launched_fsdp(inp: CheckInputs) -> Iterator[Finding]:
     """`fsdp-setting-not-run`: an FSDP YAML with tp > 1 in its parallelism_config, run by train.py without
     --hf_scale_config, is not sharded by accelerate's plugin: train.py reads the fsdp settings back from what
-    `accelerate launch` exports (generators.accelerate_yaml.fsdp_settings_from_launch, the generator's own table) and
+    `accelerate launch` exports (contract.accelerate_fsdp.fsdp_settings_from_launch, the generator's own table) and
     has transformers shard the model with them. Each fsdp_config key whose value that table does not give back (the
     section the generator writes for the settings read back) is one line: the YAML's value, and what train.py runs."""
     layout = yaml_layout(inp)
@@ -160,7 +160,8 @@ def check_launched_fsdp(inp: CheckInputs) -> Iterator[Finding]:
             or inp.accelerate.get("distributed_type") != "FSDP"):
         return
     from hf_scale.config.distributed_config import DistributedConfig
-    from hf_scale.generators.accelerate_yaml import accelerate_config, fsdp_settings_from_launch
+    from hf_scale.contract.accelerate_fsdp import fsdp_settings_from_launch
+    from hf_scale.generators.accelerate_yaml import accelerate_config
 
     settings = fsdp_settings_from_launch(inp.launch_env)
     cfg = DistributedConfig.model_validate({"strategy": "fsdp", "fsdp": settings.model_dump()})

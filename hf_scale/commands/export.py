@@ -31,7 +31,7 @@ from hf_scale.errors import UserError
 from hf_scale.export import qlora as qlora_export
 from hf_scale.export.checkpoint_readers import Source, find_source, with_adapter_names, with_model_names
 from hf_scale.knowledge import rules
-from hf_scale.planner.model_shapes import CONFIG_ERRORS, read_config_json
+from hf_scale.knowledge.model_shapes import CONFIG_ERRORS, read_config_json
 
 if TYPE_CHECKING:
     from hf_scale.train.checkpoint.layout import Layout

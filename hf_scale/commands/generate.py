@@ -27,11 +27,10 @@ from hf_scale.commands.plan import (
 from hf_scale.config.distributed_config import DistributedConfig, config_from_data, config_warnings, load_config
 from hf_scale.config.presets import PRESETS, load_preset
 from hf_scale.config.value_types import name_problem
+from hf_scale.contract.deepspeed_json import MODES
 from hf_scale.errors import UserError
 from hf_scale.files.writing import already_written, write_files_together
-from hf_scale.generators import TARGETS, render_files
-from hf_scale.generators import output_paths as layout
-from hf_scale.generators.deepspeed_json import MODES
+from hf_scale.generators import TARGETS, output_paths, render_files
 from hf_scale.knowledge import rules
 from hf_scale.planner.rank import planned_config_data
 from hf_scale.planner.rank import train_flags as train_flags_of
@@ -289,7 +288,7 @@ def run_generate(args: argparse.Namespace) -> int:
         _refuse_heads(cfg, plan)
     else:
         cfg = _load(args.config, args.preset, overrides)
-    header = f"{layout.GENERATED_HEADER}\n  {regenerate_command(args, name, planned_name, typed)}"
+    header = f"{output_paths.GENERATED_HEADER}\n  {regenerate_command(args, name, planned_name, typed)}"
     image_targets = [target for target in args.targets if target in ("kubeflow", "pytorchjob", "docker")]
     if image_targets and cfg.cluster.image is None:
         raise UserError(f"--targets {image_targets[0]} needs cluster.image: the image the pods run, with a version "
@@ -337,10 +336,10 @@ def _check_train_args(cfg: DistributedConfig, name: str) -> None:
         raise UserError(f"cluster.train_args: {problem}")
     contradictions = list(against_config(flags, cfg, "cluster.train_args").contradictions)
     if not contradictions:  # what the layout cannot run with: train.py's rule, before the process group
-        from hf_scale.train.model import parallelize as parallel
+        from hf_scale.train.model import parallelize
 
         ns = flags.namespace
-        refusal = parallel.flag_refusal(cfg.layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
+        refusal = parallelize.flag_refusal(cfg.layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
                                         lora_r=ns.lora_r, where="parallelism")
         contradictions += [f"cluster.train_args: {refusal}"] if refusal else []
     if contradictions:

@@ -190,7 +190,7 @@ def plan_from_args(args: argparse.Namespace, model: str) -> Plan:
     gpu = plan_hardware(args)
     gpu_memory = gpu.memory_bytes if args.gpu_memory is None else parse_size("--gpu-memory", args.gpu_memory)
     cpu_memory = None if args.cpu_memory is None else parse_size("--cpu-memory", args.cpu_memory)
-    from hf_scale.planner.model_shapes import model_shapes
+    from hf_scale.knowledge.model_shapes import model_shapes
 
     workload = Workload(
         shapes=model_shapes(model),

@@ -330,3 +330,10 @@ def _scheduler_steps(state: _State, ds: dict, num_training_steps: int | None) ->
     else:
         state.values = dataclasses.replace(state.values, warmup_steps=int(warmup))
         state.followed["warmup_steps"] = f"{state.source} scheduler.params.warmup_num_steps"
+
+
+def launchers(strategy: str) -> list[str]:
+    """The launchers with a one-machine script (``launch/NAME.LAUNCHER.sh``) for a config of this strategy: accelerate
+    always, torchrun except for FSDP (configured by the accelerate YAML), the deepspeed launcher for DeepSpeed. What
+    `generate` writes and what train.py tells a user who starts a config with plain python."""
+    return ["accelerate"] + ["torchrun"] * (strategy != "fsdp") + ["deepspeed"] * (strategy == "deepspeed")

@@ -57,7 +57,7 @@ def config_requirements(path: str) -> dict:
     if isinstance(data, dict) and "distributed_type" in data:
         return _accelerate_requirements(path, file, data)
     from hf_scale.config.distributed_config import load_config
-    from hf_scale.generators.deepspeed_json import deepspeed_config
+    from hf_scale.contract.deepspeed_json import deepspeed_config
 
     cfg = load_config(path)
     return {"file": path, "kind": "DistributedConfig", "strategy": cfg.strategy,

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from hf_scale.config.distributed_config import DistributedConfig
-from hf_scale.generators import dockerfile, install, kubernetes, node_entry, skypilot
-from hf_scale.generators import output_paths as layout
+from hf_scale.contract.deepspeed_json import Mode, deepspeed_json
+from hf_scale.generators import dockerfile, install, kubernetes, node_entry, output_paths, skypilot
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
-from hf_scale.generators.deepspeed_json import Mode, deepspeed_json
 from hf_scale.generators.launch import launch_files
 from hf_scale.generators.recipe import starter_recipe
 from hf_scale.generators.resolved_config import resolved_config_yaml
@@ -23,8 +22,9 @@ def accelerate_yaml_usage(name: str) -> str:
         f"Launch with launch/{name}.accelerate.sh (from any directory). By hand, from the directory holding\n"
         "accelerate_configs/, give train.py the config too: this file cannot carry the batch, clipping,\n"
         "optimizer values and activation checkpointing, which --hf_scale_config applies:\n"
-        f"  accelerate launch --config_file {layout.accelerate_config(name)} -m {layout.TRAINING_MODULE} \\\n"
-        f"    --hf_scale_config {layout.hf_scale_config(name)} [train.py flags]"
+        f"  accelerate launch --config_file {output_paths.accelerate_config(name)} "
+        f"-m {output_paths.TRAINING_MODULE} \\\n"
+        f"    --hf_scale_config {output_paths.hf_scale_config(name)} [train.py flags]"
     )
 
 
@@ -44,21 +44,22 @@ def cluster_files(
         raise ValueError(f"unknown target {unknown[0]!r}; allowed: {', '.join(TARGETS)}")
     files: dict[str, str | bytes] = {}
     if {"kubeflow", "pytorchjob", "skypilot"} & set(targets):
-        files[layout.launch_file(f"{name}.node.sh")] = node_entry.node_script(cfg, name, header=header)
+        files[output_paths.launch_file(f"{name}.node.sh")] = node_entry.node_script(cfg, name, header=header)
     if "kubeflow" in targets:
-        files[layout.launch_file(f"{name}.trainjob.yaml")] = kubernetes.trainjob_yaml(cfg, name, header=header)
+        files[output_paths.launch_file(f"{name}.trainjob.yaml")] = kubernetes.trainjob_yaml(cfg, name, header=header)
     if "pytorchjob" in targets:
-        files[layout.launch_file(f"{name}.pytorchjob.yaml")] = kubernetes.pytorchjob_yaml(cfg, name, header=header)
+        files[output_paths.launch_file(f"{name}.pytorchjob.yaml")] = kubernetes.pytorchjob_yaml(cfg, name,
+                                                                                                 header=header)
     if "skypilot" in targets:
-        files[layout.launch_file(f"{name}.sky.yaml")] = skypilot.sky_yaml(cfg, name, header=header)
+        files[output_paths.launch_file(f"{name}.sky.yaml")] = skypilot.sky_yaml(cfg, name, header=header)
     if "ray" in targets:
-        files[layout.launch_file(f"{name}.ray.sh")] = node_entry.ray_script(cfg, name, header=header)
+        files[output_paths.launch_file(f"{name}.ray.sh")] = node_entry.ray_script(cfg, name, header=header)
     if {"kubeflow", "pytorchjob", "docker"} & set(targets):
-        files[layout.DOCKERFILE] = dockerfile.dockerfile(cfg, header=header)
-        files[layout.DOCKERIGNORE] = dockerfile.dockerignore()
+        files[output_paths.DOCKERFILE] = dockerfile.dockerfile(cfg, header=header)
+        files[output_paths.DOCKERIGNORE] = dockerfile.dockerignore()
     if {"kubeflow", "pytorchjob", "docker", "skypilot"} & set(targets):
-        files[layout.REQUIREMENTS_FILE] = install.requirements()
-        files[layout.SOURCE_ARCHIVE] = install.source_archive()
+        files[output_paths.REQUIREMENTS_FILE] = install.requirements()
+        files[output_paths.SOURCE_ARCHIVE] = install.source_archive()
     return files
 
 
@@ -76,20 +77,20 @@ def render_files(
     files: dict[str, str | bytes] = {}
     ds_file = None
     if cfg.strategy == "deepspeed":
-        ds_file = layout.deepspeed_config(name)
+        ds_file = output_paths.deepspeed_config(name)
         files[ds_file] = deepspeed_json(cfg, deepspeed_mode)
-    files[layout.accelerate_config(name)] = accelerate_yaml(
+    files[output_paths.accelerate_config(name)] = accelerate_yaml(
         cfg, deepspeed_config_file=ds_file, header=f"{header}\n{accelerate_yaml_usage(name)}"
     )
-    files[layout.hf_scale_config(name)] = resolved_config_yaml(
+    files[output_paths.hf_scale_config(name)] = resolved_config_yaml(
         cfg,
         header=f"{header}\nThe resolved DistributedConfig: every launch script passes it to train.py as "
         "--hf_scale_config,\nwhich applies its batch, precision, clipping, optimizer values and activation "
         "checkpointing.",
     )
     for file_name, text in launch_files(cfg, name, header=header).items():
-        files[layout.launch_file(file_name)] = text
+        files[output_paths.launch_file(file_name)] = text
     if recipe:
-        files[layout.recipe(name)] = starter_recipe(cfg, name, header=RECIPE_HEADER, train_flags=train_flags)
+        files[output_paths.recipe(name)] = starter_recipe(cfg, name, header=RECIPE_HEADER, train_flags=train_flags)
     files.update(cluster_files(cfg, name, targets, header=header))
     return files

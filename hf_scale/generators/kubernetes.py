@@ -25,7 +25,7 @@ import yaml
 
 from hf_scale.config.cluster_section import CONTAINER_UID, DEFAULT_IMAGE_HOME, PYTORCHJOB_CONTAINER, TRAINJOB_CONTAINER
 from hf_scale.config.distributed_config import DistributedConfig
-from hf_scale.generators import output_paths as layout
+from hf_scale.generators import output_paths
 from hf_scale.generators.launch import _check_name
 
 TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"
@@ -50,7 +50,7 @@ def job_name(name: str) -> str:
 def node_command(cfg: DistributedConfig, name: str) -> tuple[list[str], list[str]]:
     """The container's command and args: NAME.node.sh in the image, the output directory on the volume, then the
     config's train.py flags."""
-    script = f"{DEFAULT_IMAGE_HOME}/{layout.launch_file(f'{name}.node.sh')}"
+    script = f"{DEFAULT_IMAGE_HOME}/{output_paths.launch_file(f'{name}.node.sh')}"
     return ["bash", script], cfg.cluster.node_train_args(name)
 
 

@@ -22,6 +22,7 @@ import shlex
 
 from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.config.value_types import host_problem, name_problem
+from hf_scale.contract.launch_values import launchers
 from hf_scale.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_PREEMPTED,
@@ -32,7 +33,7 @@ from hf_scale.exit_codes import (
     STARTED_MARKER_ENV,
     TERMINAL_ENV,
 )
-from hf_scale.generators import output_paths as layout
+from hf_scale.generators import output_paths
 from hf_scale.knowledge import rules
 
 # The signals torchrun's agent may still handle itself (its default list less SIGTERM: see _supervised).
@@ -62,9 +63,9 @@ def _preamble(header: str, name: str) -> str:
         + _comment(header)
         + "set -euo pipefail\n"
         + f"""# Runs from any directory. The generated files are found relative to this script (the parent of launch/);
-# the training is `python -m {layout.TRAINING_MODULE}` (train.py of the installed hf_scale) unless TRAIN_SCRIPT
+# the training is `python -m {output_paths.TRAINING_MODULE}` (train.py of the installed hf_scale) unless TRAIN_SCRIPT
 # names another script; relative paths among your arguments are relative to the directory you start it in.
-# The training gets --hf_scale_config {layout.hf_scale_config(name)} first, then your arguments: the
+# The training gets --hf_scale_config {output_paths.hf_scale_config(name)} first, then your arguments: the
 # config's batch, precision, clipping, optimizer values and activation checkpointing reach the run through it
 # (a flag that contradicts the config is an error; change the config and regenerate instead).
 generated_dir=$(CDPATH='' cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")/.." && pwd)
@@ -90,7 +91,7 @@ def _supervised(launch: str, train_args: str) -> str:
 if [ -n "${{TRAIN_SCRIPT:-}}" ]; then
   train=("$TRAIN_SCRIPT")
 else
-  train=(--module {layout.TRAINING_MODULE})
+  train=(--module {output_paths.TRAINING_MODULE})
 fi
 
 # Stop requests: SIGTERM (preemption, `kill`) or SIGUSR1 (SLURM's --signal, `kill -USR1`) to this script
@@ -255,9 +256,9 @@ exit "$status"
 
 def _train_args(cfg: DistributedConfig, name: str, *, with_deepspeed_flag: bool) -> str:
     """What every launch script passes to the training before the user's arguments."""
-    args = f"--hf_scale_config {_generated(layout.hf_scale_config(name))} "
+    args = f"--hf_scale_config {_generated(output_paths.hf_scale_config(name))} "
     if with_deepspeed_flag and cfg.strategy == "deepspeed":
-        args += f"--deepspeed {_generated(layout.deepspeed_config(name))} "
+        args += f"--deepspeed {_generated(output_paths.deepspeed_config(name))} "
     return args
 
 
@@ -266,10 +267,10 @@ def accelerate_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     the training to checkpoint and stop; the script then exits 75 so a scheduler can requeue."""
     _check_name(name)
     topo = cfg.topology
-    body = f"launch=(accelerate launch --config_file {_generated(layout.accelerate_config(name))})\n"
+    body = f"launch=(accelerate launch --config_file {_generated(output_paths.accelerate_config(name))})\n"
     if cfg.strategy == "deepspeed":
         # The YAML names the JSON relative to the directory accelerate runs in; this script runs anywhere.
-        body += f"launch+=(--deepspeed_config_file {_generated(layout.deepspeed_config(name))})\n"
+        body += f"launch+=(--deepspeed_config_file {_generated(output_paths.deepspeed_config(name))})\n"
     if topo.num_machines > 1:
         body += (
             "# This machine's rank and the rank-0 address: set them per node (the sbatch script does).\n"
@@ -324,7 +325,7 @@ def deepspeed_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
     topo = cfg.topology
     body = "launch=(deepspeed)\n"
     if topo.num_machines > 1:
-        hosts = _generated(layout.launch_file(f"{name}.hostfile"))
+        hosts = _generated(output_paths.launch_file(f"{name}.hostfile"))
         body += f"launch+=(--hostfile {hosts} --num_nodes {topo.num_machines})\n"
     body += _env_default("master_port", "MASTER_PORT", topo.main_process_port)
     body += f'launch+=(--num_gpus {topo.processes_per_machine} --master_port "$master_port")\n'
@@ -430,7 +431,7 @@ unset MACHINE_RANK  # a value exported at submission would give every node the s
 
 # Each node runs: accelerate launch --config_file accelerate_configs/{name}.yaml \\
 #   --machine_rank $SLURM_NODEID --main_process_ip $MAIN_PROCESS_IP ... \\
-#   -m {layout.TRAINING_MODULE} --hf_scale_config {layout.hf_scale_config(name)} "$@"
+#   -m {output_paths.TRAINING_MODULE} --hf_scale_config {output_paths.hf_scale_config(name)} "$@"
 # A requeued job continues from the newest complete checkpoint (a fresh start when there is none), unless
 # train.py's flags say where to resume from, in any spelling: train.py decides, having read them.{restart_note}
 export {RESUME_DEFAULT_ENV}=auto
@@ -459,18 +460,13 @@ exit "$status"
     )
 
 
-def launchers(cfg: DistributedConfig) -> list[str]:
-    """The launchers with a one-machine script (``NAME.LAUNCHER.sh``) for the config: accelerate always, torchrun
-    except for FSDP (configured by the accelerate YAML), the deepspeed launcher for DeepSpeed."""
-    return ["accelerate"] + ["torchrun"] * (cfg.strategy != "fsdp") + ["deepspeed"] * (cfg.strategy == "deepspeed")
-
-
 _SCRIPTS = {"accelerate": accelerate_script, "torchrun": torchrun_script, "deepspeed": deepspeed_script}
 
 
 def launch_files(cfg: DistributedConfig, name: str, *, header: str) -> dict[str, str]:
     """File name (inside ``launch/``) -> text, for every launch file that applies to the config."""
-    files = {f"{name}.{launcher}.sh": _SCRIPTS[launcher](cfg, name, header=header) for launcher in launchers(cfg)}
+    files = {f"{name}.{launcher}.sh": _SCRIPTS[launcher](cfg, name, header=header)
+             for launcher in launchers(cfg.strategy)}
     if cfg.strategy == "deepspeed" and cfg.topology.num_machines > 1:
         files[f"{name}.hostfile"] = hostfile(cfg, name)
     files[f"{name}.sbatch"] = sbatch_script(cfg, name, header=header)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
-from hf_scale.generators import output_paths as layout
+from hf_scale.generators import output_paths
 from hf_scale.generators.launch import (
     _check_name,
     _comment,
@@ -107,7 +107,7 @@ unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT PET_NNODES PET_NPROC_PE
 # A restarted node continues from the newest complete checkpoint in --output_dir (a fresh start when there is
 # none), unless train.py's flags name one, in any spelling: train.py decides, having read them.{restart_note}
 export {RESUME_DEFAULT_ENV}=auto
-exec bash {_generated(layout.launch_file(f"{name}.accelerate.sh"))} {restart_loop}"$@"
+exec bash {_generated(output_paths.launch_file(f"{name}.accelerate.sh"))} {restart_loop}"$@"
 """
     return _preamble(header, name) + body
 
@@ -126,7 +126,7 @@ def ray_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
 #   bash launch/{name}.ray.sh --output_dir /shared/runs/{name} [train.py flags]
 #   ray job submit --working-dir . -- bash launch/{name}.ray.sh --output_dir /shared/runs/{name} [train.py flags]
 generated_dir=$(CDPATH='' cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")/.." && pwd)
-exec python -m hf_scale.commands.ray_train --hf_scale_config {_generated(layout.hf_scale_config(name))} \\
+exec python -m hf_scale.commands.ray_train --hf_scale_config {_generated(output_paths.hf_scale_config(name))} \\
   --max_failures {q(str(cfg.cluster.max_restarts))} "$@"
 """
     )

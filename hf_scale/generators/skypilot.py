@@ -20,7 +20,7 @@ import yaml
 
 from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.exit_codes import EXIT_PREEMPTED
-from hf_scale.generators import output_paths as layout
+from hf_scale.generators import output_paths
 from hf_scale.generators.install import REQUIREMENTS_FILE, SOURCE_ARCHIVE, pip_install
 from hf_scale.generators.kubernetes import job_name
 from hf_scale.generators.launch import _check_name
@@ -29,7 +29,7 @@ from hf_scale.generators.launch import _check_name
 def sky_task(cfg: DistributedConfig, name: str) -> dict[str, Any]:
     _check_name(name)
     cluster, sky = cfg.cluster, cfg.cluster.skypilot
-    run = shlex.join(["bash", layout.launch_file(f"{name}.node.sh"), *cluster.node_train_args(name)])
+    run = shlex.join(["bash", output_paths.launch_file(f"{name}.node.sh"), *cluster.node_train_args(name)])
     return {
         "name": job_name(name),
         "num_nodes": cfg.topology.num_machines,

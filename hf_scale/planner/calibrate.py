@@ -197,7 +197,7 @@ def calibrate(run_dir: str, hw: Hardware, *, gpus_per_machine: int, optimizer: s
     records = measured_steps(path)
     checkpoint = _newest_checkpoint(path)
     state = _state(checkpoint, path)
-    from hf_scale.planner.model_shapes import model_shapes
+    from hf_scale.knowledge.model_shapes import model_shapes
 
     config = _model_config(path, checkpoint)
     try:

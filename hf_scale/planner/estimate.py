@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-from hf_scale.planner.model_shapes import ModelShapes
+from hf_scale.knowledge.model_shapes import ModelShapes
 
 Precision = Literal["no", "fp16", "bf16"]
 OptimizerName = Literal["adamw", "adamw_8bit", "sgd"]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import yaml
 
+from hf_scale.knowledge.model_shapes import ModelShapes
 from hf_scale.planner.estimate import Candidate, Workload
 from hf_scale.planner.hardware import Hardware, architecture, hardware
-from hf_scale.planner.model_shapes import ModelShapes
 from hf_scale.planner.time_model import step_time
 
 DATA = Path(__file__).with_name("data") / "published_runs.yaml"

@@ -36,8 +36,7 @@ from hf_scale.train.data.data_arguments import DEFAULT_MAX_SEQ_LENGTH, check_max
 from hf_scale.train.data.packing import maybe_pack
 from hf_scale.train.loops import evaluation
 from hf_scale.train.loops.metrics import flops_per_token, matmul_parameters, mean_example_length
-from hf_scale.train.model import attention, context_parallel, sequence_parallel
-from hf_scale.train.model import parallelize as parallel
+from hf_scale.train.model import attention, context_parallel, parallelize, sequence_parallel
 from hf_scale.train.model.liger import check_liger
 from hf_scale.train.model.load import (
     load_model,
@@ -124,7 +123,8 @@ def build(run: Run) -> Built | None:
                                               pad_to=None if has_gpu() else data_args.max_seq_length)
     sharded = run.spec.precision if run.spec.zero_stage == 3 or run.spec.strategy == "fsdp" else None
     model = load_model(model_args, gradient_checkpointing=run.args.gradient_checkpointing,
-                       on_mesh=parallel.load_kwargs(run.spec.layout, run.spec.fsdp_settings), sharded_precision=sharded)
+                       on_mesh=parallelize.load_kwargs(run.spec.layout, run.spec.fsdp_settings),
+                       sharded_precision=sharded)
     if model_args.load_in_4bit and run.state.is_main_process:
         from hf_scale.train.model import quantization
 
@@ -155,7 +155,7 @@ def _model_and_data_choices(run: Run):
               f"{DEFAULT_MAX_SEQ_LENGTH} and the model's max_position_embeddings "
               f"{getattr(model_config, 'max_position_embeddings', None)})", file=sys.stderr)
     check_liger(run.args, zero_stage=run.spec.zero_stage)
-    problem = parallel.model_problem(run.spec.layout, model_config, "--hf_scale_config: parallelism")
+    problem = parallelize.model_problem(run.spec.layout, model_config, "--hf_scale_config: parallelism")
     if problem:  # before the model loads (a local config.json was already asked in prepare)
         raise UserError(problem)
     model_args = dataclasses.replace(model_args, attn_implementation=attention.resolve(

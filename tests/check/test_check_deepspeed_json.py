@@ -16,7 +16,7 @@ from check_cases import (
     merged,
 )
 
-from hf_scale.knowledge import library_tables as knowledge
+from hf_scale.knowledge import library_tables
 
 # id -> (yaml, json, training args, runner, extra CLI args, expected code, expected severity)
 TRIGGERS = {
@@ -115,7 +115,7 @@ def test_each_unresolvable_auto_key_is_listed(tmp_path, monkeypatch, capsys):
 def test_raw_deepspeed_runner_resolves_no_auto(tmp_path, monkeypatch, capsys):
     _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, DS_JSON, runner="deepspeed")
     keys = {f["key"] for f in payload["findings"] if f["code"] == "auto-unresolvable"}
-    assert keys == set(knowledge.auto_paths(DS_JSON))
+    assert keys == set(library_tables.auto_paths(DS_JSON))
 
 
 def test_comment_keys_are_fine_where_deepspeed_ignores_them(tmp_path, monkeypatch, capsys):

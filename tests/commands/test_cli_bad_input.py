@@ -615,7 +615,7 @@ OTHER = [
 ]
 
 # --- issue 21: devices, FIFOs and directories named as what they are; negative numbers read as values; a model
-# config.json refused by the one rule train.py shares (hf_scale.planner.model_shapes.check_dimensions) -----------
+# config.json refused by the one rule train.py shares (hf_scale.knowledge.model_shapes.check_dimensions) -----------
 
 DOCTOR_EXPECTS = "expected a DistributedConfig YAML, an accelerate YAML or a DeepSpeed JSON"
 

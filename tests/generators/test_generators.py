@@ -20,14 +20,10 @@ from accelerate_launch import launch_environment
 
 from hf_scale.config.distributed_config import DistributedConfig, load_config, validate_config
 from hf_scale.config.presets import PRESETS, get_preset
+from hf_scale.contract.deepspeed_json import DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE, deepspeed_config, deepspeed_json
 from hf_scale.errors import UserError
 from hf_scale.generators import render_files
 from hf_scale.generators.accelerate_yaml import accelerate_config, accelerate_yaml
-from hf_scale.generators.deepspeed_json import (
-    DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
-    deepspeed_config,
-    deepspeed_json,
-)
 from hf_scale.generators.launch import hostfile, launch_files
 
 # Exactly the keys transformers' HfTrainerDeepSpeedConfig fills from TrainingArguments / the model.

@@ -10,7 +10,7 @@ import pytest
 
 from hf_scale.check import findings
 from hf_scale.commands import check
-from hf_scale.knowledge import library_tables as knowledge
+from hf_scale.knowledge import library_tables
 
 
 @pytest.mark.parametrize("key", check.DS_FILE_CONFLICTING_YAML_KEYS)
@@ -51,14 +51,14 @@ def test_auto_resolution_lists_match_the_libraries_source():
     filled = set(re.findall(r'fill_(?:match|only)\(\s*"([\w.]+)"', trainer_source))
     trainer_lists = check.TRAINER_RESOLVED | check.TRAINER_RESOLVED_ZERO3_ONLY
     assert filled <= trainer_lists, filled - trainer_lists
-    assert trainer_lists - filled <= knowledge.PLUGIN_RESOLVED
+    assert trainer_lists - filled <= library_tables.PLUGIN_RESOLVED
     plugin_source = inspect.getsource(DeepSpeedPlugin.__post_init__)
     for yaml_key, path in check.YAML_TO_DS_PATH.items():
         assert f'"{yaml_key}": "{path}"' in plugin_source
     accelerate_source = inspect.getsource(Accelerator._prepare_deepspeed) + inspect.getsource(
         DeepSpeedPlugin.set_mixed_precision
     )
-    for path in check.ACCELERATE_RESOLVED - knowledge.PLUGIN_RESOLVED:
+    for path in check.ACCELERATE_RESOLVED - library_tables.PLUGIN_RESOLVED:
         assert f'"{path}"' in accelerate_source, path
     assert '"optimizer.params.betas"' not in accelerate_source
 
@@ -93,14 +93,14 @@ def test_the_fp8_keys_known_are_exactly_the_ones_accelerate_reads():
     source = _accelerate_source()
     read = set(re.findall(r'"ACCELERATE_FP8_([A-Z0-9_]+)"', source)) | set(
         re.findall(r'env_prefix \+ "([A-Z0-9_]+)"', source))
-    for name in knowledge.known_fp8_names():
+    for name in library_tables.known_fp8_names():
         variable = name.removeprefix("fp8_").upper()
         # override_linear_precision is exported as its three OVERRIDE_* flags (setup_fp8_env)
         assert variable in read or name == "fp8_override_linear_precision", name
     written = set(re.findall(r'fp8_config\["(\w+)"\]', inspect.getsource(cluster)))
-    unknown = {key for key in written if knowledge.fp8_launch_name(key) not in knowledge.known_fp8_names()}
+    unknown = {key for key in written if library_tables.fp8_launch_name(key) not in library_tables.known_fp8_names()}
     assert unknown == {"amax_history_length", "amax_compute_algorithm", "optimization_level"}
-    assert not {knowledge.fp8_launch_name(key).removeprefix("fp8_").upper() for key in unknown} & read
+    assert not {library_tables.fp8_launch_name(key).removeprefix("fp8_").upper() for key in unknown} & read
 
 
 @pytest.mark.parametrize(("name", "value", "recipe"), [
@@ -130,7 +130,7 @@ def test_fp8_values_are_refused_exactly_where_accelerates_recipe_raises(name, va
         raised = True
     else:
         raised = False
-    assert raised == (knowledge.fp8_value_problem(name, value) is not None)
+    assert raised == (library_tables.fp8_value_problem(name, value) is not None)
 
 
 @pytest.mark.parametrize("backend", ["AO", "NO", "AOO", "ao", ""])
@@ -150,7 +150,7 @@ def test_an_fp8_backend_is_refused_exactly_where_the_accelerator_raises(backend,
         raised = False
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-    assert raised == (knowledge.fp8_value_problem("fp8_backend", backend) is not None)
+    assert raised == (library_tables.fp8_value_problem("fp8_backend", backend) is not None)
 
 
 def test_the_parallelism_text_settings_are_the_ones_accelerate_reads_as_text():
@@ -164,9 +164,9 @@ def test_the_parallelism_text_settings_are_the_ones_accelerate_reads_as_text():
 
     options = {action.dest.removeprefix("parallelism_config_") for action in launch_command_parser()._actions
                if action.dest.startswith("parallelism_config_") and action.type is str}
-    assert options - {"sp_seq_length"} == set(knowledge.PARALLELISM_STRING_SETTINGS)
+    assert options - {"sp_seq_length"} == set(library_tables.PARALLELISM_STRING_SETTINGS)
     fields = {f.name for cls in (ParallelismConfig, TorchContextParallelConfig, DeepSpeedSequenceParallelConfig)
               for f in dataclasses.fields(cls)}
-    for name in knowledge.PARALLELISM_STRING_SETTINGS:
+    for name in library_tables.PARALLELISM_STRING_SETTINGS:
         assert name in fields
-        assert knowledge.parallelism_value_problem(f"parallelism_config_{name}", "no-such-thing"), name
+        assert library_tables.parallelism_value_problem(f"parallelism_config_{name}", "no-such-thing"), name

@@ -172,7 +172,7 @@ def _auto_paths(node, prefix=""):
 def test_the_generated_json_writes_auto_only_where_the_trainer_fills_it():
     """generators/deepspeed_json.py's "auto" mode and check's `auto-unresolvable` use the one table."""
     from hf_scale.config.presets import PRESETS, get_preset
-    from hf_scale.generators.deepspeed_json import deepspeed_config
+    from hf_scale.contract.deepspeed_json import deepspeed_config
 
     seen = set()
     for name in PRESETS:

@@ -7,7 +7,7 @@ import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 from transformers import LlamaConfig
 
-from hf_scale.generators.deepspeed_json import deepspeed_config
+from hf_scale.contract.deepspeed_json import deepspeed_config
 from hf_scale.planner import Workload, distributed_config, make_plan, model_shapes
 from hf_scale.planner.rank import TIE
 

@@ -34,8 +34,7 @@ from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.manual_checkpoints import CheckpointSaver
 from hf_scale.train.loops.metrics import StepMetrics, real_tokens
 from hf_scale.train.loops.optimizer import optimizer_and_scheduler
-from hf_scale.train.model import context_parallel, fsdp, sequence_parallel
-from hf_scale.train.model import parallelize as parallel
+from hf_scale.train.model import context_parallel, fsdp, parallelize, sequence_parallel
 from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.model.liger import apply_liger
 from hf_scale.train.setup import guard
@@ -86,8 +85,8 @@ def run(
     """
     ds_plugin = getattr(args, "deepspeed_plugin", None)
     # FSDP2 on CPU (from --hf_scale_config): torch's fully_shard, since accelerate cannot (see fsdp.py); a TP
-    # model comes sharded from from_pretrained (parallel.py). accelerate then prepares only loader and scheduler.
-    shard_ourselves = (spec.fsdp_settings is not None and not has_gpu()) or parallel.sharded_at_load(spec.layout)
+    # model comes sharded from from_pretrained (parallelize.py). accelerate then prepares only loader and scheduler.
+    shard_ourselves = (spec.fsdp_settings is not None and not has_gpu()) or parallelize.sharded_at_load(spec.layout)
     accelerator = _accelerator(args, spec, model, ds_plugin, shard_ourselves)
     dataloader = make_train_dataloader(
         train_dataset,
@@ -157,7 +156,7 @@ def _accelerator(args: TrainingArguments, spec: RunSpec, model, ds_plugin, shard
         project_dir=args.output_dir,
         dynamo_plugin=_dynamo_plugin(args),
         kwargs_handlers=ddp_kwargs_handlers(args),
-        parallelism_config=parallel.accelerate_parallelism_config(spec.layout, spec.cp_comm_strategy),
+        parallelism_config=parallelize.accelerate_parallelism_config(spec.layout, spec.cp_comm_strategy),
     ), spec))
 
 
@@ -204,13 +203,13 @@ def _prepare(accelerator, args, spec: RunSpec, model, dataloader, total_steps: i
         hf_ds_config.trainer_config_finalize(args, model, total_steps)
         ds_config = hf_ds_config.config
     apply_liger(model, args)  # as the Trainer does in train(): before the model is wrapped
-    if shard_ourselves and not parallel.sharded_at_load(spec.layout):
+    if shard_ourselves and not parallelize.sharded_at_load(spec.layout):
         model = fsdp.shard_on_cpu(model, spec.fsdp_settings)
     optimizer, scheduler = optimizer_and_scheduler(model, args, ds_config, total_steps)
     if shard_ourselves:
         # accelerate would wrap the sharded model in DDP (MULTI_CPU) and save the sharded optimizer state
         # of rank 0 only; both stay with torch (fsdp.save_sharded / load_sharded).
-        dataloader = parallel.prepare_data(accelerator, dataloader, spec.layout)  # split by data-parallel rank
+        dataloader = parallelize.prepare_data(accelerator, dataloader, spec.layout)  # split by data-parallel rank
         scheduler = accelerator.prepare(scheduler)
     else:
         model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
@@ -342,7 +341,7 @@ class _Loop:
             loss_sum += self._forward_backward(batch, global_targets, last=i == len(window) - 1)
         # DeepSpeed clips inside its step and reports the norm; otherwise clip here (inf = only measure).
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
-        grad_norm = (parallel.clip_grad_norm(self.model, max_norm) if parallel.sharded_at_load(self.spec.layout)
+        grad_norm = (parallelize.clip_grad_norm(self.model, max_norm) if parallelize.sharded_at_load(self.spec.layout)
                      else accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
         self.optimizer.step()
         self.scheduler.step()

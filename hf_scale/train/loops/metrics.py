@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_scale.train.data.packing import REAL_TOKENS
-from hf_scale.train.loops import torch_profiler as profile
+from hf_scale.train.loops import torch_profiler
 from hf_scale.train.model.partitioned import full_numel
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity), by substring of torch.cuda.get_device_name().
@@ -138,7 +138,7 @@ class StepMetrics:
         self.eval_history: list[dict] = []
         self._file = None
         self._bar = None
-        self._profiler = profile.from_env(is_main)  # HF_SCALE_PROFILE=DIR: a few steps under torch.profiler
+        self._profiler = torch_profiler.from_env(is_main)  # HF_SCALE_PROFILE=DIR: a few steps under torch.profiler
         self._start = time.perf_counter()
         self._last = self._start
         self._last_cpu = time.process_time()

@@ -24,8 +24,7 @@ from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
-from hf_scale.train.model import context_parallel, fsdp, sequence_parallel
-from hf_scale.train.model import parallelize as parallel
+from hf_scale.train.model import context_parallel, fsdp, parallelize, sequence_parallel
 from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.setup import guard
 from hf_scale.train.setup.distributed import has_gpu
@@ -39,7 +38,7 @@ class HfScaleTrainer(Trainer):
     def __init__(self, *args, spec: RunSpec, **kwargs):
         self.spec = spec  # before the Trainer builds its Accelerator (_build_accelerator_args reads it)
         """The run's facts (train/setup/run_spec.py): its checkpoints' hf_scale_state.json is written from them."""
-        with _checkpoints_allowed_on_a_mesh(kwargs["args"], parallel.sharded_at_load(spec.layout)):
+        with _checkpoints_allowed_on_a_mesh(kwargs["args"], parallelize.sharded_at_load(spec.layout)):
             super().__init__(*args, **kwargs)
         if spec.layout.sp > 1:
             self.loss_is_scaled_for_ga = True  # compute_loss divides by the window's targets (below)
@@ -60,10 +59,10 @@ class HfScaleTrainer(Trainer):
         args = with_fp8(super()._build_accelerator_args(**kwargs), self.spec)
         # SP or CP; under CP the Trainer shards each batch itself (_prepare_context_parallel_inputs) and scales the
         # loss by num_processes // tp (model/context_parallel.py has the rule).
-        config = parallel.accelerate_parallelism_config(self.spec.layout, self.spec.cp_comm_strategy)
+        config = parallelize.accelerate_parallelism_config(self.spec.layout, self.spec.cp_comm_strategy)
         if config is not None:
             args["parallelism_config"] = config
-        if parallel.sharded_at_load(self.spec.layout) and not has_gpu():
+        if parallelize.sharded_at_load(self.spec.layout) and not has_gpu():
             # The Trainer hands accelerate a ParallelismConfig for a model built on a TP mesh; accelerate 1.15
             # refuses one on DistributedType.MULTI_CPU. The mesh it would build is set after (create_accelerator_...).
             args.pop("parallelism_config", None)
@@ -103,11 +102,11 @@ class HfScaleTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        if parallel.sharded_at_load(self.spec.layout) and self.accelerator.torch_device_mesh is None:
+        if parallelize.sharded_at_load(self.spec.layout) and self.accelerator.torch_device_mesh is None:
             # Without GPUs (above): accelerate's own mesh for these sizes, which is all its data loader reads to
             # give the ranks of one TP group the same batches (data_loader.py: process_index // tp). The Trainer
             # prepares the model without it (`is_distributed_loading_by_transformers`: autocast only, no DDP).
-            self.accelerator.state.device_mesh = parallel.accelerate_mesh(self.spec.layout, self.accelerator.device)
+            self.accelerator.state.device_mesh = parallelize.accelerate_mesh(self.spec.layout, self.accelerator.device)
         if self.is_deepspeed_enabled:
             # The Trainer accumulates itself and hands accelerate num_steps=1; with DeepSpeed accelerate's prepare
             # then warns "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config
@@ -226,7 +225,7 @@ class HfScaleTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # Built on a TP mesh, a checkpoint's weights are in its DCP shards (_save_optimizer_and_scheduler): the
         # Trainer's save_model would gather the whole model onto rank 0 at every save as well.
-        mesh_checkpoint = parallel.sharded_at_load(self.spec.layout) and not self.args.save_only_model
+        mesh_checkpoint = parallelize.sharded_at_load(self.spec.layout) and not self.args.save_only_model
         if _internal_call and (mesh_checkpoint or (self.spec.final_save_is_checkpoint and not self.args.save_only_model
                                                    and not getattr(self.model, "peft_config", None))):
             # ZeRO-3 without gathering: transformers' save_model (inside _save_checkpoint) writes the config and
@@ -270,7 +269,7 @@ class HfScaleTrainer(Trainer):
         return final
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        if not parallel.sharded_at_load(self.spec.layout):
+        if not parallelize.sharded_at_load(self.spec.layout):
             return super()._save_optimizer_and_scheduler(output_dir)
         # Built on a TP mesh: the Trainer has no writer for this optimizer state. The manual loop's DCP shards
         # (model and optimizer: every rank its own, resharded on load), and the scheduler as the Trainer saves it.
@@ -279,7 +278,7 @@ class HfScaleTrainer(Trainer):
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
 
     def _load_best_model(self):
-        if not parallel.sharded_at_load(self.spec.layout):
+        if not parallelize.sharded_at_load(self.spec.layout):
             return super()._load_best_model()
         # --load_best_model_at_end: the Trainer would read the best checkpoint's safetensors into the DTensors.
         with checkpoint.load_errors_reported(Path(self.state.best_model_checkpoint)):
@@ -287,7 +286,7 @@ class HfScaleTrainer(Trainer):
 
     # A checkpoint that verified but does not load is one line, not a traceback (private hooks, transformers 5).
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if parallel.sharded_at_load(self.spec.layout):
+        if parallelize.sharded_at_load(self.spec.layout):
             return  # the DCP shards hold the weights too; loaded with the optimizer (below), once it exists
         with checkpoint.load_errors_reported(Path(resume_from_checkpoint)):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -295,7 +294,7 @@ class HfScaleTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
         # Called after every kind of load (DeepSpeed's engine loads its states before): the schedule is this run's.
         with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
-            if checkpoint_dir is not None and parallel.sharded_at_load(self.spec.layout):
+            if checkpoint_dir is not None and parallelize.sharded_at_load(self.spec.layout):
                 fsdp.load_sharded(self.model, self.optimizer, Path(checkpoint_dir) / checkpoint_layout.DCP_DIR)
                 self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint_dir) / SCHEDULER_NAME, weights_only=True))
             else:

@@ -2,7 +2,7 @@
 
 With GPUs, accelerate does the sharding: :func:`accelerate_plugin` turns the config's `fsdp` section into
 accelerate's `FullyShardedDataParallelPlugin` with the fields the generated accelerate YAML gives `accelerate
-launch` (hf_scale.generators.accelerate_yaml.fsdp_plugin_fields), so fsdp.version 1 runs FSDP1 as it does there.
+launch` (hf_scale.contract.accelerate_fsdp.fsdp_plugin_fields), so fsdp.version 1 runs FSDP1 as it does there.
 Without GPUs accelerate cannot run FSDP at all (it ignores the plugin and trains unsharded), while torch's own
 `fully_shard` runs over gloo; so on CPU :func:`shard_on_cpu` applies FSDP2 directly with the same choices (each
 decoder layer, then the root). That keeps FSDP2 testable on CPU-only machines and CI; FSDP1 has no such path,
@@ -25,7 +25,7 @@ def plugin_fields(model, settings: dict) -> dict:
     """accelerate's FSDP plugin fields for the config's `fsdp` section: the ones the generated accelerate YAML gives
     `accelerate launch` (fsdp_version 1 or 2 with its sharding), with the layer classes resolved for `model`."""
     from hf_scale.config.distributed_config import FSDPSettings
-    from hf_scale.generators.accelerate_yaml import fsdp_plugin_fields
+    from hf_scale.contract.accelerate_fsdp import fsdp_plugin_fields
 
     fields = fsdp_plugin_fields(FSDPSettings(**settings))
     return {**fields, "transformer_cls_names_to_wrap": layer_classes(model, settings)}

@@ -38,8 +38,8 @@ def resolve_model_path(model_args: ModelArguments) -> str:
 
 def load_pretrained_config(model_path: str, trust_remote_code: bool):
     """The model's config; one line for a config.json that is missing, unreadable, or holds values the model
-    cannot be built from (the planner's rule, hf_scale.planner.model_shapes, then transformers' own checks)."""
-    from hf_scale.planner.model_shapes import CONFIG_ERRORS, check_dimensions
+    cannot be built from (the planner's rule, hf_scale.knowledge.model_shapes, then transformers' own checks)."""
+    from hf_scale.knowledge.model_shapes import CONFIG_ERRORS, check_dimensions
 
     where = f"--model_name_or_path={model_path}"
     values = _config_values(model_path, where)
@@ -77,7 +77,7 @@ def _check_known_names(values: dict, where: str) -> None:
 
 
 def _config_values(model_path: str, where: str) -> dict:
-    """config.json as a dict: a local one read strictly and checked (hf_scale.planner.model_shapes.read_config_json),
+    """config.json as a dict: a local one read strictly and checked (hf_scale.knowledge.model_shapes.read_config_json),
     a Hub model's through transformers."""
     path = Path(model_path)
     if path.exists() and not path.is_dir():
@@ -87,7 +87,7 @@ def _config_values(model_path: str, where: str) -> dict:
         raise UserError(f"{where}: local directory without a valid config.json (it has none); pass a local model "
                         "directory or a reachable Hub id")
     if path.is_dir():
-        from hf_scale.planner.model_shapes import read_config_json
+        from hf_scale.knowledge.model_shapes import read_config_json
 
         return read_config_json(path / "config.json", where)
     try:

@@ -68,7 +68,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
     """The launch request completed by the config and the flag values it fills (``ns`` is only read; ``given``:
     the flags typed)."""
     from hf_scale.config.distributed_config import load_config
-    from hf_scale.generators.deepspeed_json import deepspeed_config
+    from hf_scale.contract.deepspeed_json import deepspeed_config
 
     cfg = load_config(path)
     where = f"--hf_scale_config={path}"
@@ -94,7 +94,7 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
         os.environ["ACCELERATE_USE_FSDP"] = "false"
         request = dataclasses.replace(request, fsdp_settings=cfg.fsdp.model_dump())
     if not launcher_chose_engine and wanted == "fsdp":
-        # With tp > 1 transformers applies FSDP2 itself while it builds the model on the mesh (model/parallel.py),
+        # With tp > 1 transformers applies FSDP2 itself while it builds the model on the mesh (model/parallelize.py),
         # for the Trainer as for the manual loop; without, only the manual loop shards with torch's fully_shard.
         if ns.loop != "accelerate" and cfg.layout.tp <= 1 and cfg.layout.ep <= 1:
             raise UserError(
@@ -145,9 +145,9 @@ def apply_hf_scale_config(path: str, request: LaunchRequest, ns, given: Set[str]
 def _refuse_layout(layout: parallelism.Layout, ns, where: str, *, gpu_present: bool) -> None:
     """What the flags and the model cannot run with the layout first (on any machine), then what this machine cannot
     run (its versions; cp without a GPU)."""
-    from hf_scale.train.model import parallelize as parallel
+    from hf_scale.train.model import parallelize
 
-    refusal = parallel.flag_refusal(layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
+    refusal = parallelize.flag_refusal(layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
                                     lora_r=ns.lora_r, where=where)
     if refusal:
         raise UserError(refusal)
@@ -165,13 +165,13 @@ def apply_launched_layout(request: LaunchRequest, ns, environ: Mapping[str, str]
     """`accelerate launch` with a TP/CP/SP parallelism_config and no --hf_scale_config (a peer project's YAML, e.g.
     TRL's context_parallel_2gpu.yaml): the YAML says all train.py takes from a config for the layout. The sizes,
     cp_comm_strategy (already in ``request``) and, for FSDP under TP, the plugin settings accelerate exported from
-    its fsdp_config (generators.accelerate_yaml.fsdp_settings_from_launch: the generator's own table, read back) are
+    its fsdp_config (contract.accelerate_fsdp.fsdp_settings_from_launch: the generator's own table, read back) are
     judged by the rules --hf_scale_config's layout is, and complete the request as it would."""
     _refuse_layout(request.layout, ns, LAUNCHED_LAYOUT, gpu_present=gpu_present)
     if request.strategy == "fsdp" and request.layout.tp > 1:
         # As apply_hf_scale_config: transformers shards the model at load (detect_launch turned accelerate's plugin
         # off), with the YAML's fsdp settings.
-        from hf_scale.generators.accelerate_yaml import fsdp_settings_from_launch
+        from hf_scale.contract.accelerate_fsdp import fsdp_settings_from_launch
 
         request = dataclasses.replace(request, fsdp_settings=fsdp_settings_from_launch(dict(environ)).model_dump())
     default_comm = parallelism.ParallelismSettings.model_fields["cp_comm_strategy"].default
@@ -181,7 +181,7 @@ def apply_launched_layout(request: LaunchRequest, ns, environ: Mapping[str, str]
 def _refuse_layout_for_local_model(layout, ns, where: str) -> None:
     """Heads tp/sp cannot split, attention cp cannot compute: asked here, before the process group, when the model's
     config.json is on this machine (a Hub model's is asked once build() has read it)."""
-    from hf_scale.train.model import parallelize as parallel
+    from hf_scale.train.model import parallelize
     from hf_scale.train.model.load import load_pretrained_config, resolve_model_path
 
     if layout.model_parallel_size == 1 and layout.ep == 1:
@@ -189,17 +189,17 @@ def _refuse_layout_for_local_model(layout, ns, where: str) -> None:
     path = resolve_model_path(ns)
     if not (Path(path) / "config.json").is_file():
         return
-    problem = parallel.model_problem(layout, load_pretrained_config(path, ns.trust_remote_code), where)
+    problem = parallelize.model_problem(layout, load_pretrained_config(path, ns.trust_remote_code), where)
     if problem:
         raise UserError(problem)
 
 
 def _how_to_launch(cfg, path: str) -> str:
     """For `python train.py` (one process, no launcher): the generated scripts that start the config's processes."""
-    from hf_scale.generators.launch import launchers
+    from hf_scale.contract.launch_values import launchers
 
     name = Path(path).stem
-    scripts = " or ".join(f"launch/{name}.{launcher}.sh" for launcher in launchers(cfg))
+    scripts = " or ".join(f"launch/{name}.{launcher}.sh" for launcher in launchers(cfg.strategy))
     machines = cfg.topology.num_machines
     return (f"; plain python starts one process: start its {cfg.world_size} processes with {scripts}"
             + (f" on each of the {machines} machines" if machines > 1 else "")

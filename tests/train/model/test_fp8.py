@@ -11,9 +11,9 @@ import torch
 import yaml
 
 from hf_scale.config.distributed_config import config_warnings, validate_config
+from hf_scale.contract.deepspeed_json import deepspeed_config
 from hf_scale.errors import UserError
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
-from hf_scale.generators.deepspeed_json import deepspeed_config
 from hf_scale.knowledge import precision_rules
 from hf_scale.train.model import fp8
 

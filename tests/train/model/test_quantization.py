@@ -190,7 +190,7 @@ def test_fsdp2_manual_loop_equals_one_process(one_process, tmp_path):
 def _zero3_json(tmp_path):
     """The zero3 preset's DeepSpeed JSON for one process (as `hf-scale generate` writes it)."""
     from hf_scale.config.distributed_config import validate_config
-    from hf_scale.generators.deepspeed_json import deepspeed_config
+    from hf_scale.contract.deepspeed_json import deepspeed_config
 
     cfg = validate_config({"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}, "precision": "bf16",
                            "batch": {"micro_batch_size": 8, "gradient_accumulation_steps": 1}})

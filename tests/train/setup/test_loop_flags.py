@@ -26,7 +26,7 @@ NOT_ON_THE_PATH = {
     # They compare the flags with the launcher's configs and fill them; they apply no flag themselves.
     "hf_scale.train.setup.reconcile": "", "hf_scale.contract.launch_values": "",
     "hf_scale.train.setup.inline_deepspeed": "", "hf_scale.knowledge.deepspeed_overrides": "",
-    "hf_scale.config.distributed_config": "", "hf_scale.generators.deepspeed_json": "",
+    "hf_scale.config.distributed_config": "", "hf_scale.contract.deepspeed_json": "",
     "hf_scale.train.setup.flag_values": "checks each flag's range (both loops); applies none",
 }
 RECEIVERS = {"args", "ns", "parsed"}

@@ -109,7 +109,8 @@ def test_the_fsdp_settings_read_back_are_the_ones_the_generator_wrote(tmp_path):
     import yaml
 
     from hf_scale.config.distributed_config import DistributedConfig
-    from hf_scale.generators.accelerate_yaml import accelerate_config, fsdp_settings_from_launch
+    from hf_scale.contract.accelerate_fsdp import fsdp_settings_from_launch
+    from hf_scale.generators.accelerate_yaml import accelerate_config
 
     for fsdp in ({}, {"sharding": "shard_grad_op", "offload_params": True, "state_dict_type": "full",
                       "cpu_ram_efficient_loading": False, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},

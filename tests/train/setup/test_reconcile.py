@@ -187,7 +187,7 @@ def test_a_resolved_deepspeed_json_agrees_with_the_flags_or_is_refused_in_one_li
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
 
     from hf_scale.config.distributed_config import validate_config
-    from hf_scale.generators.deepspeed_json import deepspeed_config
+    from hf_scale.contract.deepspeed_json import deepspeed_config
     from hf_scale.train.setup.reconcile import follow_launcher_config
 
     config = {**CONFIG, "strategy": "deepspeed", "deepspeed": {"zero_stage": 2, "torch_adam": True},
