@@ -6,7 +6,7 @@ file + the manifest) and verified (`checkpoint.verify`), in one process, `--reps
 alone are timed on the same bytes in memory. The files are read back from the page cache (they were just
 written): on a real cluster a save reads them back the same way, while a resume reads from disk, where the
 disk's read bandwidth is the bound whatever the hash. Each rank hashes its own share of a checkpoint in
-parallel (hf_scale/train/checkpoint/integrity.py), so the per-rank cost is what this measures for `--size-mb`.
+parallel (hf_scale/contract/checkpoint_integrity.py), so the per-rank cost is what this measures for `--size-mb`.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def token_lengths(model_dir: Path, data_file: Path, max_seq_length: int) -> list
     """Tokenised lengths exactly as train.py sees them (same tokenizer, format detection and truncation)."""
     from transformers import AutoTokenizer
 
-    from hf_scale.train.data.data_arguments import DataArguments
+    from hf_scale.contract.data_arguments import DataArguments
     from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -24,7 +24,7 @@ from pathlib import Path
 def _tokenized(ns: argparse.Namespace):
     from transformers import AutoTokenizer
 
-    from hf_scale.train.data.data_arguments import DataArguments
+    from hf_scale.contract.data_arguments import DataArguments
     from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(ns.model)

@@ -99,8 +99,8 @@ def training_flags(args: argparse.Namespace) -> list[str]:
 def _load_data(model_dir: str, data_file: str, max_seq_length: int):
     from transformers import AutoTokenizer
 
+    from hf_scale.contract.data_arguments import DataArguments
     from hf_scale.train.data.batches import make_collator
-    from hf_scale.train.data.data_arguments import DataArguments
     from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

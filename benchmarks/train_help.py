@@ -5,7 +5,7 @@ wall time is kept. The variants:
 
 - `python`: `python -c pass`, the floor any command pays;
 - `import_torch`: `python -c "import torch"`, what any command that loads the training stack pays at least;
-- `help`: `python train.py --help` (rendered from the parser's snapshot, hf_scale.train.setup.help_snapshot);
+- `help`: `python train.py --help` (rendered from the parser's snapshot, hf_scale.contract.help_snapshot);
 - `help_live_parser`: the same help from the live parser (`build_parser().print_help()`), which imports
   transformers' TrainingArguments: what `train.py --help` cost before the snapshot.
 

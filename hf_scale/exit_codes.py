@@ -42,5 +42,5 @@ through the scripts' filter (a pipe), and train.py draws progress bars only on a
 RESUME_DEFAULT_ENV = "HF_SCALE_RESUME"
 """Set to ``auto`` by the generated cluster scripts (the sbatch, the node script): a restarted job continues from the
 newest intact checkpoint, unless train.py's own flags (in any spelling, or its recipe) say where to resume from.
-train.py decides it after parsing its flags (hf_scale.train.setup.parser.resume_default): a script appending
+train.py decides it after parsing its flags (hf_scale.contract.parser.resume_default): a script appending
 ``--resume_from_checkpoint auto`` would replace an explicit ``--resume-from-checkpoint X`` (the last flag wins)."""

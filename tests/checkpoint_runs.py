@@ -14,7 +14,7 @@ from pathlib import Path
 
 from train_helpers import generate_config, launcher_command, read_metrics, run_ok
 
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_layout
 
 STEPS = 4
 COMMON = ["--max_steps", str(STEPS), "--save_steps", "2", "--learning_rate", "1e-3", "--seed", "11",

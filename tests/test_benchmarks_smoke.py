@@ -291,7 +291,7 @@ def test_gpu_fsdp_final_save_check_is_ready_for_a_gpu(tmp_path):
     its train.py flags parse, and without a GPU it records "not run" in one line."""
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from hf_scale.train.setup.parser import build_parser
+    from hf_scale.contract.parser import build_parser
 
     work = tmp_path / "work"
     result = _bench("gpu_fsdp_final_save.py", "--workdir", str(work), "--dry-run", timeout=300)
@@ -366,7 +366,7 @@ def test_the_gpu_session_plans_every_check_of_the_gpu_issue_with_arguments_its_s
     finally:
         sys.path.remove(str(BENCH))
     from hf_scale.config.presets import PRESETS
-    from hf_scale.train.setup.parser import build_parser
+    from hf_scale.contract.parser import build_parser
 
     plan = _session_plan()
     assert list(plan) == ["install", "doctor", "throughput", "memory", "saves", "precision", "fsdp_save"]

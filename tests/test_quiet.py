@@ -1,5 +1,5 @@
 """Quiet by default (hf_scale.quiet), fast help (hf_scale.commands.cli imports only the command being run), and
-train.py's grouped --help (hf_scale.train.setup.help). In-process, except the one fresh interpreter that proves
+train.py's grouped --help (hf_scale.contract.flag_help). In-process, except the one fresh interpreter that proves
 what `--help` imports."""
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from transformers import TrainingArguments
 
 from hf_scale import quiet
 from hf_scale.commands.cli import COMMANDS, main
-from hf_scale.train.data.data_arguments import DataArguments
-from hf_scale.train.data.sources import SourceArguments
-from hf_scale.train.model.model_arguments import ModelArguments
-from hf_scale.train.setup import help as train_help
-from hf_scale.train.setup.args import ScaleArguments
-from hf_scale.train.setup.parser import build_parser
+from hf_scale.contract import flag_help as train_help
+from hf_scale.contract.data_arguments import DataArguments, SourceArguments
+from hf_scale.contract.model_arguments import ModelArguments
+from hf_scale.contract.parser import build_parser
+from hf_scale.contract.scale_arguments import ScaleArguments
 
 HEAVY = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "matplotlib")
 

@@ -161,7 +161,7 @@ def _accelerate_split(facts: Facts, references: list[Reference]) -> Facts:
 
 def measured_save_seconds(checkpoint_dir: Path) -> float:
     """How long saving `checkpoint_dir` took: from its oldest file to its manifest (written last, hf_scale's)."""
-    from hf_scale.train.checkpoint.layout import MANIFEST
+    from hf_scale.contract.checkpoint_layout import MANIFEST
 
     files = [f for f in checkpoint_dir.rglob("*") if f.is_file()]
     manifest = checkpoint_dir / MANIFEST

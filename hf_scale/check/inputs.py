@@ -65,7 +65,7 @@ class CheckInputs:
     """Why accelerate's launch code refuses the YAML (a value it cannot use), if it does."""
     inline_deepspeed: dict[str, Any] | None = None
     """For a DeepSpeed YAML without ``deepspeed_config_file``: the DeepSpeed config accelerate's
-    DeepSpeedPlugin builds from it, exactly as train.py builds it (hf_scale.train.setup.inline_deepspeed)."""
+    DeepSpeedPlugin builds from it, exactly as train.py builds it (hf_scale.contract.inline_deepspeed)."""
 
 
 def world_size_of(inp: CheckInputs) -> int | None:
@@ -151,7 +151,7 @@ def training_source(inp: CheckInputs, name: str) -> Source | None:
 def only_a_default_flag_differs(inp: CheckInputs, sources: list[Source], flags: tuple[str, ...]) -> bool:
     """The values written in the DeepSpeed settings (a JSON, or an inline DeepSpeed YAML) agree, and only a
     training flag left at its default differs: train.py then takes the file's value (hf_scale.contract.launch_values,
-    hf_scale.train.setup.inline_deepspeed), a plain HF Trainer script stops."""
+    hf_scale.contract.inline_deepspeed), a plain HF Trainer script stops."""
     written = [s for s in sources if s.file != TRAINING_ARGS]
     defaults = [s for s in sources if s.file == TRAINING_ARGS]
     return (
@@ -296,7 +296,7 @@ def _accelerate_launch_env(yaml_path: Path, raw: dict[str, Any]) -> tuple[dict[s
 
 def _inline_deepspeed(env: dict[str, str] | None, yaml_file: str) -> dict[str, Any] | None:
     """The DeepSpeed config train.py builds for a YAML with inline `deepspeed_config` (the same function)."""
-    from hf_scale.train.setup import inline_deepspeed
+    from hf_scale.contract import inline_deepspeed
 
     if env is None or not inline_deepspeed.is_inline(env):
         return None

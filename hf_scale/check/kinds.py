@@ -55,12 +55,12 @@ def deepspeed_top_level_keys() -> frozenset[str]:
 @functools.cache
 def train_flag_names() -> frozenset[str]:
     """The keys a train.py recipe may hold: every flag's name (argparse's dest) in train.py's parser, read from the
-    snapshot its --help is rendered from (hf_scale.train.setup.help_snapshot, kept equal to the live parser by its
+    snapshot its --help is rendered from (hf_scale.contract.help_snapshot, kept equal to the live parser by its
     test; building the live parser would load transformers), and the recipe's `env:` mapping."""
     import json
 
-    from hf_scale.train.setup.help_snapshot import HELP_FLAGS, SNAPSHOT
-    from hf_scale.train.setup.recipe import CONFIG_FLAG, ENV_KEY
+    from hf_scale.contract.help_snapshot import HELP_FLAGS, SNAPSHOT
+    from hf_scale.contract.recipe import CONFIG_FLAG, ENV_KEY
 
     actions = json.loads(SNAPSHOT.read_text())["actions"]
     names = {a["dest"] for a in actions if isinstance(a, dict) and not set(a["option_strings"]) & set(HELP_FLAGS)}

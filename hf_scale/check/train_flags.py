@@ -4,7 +4,7 @@ later or elsewhere: `hf-scale check -- ARGS`, the command of a manifest (`check 
 found
 before a job queues, not on the cluster.
 
-The reading is train.py's own: its parser (hf_scale.train.setup.parser.build_parser: every TrainingArguments flag
+The reading is train.py's own: its parser (hf_scale.contract.parser.build_parser: every TrainingArguments flag
 plus train.py's model/data/hf_scale flags, no abbreviations, an unknown flag refused, the last of a repeated flag
 wins), a recipe file expanded before the flags, the value ranges train.py checks first (flag_values), and a
 DistributedConfig's fills and contradictions by the function train.py applies (reconcile.fill_flags_from_config).
@@ -42,8 +42,8 @@ def parse_train_flags(argv: Sequence[str], *, read_recipe: bool = True) -> Train
     (an unknown flag, an abbreviation, a value of the wrong type or out of range). ``read_recipe=False``: a recipe
     file the arguments name is left unread (it lives where the job runs, e.g. in the image); its flags are then
     train.py's to check at start."""
-    from hf_scale.train.setup import flag_values
-    from hf_scale.train.setup.parser import parse_flags
+    from hf_scale.contract import flag_values
+    from hf_scale.contract.parser import parse_flags
 
     with _environment_kept():  # a recipe's `env:` is for the training processes, not for this process
         namespace, given, _ = parse_flags(list(argv), read_recipe=read_recipe)

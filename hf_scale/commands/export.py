@@ -34,7 +34,7 @@ from hf_scale.knowledge import rules
 from hf_scale.knowledge.model_shapes import CONFIG_ERRORS, read_config_json
 
 if TYPE_CHECKING:
-    from hf_scale.train.checkpoint.layout import Layout
+    from hf_scale.contract.checkpoint_layout import Layout
 
 DTYPES = rules.DTYPE_CHOICES
 LORA_MODES = ("adapter", "merged")
@@ -131,7 +131,7 @@ def run_export(args) -> int:
             progress=quiet.draw_progress_bars(verbose),
         )
     if target is not None:
-        from hf_scale.train.checkpoint.layout import TRAINING_STATE_GLOBS
+        from hf_scale.contract.checkpoint_layout import TRAINING_STATE_GLOBS
 
         hub.push_folder(out_dir, target, "--push-to-hub", message=f"hf-scale export of {args.checkpoint_dir}",
                         ignore=TRAINING_STATE_GLOBS)
@@ -149,7 +149,7 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
     `verify`, only a checkpoint whose content verifies (`checkpoint.verify`, as a resume) is read. `lora_flag`: the
     flag that asked for `lora` as the user typed it (`--merge`), for the errors; default `--lora LORA`. `progress`:
     draw the bar of the tensors read (the command: on a terminal or with --verbose, hf_scale.quiet)."""
-    from hf_scale.train.checkpoint.layout import ADAPTER_CONFIG
+    from hf_scale.contract.checkpoint_layout import ADAPTER_CONFIG
 
     _validate_shard_size(max_shard_size)
     if out_dir.exists() and not out_dir.is_dir():
@@ -220,32 +220,33 @@ def _checkpoint_of(path: Path, verify: bool) -> tuple[Layout, bool]:
     folders) its newest checkpoint of verified content (`checkpoint.newest_verified`, what
     `--resume_from_checkpoint auto` takes; without `verify` its newest complete one), said in one line on stderr.
     Everything else is refused in one line saying what `path` is, or which file of it does not verify."""
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
 
     chosen = False
     with _reading(path):
-        found = layout.detect_layout(path)
-        if found.kind == layout.RUN_DIR:
+        found = checkpoint_layout.detect_layout(path)
+        if found.kind == checkpoint_layout.RUN_DIR:
             newest, skipped = _newest_of_run(path, found, verify)
             if newest is None:
                 _refuse(found, verify, skipped)
             what = "verified" if verify else "complete"
             _log(f"{path} is a training output directory: exporting its newest {what} checkpoint, {newest.name}"
                  + (f" ({', '.join(skipped)})" if skipped else ""))
-            found, chosen = layout.detect_layout(newest), True
-    if found.kind == layout.CHECKPOINT:
+            found, chosen = checkpoint_layout.detect_layout(newest), True
+    if found.kind == checkpoint_layout.CHECKPOINT:
         return found, chosen and verify
     _refuse(found, verify)
 
 
 def _newest_of_run(path: Path, found: Layout, verify: bool) -> tuple[Path | None, list[str]]:
     """The checkpoint of run directory `path` to export, and the newer ones passed over ("NAME: why")."""
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
     from hf_scale.train.checkpoint import store as checkpoint
 
     if not verify:
         newest = found.newest
-        newer = [p for p in found.checkpoints if newest and layout.step_of(p) > layout.step_of(newest)]
+        newer = [p for p in found.checkpoints
+                 if newest and checkpoint_layout.step_of(p) > checkpoint_layout.step_of(newest)]
         return newest, [f"{p.name} incomplete" for p in newer]
     started = time.perf_counter()
     newest, skipped = checkpoint.newest_verified(path)
@@ -270,17 +271,17 @@ def _verified(path: Path) -> None:
 
 def _log_verified(path: Path, started: float) -> None:
     """One progress line for a checkpoint whose content verified: how much was read and how long it took."""
-    from hf_scale.train.checkpoint.layout import MANIFEST
+    from hf_scale.contract.checkpoint_layout import MANIFEST
 
     _log(f"verified {path.name} against its {MANIFEST} ({_size_of(path)}, {time.perf_counter() - started:.1f} s)")
 
 
 def _sibling_note(path: Path) -> str:
     """The newest checkpoint of verified content beside checkpoint `path`, for a refusal."""
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
     from hf_scale.train.checkpoint import store as checkpoint
 
-    if layout.step_of(path) is None:
+    if checkpoint_layout.step_of(path) is None:
         return "export a complete OUTPUT_DIR/checkpoint-STEP"
     newest, _ = checkpoint.newest_verified(path.parent)
     if newest is None:
@@ -289,9 +290,9 @@ def _sibling_note(path: Path) -> str:
 
 
 def _size_of(path: Path) -> str:
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
 
-    entries, _ = layout.read_manifest(path)
+    entries, _ = checkpoint_layout.read_manifest(path)
     size = sum(e["size"] for e in (entries or {}).values())
     return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
 
@@ -299,30 +300,30 @@ def _size_of(path: Path) -> str:
 def _refuse(found: Layout, verify: bool, skipped: list[str] = ()) -> NoReturn:
     """Why the directory `detect_layout` described cannot be exported, in one line (`skipped`: a run directory's
     checkpoints, "NAME: why not", when none verifies)."""
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
 
     path = found.path
-    if found.kind == layout.UNKNOWN and found.problem in ("not a directory", "no such directory"):
+    if found.kind == checkpoint_layout.UNKNOWN and found.problem in ("not a directory", "no such directory"):
         raise UserError(f"CHECKPOINT_DIR {path}: {'is not a directory' if path.exists() else 'no such directory'}")
-    if found.kind == layout.HF_MODEL:
+    if found.kind == checkpoint_layout.HF_MODEL:
         raise UserError(f"CHECKPOINT_DIR {path}: a saved Hugging Face model, not a checkpoint: from_pretrained "
                         "loads it as it is (export takes an OUTPUT_DIR/checkpoint-STEP)")
     note = " (its final model is already in it: from_pretrained loads that directory)" if found.final_model else ""
-    if found.kind == layout.RUN_DIR and verify:  # without a checkpoint of verified content
+    if found.kind == checkpoint_layout.RUN_DIR and verify:  # without a checkpoint of verified content
         raise UserError(f"CHECKPOINT_DIR {path}: a training output directory without a checkpoint of verified "
                         f"content ({'; '.join(skipped)}){note}")
-    if found.kind == layout.RUN_DIR:  # without a complete checkpoint
+    if found.kind == checkpoint_layout.RUN_DIR:  # without a complete checkpoint
         names = ", ".join(p.name for p in found.checkpoints)
         verb = "is" if len(found.checkpoints) == 1 else "are"
         raise UserError(f"CHECKPOINT_DIR {path}: a training output directory without a complete checkpoint ({names} "
-                        f"{verb} incomplete: no valid {layout.MANIFEST}){note}")
+                        f"{verb} incomplete: no valid {checkpoint_layout.MANIFEST}){note}")
     # An incomplete checkpoint, or a directory that is none of the above.
-    if verify and found.kind == layout.INCOMPLETE:
+    if verify and found.kind == checkpoint_layout.INCOMPLETE:
         sibling = _sibling_note(path)
     else:
         sibling = (f"the newest complete one beside it is {found.newest}" if found.newest
                    else "export a complete OUTPUT_DIR/checkpoint-STEP")
-    why = found.problem if found.kind == layout.INCOMPLETE else f"no valid {layout.MANIFEST}"
+    why = found.problem if found.kind == checkpoint_layout.INCOMPLETE else f"no valid {checkpoint_layout.MANIFEST}"
     raise UserError(f"CHECKPOINT_DIR {path}: incomplete or corrupt checkpoint ({why}); {sibling}")
 
 

@@ -1,6 +1,6 @@
 """train.py's entry point: what must happen before the training libraries load, then hf_scale.train.main.
 
-`--help` is answered from the parser's snapshot (hf_scale.train.setup.help_snapshot) before anything heavy is
+`--help` is answered from the parser's snapshot (hf_scale.contract.help_snapshot) before anything heavy is
 imported. The libraries print while they are imported (DeepSpeed's accelerator notice), so the quiet filters
 (hf_scale.quiet) go in first, unless --verbose or HF_SCALE_VERBOSE=1.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from hf_scale import quiet
-from hf_scale.train.setup import help_snapshot
+from hf_scale.contract import help_snapshot
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from hf_scale.errors import UserError
 
 if TYPE_CHECKING:
-    from hf_scale.train.checkpoint.layout import Layout
+    from hf_scale.contract.checkpoint_layout import Layout
 
 
 @dataclass
@@ -32,25 +32,25 @@ class Source:
 
 def find_source(found: Layout) -> Source:
     """The reader of the weights of the complete checkpoint `found`."""
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
 
     path = found.path
-    if found.weights == layout.FSDP_DCP:
-        return _dcp_source(path / layout.DCP_DIR, "FSDP2 shards")
-    if found.weights == layout.ACCELERATE_FSDP and (source := _accelerate_fsdp_source(path)):
+    if found.weights == checkpoint_layout.FSDP_DCP:
+        return _dcp_source(path / checkpoint_layout.DCP_DIR, "FSDP2 shards")
+    if found.weights == checkpoint_layout.ACCELERATE_FSDP and (source := _accelerate_fsdp_source(path)):
         return source
-    if found.weights == layout.DEEPSPEED:
+    if found.weights == checkpoint_layout.DEEPSPEED:
         return _deepspeed_source(path, found.deepspeed_tag)
-    if found.weights == layout.FULL:
-        return safetensors_source(path / layout.MODEL_WEIGHTS)
-    if found.weights == layout.ADAPTER_ONLY:
+    if found.weights == checkpoint_layout.FULL:
+        return safetensors_source(path / checkpoint_layout.MODEL_WEIGHTS)
+    if found.weights == checkpoint_layout.ADAPTER_ONLY:
         raise UserError(
             f"CHECKPOINT_DIR {path}: holds only a LoRA adapter (the Trainer's save without DeepSpeed); it already "
             "is a PEFT adapter directory: load it with peft's AutoPeftModelForCausalLM"
         )
     raise UserError(
         f"CHECKPOINT_DIR {path}: no model weights found (expected a DeepSpeed tag named in "
-        f"'{layout.DEEPSPEED_LATEST}', {layout.DCP_DIR}/ or {layout.MODEL_WEIGHTS})"
+        f"'{checkpoint_layout.DEEPSPEED_LATEST}', {checkpoint_layout.DCP_DIR}/ or {checkpoint_layout.MODEL_WEIGHTS})"
     )
 
 
@@ -58,11 +58,11 @@ def _deepspeed_source(path: Path, tag: str | None) -> Source:
     """DeepSpeed's own consolidation, lazily: ZeRO-3 tensors are gathered from the partitions one at a time."""
     import torch
 
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
 
     if not tag or not (path / tag).is_dir():
-        raise UserError(f"CHECKPOINT_DIR {path}: '{layout.DEEPSPEED_LATEST}' names {tag or 'nothing'}, which is not "
-                        "a directory in it")
+        raise UserError(f"CHECKPOINT_DIR {path}: '{checkpoint_layout.DEEPSPEED_LATEST}' names {tag or 'nothing'}, "
+                        "which is not a directory in it")
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress; stdout stays clean
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -71,7 +71,7 @@ def _deepspeed_source(path: Path, tag: str | None) -> Source:
     def read(names):
         return {n: lazy[n] if isinstance(lazy[n], torch.Tensor) else lazy[n].contiguous() for n in names}
 
-    stage = json.loads((path / layout.STATE).read_text()).get("zero_stage")
+    stage = json.loads((path / checkpoint_layout.STATE).read_text()).get("zero_stage")
     return Source(f"DeepSpeed ZeRO-{stage} partitions in {tag}/", list(lazy), read)
 
 
@@ -104,20 +104,21 @@ def _accelerate_fsdp_source(path: Path) -> Source | None:
     and FSDP2, the manual loop's `save_state` and the Trainer's checkpoints): SHARDED_STATE_DICT is a DCP
     folder, FULL_STATE_DICT one state dict torch.save'd by rank 0. Only the first model (index 0) is read;
 None when neither is there."""
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
 
-    if (path / layout.ACCELERATE_FSDP_SHARDED / ".metadata").is_file():
-        return _dcp_source(path / layout.ACCELERATE_FSDP_SHARDED, "FSDP shards of accelerate's plugin")
-    if (path / layout.ACCELERATE_FSDP_FULL).is_file():
-        return _torch_file_source(path / layout.ACCELERATE_FSDP_FULL)
-    per_rank = sorted(p.name for p in path.glob(f"{layout.ACCELERATE_FSDP_PREFIX}*_rank*.bin"))
+    if (path / checkpoint_layout.ACCELERATE_FSDP_SHARDED / ".metadata").is_file():
+        return _dcp_source(path / checkpoint_layout.ACCELERATE_FSDP_SHARDED, "FSDP shards of accelerate's plugin")
+    if (path / checkpoint_layout.ACCELERATE_FSDP_FULL).is_file():
+        return _torch_file_source(path / checkpoint_layout.ACCELERATE_FSDP_FULL)
+    per_rank = sorted(p.name for p in path.glob(f"{checkpoint_layout.ACCELERATE_FSDP_PREFIX}*_rank*.bin"))
     if per_rank:
         # LOCAL_STATE_DICT (FSDP1's flat parameters) or SHARDED_STATE_DICT saved without DCP: each rank's
         # slices, which only the same FSDP wrapping on the same world size reads back.
         raise UserError(
             f"CHECKPOINT_DIR {path}: holds accelerate's per-rank FSDP files ({per_rank[0]}, {len(per_rank)} in "
-            f"all), which only the same FSDP setup reads back; export needs {layout.ACCELERATE_FSDP_SHARDED}/ "
-            f"(fsdp state_dict_type sharded, saved with DCP) or {layout.ACCELERATE_FSDP_FULL} (state_dict_type full)"
+            f"all), which only the same FSDP setup reads back; export needs "
+            f"{checkpoint_layout.ACCELERATE_FSDP_SHARDED}/ (fsdp state_dict_type sharded, saved with DCP) or "
+            f"{checkpoint_layout.ACCELERATE_FSDP_FULL} (state_dict_type full)"
         )
     return None
 
@@ -182,9 +183,9 @@ def with_model_names(source: Source, model) -> Source:
     keeps in another form at run time as it is on disk: a mixture-of-experts model's fused experts
     (`mlp.experts.gate_up_proj`) as one tensor per expert (`mlp.experts.0.gate_proj.weight`, ...). Each such model
     tensor is read from the pieces transformers names for it and put together by transformers' load conversion
-    (hf_scale.train.checkpoint.weight_conversion), one model tensor at a time.
+    (hf_scale.knowledge.weight_conversion), one model tensor at a time.
     """
-    from hf_scale.train.checkpoint import weight_conversion
+    from hf_scale.knowledge import weight_conversion
 
     targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     if all(name in targets for name in source.names):

@@ -22,7 +22,7 @@ from hf_scale.errors import UserError
 from hf_scale.export.checkpoint_readers import Source, find_source, safetensors_source
 
 if TYPE_CHECKING:
-    from hf_scale.train.checkpoint.layout import Layout
+    from hf_scale.contract.checkpoint_layout import Layout
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -39,7 +39,7 @@ def quantization_of(checkpoint_dir: Path) -> dict | None:
     Refused in one line when hf_scale_state.json records another base than config.json (which one the adapter
     trained on is then unknown); a state written before it recorded the quantization leaves config.json to say
     (transformers' own record of a quantized model, as for resume: reshard.saved_quantization)."""
-    from hf_scale.train.checkpoint.layout import MODEL_CONFIG, STATE
+    from hf_scale.contract.checkpoint_layout import MODEL_CONFIG, STATE
 
     config = checkpoint_dir / MODEL_CONFIG
     found = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
@@ -83,12 +83,12 @@ def adapter_source(found: Layout) -> Source:
     (the Trainer's: a few MB, where DeepSpeed's reader would first concatenate the whole frozen 4-bit base of a ZeRO-3
     checkpoint), else the checkpoint's own weights (every format export reads: the manual loop's, ZeRO partitions,
     FSDP2 shards; also what rescues an empty ZeRO-3 adapter file)."""
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
 
     problem = adapter_problem(found.path)
     if problem is None:
         return safetensors_source(found.path / ADAPTER_WEIGHTS)
-    if found.weights == layout.ADAPTER_ONLY:
+    if found.weights == checkpoint_layout.ADAPTER_ONLY:
         raise UserError(problem)  # nothing else to read it from: the one-line refusal
     return find_source(found)
 

@@ -67,7 +67,7 @@ def create_repo(target: HubTarget, flag: str) -> str:
 
 def push_folder(folder: Path, target: HubTarget, flag: str, *, message: str, ignore: Sequence[str] = ()) -> str:
     """Upload `folder` in one commit, without the files matching the globs `ignore` (what of a training output
-    directory is not the model: hf_scale.train.checkpoint.layout.TRAINING_STATE_GLOBS); returns the commit URL."""
+    directory is not the model: hf_scale.contract.checkpoint_layout.TRAINING_STATE_GLOBS); returns the commit URL."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 

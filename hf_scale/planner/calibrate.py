@@ -1,6 +1,6 @@
 """`hf-scale plan --calibrate RUN_DIR`: the time model corrected by what a finished train.py run measured.
 
-The run directory holds what train.py wrote (hf_scale.train.checkpoint.layout names the files; the planner, below
+The run directory holds what train.py wrote (hf_scale.contract.checkpoint_layout names the files; the planner, below
 train/ in the import order, spells the three it reads): `metrics.jsonl` (one record per optimizer step with its
 `step_time_s` and the real `tokens` of the step over the whole job), the newest `checkpoint-STEP/hf_scale_state.json`
 (world size, strategy, ZeRO stage, micro-batch, gradient accumulation, precision, the parallelism sizes, the

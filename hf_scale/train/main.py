@@ -22,17 +22,16 @@ from typing import Any
 
 from transformers import set_seed
 
-from hf_scale.contract import launch_values
+from hf_scale.contract import checkpoint_layout, launch_values
+from hf_scale.contract.data_arguments import DEFAULT_MAX_SEQ_LENGTH, check_max_seq_length
 from hf_scale.errors import UserError, exit_refusing
 from hf_scale.files import hub
 from hf_scale.knowledge import rules
 from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, resume
-from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import failure_message, save_with_accelerator, verify_saved_model
 from hf_scale.train.data import sources
 from hf_scale.train.data.batches import make_collator
-from hf_scale.train.data.data_arguments import DEFAULT_MAX_SEQ_LENGTH, check_max_seq_length
 from hf_scale.train.data.packing import maybe_pack
 from hf_scale.train.loops import evaluation
 from hf_scale.train.loops.metrics import flops_per_token, matmul_parameters, mean_example_length

@@ -18,6 +18,10 @@ from transformers import TrainingArguments
 
 from hf_scale import quiet
 from hf_scale.config import parallelism
+from hf_scale.contract import flag_values
+from hf_scale.contract.data_arguments import DataArguments, SourceArguments
+from hf_scale.contract.model_arguments import ModelArguments
+from hf_scale.contract.parser import build_parser, parse_flags, resume_default
 from hf_scale.errors import UserError, announce_started
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.files import hub
@@ -27,12 +31,9 @@ from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data import sources
 from hf_scale.train.data.batches import default_dataloader_workers
 from hf_scale.train.data.chat_template import read_chat_template
-from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.loops import evaluation
 from hf_scale.train.model.load import check_lora_flags
-from hf_scale.train.model.model_arguments import ModelArguments
-from hf_scale.train.setup import distributed, flag_values, guard, loop_flags, reconcile, run_spec
-from hf_scale.train.setup.parser import build_parser, parse_flags, resume_default
+from hf_scale.train.setup import distributed, guard, loop_flags, reconcile, run_spec
 from hf_scale.train.setup.run_spec import RunSpec
 
 
@@ -70,7 +71,7 @@ def check_flags_alone(ns) -> None:
 def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
     """The data flags checked, the chat template's text and the Hub target (checked once the DeepSpeed config is
     known): before anything is launched or loaded."""
-    sources.data_sources(_dataclass_from(ns, DataArguments), _dataclass_from(ns, sources.SourceArguments),
+    sources.data_sources(_dataclass_from(ns, DataArguments), _dataclass_from(ns, SourceArguments),
                          evaluation.requested_by(ns))  # the data flags, before anything is launched
     chat_template = read_chat_template(ns.chat_template_path) if ns.chat_template_path else None
     return chat_template, hub.training_target(ns, ns.output_dir)
@@ -126,7 +127,7 @@ class Run:
     args: TrainingArguments
     model_args: ModelArguments
     data_args: DataArguments
-    source_args: sources.SourceArguments
+    source_args: SourceArguments
     launch: Launch
     state: Any
     """accelerate's PartialState: the live process group."""
@@ -185,7 +186,7 @@ def prepare(argv: list[str] | None) -> Run:
         quiet.progress_bars_on_a_terminal_only()
     return Run(
         spec=spec, args=args, model_args=_dataclass_from(ns, ModelArguments), data_args=data_args,
-        source_args=_dataclass_from(ns, sources.SourceArguments), launch=launch, state=state, stop=stop,
+        source_args=_dataclass_from(ns, SourceArguments), launch=launch, state=state, stop=stop,
         resume_dir=resume_dir, chat_template=chat_template, hub_target=hub_target, recipe_path=recipe_path,
     )
 
@@ -232,7 +233,7 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, given: frozenset[str]) 
     if request.deepspeed_inline is not None:
         # accelerate launch with the DeepSpeed settings inline in the YAML: accelerate's plugin builds the
         # config a JSON would hold; the YAML's accumulation/clipping/precision fill (or must match) the flags.
-        from hf_scale.train.setup.inline_deepspeed import apply_to_flags
+        from hf_scale.contract.inline_deepspeed import apply_to_flags
 
         from_yaml = apply_to_flags(request.deepspeed_inline, parsed, given)
         fills.update(from_yaml.fills)

@@ -304,9 +304,9 @@ def test_check_and_train_py_say_the_same_line_for_each_launch_rule(rule, tmp_pat
     train.py's own prepare path (detect_launch + apply_hf_scale_config) under the environment accelerate's launch
     code computes for the same YAML, give one line, word for word."""
     from hf_scale.check.inputs import load_inputs
+    from hf_scale.contract.parser import build_parser
     from hf_scale.errors import UserError
     from hf_scale.train.setup.distributed import detect_launch
-    from hf_scale.train.setup.parser import build_parser
     from hf_scale.train.setup.reconcile import apply_hf_scale_config
 
     yaml_name, changes, config_name = ONE_RULE_BROKEN[rule]

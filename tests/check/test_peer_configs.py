@@ -24,10 +24,11 @@ from paths import REPO, TEST_DATA
 
 from hf_scale.commands import check
 from hf_scale.commands.cli import main
+from hf_scale.contract import inline_deepspeed
+from hf_scale.contract.parser import build_parser
 from hf_scale.errors import UserError
 from hf_scale.knowledge.rules import given_flags
-from hf_scale.train.setup import distributed, inline_deepspeed
-from hf_scale.train.setup.parser import build_parser
+from hf_scale.train.setup import distributed
 from hf_scale.train.setup.reconcile import filled
 
 CORPUS = TEST_DATA / "peer_configs"

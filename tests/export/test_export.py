@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from train_helpers import PROBE_IDS, logits, run, run_ok
 from transformers import AutoModelForCausalLM
 
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_layout
 
 pytestmark = pytest.mark.multiprocess
 

@@ -21,7 +21,7 @@ from train_helpers import tree
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.commands import cli
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.setup.run_spec import RunSpec

@@ -14,8 +14,8 @@ from train_helpers import run, run_in_process, tree
 from transformers import AutoModelForCausalLM
 
 from hf_scale.commands.export import export
+from hf_scale.contract import checkpoint_layout
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 
 CORRUPT = "model.safetensors is corrupt (its xxh3_128 checksum differs from the one in hf_scale_complete.json)"

@@ -791,7 +791,7 @@ def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path, m
     assert argv.endswith(" ".join(given))  # passed on as given, nothing added
     assert [word for word in argv.split() if word.startswith("--resume")] == given[:1]
     # train.py resumes `auto` unless its flags (any spelling) name a checkpoint: read as it reads them.
-    from hf_scale.train.setup.parser import parse_flags, resume_default
+    from hf_scale.contract.parser import parse_flags, resume_default
 
     monkeypatch.setenv("HF_SCALE_RESUME", (tmp_path / "resume").read_text())
     namespace, flags_given, _ = parse_flags(["--output_dir", "o", *given])

@@ -83,7 +83,7 @@ def test_each_platform_reaches_accelerate_launch(platform, root, tmp_path):
                          ids=["none", "underscore", "dashed=", "dashed"])
 def test_a_restarted_node_resumes_auto_unless_train_py_reads_an_explicit_resume(root, tmp_path, monkeypatch, given):
     """What the node passes on, read as train.py reads it (its parser, then the resume default the script sets)."""
-    from hf_scale.train.setup.parser import parse_flags, resume_default
+    from hf_scale.contract.parser import parse_flags, resume_default
 
     result, recorded = _run(root, tmp_path, PLATFORMS["skypilot"][0], *given)
     assert result.returncode == 0, result.stderr
@@ -117,8 +117,8 @@ def test_an_sp_node_runs_the_loop_that_resumes_it_and_train_py_refuses_the_other
     rule generate applies to cluster.train_args). The real preempt -> restart run: tests/train/model/
     test_sequence_parallel_train.py::test_a_generated_sp_cluster_node_survives_a_preemption_and_resumes."""
     from hf_scale.commands.cli import main
+    from hf_scale.contract.parser import parse_flags
     from hf_scale.knowledge import rules
-    from hf_scale.train.setup.parser import parse_flags
 
     sets = ["topology.processes_per_machine=2", "parallelism.sp=2", "cluster.image=registry.example.com/x:1"]
     assert main(["generate", "--preset", "zero2", *[a for s in sets for a in ("--set", s)], "--name", "sp",

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
+from hf_scale.contract.parser import build_parser
 from hf_scale.errors import UserError
 from hf_scale.knowledge import deepspeed_overrides
 from hf_scale.knowledge.rules import given_flags
 from hf_scale.train import main as train_main
 from hf_scale.train import prepare
-from hf_scale.train.setup.parser import build_parser
 
 ADAMW = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
 LAMB = {"type": "Lamb", "params": {"lr": "auto"}}

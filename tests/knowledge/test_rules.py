@@ -10,7 +10,7 @@ from hf_scale.knowledge import rules
 
 @pytest.fixture(scope="module")
 def train_py_parser():
-    from hf_scale.train.setup.parser import build_parser
+    from hf_scale.contract.parser import build_parser
 
     return build_parser()
 

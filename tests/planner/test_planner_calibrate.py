@@ -16,11 +16,11 @@ from train_helpers import TRAIN_PY, run_ok
 
 from hf_scale.commands.cli import main
 from hf_scale.config.parallelism import Layout
+from hf_scale.contract import checkpoint_layout as layout
 from hf_scale.planner import calibrate as calibration_module
 from hf_scale.planner.calibrate import calibrate
 from hf_scale.planner.hardware import hardware
 from hf_scale.planner.time_model import step_time
-from hf_scale.train.checkpoint import layout
 from hf_scale.train.checkpoint.store import write_state
 from hf_scale.train.loops.metrics import StepMetrics
 from hf_scale.train.setup.run_spec import RunSpec

@@ -81,8 +81,8 @@ def test_plan_json_and_generate_carry_qlora_to_train_flags(tmp_path):
     recipe = yaml.safe_load((tmp_path / "out" / "recipes" / "q.yaml").read_text())
     assert recipe["lora_r"] == 16 and recipe["load_in_4bit"] is True and recipe["max_seq_length"] == SEQ
     # train.py reads the recipe as it does at start (its recipe expansion and parser)
-    from hf_scale.train.setup.parser import build_parser
-    from hf_scale.train.setup.recipe import expand_recipe
+    from hf_scale.contract.parser import build_parser
+    from hf_scale.contract.recipe import expand_recipe
 
     parser = build_parser()
     argv, _ = expand_recipe(parser, [str(tmp_path / "out" / "recipes" / "q.yaml")])

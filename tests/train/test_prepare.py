@@ -13,7 +13,7 @@ from hf_scale.train.prepare import _parse
 
 PACKAGE = Path(hf_scale.__file__).parent
 
-READS_THE_FLAGS = {("hf_scale/train/setup/parser.py", "parse_flags")}
+READS_THE_FLAGS = {("hf_scale/contract/parser.py", "parse_flags")}
 """Where a command line's flags become the set of given flags, for train.py's prepare stage and for the flags
 handed to a train.py elsewhere (`hf-scale check`'s training args, a manifest's command, cluster.train_args, the Ray
 driver: hf_scale.check.train_flags.parse_train_flags), which are read exactly as train.py reads them."""
@@ -21,13 +21,13 @@ driver: hf_scale.check.train_flags.parse_train_flags), which are read exactly as
 PASS_THE_COMMAND_LINE = {
     ("hf_scale/train/main.py", "main"), ("hf_scale/train/main.py", "train"),
     ("hf_scale/train/prepare.py", "prepare"), ("hf_scale/train/prepare.py", "_parse"),
-    ("hf_scale/train/setup/parser.py", "parse_flags"),  # the reading itself, for _parse
-    ("hf_scale/train/setup/recipe.py", "expand_recipe"),  # the recipe's values become flags before _parse reads them
-    ("hf_scale/train/setup/recipe.py", "recipe_argument"),  # where the recipe is among them (expand_recipe's 1st step)
+    ("hf_scale/contract/parser.py", "parse_flags"),  # the reading itself, for _parse
+    ("hf_scale/contract/recipe.py", "expand_recipe"),  # the recipe's values become flags before _parse reads them
+    ("hf_scale/contract/recipe.py", "recipe_argument"),  # where the recipe is among them (expand_recipe's 1st step)
     ("hf_scale/knowledge/rules.py", "given_flags"),  # which flags were given
     # --help, answered from the parser's snapshot before anything loads (it exits: no run is prepared).
-    ("hf_scale/train/setup/help_snapshot.py", "help_requested"),
-    ("hf_scale/train/setup/help_snapshot.py", "print_help"),
+    ("hf_scale/contract/help_snapshot.py", "help_requested"),
+    ("hf_scale/contract/help_snapshot.py", "print_help"),
 }
 """The functions of train.py's path that take the command line (an `argv`): it goes down to _parse only."""
 

@@ -21,9 +21,9 @@ import shlex
 import time
 from pathlib import Path
 
+from hf_scale.contract import checkpoint_layout
 from hf_scale.errors import UserError
 from hf_scale.knowledge import rules
-from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import REPORT_FILE
 

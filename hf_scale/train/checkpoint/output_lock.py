@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from hf_scale.contract import checkpoint_integrity
+from hf_scale.contract.checkpoint_layout import LOCK_FILE
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import integrity
-from hf_scale.train.checkpoint.layout import LOCK_FILE
 
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
@@ -131,7 +131,7 @@ def acquire(output_dir: str | Path, state) -> None:
             _held = lock
         except UserError as error:
             refusal = str(error)
-    refusal = integrity.broadcast(state, refusal)
+    refusal = checkpoint_integrity.broadcast(state, refusal)
     if refusal:
         raise UserError(refusal)
 

@@ -15,10 +15,10 @@ import fnmatch
 import sys
 from pathlib import Path
 
+from hf_scale.contract import checkpoint_integrity, checkpoint_layout
 from hf_scale.errors import UserError
 from hf_scale.files import hub
-from hf_scale.train.checkpoint import integrity, output_lock, reshard
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import output_lock, reshard
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import REPORT_FILE
 
@@ -59,7 +59,7 @@ def claim(args, spec, state, hub_target, *, overwrite: bool) -> Path | None:
     if state.is_main_process:
         names = foreign(args.output_dir)
         refusal = _refusal(args.output_dir, names) if names and not overwrite else None
-    refusal = integrity.broadcast(state, refusal)
+    refusal = checkpoint_integrity.broadcast(state, refusal)
     if refusal:
         raise UserError(refusal)
     if state.is_main_process:

@@ -39,9 +39,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from hf_scale.contract.checkpoint_layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MANIFEST, staging_dir, step_of
 from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import store as checkpoint
-from hf_scale.train.checkpoint.layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MANIFEST, staging_dir, step_of
 from hf_scale.train.setup.run_spec import RunSpec
 
 _FULL_STATES = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
@@ -119,7 +119,7 @@ def saved_quantization(path: Path, state: dict) -> tuple[str | None, str]:
     a quantized model (both covered by the checkpoint's manifest); UNKNOWN when neither is there."""
     import json
 
-    from hf_scale.train.checkpoint.layout import MODEL_CONFIG
+    from hf_scale.contract.checkpoint_layout import MODEL_CONFIG
 
     if "quantization" in state:
         return state["quantization"], ""
@@ -141,7 +141,7 @@ def _check_quantization(path: Path, state: dict, spec: RunSpec, convert: str) ->
     --load_in_4bit) it would train on weights it never saw, without a word. A checkpoint that records it nowhere
     (saved_quantization: UNKNOWN) is refused when it holds an adapter or this run is quantized: nothing says which
     base it continues on."""
-    from hf_scale.train.checkpoint.layout import ADAPTER_CONFIG
+    from hf_scale.contract.checkpoint_layout import ADAPTER_CONFIG
 
     saved, where = saved_quantization(path, state)
     if saved == spec.quantization:

@@ -6,7 +6,7 @@ FSDP2: `DTensor.full_tensor()`; otherwise the module's own tensor), and the main
 safetensors entry of the same name alone (`safe_open`, opened per tensor so no shard stays mapped) and
 compares it EXACTLY with the live tensor cast to the saved dtype (a tensor transformers keeps in another form at run
 time than on disk, such as a mixture-of-experts model's fused experts, is compared as the pieces `save_pretrained`
-wrote for it: hf_scale.train.checkpoint.weight_conversion): bit for bit, in any precision (bf16 saves
+wrote for it: hf_scale.knowledge.weight_conversion): bit for bit, in any precision (bf16 saves
 of ZeRO-3's 16-bit weights, fp32 saves of fp32 masters). No model is reloaded and nothing runs forward,
 so the cost is one read of the saved bytes, and host memory holds one tensor at a time — it scales to 70B.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from hf_scale.train.checkpoint import weight_conversion
+from hf_scale.knowledge import weight_conversion
 
 REPORT_FILE = "hf_scale_verify.json"
 MODEL_FILE = "model.safetensors"
@@ -160,7 +160,7 @@ def _compare(saved: SavedTensors, names: tuple[str, ...], full: torch.Tensor, fi
              seen: set[str], model) -> None:
     """Compare one trained tensor with what was saved of it: under one of its names, or, for a tensor transformers
     keeps in another form at run time (fused MoE experts; `model` None: a LoRA adapter, saved by peft as it is),
-    the pieces `save_pretrained` writes for it (hf_scale.train.checkpoint.weight_conversion)."""
+    the pieces `save_pretrained` writes for it (hf_scale.knowledge.weight_conversion)."""
     key = next((name for name in names if name in saved.where), None)
     if key is not None:
         seen.update(name for name in names if name in saved.where)

@@ -7,7 +7,7 @@ hf_scale's own (`OUTPUT_DIR/.tmp-checkpoint-STEP/checkpoint-STEP`, the container
 `hf_scale_state.json` (step, epoch, position in the epoch, world size, strategy; the manual loop also the model
 config and tokenizer), flush every file and record its size and checksum in the manifest
 `hf_scale_complete.json`, written last, then rename the directory into place as `OUTPUT_DIR/checkpoint-STEP`.
-The checksums are computed and verified by all ranks in parallel (`integrity.py`).
+The checksums are computed and verified by all ranks in parallel (`checkpoint_integrity.py`).
 
 What startup removes: only hf_scale's own temporary directories (`.tmp-checkpoint-*` holding its marker: an
 interrupted save of either loop, a leftover DeepSpeed universal-checkpoint conversion; or empty: killed before
@@ -33,10 +33,8 @@ from collections.abc import Collection
 from pathlib import Path
 from types import SimpleNamespace
 
-from hf_scale.errors import UserError
-from hf_scale.exit_codes import EXIT_PREEMPTED  # noqa: F401 (checkpoint.EXIT_PREEMPTED: train.py's exit code)
-from hf_scale.train.checkpoint import integrity
-from hf_scale.train.checkpoint.layout import (
+from hf_scale.contract import checkpoint_integrity
+from hf_scale.contract.checkpoint_layout import (
     MANIFEST,
     MARKER,
     STATE,
@@ -50,8 +48,9 @@ from hf_scale.train.checkpoint.layout import (
     manifest_text,
     read_manifest,
     staging_dir,
-    step_of,  # noqa: F401 - still imported from here by tests/generators/test_launch_signals.py
 )
+from hf_scale.errors import UserError
+from hf_scale.exit_codes import EXIT_PREEMPTED  # noqa: F401 (checkpoint.EXIT_PREEMPTED: train.py's exit code)
 
 _ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
 # Small state files every resume loads; a garbage one must stop the resume, not be skipped (accelerate
@@ -104,18 +103,19 @@ def verify(path: Path, state=_ONE_PROCESS) -> str | None:
     if state.is_main_process:
         entries, found = read_manifest(path)
         found = found or files_problem(path, entries)
-    found, entries = integrity.broadcast(state, (found, entries))
+    found, entries = checkpoint_integrity.broadcast(state, (found, entries))
     if found:
         return found
-    unsummed = sorted(name for name, entry in entries.items() if integrity.HASH_NAME not in entry)
+    unsummed = sorted(name for name, entry in entries.items() if checkpoint_integrity.HASH_NAME not in entry)
     if unsummed:  # an older hf_scale's manifest, or one edited to that form: sizes prove nothing about content
-        return (f"{MANIFEST} records no {integrity.HASH_NAME} checksum for {unsummed[0]} (a size-only manifest); "
-                "its content cannot be verified")
-    actual = integrity.digests(path, {name: entry["size"] for name, entry in entries.items()}, state)
+        return (f"{MANIFEST} records no {checkpoint_integrity.HASH_NAME} checksum for {unsummed[0]} "
+                "(a size-only manifest); its content cannot be verified")
+    actual = checkpoint_integrity.digests(path, {name: entry["size"] for name, entry in entries.items()}, state)
     for name in sorted(entries):
-        if actual[name] != entries[name][integrity.HASH_NAME]:
-            return f"{name} is corrupt (its {integrity.HASH_NAME} checksum differs from the one in {MANIFEST})"
-    return integrity.broadcast(state, _unloadable(path) if state.is_main_process else None)
+        if actual[name] != entries[name][checkpoint_integrity.HASH_NAME]:
+            return (f"{name} is corrupt (its {checkpoint_integrity.HASH_NAME} checksum differs from the one in "
+                    f"{MANIFEST})")
+    return checkpoint_integrity.broadcast(state, _unloadable(path) if state.is_main_process else None)
 
 
 def _unloadable(path: Path) -> str | None:
@@ -194,7 +194,7 @@ def newest_verified(output_dir: str | Path, state=_ONE_PROCESS, *, trusted: Coll
     if state.is_main_process:  # listed once: every rank then verifies the same directories
         candidates = checkpoint_folders(output_dir)[::-1]
     skipped = []
-    for path in integrity.broadcast(state, candidates):
+    for path in checkpoint_integrity.broadcast(state, candidates):
         found = None if path.resolve() in trusted else verify(path, state)
         if found is None:
             return path, skipped
@@ -277,12 +277,12 @@ def seal(directory: Path, step: int, state) -> None:
     sizes = None
     if state.is_main_process:
         sizes = {name: (directory / name).stat().st_size for name in checkpoint_files(directory)}
-    sizes = integrity.broadcast(state, sizes)
-    digests = integrity.digests(directory, sizes, state, fsync=True)
+    sizes = checkpoint_integrity.broadcast(state, sizes)
+    digests = checkpoint_integrity.digests(directory, sizes, state, fsync=True)
     if state.is_main_process:
         for sub in [directory, *[d for d in directory.rglob("*") if d.is_dir()]]:
             _fsync_dir(sub)
-        files = {name: {"size": size, integrity.HASH_NAME: digests[name]} for name, size in sizes.items()}
+        files = {name: {"size": size, checkpoint_integrity.HASH_NAME: digests[name]} for name, size in sizes.items()}
         tmp = directory / (MANIFEST + ".tmp")
         tmp.write_text(manifest_text(step, files))
         with open(tmp, "rb") as handle:
@@ -313,7 +313,7 @@ class Publisher:
         """Why `path` is not a checkpoint of verified content, or None. Collective."""
         if path.resolve() in self.verified:
             return None
-        present = integrity.broadcast(self.state, path.is_dir() and not path.is_symlink()
+        present = checkpoint_integrity.broadcast(self.state, path.is_dir() and not path.is_symlink()
                                       if self.state.is_main_process else None)
         found = verify(path, self.state) if present else "not a directory"
         if found is None:
@@ -326,7 +326,7 @@ class Publisher:
         when its content verifies (this run's own step saved again after a resume) and otherwise moved aside
         intact."""
         final = checkpoint_dir(self.root, step)
-        exists = integrity.broadcast(self.state, (final.exists() or final.is_symlink())
+        exists = checkpoint_integrity.broadcast(self.state, (final.exists() or final.is_symlink())
                                      if self.state.is_main_process else None)
         problem = self._problem(final) if exists else None
         if self.state.is_main_process:
@@ -352,7 +352,7 @@ class Publisher:
             protected = Path(protect).resolve() if protect else None
             complete = complete_checkpoints(self.root)
             old = [p for p in complete[:len(complete) - keep] if p.resolve() != protected]
-        old = integrity.broadcast(self.state, old)
+        old = checkpoint_integrity.broadcast(self.state, old)
         for path in old:
             if path.resolve() in self.kept:
                 continue

@@ -18,8 +18,8 @@ from typing import Any, Literal
 import datasets
 import numpy as np
 
+from hf_scale.contract.data_arguments import DataArguments
 from hf_scale.errors import UserError
-from hf_scale.train.data.data_arguments import DataArguments
 
 logger = logging.getLogger(__name__)
 

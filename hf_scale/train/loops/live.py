@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_scale.train.checkpoint.layout import LIVE_FILE
+from hf_scale.contract.checkpoint_layout import LIVE_FILE
 from hf_scale.train.setup import guard
 
 

@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 from transformers import TrainingArguments
 
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_layout
 from hf_scale.train.checkpoint import ownership, resume
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.data.batches import make_train_dataloader, micro_batch_per_rank, target_tokens

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from hf_scale.contract import checkpoint_layout
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import reshard
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.model import fsdp

@@ -16,8 +16,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
-from hf_scale.train.checkpoint import integrity, ownership, resume
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_integrity, checkpoint_layout
+from hf_scale.train.checkpoint import ownership, resume
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import save_with_accelerator
 from hf_scale.train.data.batches import micro_batch_per_rank
@@ -263,7 +263,8 @@ class HfScaleTrainer(Trainer):
         final = checkpoint_layout.checkpoint_dir(self.args.output_dir, step)
         # transformers' end of training deletes every checkpoint but the best one under --save_total_limit 1.
         is_main = self.accelerator.is_main_process
-        present = integrity.broadcast(self.accelerator, checkpoint_layout.is_complete(final) if is_main else None)
+        complete = checkpoint_layout.is_complete(final) if is_main else None
+        present = checkpoint_integrity.broadcast(self.accelerator, complete)
         if self.last_saved_step != step or not present:
             self._save_checkpoint(self.model_wrapped, trial=None)
         return final

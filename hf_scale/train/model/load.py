@@ -17,10 +17,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from hf_scale import quiet
+from hf_scale.contract.model_arguments import ModelArguments
 from hf_scale.errors import UserError
 from hf_scale.files.reading import not_a_regular_file
 from hf_scale.knowledge import rules
-from hf_scale.train.model.model_arguments import ModelArguments
 
 
 def load_dtype(spelling: str):

@@ -24,10 +24,10 @@ from typing import Literal
 import torch
 
 from hf_scale.config import parallelism
+from hf_scale.contract.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
 from hf_scale.errors import UserError
 from hf_scale.files.reading import not_a_regular_file
 from hf_scale.knowledge import rules
-from hf_scale.train.setup.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
 
 Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
 

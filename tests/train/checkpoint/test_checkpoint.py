@@ -24,7 +24,7 @@ from train_helpers import (
     training_traceback_frames,
 )
 
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 
 pytestmark = pytest.mark.multiprocess

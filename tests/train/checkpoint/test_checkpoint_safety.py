@@ -31,9 +31,9 @@ from train_helpers import (
     tree,
 )
 
+from hf_scale.contract import checkpoint_integrity, checkpoint_layout
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import integrity, output_lock
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.train.checkpoint import output_lock
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.loops.metrics import continue_metrics_file
 
@@ -87,11 +87,11 @@ def _error_lines(stderr: str, *, launcher: bool = False) -> list[str]:
 
 def test_hashing_is_shared_in_shares_of_about_equal_bytes():
     sizes = {f"zero_pp_rank_{r}_optim_states.pt": 1000 + r for r in range(8)} | {"config.json": 3, "latest": 1}
-    parts = integrity.shares(sizes, 4)
+    parts = checkpoint_integrity.shares(sizes, 4)
     assert sorted(name for part in parts for name in part) == sorted(sizes)
     loads = [sum(sizes[name] for name in part) for part in parts]
     assert max(loads) - min(loads) <= max(sizes.values())
-    assert integrity.shares(sizes, 4) == parts  # every rank computes the same split
+    assert checkpoint_integrity.shares(sizes, 4) == parts  # every rank computes the same split
 
 
 def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_and_drops_what_came_after(tmp_path):
@@ -386,7 +386,8 @@ def test_every_rank_stops_at_the_first_non_finite_step_of_a_ddp_run(tmp_path):
 def test_checksums_are_in_every_manifest_of_both_loops(two_step_runs):
     for loop in ("accelerate", "trainer"):
         manifest = json.loads((two_step_runs[loop] / "checkpoint-2" / checkpoint_layout.MANIFEST).read_text())
-        assert manifest["files"] and all(integrity.HASH_NAME in entry for entry in manifest["files"].values())
+        assert manifest["files"]
+        assert all(checkpoint_integrity.HASH_NAME in entry for entry in manifest["files"].values())
         assert checkpoint.verify(two_step_runs[loop] / "checkpoint-2", ONE_PROCESS) is None
         # Both savers write hf_scale_state.json from the run spec (one process, train.py's default batch flags).
         state = checkpoint.read_state(two_step_runs[loop] / "checkpoint-2")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from train_helpers import child_env, launcher_command
 
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_layout
 from hf_scale.train.checkpoint import output_lock
 from hf_scale.train.checkpoint import store as checkpoint
 

@@ -8,7 +8,7 @@ import datasets
 import pytest
 from train_helpers import run_in_process, tree
 
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_layout
 from hf_scale.train.checkpoint import ownership
 from hf_scale.train.checkpoint import store as checkpoint
 

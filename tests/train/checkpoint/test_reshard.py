@@ -18,8 +18,8 @@ from checkpoint_runs import COMMON, launcher, strategy_args, trained
 from train_helpers import TRAIN_PY, launcher_command, read_metrics, run, run_ok, training_traceback_frames
 
 from hf_scale.config.parallelism import Layout
+from hf_scale.contract import checkpoint_layout
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import reshard
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.setup.run_spec import RunSpec

@@ -10,7 +10,7 @@ import datasets
 import pytest
 from train_helpers import read_metrics, run_in_process, tree
 
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_layout
 
 LOOPS = ["accelerate", "trainer"]
 

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from train_helpers import REPO, generate_config, logits, run, run_ok, tiny_moe
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_scale.contract import checkpoint_layout
 from hf_scale.knowledge import rules
 from hf_scale.train.checkpoint import final_checkpoint
-from hf_scale.train.checkpoint import layout as checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import (
     ADAPTER_FILE,

@@ -12,9 +12,9 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
+from hf_scale.contract.data_arguments import DataArguments
 from hf_scale.errors import UserError
 from hf_scale.train.data.chat_template import read_chat_template
-from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.sources import SourceArguments, prepare_datasets

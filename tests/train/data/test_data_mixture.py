@@ -15,11 +15,11 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
+from hf_scale.contract.data_arguments import DataArguments, SourceArguments
 from hf_scale.errors import UserError
-from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
-from hf_scale.train.data.sources import SourceArguments, data_sources, describe, prepare_datasets
+from hf_scale.train.data.sources import data_sources, describe, prepare_datasets
 
 
 @pytest.fixture(autouse=True)

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_scale.contract.data_arguments import DataArguments
 from hf_scale.errors import UserError
 from hf_scale.train.data.batches import make_collator
-from hf_scale.train.data.data_arguments import DataArguments
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.packing import (
@@ -473,7 +473,7 @@ def test_liger_fused_cross_entropy_is_refused_under_zero3_unless_configured_off(
 
 def test_liger_kernel_config_parses_from_the_command_line():
     # transformers types it as `dict`, which argparse cannot build from a string; train.py reads JSON.
-    from hf_scale.train.setup.parser import build_parser
+    from hf_scale.contract.parser import build_parser
 
     config = '{"fused_linear_cross_entropy": false, "cross_entropy": true}'
     namespace, _ = build_parser().parse_known_args(["--liger_kernel_config", config])
@@ -534,8 +534,8 @@ def _liger_arguments(config: str | None, tmp_path):
     """TrainingArguments as train.py builds them from its command line, in a single CPU process."""
     from accelerate import PartialState
 
+    from hf_scale.contract.parser import build_parser
     from hf_scale.train.prepare import _training_arguments
-    from hf_scale.train.setup.parser import build_parser
 
     PartialState(cpu=True)  # train.py's process state (distributed.init_process_state), which the arguments reuse
 

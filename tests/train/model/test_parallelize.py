@@ -43,7 +43,7 @@ from train_helpers import (
 )
 from transformers import AutoModelForCausalLM
 
-from hf_scale.train.checkpoint import layout as checkpoint_layout
+from hf_scale.contract import checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 
 pytestmark = pytest.mark.multiprocess

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import PROBE_IDS, TRAIN_PY, child_env, generate_config, losses, run_in_process, run_ok, torchrun
 
-from hf_scale.train.checkpoint.layout import DCP_DIR
+from hf_scale.contract.checkpoint_layout import DCP_DIR
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.model import quantization
 
@@ -288,13 +288,13 @@ def test_a_quiet_merge_prints_only_hf_scales_own_lines(one_process, tmp_path):
 def test_export_merge_reads_the_adapter_from_the_checkpoints_own_weights(run, request, tmp_path):
     """The manual loop saves the adapter inside accelerate's model.safetensors (with the 4-bit base), ZeRO-3 in its
     partitions: `--merge` reads it there (hf_scale.export.checkpoint_readers) and gives the trained model."""
-    from hf_scale.train.checkpoint import layout
+    from hf_scale.contract import checkpoint_layout
 
     run_dir = request.getfixturevalue(run)
     checkpoint = run_dir / f"checkpoint-{STEPS}"
-    assert not (checkpoint / layout.ADAPTER_WEIGHTS).exists()
-    assert layout.detect_layout(checkpoint).weights == {"manual_loop": layout.FULL,
-                                                        "zero3_manual_loop": layout.DEEPSPEED}[run]
+    assert not (checkpoint / checkpoint_layout.ADAPTER_WEIGHTS).exists()
+    assert checkpoint_layout.detect_layout(checkpoint).weights == {"manual_loop": checkpoint_layout.FULL,
+                                                        "zero3_manual_loop": checkpoint_layout.DEEPSPEED}[run]
     _export_merged(checkpoint, tmp_path / "merged", flag=["--merge"])
     _assert_merged_is_the_trained_model(tmp_path / "merged", run_dir)
 
@@ -309,8 +309,8 @@ def test_an_empty_adapter_file_is_rescued_from_the_zero3_partitions(zero3_manual
     from safetensors.torch import save_file
 
     from hf_scale.commands.export import export
-    from hf_scale.train.checkpoint.integrity import HASH_NAME, file_digest
-    from hf_scale.train.checkpoint.layout import MANIFEST
+    from hf_scale.contract.checkpoint_integrity import HASH_NAME, file_digest
+    from hf_scale.contract.checkpoint_layout import MANIFEST
 
     checkpoint = tmp_path / f"checkpoint-{STEPS}"
     shutil.copytree(zero3_manual_loop / f"checkpoint-{STEPS}", checkpoint)

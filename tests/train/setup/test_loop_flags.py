@@ -14,9 +14,9 @@ import pytest
 from paths import REPO
 from transformers import Trainer, TrainingArguments
 
+from hf_scale.contract.parser import build_parser
 from hf_scale.train.prepare import _validate_flags
 from hf_scale.train.setup import loop_flags
-from hf_scale.train.setup.parser import build_parser
 
 FIELDS = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
 ROOTS = ("hf_scale.train.loops.manual", "hf_scale.train.main")
@@ -25,9 +25,9 @@ NOT_ON_THE_PATH = {
     "hf_scale.train.setup.loop_flags": "the table itself",
     # They compare the flags with the launcher's configs and fill them; they apply no flag themselves.
     "hf_scale.train.setup.reconcile": "", "hf_scale.contract.launch_values": "",
-    "hf_scale.train.setup.inline_deepspeed": "", "hf_scale.knowledge.deepspeed_overrides": "",
+    "hf_scale.contract.inline_deepspeed": "", "hf_scale.knowledge.deepspeed_overrides": "",
     "hf_scale.config.distributed_config": "", "hf_scale.contract.deepspeed_json": "",
-    "hf_scale.train.setup.flag_values": "checks each flag's range (both loops); applies none",
+    "hf_scale.contract.flag_values": "checks each flag's range (both loops); applies none",
 }
 RECEIVERS = {"args", "ns", "parsed"}
 """Names the flags go by on the path: `args.X`, `self.args.X`, `run.args.X`, `ns.X`, `getattr(args, "X")`."""

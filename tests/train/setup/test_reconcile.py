@@ -11,10 +11,10 @@ import re
 import pytest
 import yaml
 
+from hf_scale.contract.parser import build_parser
 from hf_scale.errors import UserError
 from hf_scale.knowledge.rules import given_flags
 from hf_scale.train.setup.distributed import LaunchRequest
-from hf_scale.train.setup.parser import build_parser
 from hf_scale.train.setup.reconcile import apply_hf_scale_config, checkpointing_flag, filled, typed_flags
 
 # Non-default values everywhere (the defaults would hide a field that is never applied).

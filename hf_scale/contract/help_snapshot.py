@@ -7,7 +7,7 @@ help is needed before any of that. The snapshot is generated from the live parse
 several widths and requires the same text, so a transformers upgrade or a changed flag fails it until the
 snapshot is regenerated:
 
-    python -m hf_scale.train.setup.help_snapshot
+    python -m hf_scale.contract.help_snapshot
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from hf_scale.train.setup.help import GroupedHelp
+from hf_scale.contract.flag_help import GroupedHelp
 
-SNAPSHOT = Path(__file__).resolve().parents[2] / "assets" / "train_help.json"
+SNAPSHOT = Path(__file__).resolve().parents[1] / "assets" / "train_help.json"
 HELP_ALL = "--help-all"
 HELP_FLAGS = ("-h", "--help", HELP_ALL)
 _RECORDED = ("option_strings", "dest", "nargs", "default", "choices", "help", "metavar")
@@ -83,7 +83,7 @@ def print_help(argv: Sequence[str]) -> None:
 
 
 def write_snapshot() -> Path:
-    from hf_scale.train.setup.parser import build_parser
+    from hf_scale.contract.parser import build_parser
 
     SNAPSHOT.write_text(json.dumps(record(build_parser()), indent=1, sort_keys=True) + "\n")
     return SNAPSHOT

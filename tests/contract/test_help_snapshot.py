@@ -11,10 +11,10 @@ import sys
 import pytest
 from paths import REPO
 
-from hf_scale.train.setup import help_snapshot
-from hf_scale.train.setup.parser import build_parser
+from hf_scale.contract import help_snapshot
+from hf_scale.contract.parser import build_parser
 
-STALE = "the help snapshot is stale: regenerate it with `python -m hf_scale.train.setup.help_snapshot`"
+STALE = "the help snapshot is stale: regenerate it with `python -m hf_scale.contract.help_snapshot`"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import tiny_moe
 
-from hf_scale.train.checkpoint.weight_conversion import Loader, saved_form
+from hf_scale.knowledge.weight_conversion import Loader, saved_form
 
 FUSED = "model.layers.1.mlp.experts.gate_up_proj"
 

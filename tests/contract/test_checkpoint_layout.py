@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_scale.contract import checkpoint_layout as layout
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import layout
 from hf_scale.train.checkpoint import store as checkpoint
 
 

@@ -4,7 +4,7 @@ length a run trains with."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from hf_scale.errors import UserError
 
@@ -114,3 +114,29 @@ def check_max_seq_length(max_seq_length: int | None, model_config: PretrainedCon
             f"use at most {limit}"
         )
     return max_seq_length
+
+
+@dataclass
+class SourceArguments:
+    mixture_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "With several --train_file/--dataset_name: each one's share of the training examples, "
+                  "in the same order (normalised to sum 1), e.g. --train_file a.jsonl b.jsonl --mixture_weights "
+                  "0.7 0.3. Unset: the sources are concatenated."},
+    )
+    mixture_stopping_strategy: Literal["first_exhausted", "all_exhausted", "all_exhausted_without_replacement"] = (
+        field(
+            default="first_exhausted",
+            metadata={"help": "With --mixture_weights (datasets.interleave_datasets): first_exhausted stops when one "
+                      "source runs out (no row repeats); all_exhausted goes on until every source is used up (rows "
+                      "of small sources repeat); all_exhausted_without_replacement takes every row once."},
+        )
+    )
+    validation_split_percentage: float | None = field(
+        default=None,
+        metadata={"help": "Carve this percentage of each source's training rows (seeded) into the validation set, "
+                  "for sources without a validation split."},
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N validation examples (quick evaluations)."}
+    )

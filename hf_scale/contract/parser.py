@@ -9,23 +9,22 @@ import os
 
 from transformers import HfArgumentParser, TrainingArguments
 
+from hf_scale.contract.data_arguments import DataArguments, SourceArguments
+from hf_scale.contract.flag_help import GroupedHelp
+from hf_scale.contract.model_arguments import ModelArguments
+from hf_scale.contract.recipe import add_config_flag, expand_recipe, recipe_argument
+from hf_scale.contract.scale_arguments import ScaleArguments
 from hf_scale.errors import UserError
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.files.reading import NEGATIVE_NUMBER
 from hf_scale.knowledge import rules
-from hf_scale.train.data import sources
-from hf_scale.train.data.data_arguments import DataArguments
-from hf_scale.train.model.model_arguments import ModelArguments
-from hf_scale.train.setup.args import ScaleArguments
-from hf_scale.train.setup.help import GroupedHelp
-from hf_scale.train.setup.recipe import add_config_flag, expand_recipe, recipe_argument
 
 DEFAULT_OUTPUT_DIR = "outputs/hf_scale-run"
 
 
 class _OneLineParser(GroupedHelp, HfArgumentParser):
     """argparse prints usage and exits; hf_scale reports bad flags as one line (exit 2) instead. --help leads
-    with hf_scale's own flags (hf_scale.train.setup.help)."""
+    with hf_scale's own flags (hf_scale.contract.flag_help)."""
 
     def error(self, message):
         raise UserError(message)
@@ -33,7 +32,7 @@ class _OneLineParser(GroupedHelp, HfArgumentParser):
 
 def build_parser() -> HfArgumentParser:
     parser = _OneLineParser(
-        (ModelArguments, DataArguments, sources.SourceArguments, ScaleArguments, TrainingArguments),
+        (ModelArguments, DataArguments, SourceArguments, ScaleArguments, TrainingArguments),
         allow_abbrev=False,  # a typo like --learning_rat must not silently mean --learning_rate
         description="Fine-tune a causal LM with the HF Trainer or hf_scale's Accelerator loop. Every "
         "TrainingArguments flag works with the Trainer (--loop accelerate refuses those it does not apply). "

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from hf_scale.train.checkpoint.integrity import HASH_NAME  # the checksum recorded per file in the manifest
+from hf_scale.contract.checkpoint_integrity import HASH_NAME  # the checksum recorded per file in the manifest
 
 PREFIX = "checkpoint-"
 """`OUTPUT_DIR/checkpoint-STEP`: the Trainer's own name (transformers' PREFIX_CHECKPOINT_DIR), used by both loops."""
