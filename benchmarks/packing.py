@@ -15,7 +15,7 @@ Effective tokens/s = non-padding tokens (metrics.jsonl ``tokens``) / step time, 
 median over alternating runs. The two variants see different batches (a packed row holds ~7 examples of this
 data), so their per-step losses are not comparable; that packing leaves the per-token loss of the same examples
 unchanged is proven by tests/train/data/test_packing.py and
-tests/train/loops/test_train_equivalence.py. Both mean step losses are
+tests/train/loops/test_loops_equivalence.py. Both mean step losses are
 reported.
 """
 

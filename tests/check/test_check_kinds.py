@@ -1,5 +1,6 @@
 """`hf-scale check FILE...` (hf_scale.check.kinds): each file is recognized by its content, whatever its name, and a
-file of no kind is one line naming what each kind looks like. (The public corpus, tests/check/test_peer_configs.py, is
+file of no kind is one line naming what each kind looks like. (The public corpus,
+tests/check/test_checks_peer_configs.py, is
 checked this way too; the bad-input lines are in tests/commands/test_cli_bad_input.py.)"""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`hf-scale check --manifest` on what users bring that is not hf_scale's own: a job that runs a training of its own,
 a TrainJob whose runtime supplies the image, the node counts each engine sets, values Kubernetes / the Training
 Operator / SkyPilot refuse that Kubeflow's models let through, `.inf` anywhere, plain-text tokens, several YAML
-documents in one file. (The public files among them are in tests/data/peer_configs, tests/check/test_peer_configs.py.)
+documents in one file. (The public files among them are in tests/data/peer_configs,
+tests/check/test_checks_peer_configs.py.)
 """
 
 from __future__ import annotations

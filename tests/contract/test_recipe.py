@@ -2,7 +2,7 @@
 the launchers' extra arguments, one-line errors, recipe values counting as given flags for
 --hf_scale_config, and the starter recipe of `hf-scale generate --recipe`.
 
-(The launchers running a recipe for real: tests/train/loops/test_train_equivalence.py, where the `deepspeed` launcher's
+(The launchers running a recipe for real: tests/train/loops/test_loops_equivalence.py, where the `deepspeed` launcher's
 run takes its flags from a positional recipe and an `accelerate launch` run from `--config`.)
 """
 

@@ -1,6 +1,6 @@
 """train.py's interface: --hf_scale_config, LoRA, packing, trackers, torch.compile, the DeepSpeed op pre-check.
 
-(Bad input: tests/train/test_bad_input_train.py.)"""
+(Bad input: tests/train/test_train_bad_input.py.)"""
 
 from __future__ import annotations
 

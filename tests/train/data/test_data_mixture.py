@@ -2,7 +2,7 @@
 was taken, the validation set (own splits, --validation_file, carved) and one-line errors.
 
 That the mixture is identical on every rank and dealt disjointly is proven by
-tests/train/loops/test_train_equivalence.py, whose runs (DDP, ZeRO-1/2/3, FSDP2, both loops) all train on a
+tests/train/loops/test_loops_equivalence.py, whose runs (DDP, ZeRO-1/2/3, FSDP2, both loops) all train on a
 two-source weighted mixture and must equal one process.
 """
 

@@ -1,5 +1,5 @@
 """Context parallelism (hf_scale/train/model/context_parallel.py) on CPU, everything up to the ring kernel (which
-torch 2.13 has no CPU implementation of: train.py refuses cp without a GPU, tests/train/test_bad_input_train.py):
+torch 2.13 has no CPU implementation of: train.py refuses cp without a GPU, tests/train/test_train_bad_input.py):
 the ParallelismConfig train.py hands accelerate, the collator, the refusals, and with real processes (gloo,
 cp_shard_worker.py) accelerate's data split, torch's in-place sharding of every buffer, and the loss rule's
 gradients against one process. The cp=2 train.py run against one process is benchmarks/gpu_cp.py (2 GPUs).

@@ -3,7 +3,7 @@ own FullyShardedDataParallelPlugin with the version and the sharding the config 
 launch` builds from the generated accelerate YAML: both paths run the same FSDP.
 
 In-process, on CPU: the plugins are built, not used (sharding with them needs GPUs; FSDP2 on CPU is torch's
-fully_shard, tests/train/loops/test_train_equivalence.py). FSDP1's `sync_module_states` makes accelerate build a
+fully_shard, tests/train/loops/test_loops_equivalence.py). FSDP1's `sync_module_states` makes accelerate build a
 param_init_fn on the current accelerator device, which raises on a machine without one after every other field is
 parsed: there (only) the plugins are built with it, and with cpu_ram_efficient_loading that forces it, off; both
 are asserted as values instead.

@@ -55,7 +55,7 @@ ZERO3_DP2_SP2 = "strategy: deepspeed\nprecision: 'no'\ndeepspeed: {zero_stage: 3
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """The one-process run every sp layout is compared with, trained once per module (per xdist worker). One run
-    serves both loops: in one process they train the same steps (tests/train/loops/test_train_equivalence.py::
+    serves both loops: in one process they train the same steps (tests/train/loops/test_loops_equivalence.py::
     test_trainer_path_equals_manual_loop)."""
     out = tmp_path_factory.mktemp("sp-reference") / "reference"
     run_ok(launcher_command("python") + COMMON + ["--loop", "accelerate", "--per_device_train_batch_size", "8",

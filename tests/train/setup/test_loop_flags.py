@@ -1,6 +1,6 @@
 """hf_scale.train.setup.loop_flags: the table of the TrainingArguments flags the manual loop applies cannot drift from
 the code (an AST scan of the manual loop's path), and `--loop accelerate` refuses the others (the bad-input
-cases are in tests/train/test_bad_input_train.py)."""
+cases are in tests/train/test_train_bad_input.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ the eval micro-batches dealt to ranks, the schedule of both loops, eval records 
 errors.
 
 Equality across strategies (DDP, ZeRO-1/2/3, FSDP2, both loops, 2 processes vs 1) is asserted by
-tests/train/loops/test_train_equivalence.py, whose runs all evaluate.
+tests/train/loops/test_loops_equivalence.py, whose runs all evaluate.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ verbatim or with the edits listed, or that it was written in a project's shape).
 missed), and train.py must accept the YAMLs whose DeepSpeed settings sit inline under `deepspeed_config`:
 accelerate's own launch code computes the environment `accelerate launch` would give the training
 processes, and train.py's own functions turn it into the DeepSpeed config it trains with, in-process. Two
-of them really train in tests/train/loops/test_train_equivalence.py.
+of them really train in tests/train/loops/test_loops_equivalence.py.
 """
 
 from __future__ import annotations

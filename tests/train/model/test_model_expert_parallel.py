@@ -62,7 +62,7 @@ def reference_dir(moe_dir, tmp_path_factory):
 @pytest.mark.parametrize("loop", ["accelerate", "trainer"])
 def test_ep2_equals_one_process(loop, moe_dir, ep_config, reference_dir, tmp_path):
     """Both loops; the one-process reference is the manual loop's (the loops train the same steps in one process:
-    tests/train/loops/test_train_equivalence.py)."""
+    tests/train/loops/test_loops_equivalence.py)."""
     out = tmp_path / "ep2"
     result = run_ok(launcher_command("torchrun", nproc=2) + COMMON + [
         "--model_name_or_path", str(moe_dir), "--hf_scale_config", str(ep_config), "--output_dir", str(out),
