@@ -251,7 +251,7 @@ def _resolve_yaml_reference(written: str, yaml_dir: Path, cwd: Path) -> tuple[Pa
     raise UserError(f"deepspeed_config.deepspeed_config_file={written!r}: file not found relative to {searched}")
 
 
-def _accelerate_launch_env(yaml_path: Path, raw: dict[str, Any]) -> tuple[dict[str, str] | None, str | None]:
+def accelerate_launch_env(yaml_path: Path, raw: dict[str, Any]) -> tuple[dict[str, str] | None, str | None]:
     """The environment `accelerate launch --config_file YAML train.py` gives the training processes,
     computed by accelerate's own launch code up to where it would start them (nothing is started), so that
     values are read exactly as accelerate reads them (it int()s a quoted `machine_rank`, not `num_machines`).
@@ -343,7 +343,7 @@ def load_inputs(
         except (ValueError, TypeError, KeyError) as error:
             loader_error = " ".join(str(error).split())
         if loader_error is None:
-            launch_env, launch_error = _accelerate_launch_env(yaml_path, accelerate)
+            launch_env, launch_error = accelerate_launch_env(yaml_path, accelerate)
 
     wanted = training_args or hf_scale_file is not None
     parsed = _parse_training_args(list(training_args), cwd, hf_scale_file) if wanted else None

@@ -7,8 +7,8 @@ from hf_scale.contract.deepspeed_json import Mode, deepspeed_json
 from hf_scale.generators import dockerfile, install, kubernetes, node_entry, output_paths, skypilot
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
 from hf_scale.generators.launch import launch_files
-from hf_scale.generators.starter_recipe import starter_recipe
 from hf_scale.generators.resolved_config import resolved_config_yaml
+from hf_scale.generators.starter_recipe import starter_recipe
 
 RECIPE_HEADER = (
     "Written by hf-scale generate --recipe; edit it (regenerating will not overwrite your edits without --force)."

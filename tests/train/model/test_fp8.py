@@ -31,9 +31,9 @@ def _write_yaml(tmp_path, cfg):
 
 
 def _launch_env(path):
-    from hf_scale.check.inputs import _accelerate_launch_env
+    from hf_scale.check.inputs import accelerate_launch_env
 
-    env, error = _accelerate_launch_env(path, yaml.safe_load(path.read_text()))
+    env, error = accelerate_launch_env(path, yaml.safe_load(path.read_text()))
     assert error is None and env is not None
     return env
 

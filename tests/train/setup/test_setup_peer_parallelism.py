@@ -26,21 +26,17 @@ EXPECTED = {
 
 
 def launched_env(yaml_file) -> dict[str, str]:
-    """What `accelerate launch --config_file YAML train.py` gives rank 0 (accelerate's own parser and launch code;
-    torchrun adds the ranks)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+    """What `accelerate launch --config_file YAML train.py` gives rank 0: accelerate's own parser and launch code, as
+    `hf-scale check` runs them (check.inputs.accelerate_launch_env); torchrun adds the ranks."""
+    import yaml
 
-    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(
-        ["--config_file", str(yaml_file), "train.py"]))
-    if args.use_deepspeed:
-        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) + ",mixed_precision"
-        _, env = prepare_deepspeed_cmd_env(args)
-    else:
-        env = prepare_multi_gpu_env(args)
+    from hf_scale.check.inputs import accelerate_launch_env
+
+    env, error = accelerate_launch_env(yaml_file, yaml.safe_load(yaml_file.read_text()))
+    assert env is not None, error
     launched = {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))}
-    return {**launched, "WORLD_SIZE": str(args.num_processes), "LOCAL_WORLD_SIZE": str(args.num_processes),
-            "RANK": "0", "LOCAL_RANK": "0"}
+    processes = env.get("WORLD_SIZE") or str(yaml.safe_load(yaml_file.read_text()).get("num_processes", 1))
+    return {**launched, "WORLD_SIZE": processes, "LOCAL_WORLD_SIZE": processes, "RANK": "0", "LOCAL_RANK": "0"}
 
 
 @pytest.fixture
