@@ -36,14 +36,6 @@ STRATEGIES = {
     "zero3": "zero3",
     "zero3_offload": "zero3_offload",
 }
-# name -> the planner's candidate key
-PLANNER_KEYS = {
-    "ddp": "ddp",
-    "zero1": "zero1",
-    "zero2": "zero2",
-    "zero3": "zero3",
-    "zero3_offload": "zero3_offload_opt_params",
-}
 
 
 def generate(config_dir: Path, name: str, micro_batch: int) -> Path:
@@ -86,7 +78,8 @@ def planned_model_states(micro_batch: int) -> dict[str, int]:
     )
     plan = make_plan(workload, gpu_memory=10**15)
     by_key = {a.candidate.key: a.estimate for a in plan.assessments if not a.candidate.activation_checkpointing}
-    return {name: by_key[key].model_states + by_key[key].cpu_per_machine // WORLD for name, key in PLANNER_KEYS.items()}
+    # one catalogue (hf_scale.config.presets): the preset's name is the planner's candidate key
+    return {name: by_key[key].model_states + by_key[key].cpu_per_machine // WORLD for name, key in STRATEGIES.items()}
 
 
 def run_strategy(script: Path, args, model_dir: Path, data_file: Path, run_dir: Path) -> dict:

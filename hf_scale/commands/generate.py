@@ -75,7 +75,8 @@ examples:
   hf-scale generate --preset zero3 --num-machines 2 --gpus-per-machine 4 --set topology.main_process_ip=10.1.2.3
 
 --strategy auto runs `hf-scale plan` on --model with the planning flags (above) and generates the
-recommended config (default NAME: the recommended candidate, e.g. zero2); --set still applies on top.
+recommended config (default NAME: the recommended entry of the strategy catalogue, `hf-scale presets`, e.g. zero2,
+or with a size and activation checkpointing, fsdp2_tp4_ac); --set still applies on top.
 Without --strategy auto, the planning flags that are a field of the config (--num-machines,
 --gpus-per-machine, --micro-batch-size, --precision, --activation-checkpointing on|off) set it as --set would,
 before the --set overrides; the others (--gpu-memory, --seq-len, ...) need --strategy auto.
@@ -152,7 +153,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     presets = subparsers.add_parser(
         "presets",
-        description="List the presets usable with `hf-scale generate --preset NAME`.",
+        description="List the strategy catalogue: the presets usable with `hf-scale generate --preset NAME`, and which "
+        "of them `hf-scale plan` tries (PLANNED: yes, or the degree it tries at each size; -: not planned).",
         epilog="example:\n  hf-scale presets\n  hf-scale generate --preset zero3_offload",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -407,15 +409,20 @@ def _print_summary(cfg: DistributedConfig, name: str) -> None:
 
 
 def run_presets(args: argparse.Namespace) -> int:
-    rows = [("NAME", "STRATEGY", "PROCESSES", "DESCRIPTION")]
+    """Print the strategy catalogue: name, strategy, processes, whether and how `hf-scale plan` tries it, description
+    (docs/config.md's table is tested against this output)."""
+    from hf_scale.planner.parallel import SIZES
+
+    rows = [("NAME", "STRATEGY", "PROCESSES", "PLANNED", "DESCRIPTION")]
     for preset in PRESETS.values():
         cfg = load_preset(preset.name)
-        rows.append((preset.name, cfg.strategy, str(cfg.world_size), preset.description))
-    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+        planned = "-" if preset.planned is None else "yes"
+        if preset.planned is not None and preset.planned.vary:
+            planned = f"{preset.planned.vary} {','.join(map(str, SIZES))}"
+        rows.append((preset.name, cfg.strategy, str(cfg.world_size), planned, preset.description))
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
     for row in rows:
-        print(
-            "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
-        )
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4])
     return 0
 
 

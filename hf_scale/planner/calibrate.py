@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hf_scale.errors import UserError
 from hf_scale.files.reading import load_json, read_bytes, read_text
+from hf_scale.planner import strategies
 from hf_scale.planner.estimate import Candidate, Workload
 from hf_scale.planner.hardware import Hardware
 from hf_scale.planner.time_model import step_time
@@ -178,14 +179,11 @@ def _candidate(state: dict, activation_checkpointing: bool) -> Candidate:
     engine = _ENGINES[state["strategy"]]
     stage = int(state.get("zero_stage") or 0) if engine == "deepspeed" else 0
     hybrid = engine == "fsdp" and int(sizes.get("dp_replicate", 1)) > 1
-    key = {"ddp": "ddp", "deepspeed": f"zero{stage}", "fsdp": "fsdp2_hybrid_shard" if hybrid else "fsdp2_full_shard"}
-    label = {"ddp": "DDP", "deepspeed": f"ZeRO-{stage}", "fsdp": "FSDP2 hybrid shard" if hybrid else "FSDP2 full shard"}
-    name, text = key[engine], label[engine]
-    if tp > 1 or cp > 1:
-        name = "fsdp2_" + ("hybrid_" if hybrid else "") + (f"tp{tp}" if tp > 1 else "") + (f"cp{cp}" if cp > 1 else "")
-        text = ("HSDP" if hybrid else "FSDP2") + (f" x TP={tp}" if tp > 1 else "") + (f" x CP={cp}" if cp > 1 else "")
-    return Candidate(name, text, engine, zero_stage=stage, hybrid=hybrid, tp=tp, cp=cp,
-                     activation_checkpointing=activation_checkpointing)
+    # named as the catalogue names the setup (a composite name where it has none, e.g. tp and cp together)
+    name = "fsdp2_" + ("hybrid_" if hybrid else "") + (f"tp{tp}" if tp > 1 else "") + (f"cp{cp}" if cp > 1 else "")
+    text = ("HSDP" if hybrid else "FSDP2") + (f" x TP={tp}" if tp > 1 else "") + (f" x CP={cp}" if cp > 1 else "")
+    return strategies.named(Candidate(name, text, engine, zero_stage=stage, hybrid=hybrid, tp=tp, cp=cp,
+                                      activation_checkpointing=activation_checkpointing))
 
 
 def calibrate(run_dir: str, hw: Hardware, *, gpus_per_machine: int, optimizer: str = "adamw") -> Calibration:

@@ -59,7 +59,9 @@ class Candidate:
     """One way to run the job."""
 
     key: str
-    """Stable identifier, also the default name of generated files, e.g. zero3_offload_opt."""
+    """The strategy catalogue's name of this setup (hf_scale.config.presets, sizes by its sized_name rule), also the
+    default
+    name of generated files, e.g. zero3_offload or fsdp2_tp4."""
     label: str
     """Human-readable name for tables."""
     engine: Literal["ddp", "deepspeed", "fsdp"]

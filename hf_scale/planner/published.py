@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from hf_scale.knowledge.model_shapes import ModelShapes
+from hf_scale.planner import strategies
 from hf_scale.planner.estimate import Candidate, Workload
 from hf_scale.planner.hardware import Hardware, architecture, hardware
 from hf_scale.planner.time_model import step_time
@@ -106,7 +107,8 @@ def _inputs(index: int) -> tuple[Workload, Candidate, dict]:
         seq_len=int(row["seq_len"]),
         micro_batch_size=int(row["micro_batch"]),
     )
-    c = replace(LAYOUTS[row["layout"]], tp=int(row.get("tp", 1)), cp=int(row.get("cp", 1)))
+    # named as the strategy catalogue names the setup at these degrees (fsdp2_tp4, ...)
+    c = strategies.named(replace(LAYOUTS[row["layout"]], tp=int(row.get("tp", 1)), cp=int(row.get("cp", 1))))
     options = dict(
         recompute=row["recompute"],
         micro_steps=int(row["micro_steps"]),

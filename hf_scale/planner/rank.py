@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from hf_scale.config.distributed_config import DistributedConfig, validate_config
 from hf_scale.config.presets import PLACEHOLDER_MAIN_IP
-from hf_scale.planner import parallel
+from hf_scale.planner import parallel, strategies
 from hf_scale.planner.budgets import preemption_budget
 from hf_scale.planner.estimate import Candidate, Estimate, Workload, estimate
 from hf_scale.planner.hardware import Hardware, hardware
@@ -23,26 +23,6 @@ TIE = 0.02
 DEFAULT_SAFETY_MARGIN = 0.10
 """Fraction of GPU (and CPU) memory kept free for the CUDA context, NCCL, cuBLAS workspaces and allocator
 fragmentation; the estimates are of what PyTorch allocates."""
-
-_BASE = [
-    Candidate("ddp", "DDP", "ddp"),
-    Candidate("zero1", "ZeRO-1", "deepspeed", zero_stage=1),
-    Candidate("zero2", "ZeRO-2", "deepspeed", zero_stage=2),
-    Candidate("zero2_offload_opt", "ZeRO-2 + opt offload", "deepspeed", zero_stage=2, offload_optimizer=True),
-    Candidate("zero3", "ZeRO-3", "deepspeed", zero_stage=3),
-    Candidate("zero3_offload_opt", "ZeRO-3 + opt offload", "deepspeed", zero_stage=3, offload_optimizer=True),
-    Candidate(
-        "zero3_offload_opt_params",
-        "ZeRO-3 + opt+param offload",
-        "deepspeed",
-        zero_stage=3,
-        offload_optimizer=True,
-        offload_params=True,
-    ),
-    Candidate("fsdp2_full_shard", "FSDP2 full shard", "fsdp"),
-    Candidate("fsdp2_hybrid_shard", "FSDP2 hybrid shard", "fsdp", hybrid=True),
-]
-
 
 @dataclass(frozen=True)
 class Assessment:
@@ -60,7 +40,9 @@ class Assessment:
 
     @property
     def slug(self) -> str:
-        """File-name friendly id including the checkpointing choice."""
+        """The candidate's strategy-catalogue name (hf_scale.config.presets, sizes by its sized_name rule) with ``_ac``
+        when it
+        runs with activation checkpointing: the plan's name for it and the default name of its generated files."""
         return self.candidate.key + ("_ac" if self.candidate.activation_checkpointing else "")
 
 
@@ -92,10 +74,11 @@ class Plan:
 
 def candidates(w: Workload, activation_checkpointing: str) -> list[Candidate]:
     """Every candidate that makes sense on this topology, with/without activation checkpointing as asked
-    (auto: both)."""
+    (auto: both): the strategy catalogue's planned entries (hf_scale.config.presets), the varied ones at each size
+    hf_scale.planner.parallel allows, in the catalogue's order."""
     choices = {"on": [True], "off": [False], "auto": [False, True]}[activation_checkpointing]
     out = []
-    for base in _BASE:
+    for base in (strategies.candidate(entry.name) for entry in strategies.planned(None)):
         if base.hybrid and (w.num_machines < 2 or w.gpus_per_machine < 2):
             continue  # hybrid needs a shard group inside each machine and more than one machine
         for ac in choices:

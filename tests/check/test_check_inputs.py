@@ -10,6 +10,7 @@ import pytest
 import yaml
 from check_cases import DDP_YAML, DS_JSON, DS_YAML, REPO, check_json, merged, run_cli
 
+from hf_scale.config.presets import PLACEHOLDER_MAIN_IP, get_preset
 from hf_scale.knowledge.rules import given_flags
 
 BAD_INPUTS = {
@@ -141,7 +142,7 @@ def test_a_flag_is_given_in_every_spelling_train_py_takes_and_from_a_recipe(spel
 
 PRESETS = sorted(path.stem for path in (REPO / "hf_scale_configs").glob("*.yaml"))
 # A multinode preset ships a placeholder address: its launch scripts take MAIN_PROCESS_IP (a warning by design).
-_PLACEHOLDER_IP = {"ddp_multinode", "fsdp2_hybrid_multinode"}
+_PLACEHOLDER_IP = {name for name in PRESETS if get_preset(name).topology.main_process_ip == PLACEHOLDER_MAIN_IP}
 
 
 def _check_repo(monkeypatch, capsys, name: str, train: list[str]) -> tuple[int, dict]:
@@ -154,11 +155,20 @@ def _check_repo(monkeypatch, capsys, name: str, train: list[str]) -> tuple[int, 
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_every_preset_is_clean_as_its_launch_scripts_launch_it(name, monkeypatch, capsys):
+def test_every_preset_is_clean_as_its_launch_scripts_launch_it(name, tmp_path, monkeypatch, capsys):
     """The generated scripts pass exactly `--hf_scale_config hf_scale_configs/NAME.yaml`: check applies it as
-    train.py does (batch, precision, clipping, optimizer values filled before anything compares them)."""
+    train.py does (batch, precision, clipping, optimizer values filled before anything compares them). An expert-
+    parallel preset is checked with the mixture-of-experts model it is for (8 experts: ep 2 splits them)."""
     assert len(PRESETS) >= 10
-    code, payload = _check_repo(monkeypatch, capsys, name, ["--hf_scale_config", f"hf_scale_configs/{name}.yaml"])
+    train = ["--hf_scale_config", f"hf_scale_configs/{name}.yaml"]
+    if get_preset(name).parallelism.ep:
+        from transformers import Qwen3MoeConfig
+
+        Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                       num_experts_per_tok=2, vocab_size=128).save_pretrained(tmp_path / "moe8")
+        train += ["--model_name_or_path", str(tmp_path / "moe8")]
+    code, payload = _check_repo(monkeypatch, capsys, name, train)
     expected = ["main-ip-placeholder"] if name in _PLACEHOLDER_IP else []
     assert (code, [f["code"] for f in payload["findings"]]) == (0, expected), payload["findings"]
 

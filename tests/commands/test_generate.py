@@ -368,7 +368,7 @@ def test_default_name_is_the_config_file_stem(tmp_path, capsys):
 def test_presets_lists_every_preset_with_its_description(capsys):
     assert main(["presets"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["NAME", "STRATEGY", "PROCESSES", "DESCRIPTION"]
+    assert out[0].split() == ["NAME", "STRATEGY", "PROCESSES", "PLANNED", "DESCRIPTION"]
     for name, preset in PRESETS.items():
         assert any(line.startswith(name + " ") and line.endswith(preset.description) for line in out)
 

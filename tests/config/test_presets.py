@@ -97,3 +97,45 @@ def test_checked_in_hf_scale_config_loads_back_as_its_preset(name):
 
 def test_no_launch_files_are_checked_in():
     assert not (REPO / "launch").exists()
+
+
+def test_one_name_per_setup():
+    """The strategy catalogue names each setup once: no two entries with the same config, and no two planned entries
+    (at any of the planner's sizes) that the planner would estimate as the same setup."""
+    from hf_scale.planner.parallel import SIZES
+    from hf_scale.planner.strategies import candidate
+
+    configs = [get_preset(name).model_dump(mode="json") for name in PRESETS]
+    assert all(configs.count(config) == 1 for config in configs)
+    setups: dict[tuple, str] = {}
+    for name, entry in PRESETS.items():
+        if entry.planned is None:
+            continue
+        vary = entry.planned.vary
+        assert vary is None or f"_{vary}" in name, f"{name}: sized_name needs _{vary} in the name"
+        for size in SIZES if vary else (None,):
+            c = candidate(name, size)
+            setup = (c.engine, c.zero_stage, c.offload_optimizer, c.offload_params, c.hybrid, c.tp, c.cp, c.ep)
+            assert setup not in setups, f"{c.key} and {setups[setup]} are one setup"
+            setups[setup] = c.key
+    assert len(set(setups.values())) == len(setups)
+
+
+def presets_table(text: str) -> list[list[str]]:
+    """The rows of a table of `hf-scale presets` output, split at its header's columns."""
+    lines = text.splitlines()
+    starts = [lines[0].index(word) for word in lines[0].split()]
+    return [[line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)] for line in lines]
+
+
+def test_docs_preset_table_is_hf_scale_presets(capsys):
+    """docs/config.md's preset table says what `hf-scale presets` prints, row for row."""
+    assert main(["presets"]) == 0
+    header, *rows = presets_table(capsys.readouterr().out)
+    doc = (REPO / "docs" / "config.md").read_text()
+    start = doc.index("| Preset | Strategy |")
+    table = doc[start:doc.index("\n\n", start)].splitlines()
+    doc_header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    doc_rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    assert [cell.upper() for cell in doc_header] == ["PRESET", *header[1:]]
+    assert [[row[0].strip("`"), *row[1:]] for row in doc_rows] == rows

@@ -16,6 +16,7 @@ from paths import TINY_LLAMA
 
 from hf_scale.commands.cli import main
 from hf_scale.config.distributed_config import load_config
+from hf_scale.config.presets import get_preset
 from hf_scale.planner.report import clipped_bars, plan_figure
 
 TINY = str(TINY_LLAMA)
@@ -128,8 +129,11 @@ def test_generate_strategy_auto_writes_a_deepspeed_config_when_sharding_is_neede
     argv = ["generate", "--strategy", "auto", "--model", llama8b, "--deepspeed-mode", "resolved",
             "--gpus-per-machine", "1", "--cpu-memory", "512GiB"]
     main([*argv, "--output-dir", str(tmp_path)])
-    ds = json.loads((tmp_path / "ds_configs" / "zero2_offload_opt.json").read_text())
+    ds = json.loads((tmp_path / "ds_configs" / "zero2_offload.json").read_text())
     assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    # named after the strategy catalogue's entry, which is the same setup: the preset zero2_offload
+    planned = load_config(str(tmp_path / "hf_scale_configs" / "zero2_offload.yaml"))
+    assert planned.deepspeed == get_preset("zero2_offload").deepspeed
     assert ds["train_batch_size"] == 1
 
 

@@ -24,7 +24,7 @@ LLAMA_31_8B = dict(
 )
 DDP = Candidate("ddp", "DDP", "ddp")
 ZERO2 = Candidate("zero2", "ZeRO-2", "deepspeed", zero_stage=2)
-ZERO2_OFF = Candidate("zero2_offload_opt", "", "deepspeed", zero_stage=2, offload_optimizer=True)
+ZERO2_OFF = Candidate("zero2_offload", "", "deepspeed", zero_stage=2, offload_optimizer=True)
 ZERO3 = Candidate("zero3", "ZeRO-3", "deepspeed", zero_stage=3)
 ZERO3_OFF = Candidate("zero3_offload_opt", "", "deepspeed", zero_stage=3, offload_optimizer=True)
 ZERO3_OFF_ALL = Candidate("z3all", "", "deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True)

@@ -59,7 +59,7 @@ def test_70b_on_8x80gb_is_refused_with_reasons_when_cpu_ram_is_short(shapes):
     p = plan(shapes, "70b", cpu=512 * GIB)
     assert p.recommended is None
     assert len(p.rejected_faster) == len(p.assessments)
-    offload = next(a for a in p.assessments if a.slug == "zero3_offload_opt_params_ac")
+    offload = next(a for a in p.assessments if a.slug == "zero3_offload_ac")
     assert "CPU RAM per machine > 460.8 GiB usable" in offload.reason
 
 
@@ -70,12 +70,12 @@ def test_lora_lets_8b_run_with_plain_ddp(shapes):
 def test_candidates_are_ordered_fastest_first_and_offload_comes_last(shapes):
     p = plan(shapes, "8b", machines=2)
     order = [a.slug for a in p.assessments]
-    assert order.index("zero3") < order.index("zero3_offload_opt") < order.index("zero3_offload_opt_params")
+    assert order.index("zero3") < order.index("zero3_offload_opt") < order.index("zero3_offload")
     assert order.index("fsdp2_full_shard") < order.index("fsdp2_full_shard_ac")  # recomputing costs time
     # fastest first, predictions closer than TIE being a tie that the list order decides
     speeds = [a.time.tokens_per_s for a in p.assessments]
     assert all(a >= b / (1 + TIE) ** 2 for a, b in zip(speeds, speeds[1:], strict=False))
-    assert "fsdp2_hybrid_shard" not in [a.slug for a in plan(shapes, "8b").assessments]
+    assert "fsdp2_hybrid_multinode" not in [a.slug for a in plan(shapes, "8b").assessments]
 
 
 @pytest.mark.parametrize("machines", [1, 2])

@@ -23,7 +23,7 @@ LLAMA = {
                 intermediate_size=28672, vocab_size=128256),
 }  # fmt: skip
 FSDP = Candidate("fsdp2_full_shard", "FSDP2 full shard", "fsdp")
-HYBRID = Candidate("fsdp2_hybrid_shard", "FSDP2 hybrid shard", "fsdp", hybrid=True)
+HYBRID = Candidate("fsdp2_hybrid_multinode", "FSDP2 hybrid shard", "fsdp", hybrid=True)
 ZERO3_OFFLOAD = Candidate(
     "zero3_offload_opt", "ZeRO-3 + opt offload", "deepspeed", zero_stage=3, offload_optimizer=True
 )
