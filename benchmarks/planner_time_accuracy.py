@@ -79,9 +79,10 @@ def main() -> int:
 
 
 def _layout(row: dict) -> str:
-    """The row's layout and options, e.g. fsdp_full_shard+cp2+fp8+compile."""
+    """The row's layout and options, e.g. fsdp_full_shard+cp2+fp8+compile, fsdp_full_shard+tp2+compile+lora16."""
     extras = [f"{k}{row[k]}" for k in ("tp", "cp") if row.get(k, 1) > 1]
     extras += [k for k in ("fp8", "compile") if row.get(k)]
+    extras += [f"lora{row['lora_r']}"] if row.get("lora_r") else []
     return "+".join([row["layout"], *extras])
 
 

@@ -7,7 +7,10 @@ each (``hf_scale.train.main.train``: the same flags, checks, loops and checkpoin
 checkpoints live in ``--output_dir`` (a filesystem every Ray node sees), which is also the ``RunConfig`` storage.
 ``FailureConfig(max_failures=N)``: when a worker dies (a lost node, a killed process) Ray restarts the whole group
 and train.py resumes from the newest complete checkpoint there (``--resume_from_checkpoint auto`` is added unless
-the flags already say where to resume from).
+the flags already say where to resume from). ``--preemption_grace_s N`` is ``FailureConfig(preemption_grace_s=N)``:
+how long the workers of a preempted group may keep running past the node's drain deadline (the generated
+``launch/NAME.ray.sh`` passes cluster.preempt_signal_lead_s, a predicted step + save); the drain window itself is the
+cloud's or the autoscaler's, which no Ray Train setting lengthens.
 
 Ray is an optional dependency (``pip install 'hf-scale[ray]'``). Without RAY_ADDRESS or --ray_address a local Ray
 instance is started; --ray_node_ip pins the address that Ray (and so the workers' rendezvous, Ray's MASTER_ADDR) use.
@@ -73,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_failures", type=int, default=DEFAULT_MAX_FAILURES, metavar="N",
                         help=f"restarts of the worker group after a worker failure (default {DEFAULT_MAX_FAILURES}; "
                         "-1: unlimited)")
+    parser.add_argument("--preemption_grace_s", type=float, default=0.0, metavar="S",
+                        help="seconds a preempted worker group may keep running past the drain deadline to finish its "
+                        "step and checkpoint (Ray Train's FailureConfig.preemption_grace_s; default 0: Ray's)")
     parser.add_argument("--ray_address", metavar="ADDRESS",
                         help="Ray cluster to join (default: $RAY_ADDRESS, else a new local instance)")
     parser.add_argument("--ray_node_ip", metavar="IP",
@@ -97,6 +103,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, DistributedConfig, list[
     ns, train_args = parser.parse_known_args(argv)
     if ns.max_failures < -1:
         raise UserError(f"--max_failures={ns.max_failures} is invalid: allowed -1 (unlimited) or 0 and more")
+    if not 0 <= ns.preemption_grace_s < float("inf"):  # argparse's float takes nan and inf
+        raise UserError(f"--preemption_grace_s={ns.preemption_grace_s} is invalid: allowed 0 or more seconds")
     if ns.ray_num_cpus is not None and ns.ray_num_cpus < 1:
         raise UserError(f"--ray_num_cpus={ns.ray_num_cpus} is invalid: allowed 1 or more (leave it out to offer all "
                         "of this machine's CPUs)")
@@ -228,6 +236,22 @@ def _train_worker(loop_config: dict) -> None:
         raise RuntimeError(f"hf_scale: train.py ended with exit code {code}")
 
 
+def failure_config(ns: argparse.Namespace):
+    """Ray Train's ``FailureConfig`` of these options: the restart budget and the preemption grace. A Ray whose
+    FailureConfig has no ``preemption_grace_s`` (it came with Ray Train v2's preemption handling) runs without it,
+    said on stderr."""
+    import dataclasses
+
+    from ray.train import FailureConfig
+
+    grace = {"preemption_grace_s": ns.preemption_grace_s} if ns.preemption_grace_s else {}
+    if grace and "preemption_grace_s" not in {f.name for f in dataclasses.fields(FailureConfig)}:
+        print(f"{PROG}: warning: --preemption_grace_s={ns.preemption_grace_s:g} is ignored: this Ray's FailureConfig "
+              "has no preemption_grace_s (a newer Ray has)", file=sys.stderr)
+        grace = {}
+    return FailureConfig(max_failures=ns.max_failures, **grace)
+
+
 def scaling(cfg: DistributedConfig, cluster_gpus: float) -> dict:
     """ScalingConfig arguments for the config: one worker per process, one GPU each when the cluster has GPUs."""
     use_gpu = cluster_gpus > 0
@@ -257,7 +281,7 @@ def run(argv: list[str]) -> int:
     os.environ.update(local_only_env(address, ns.ray_node_ip))  # before `import ray`, which reads it
     try:
         import ray
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError:
         raise UserError("Ray is not installed: pip install 'hf-scale[ray]'") from None
@@ -293,7 +317,7 @@ def run(argv: list[str]) -> int:
             run_config=RunConfig(
                 name="ray_train",
                 storage_path=ns.output_dir,
-                failure_config=FailureConfig(max_failures=ns.max_failures),
+                failure_config=failure_config(ns),
             ),
         )
         result = trainer.fit()

@@ -9,6 +9,12 @@ and ``run`` starts ``launch/NAME.node.sh`` on each of
 SKYPILOT_NUM_GPUS_PER_NODE (hf_scale.generators.node_entry). Checkpoints go to a bucket mounted at
 ``cluster.output_dir``: a managed job recovered on new nodes (preemption, or exit 75 after a stop request, listed
 in ``recover_on_exit_codes``) resumes from the newest complete checkpoint there.
+
+The stop budget (a step plus a save, cluster.termination_grace_period_s: predicted by `hf-scale plan`) goes where
+SkyPilot has a setting for it: on Kubernetes infra the pods' ``terminationGracePeriodSeconds``
+(``config.kubernetes.pod_config``, a task-level override of SkyPilot's config). A cloud VM's preemption notice is
+the cloud's (AWS spot: 2 minutes; GCP and Azure spot: 30 s), which no SkyPilot field lengthens: there a save that
+does not fit is lost and the recovered job resumes from the checkpoint before it (the header says so).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from hf_scale.generators.launch import _check_name
 def sky_task(cfg: DistributedConfig, name: str) -> dict[str, Any]:
     _check_name(name)
     cluster, sky = cfg.cluster, cfg.cluster.skypilot
+    grace = cluster.termination_grace_period_s
     run = shlex.join(["bash", output_paths.launch_file(f"{name}.node.sh"), *cluster.node_train_args(name)])
     return {
         "name": job_name(name),
@@ -47,14 +54,21 @@ def sky_task(cfg: DistributedConfig, name: str) -> dict[str, Any]:
         **({"envs": dict(cluster.env)} if cluster.env else {}),
         "setup": pip_install(),
         "run": run,
+        "config": {"kubernetes": {"pod_config": {"spec": {"terminationGracePeriodSeconds": grace}}}},
     }
 
 
 def sky_yaml(cfg: DistributedConfig, name: str, *, header: str) -> str:
+    grace = cfg.cluster.termination_grace_period_s
     usage = f"""Launch from the directory holding launch/ (workdir: . is synced to every node):
   sky jobs launch launch/{name}.sky.yaml        (managed: recovers from preemption, resumes from the bucket)
   sky launch -c {job_name(name)} launch/{name}.sky.yaml   (a cluster you manage)
 setup installs hf_scale from the synced {SOURCE_ARCHIVE} with {REQUIREMENTS_FILE} (written beside
-launch/ by hf-scale generate: the hf_scale that generated these files)."""
+launch/ by hf-scale generate: the hf_scale that generated these files).
+A stop (preemption, `sky jobs cancel`) must finish the step in progress and write a checkpoint: {grace} s
+(cluster.termination_grace_period_s, a step plus a save predicted by `hf-scale plan`). On Kubernetes infra,
+config.kubernetes.pod_config gives the pods that grace period; a cloud VM's preemption notice is the cloud's (AWS
+spot: 2 minutes; GCP and Azure spot: 30 s) and SkyPilot has no field to lengthen it: a save longer than that is
+lost and the recovered job resumes from the checkpoint before it."""
     comment = "".join(f"# {line}".rstrip() + "\n" for line in f"{header}\n{usage}".splitlines())
     return comment + yaml.safe_dump(sky_task(cfg, name), sort_keys=False, default_flow_style=False)

@@ -12,7 +12,7 @@ from hf_scale.config.cluster_section import DEFAULT_GRACE_PERIOD_S, DEFAULT_SIGN
 from hf_scale.planner.time_model import StepTime
 
 HEADROOM = 1.5
-"""Factor on step + save: the prediction's own error (docs/plan.md: 93% of the published rows within +-25% out of
+"""Factor on step + save: the prediction's own error (docs/plan.md: 98% of the published rows within +-25% out of
 sample) and a filesystem slower than assumed, with room to spare."""
 
 

@@ -62,6 +62,8 @@ def shapes(name: str) -> ModelShapes:
     embedding = m["vocab"] * d
     numels = (embedding, *(layer,) * m["layers"], d, *(() if m["tied"] else (embedding,)))
     linear = (layer - 2 * d) * m["layers"]
+    # LoRA on every linear of a layer (q, k, v, o, gate, up, down): r x (in + out) each
+    lora = m["layers"] * (7 * d + 2 * (m["heads"] + m["kv_heads"]) * head_dim + 3 * m["intermediate"])
     return ModelShapes(
         name=name,
         model_type="llama",
@@ -77,7 +79,7 @@ def shapes(name: str) -> ModelShapes:
         param_numels=numels,
         decoder_layer_params=layer,
         largest_layer_params=embedding,
-        lora_params_per_rank=0,
+        lora_params_per_rank=lora,
         linear_params=linear,
     )
 
@@ -106,6 +108,7 @@ def _inputs(index: int) -> tuple[Workload, Candidate, dict]:
         num_machines=max(gpus // 8, 1),
         seq_len=int(row["seq_len"]),
         micro_batch_size=int(row["micro_batch"]),
+        lora_r=row.get("lora_r"),
     )
     # named as the strategy catalogue names the setup at these degrees (fsdp2_tp4, ...)
     c = strategies.named(replace(LAYOUTS[row["layout"]], tp=int(row.get("tp", 1)), cp=int(row.get("cp", 1))))

@@ -59,6 +59,9 @@ def test_parse_adds_the_config_output_dir_and_resume(tmp_path):
         ray_train.scaling(cfg, 1)
     with pytest.raises(UserError, match="--max_failures=-2"):
         ray_train.parse(["--hf_scale_config", str(config), "--output_dir", "o", "--max_failures", "-2"])
+    for grace in ("-1", "nan", "inf"):
+        with pytest.raises(UserError, match=f"--preemption_grace_s={grace}.* is invalid: allowed 0 or more seconds"):
+            ray_train.parse(["--hf_scale_config", str(config), "--output_dir", "o", "--preemption_grace_s", grace])
     with pytest.raises(UserError, match="--hf_scale_config"):
         ray_train.parse(["--output_dir", "o"])
 
