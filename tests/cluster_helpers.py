@@ -8,7 +8,9 @@ from pathlib import Path
 
 import psutil
 
+from hf_scale.clusters import CHOSEN, standard_files
 from hf_scale.commands.cli import main
+from hf_scale.generators.launch import launch_files
 
 IMAGE = "registry.example.com/team/hf-scale:0.1.0"
 CONFIGS = {
@@ -24,7 +26,7 @@ LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 address), so two "nodes" on one machine would talk over it; the rendezvous address alone does not keep it on lo."""
 
 
-def generate_all(root: Path, name: str, targets: str = "kubeflow,pytorchjob,skypilot,ray,docker") -> Path:
+def generate_all(root: Path, name: str, targets: str = ",".join(CHOSEN)) -> Path:
     preset, sets = CONFIGS[name]
     sets = [*sets, f"cluster.image={IMAGE}"]
     args = [arg for item in sets for arg in ("--set", item)]
@@ -62,3 +64,10 @@ class Connections:
 
     def off_loopback(self) -> list[tuple[str, str]]:
         return sorted(pair for pair in self.seen if not all(map(_loopback, pair)))
+
+
+def launch_scripts(cfg, name: str, *, header: str) -> dict[str, str]:
+    """File name (in launch/) -> text of every launch file generate writes without --targets: the one-machine
+    scripts (hf_scale.generators.launch) and the SLURM sbatch script (hf_scale.clusters.slurm)."""
+    always = {Path(path).name: text for path, text in standard_files(cfg, name, header=header).items()}
+    return {**launch_files(cfg, name, header=header), **always}

@@ -64,14 +64,15 @@ def import_graph() -> dict[str, frozenset[str]]:
 LAYERS = (
     ("hf_scale.errors", "hf_scale.exit_codes"),
     ("hf_scale", "hf_scale.quiet", "hf_scale.config", "hf_scale.knowledge", "hf_scale.contract", "hf_scale.files"),
-    ("hf_scale.generators", "hf_scale.planner"),
+    ("hf_scale.generators", "hf_scale.clusters", "hf_scale.planner"),
     ("hf_scale.train",),
     ("hf_scale.check", "hf_scale.doctor", "hf_scale.export"),
     ("hf_scale.commands", "hf_scale.train.__main__"),
     ("hf_scale.commands.cli", "hf_scale.__main__"),
 )
 """hf_scale's packages, lowest first: how processes fail and exit; the base (the config, the knowledge of the
-libraries, train.py's contract, files); what is derived from a config (generated files, plans); the training
+libraries, train.py's contract, files); what is derived from a config (generated files, cluster targets' files, plans);
+the training
 runtime; the libraries of the commands that read a run's files (check, doctor, export); the commands (and the
 `python -m` entry points); the CLI that loads them by name."""
 

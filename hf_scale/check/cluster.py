@@ -43,6 +43,7 @@ from hf_scale.check.manifest_facts import (
     train_command,
 )
 from hf_scale.check.manifest_schema import manifest_problem
+from hf_scale.clusters import MANIFEST_KINDS, pytorchjob, recognised_manifest, skypilot
 from hf_scale.config.cluster_section import image_problem
 from hf_scale.errors import UserError
 from hf_scale.generators import output_paths
@@ -55,12 +56,9 @@ GRACE_MARGIN = 2.0
 
 
 def manifest_kind(data: Any) -> str:
-    """TrainJob, PyTorchJob or SkyPilot (a task: `run` and/or `num_nodes`/`resources`, no `kind`)."""
-    if isinstance(data, dict) and data.get("kind") in ("TrainJob", "PyTorchJob"):
-        return data["kind"]
-    if isinstance(data, dict) and "kind" not in data and ("run" in data or "num_nodes" in data):
-        return "SkyPilot"
-    raise UserError("the manifest is neither a TrainJob, a PyTorchJob (kind:) nor a SkyPilot task (run:, num_nodes:)")
+    """The kind of job manifest a YAML document is (TrainJob, PyTorchJob, SkyPilot: hf_scale.clusters'
+    MANIFEST_KINDS); a UserError naming every kind when it is none."""
+    return recognised_manifest(data).kind
 
 
 def _count(value: Any) -> int | None:
@@ -124,7 +122,7 @@ def _deepspeed_batch(path: str, kind: str, facts: Facts, deepspeed: dict, label:
 
 def _size_findings(path: str, kind: str, facts: Facts, ref: Reference) -> Iterator[Finding]:
     """`manifest-nodes`, `manifest-processes`, `manifest-gpus` against one config."""
-    where = {"TrainJob": "spec.trainer", "PyTorchJob": "spec", "SkyPilot": "resources"}[kind]
+    where = next(each.gpus_at for each in MANIFEST_KINDS if each.kind == kind)
     per_machine = ref.per_node
     nodes = [count for count in (_count(facts.nodes), facts.launcher_nodes) if count is not None]
     wrong = next((count for count in nodes if count != ref.nodes), None) if ref.nodes is not None else None
@@ -281,7 +279,7 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
     kind = manifest_kind(data)
     problem = manifest_problem(kind, data)
     if problem:
-        fix = "kubectl would refuse it" if kind != "SkyPilot" else "sky launch would refuse it"
+        fix = "kubectl would refuse it" if kind != skypilot.KIND else "sky launch would refuse it"
         yield Finding(ERROR, "manifest-invalid", path, kind, problem, f"fix the {kind} ({fix})")
     try:
         facts = manifest_facts(kind, data)
@@ -338,14 +336,14 @@ def _image_findings(path: str, kind: str, data: dict, facts: Facts, runs_hf_scal
     """`manifest-image`: a pinned tag (not `latest`, not none). A TrainJob may leave spec.trainer.image out: its
     training runtime supplies the image, which check cannot see (whether it has hf_scale is the point: said when
     the command runs hf_scale)."""
-    if kind == "SkyPilot":
+    if kind == skypilot.KIND:
         return
     fix = "use a pinned image, e.g. registry.example.com/team/hf-scale:0.1.0"
     if facts.image:
         issue = image_problem(facts.image)
         if issue:
             yield Finding(ERROR, "manifest-image", path, "image", f"image {facts.image!r} {issue}", fix)
-    elif kind == "PyTorchJob":
+    elif kind == pytorchjob.KIND:
         yield Finding(ERROR, "manifest-image", path, "image", "image '' is missing (Kubernetes refuses a container "
                       "without one)", fix)
     elif runs_hf_scale:
@@ -363,7 +361,7 @@ def _secret_findings(path: str, kind: str, facts: Facts) -> Iterator[Finding]:
     credential is: the rule `cluster.env` is refused by (rules.is_secret_setting)."""
     for name, value in facts.env.items():
         if value and not str(value).startswith("$") and is_secret_setting(name, value):
-            how = ("SkyPilot's `secrets:` (sky launch --secret " + name + ")" if kind == "SkyPilot" else
+            how = ("SkyPilot's `secrets:` (sky launch --secret " + name + ")" if kind == skypilot.KIND else
                    "a Kubernetes Secret (env valueFrom.secretKeyRef)")
             yield Finding(WARNING, "manifest-secret", path, f"env.{name}",
                           f"{name} is written in plain text in the {kind}'s env: whoever can read the job reads it",
@@ -378,7 +376,7 @@ RESTARTING_POLICIES = ("OnFailure", "Always")
 def _restart_findings(path: str, kind: str, data: dict) -> Iterator[Finding]:
     """`manifest-restart-policy`: a PyTorchJob replica whose restartPolicy makes train.py's preemption exit (75:
     saved, restart me) final, so a preempted job is lost instead of resumed."""
-    if kind != "PyTorchJob":
+    if kind != pytorchjob.KIND:
         return
     for role, replica in ((data.get("spec") or {}).get("pytorchReplicaSpecs") or {}).items():
         policy = replica.get("restartPolicy") if isinstance(replica, dict) else None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_scale.clusters import manifest_kinds_text
 from hf_scale.errors import UserError
 from hf_scale.files.reading import load_json, load_yaml_documents, read_text
 
@@ -31,8 +32,7 @@ ACCELERATE_MARKS = ("distributed_type", "compute_environment")
 WHAT_EACH_LOOKS_LIKE = (
     f"an {ACCELERATE} (YAML with {' or '.join(ACCELERATE_MARKS)}), a {DEEPSPEED} (JSON with zero_optimization, "
     f"train_batch_size, train_micro_batch_size_per_gpu, fp16/bf16, optimizer, ...) or an {HF_SCALE} (YAML with "
-    "strategy, precision, topology, batch, deepspeed, fsdp, ...), or a job manifest (a TrainJob or PyTorchJob with "
-    "kind:, a SkyPilot task with run: or num_nodes:)"
+    f"strategy, precision, topology, batch, deepspeed, fsdp, ...), or a job manifest ({manifest_kinds_text()})"
 )
 
 

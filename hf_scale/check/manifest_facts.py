@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_scale.check.train_flags import last_value
+from hf_scale.clusters import kubeflow, pytorchjob, skypilot
 from hf_scale.config.cluster_section import DEFAULT_IMAGE_HOME
 from hf_scale.generators import output_paths
 
@@ -165,7 +166,7 @@ def _gpu_count(accelerators: Any) -> int | None:
 
 
 def _pods(kind: str, spec: dict) -> list[dict]:
-    if kind == "PyTorchJob":
+    if kind == pytorchjob.KIND:
         return [(replica.get("template") or {}).get("spec") or {} for replica in
                 (spec.get("pytorchReplicaSpecs") or {}).values() if isinstance(replica, dict)]
     pods = []
@@ -187,7 +188,7 @@ def _env(items: Any) -> dict[str, str]:
 
 def manifest_facts(kind: str, data: dict) -> Facts:
     spec = data.get("spec") or {}
-    if kind == "SkyPilot":
+    if kind == skypilot.KIND:
         resources = data.get("resources") or {}
         resources = resources if isinstance(resources, dict) else {}
         mounts = [path for path, mount in (data.get("file_mounts") or {}).items()
@@ -202,7 +203,7 @@ def manifest_facts(kind: str, data: dict) -> Facts:
                      workdir, accelerate_total(args, env), accelerate_overrides(args))
     pods = _pods(kind, spec)
     containers = [c for pod in pods for c in pod.get("containers") or []]
-    if kind == "TrainJob":
+    if kind == kubeflow.KIND:
         container = spec.get("trainer") or {}
         nodes, procs, where = container.get("numNodes"), container.get("numProcPerNode"), "spec.trainer.numProcPerNode"
         resources = container.get("resourcesPerNode") or {}

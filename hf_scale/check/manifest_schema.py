@@ -22,6 +22,7 @@ import re
 from importlib import resources
 from typing import Any
 
+from hf_scale.clusters import kubeflow, pytorchjob, skypilot
 from hf_scale.errors import UserError
 
 SKYPILOT_SCHEMAS = "skypilot_schemas.json"
@@ -31,7 +32,7 @@ SKYPILOT_SCHEMA_VERSION = "0.14.1"
 
 def manifest_problem(kind: str, data: dict) -> str | None:
     """What the platform's own definitions refuse in the manifest; None when they accept it."""
-    if kind == "SkyPilot":
+    if kind == skypilot.KIND:
         return skypilot_problem(data)
     return _kubeflow_problem(kind, data)
 
@@ -53,9 +54,7 @@ def _kubeflow_rule_problem(kind: str, data: dict) -> str | None:
       takes;
     * any object: the namespace is an RFC 1123 label, ports 1-65535, grace periods and backoffLimit >= 0 (the API
       server's validation of pods and Jobs)."""
-    from hf_scale.generators.kubernetes import PYTORCHJOB_API, TRAINJOB_API
-
-    api = {"TrainJob": TRAINJOB_API, "PyTorchJob": PYTORCHJOB_API}[kind]
+    api = {kubeflow.KIND: kubeflow.TRAINJOB_API, pytorchjob.KIND: pytorchjob.PYTORCHJOB_API}[kind]
     if data.get("apiVersion") != api:
         return f"apiVersion {data.get('apiVersion')!r} is not one the {kind} API serves (allowed: {api})"
     metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
@@ -69,7 +68,7 @@ def _kubeflow_rule_problem(kind: str, data: dict) -> str | None:
     if problem:
         return problem
     spec = data.get("spec")
-    if kind == "TrainJob":
+    if kind == kubeflow.KIND:
         if not isinstance(spec, dict) or not spec.get("runtimeRef"):
             return "spec.runtimeRef is missing: the TrainJob names no training runtime (a spec with runtimeRef.name)"
         return None
@@ -87,7 +86,7 @@ def _kubeflow_rule_problem(kind: str, data: dict) -> str | None:
 
 def _kubeflow_problem(kind: str, data: dict) -> str | None:
     try:
-        if kind == "TrainJob":
+        if kind == kubeflow.KIND:
             from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
             back = TrainerV1alpha1TrainJob.from_dict(data).to_dict()

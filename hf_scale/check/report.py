@@ -19,6 +19,7 @@ from hf_scale.check.findings import ERROR, TRAINING_ARGS, WARNING, Finding
 from hf_scale.check.generated import regenerated_fixes
 from hf_scale.check.inputs import RUNNERS, CheckInputs, load_inputs
 from hf_scale.check.kinds import MANIFEST, WHAT_EACH_LOOKS_LIKE, kind_of, sort_files
+from hf_scale.clusters import manifest_kinds_text
 from hf_scale.errors import UserError
 
 
@@ -149,7 +150,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="JOB.yaml",
-        help="a TrainJob, PyTorchJob or SkyPilot task that runs this accelerate config (repeatable): nodes, "
+        help=f"{manifest_kinds_text(how=False)} that runs this accelerate config (repeatable): nodes, "
         "processes and GPUs per node, image tag, output volume, grace period",
     )
     parser.add_argument(
@@ -210,14 +211,14 @@ def manifest_documents(path: str, documents: list, findings: list[Finding]) -> l
         return documents or [None]
     known = [data for data in documents if kind_of(data) == MANIFEST]
     if not known:
-        raise UserError(f"--manifest {path}: none of its {len(documents)} YAML documents is a TrainJob, a PyTorchJob "
-                        "or a SkyPilot task (kind:, run:, num_nodes:)")
+        raise UserError(f"--manifest {path}: none of its {len(documents)} YAML documents is "
+                        f"{manifest_kinds_text()}")
     for number, data in enumerate(documents, 1):
         if kind_of(data) != MANIFEST:
             what = data.get("kind", "a mapping of no kind") if isinstance(data, dict) else type(data).__name__
             findings.append(Finding(WARNING, "manifest-not-read", path, f"document {number}",
                                     f"document {number} of {len(documents)} is {what}: check does not read it (it "
-                                    "reads the TrainJob, PyTorchJob or SkyPilot task documents)",
+                                    f"reads {manifest_kinds_text(how=False)})",
                                     f"nothing to do; check the other files {Path(path).name}'s jobs use by giving "
                                     "them to check"))
     return known

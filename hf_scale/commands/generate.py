@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from hf_scale.clusters import CHOSEN, TARGETS, image_targets
 from hf_scale.commands.plan import (
     NothingFits,
     add_plan_arguments,
@@ -30,7 +31,7 @@ from hf_scale.config.value_types import name_problem
 from hf_scale.contract.deepspeed_json import MODES
 from hf_scale.errors import UserError
 from hf_scale.files.writing import already_written, write_files_together
-from hf_scale.generators import TARGETS, output_paths, render_files
+from hf_scale.generators import output_paths, render_files
 from hf_scale.knowledge import rules
 from hf_scale.planner.rank import planned_config_data
 from hf_scale.planner.rank import train_flags as train_flags_of
@@ -38,26 +39,17 @@ from hf_scale.planner.report import verdict_lines
 
 _EXECUTABLE_SUFFIXES = (".sh", ".sbatch")
 
-GENERATE_EPILOG = """\
+_EPILOG = """\
 writes (DIR defaults to the current directory):
   DIR/accelerate_configs/NAME.yaml   for `accelerate launch --config_file`
   DIR/ds_configs/NAME.json           DeepSpeed config (strategy deepspeed only)
   DIR/launch/NAME.accelerate.sh      accelerate launch on one machine (every strategy)
   DIR/launch/NAME.torchrun.sh        torchrun (not for fsdp, which needs accelerate's plugin)
   DIR/launch/NAME.deepspeed.sh       deepspeed launcher (+ NAME.hostfile for multi-node)
-  DIR/launch/NAME.sbatch             SLURM: one task per node, USR1 before the time limit, requeue
-  DIR/recipes/NAME.yaml              with --recipe: a starter train.py recipe with the config's batch,
+<ALWAYS>  DIR/recipes/NAME.yaml              with --recipe: a starter train.py recipe with the config's batch,
                                      precision, clipping and optimizer values (bash launch/NAME.*.sh recipes/NAME.yaml)
 with --targets (comma-separated, or repeated; settings in the config's `cluster` section):
-  kubeflow    DIR/launch/NAME.trainjob.yaml    Kubeflow Trainer v2 TrainJob (kubectl apply -f)
-  pytorchjob  DIR/launch/NAME.pytorchjob.yaml  Training Operator PyTorchJob (kubectl apply -f)
-  skypilot    DIR/launch/NAME.sky.yaml         SkyPilot task (sky jobs launch)
-  ray         DIR/launch/NAME.ray.sh           python -m hf_scale.commands.ray_train (Ray Train TorchTrainer)
-  docker      DIR/Dockerfile, DIR/.dockerignore (also with kubeflow/pytorchjob)
-  kubeflow, pytorchjob and skypilot also write DIR/launch/NAME.node.sh, each node's entry point; docker,
-  kubeflow, pytorchjob and skypilot DIR/hf-scale-source.tar.gz (this hf_scale, which the image and the
-  SkyPilot nodes install: it is not on PyPI) and DIR/hf-scale-requirements.txt (its dependencies, pinned).
-
+<CHOSEN>
 --deepspeed-mode auto (default) leaves "auto" exactly where the HF Trainer fills values from its
 flags (batch sizes, accumulation, clipping, AdamW lr/betas/eps/weight_decay); resolved writes the
 config's numbers everywhere (manual Accelerator loop, `deepspeed` launcher).
@@ -86,13 +78,31 @@ on stderr, nothing written).
 """
 
 
+def _names(targets: list[str]) -> str:
+    return ", ".join(targets[:-1]) + f" and {targets[-1]}" if len(targets) > 1 else "".join(targets)
+
+
+def generate_epilog() -> str:
+    """generate's --help epilog, the cluster targets' lines read from their registry (hf_scale.clusters)."""
+    always = "".join(f"  {t.writes:<34} {t.summary}\n" for t in TARGETS if t.always)
+    chosen = [t for t in TARGETS if not t.always]
+    lines = "".join(f"  {t.name:<11} {t.writes:<32} {t.summary}\n" for t in chosen)
+    shared = textwrap.fill(
+        f"{_names([t.name for t in chosen if t.node_script])} also write DIR/launch/NAME.node.sh, each node's entry "
+        f"point; {_names([t.name for t in chosen if t.image])} DIR/Dockerfile and DIR/.dockerignore; "
+        f"{_names([t.name for t in chosen if t.source])} DIR/{output_paths.SOURCE_ARCHIVE} (this hf_scale, which the "
+        f"image and the nodes install: it is not on PyPI) and DIR/{output_paths.REQUIREMENTS_FILE} (its dependencies, "
+        "pinned).", width=110, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
+    return _EPILOG.replace("<ALWAYS>", always).replace("<CHOSEN>\n", lines + shared + "\n\n")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the generate, presets and schema sub-commands."""
     generate = subparsers.add_parser(
         "generate",
         description="Validate a DistributedConfig (a YAML file or a preset, plus --set overrides) and write "
         "every file needed to launch it.",
-        epilog=GENERATE_EPILOG,
+        epilog=generate_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     generate.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="DistributedConfig YAML file")
@@ -133,7 +143,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="extend",  # repeated --targets add up (a later one must not silently drop an earlier one's)
         default=[],
         metavar="T1,T2",
-        help=f"also write cluster files: {', '.join(TARGETS)} (see below; repeatable: the targets add up)",
+        help=f"also write cluster files: {', '.join(CHOSEN)} (see below; repeatable: the targets add up)",
     )
     generate.add_argument(
         "--strategy",
@@ -172,10 +182,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _targets(text: str) -> tuple[str, ...]:
     targets = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [target for target in targets if target not in TARGETS]
+    unknown = [target for target in targets if target not in CHOSEN]
     if unknown or not targets:
         raise argparse.ArgumentTypeError(f"{text!r}: unknown target {unknown[0] if unknown else '(none)'!r}; "
-                                         f"allowed: a comma-separated list of {', '.join(TARGETS)}")
+                                         f"allowed: a comma-separated list of {', '.join(CHOSEN)}")
     return targets
 
 
@@ -291,9 +301,9 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         cfg = _load(args.config, args.preset, overrides)
     header = f"{output_paths.GENERATED_HEADER}\n  {regenerate_command(args, name, planned_name, typed)}"
-    image_targets = [target for target in args.targets if target in ("kubeflow", "pytorchjob", "docker")]
-    if image_targets and cfg.cluster.image is None:
-        raise UserError(f"--targets {image_targets[0]} needs cluster.image: the image the pods run, with a version "
+    needs_image = image_targets(args.targets)
+    if needs_image and cfg.cluster.image is None:
+        raise UserError(f"--targets {needs_image[0]} needs cluster.image: the image the pods run, with a version "
                         "tag, e.g. --set cluster.image=registry.example.com/team/hf-scale:0.1.0")
     _check_train_args(cfg, name)
     files = render_files(cfg, name=name, deepspeed_mode=args.deepspeed_mode, header=header, recipe=args.recipe,

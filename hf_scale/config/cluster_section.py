@@ -1,7 +1,7 @@
 """The `cluster` section of a DistributedConfig: what the cluster targets of `hf-scale generate --targets` need
 beyond the run itself (image, volume, grace period, restarts, node selection). Every field has a default, so a
-config without the section is unchanged; the generators of hf_scale.generators (kubernetes, skypilot,
-node_entry, dockerfile) read it, and `hf-scale check` compares manifests with it.
+config without the section is unchanged; the cluster targets (hf_scale.clusters) and
+hf_scale.generators.node_entry read it, and `hf-scale check` compares manifests with it.
 
 Every value ends up in a YAML manifest or a shell word, so each is checked against the syntax Kubernetes,
 SkyPilot or Docker accept for it (which also keeps quotes, newlines and `$` out).
@@ -229,7 +229,8 @@ class ClusterConfig(_Section):
 
     image: Image | None = None
     """Container image the manifests run (built from the generated Dockerfile), with a version tag or a digest,
-    e.g. registry.example.com/team/hf-scale:0.1.0; required for the kubeflow, pytorchjob and docker targets."""
+    e.g. registry.example.com/team/hf-scale:0.1.0; required for every target that runs
+    the image (the two Kubernetes manifests and the Dockerfile: hf_scale.clusters' image targets)."""
     base_image: Image = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
     """The generated Dockerfile's CUDA PyTorch base (its torch is kept: the image installs nothing over it)."""
     output_dir: MountPath = "/output"

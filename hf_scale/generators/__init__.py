@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.contract.deepspeed_json import Mode, deepspeed_json
-from hf_scale.generators import dockerfile, install, kubernetes, node_entry, output_paths, skypilot
+from hf_scale.generators import output_paths
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
 from hf_scale.generators.launch import launch_files
 from hf_scale.generators.resolved_config import resolved_config_yaml
@@ -28,41 +28,6 @@ def accelerate_yaml_usage(name: str) -> str:
     )
 
 
-TARGETS = ("kubeflow", "pytorchjob", "skypilot", "ray", "docker")
-"""Cluster targets of `hf-scale generate --targets` (each writes its own files; see cluster_files)."""
-
-
-def cluster_files(
-    cfg: DistributedConfig, name: str, targets: tuple[str, ...], *, header: str
-) -> dict[str, str | bytes]:
-    """Relative path -> text for the cluster targets: the manifests, the node and Ray entry scripts and, for the
-    targets that run a container image, the Dockerfile that builds it; for those and SkyPilot (whose nodes
-    install from the synced directory), hf_scale itself as a source archive (bytes) with its pinned dependencies
-    (hf_scale.generators.install)."""
-    unknown = [target for target in targets if target not in TARGETS]
-    if unknown:
-        raise ValueError(f"unknown target {unknown[0]!r}; allowed: {', '.join(TARGETS)}")
-    files: dict[str, str | bytes] = {}
-    if {"kubeflow", "pytorchjob", "skypilot"} & set(targets):
-        files[output_paths.launch_file(f"{name}.node.sh")] = node_entry.node_script(cfg, name, header=header)
-    if "kubeflow" in targets:
-        files[output_paths.launch_file(f"{name}.trainjob.yaml")] = kubernetes.trainjob_yaml(cfg, name, header=header)
-    if "pytorchjob" in targets:
-        files[output_paths.launch_file(f"{name}.pytorchjob.yaml")] = kubernetes.pytorchjob_yaml(cfg, name,
-                                                                                                 header=header)
-    if "skypilot" in targets:
-        files[output_paths.launch_file(f"{name}.sky.yaml")] = skypilot.sky_yaml(cfg, name, header=header)
-    if "ray" in targets:
-        files[output_paths.launch_file(f"{name}.ray.sh")] = node_entry.ray_script(cfg, name, header=header)
-    if {"kubeflow", "pytorchjob", "docker"} & set(targets):
-        files[output_paths.DOCKERFILE] = dockerfile.dockerfile(cfg, header=header)
-        files[output_paths.DOCKERIGNORE] = dockerfile.dockerignore()
-    if {"kubeflow", "pytorchjob", "docker", "skypilot"} & set(targets):
-        files[output_paths.REQUIREMENTS_FILE] = install.requirements()
-        files[output_paths.SOURCE_ARCHIVE] = install.source_archive()
-    return files
-
-
 def render_files(
     cfg: DistributedConfig, *, name: str, deepspeed_mode: Mode, header: str, recipe: bool = False,
     targets: tuple[str, ...] = (), train_flags: dict | None = None,
@@ -72,8 +37,13 @@ def render_files(
 
     ``header`` (plain text, one or more lines) is written as a comment at the top of the YAMLs and the scripts.
     ``recipe``: also a starter train.py recipe, ``recipes/NAME.yaml``, with ``train_flags`` (the plan's sequence
-    length and LoRA/QLoRA choice) in it. ``targets``: cluster targets (TARGETS).
+    length and LoRA/QLoRA choice) in it. ``targets``: the cluster targets chosen (hf_scale.clusters.CHOSEN); the
+    ones written every time (SLURM's sbatch script) come with the launch scripts.
     """
+    # Imported here: the target modules import hf_scale.generators' own modules (layout, launch), which would find
+    # this package half-initialized if it imported them at its top.
+    from hf_scale.clusters import cluster_files, standard_files
+
     files: dict[str, str | bytes] = {}
     ds_file = None
     if cfg.strategy == "deepspeed":
@@ -90,6 +60,7 @@ def render_files(
     )
     for file_name, text in launch_files(cfg, name, header=header).items():
         files[output_paths.launch_file(file_name)] = text
+    files.update(standard_files(cfg, name, header=header))
     if recipe:
         files[output_paths.recipe(name)] = starter_recipe(cfg, name, header=RECIPE_HEADER, train_flags=train_flags)
     files.update(cluster_files(cfg, name, targets, header=header))

@@ -1,5 +1,5 @@
-"""Entry scripts of the cluster targets: ``launch/NAME.node.sh`` (one Kubernetes pod / SkyPilot node) and
-``launch/NAME.ray.sh`` (the Ray Train driver).
+"""The entry script the Kubernetes and SkyPilot targets share (hf_scale.clusters): ``launch/NAME.node.sh``, one
+Kubernetes pod or SkyPilot node.
 
 ``NAME.node.sh`` is the container command of the TrainJob and PyTorchJob manifests and the ``run`` of the SkyPilot
 task. Each platform tells a node who it is in its own variables; the script maps them onto the variables of
@@ -27,20 +27,11 @@ from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.generators import output_paths
 from hf_scale.generators.launch import (
     _check_name,
-    _comment,
     _env_default,
     _generated,
     _preamble,
-    q,
     restart_loop_args,
 )
-
-NODE_VARIABLES = {
-    "kubeflow": ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"),
-    "pytorchjob-legacy": ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"),
-    "skypilot": ("SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_GPUS_PER_NODE"),
-}
-"""The variables each platform sets on a node that NAME.node.sh reads (the table above)."""
 
 
 def node_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
@@ -110,28 +101,3 @@ export {RESUME_DEFAULT_ENV}=auto
 exec bash {_generated(output_paths.launch_file(f"{name}.accelerate.sh"))} {restart_loop}"$@"
 """
     return _preamble(header, name) + body
-
-
-def ray_script(cfg: DistributedConfig, name: str, *, header: str) -> str:
-    """``launch/NAME.ray.sh``: ``python -m hf_scale.commands.ray_train`` with this config (workers = world size) and the
-    config's restart budget; run it where the Ray driver runs (the head node, or `ray job submit`)."""
-    _check_name(name)
-    return (
-        "#!/usr/bin/env bash\n"
-        + _comment(header)
-        + f"""set -euo pipefail
-# Ray Train: {cfg.world_size} workers (one per process of hf_scale_configs/{name}.yaml), each running train.py's own
-# train function; a lost worker restarts the group (at most cluster.max_restarts={cfg.cluster.max_restarts} times),
-# which resumes from the newest complete checkpoint in --output_dir (storage every Ray node sees).
-# A stop must finish the step in progress and write a checkpoint: a preempted node's group may keep running
-# {cfg.cluster.preempt_signal_lead_s} s past the node's drain deadline (FailureConfig.preemption_grace_s from
-# cluster.preempt_signal_lead_s, a step plus a save predicted by `hf-scale plan`); the drain window itself is the
-# cloud's or the autoscaler's: Ray Train has no setting that lengthens it.
-#   bash launch/{name}.ray.sh --output_dir /shared/runs/{name} [train.py flags]
-#   ray job submit --working-dir . -- bash launch/{name}.ray.sh --output_dir /shared/runs/{name} [train.py flags]
-generated_dir=$(CDPATH='' cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")/.." && pwd)
-exec python -m hf_scale.commands.ray_train --hf_scale_config {_generated(output_paths.hf_scale_config(name))} \\
-  --max_failures {q(str(cfg.cluster.max_restarts))} \\
-  --preemption_grace_s {q(str(cfg.cluster.preempt_signal_lead_s))} "$@"
-"""
-    )

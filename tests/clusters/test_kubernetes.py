@@ -10,9 +10,9 @@ from cluster_helpers import CONFIGS, IMAGE, generate_all
 from kubeflow.training.api_client import ApiClient
 from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
+from hf_scale.clusters import kubeflow, kubernetes, pytorchjob
 from hf_scale.commands.cli import main
 from hf_scale.config.distributed_config import load_config
-from hf_scale.generators import kubernetes
 
 
 def trainjob_round_trip(data: dict) -> dict:
@@ -57,13 +57,13 @@ def test_manifests_are_what_kubeflow_models_read(name, tmp_path):
 
 def test_the_models_catch_what_kubeflow_would_refuse():
     cfg = load_config(overrides=[f"cluster.image={IMAGE}"])
-    trainjob = kubernetes.trainjob(cfg, "run")
+    trainjob = kubeflow.trainjob(cfg, "run")
     trainjob["spec"]["trainer"]["numNode"] = 2  # misspelled: dropped by the model
     assert trainjob_round_trip(trainjob) != trainjob
     trainjob["spec"]["trainer"]["numNodes"] = "2"  # a string where the API wants an integer
     with pytest.raises(ValueError):
         trainjob_round_trip(trainjob)
-    job = kubernetes.pytorchjob(cfg, "run")
+    job = pytorchjob.pytorchjob(cfg, "run")
     job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["imag"] = IMAGE
     assert pytorchjob_round_trip(job) != job
 
@@ -97,10 +97,10 @@ def test_cluster_env_reaches_every_container_and_may_override_hf_home(tmp_path):
     cfg = load_config(overrides=[f"cluster.image={IMAGE}", "cluster.output_dir=/mnt/runs",
                                  "cluster.env={NCCL_SOCKET_IFNAME: eth0, HF_HOME: /cache/hf}"])
     want = [{"name": "HF_HOME", "value": "/cache/hf"}, {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}]
-    trainjob = kubernetes.trainjob(cfg, "run")
+    trainjob = kubeflow.trainjob(cfg, "run")
     assert trainjob["spec"]["trainer"]["env"] == want
     assert trainjob_round_trip(trainjob) == trainjob  # an EnvVar list the TrainJob API reads
-    job = kubernetes.pytorchjob(cfg, "run")
+    job = pytorchjob.pytorchjob(cfg, "run")
     assert all(spec["template"]["spec"]["containers"][0]["env"] == want
                for spec in job["spec"]["pytorchReplicaSpecs"].values())
     assert pytorchjob_round_trip(job) == job

@@ -46,7 +46,7 @@ def test_the_task_is_valid_for_skypilot(name, tmp_path):
 
 
 def test_cluster_env_becomes_the_tasks_envs(tmp_path):
-    from hf_scale.generators.skypilot import sky_task
+    from hf_scale.clusters.skypilot import sky_task
 
     cfg = load_config(overrides=["cluster.env={NCCL_DEBUG: WARN}"])
     task = sky_task(cfg, "run")

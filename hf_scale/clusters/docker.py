@@ -1,5 +1,5 @@
-"""``Dockerfile`` and ``.dockerignore`` (in the output directory of `hf-scale generate`): the image the
-Kubernetes manifests run (``cluster.image``).
+"""The ``docker`` target: ``Dockerfile`` and ``.dockerignore`` (in the output directory of `hf-scale generate`):
+the image the Kubernetes manifests run (``cluster.image``); every target that runs an image writes them too.
 
 * Base: ``cluster.base_image``, a CUDA PyTorch image; its torch is pinned as a constraint so that nothing installed
   afterwards replaces it (a CUDA build several GB large, matched to the base's CUDA).
@@ -17,9 +17,13 @@ Kubernetes manifests run (``cluster.image``).
 
 from __future__ import annotations
 
+from hf_scale.clusters.target import ClusterTarget
 from hf_scale.config.cluster_section import CONTAINER_UID, DEFAULT_IMAGE_HOME
 from hf_scale.config.distributed_config import DistributedConfig
+from hf_scale.generators import output_paths
 from hf_scale.generators.install import REQUIREMENTS_FILE, SOURCE_ARCHIVE, pip_install
+
+NAME = "docker"
 
 COPIED = ("accelerate_configs", "ds_configs", "hf_scale_configs", "launch", "recipes", REQUIREMENTS_FILE,
           SOURCE_ARCHIVE)
@@ -30,6 +34,7 @@ HOME = "/home/hfscale"
 
 
 def dockerfile(cfg: DistributedConfig, *, header: str) -> str:
+    """The Dockerfile of the image (see the module docstring)."""
     comment = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
     uid = CONTAINER_UID
     return f"""{comment}# Build in the directory holding this file (the generated files are the build context):
@@ -75,3 +80,19 @@ def dockerignore() -> str:
         "# Written by hf-scale generate: only the generated files enter the image.\n*\n"
         + "".join(f"!{path}\n" for path in COPIED)
     )
+
+
+def files(cfg: DistributedConfig, name: str, *, header: str) -> dict[str, str]:
+    """The Dockerfile and its .dockerignore (the same for every config NAME: the image holds all of them)."""
+    return {output_paths.DOCKERFILE: dockerfile(cfg, header=header), output_paths.DOCKERIGNORE: dockerignore()}
+
+
+TARGET = ClusterTarget(
+    name=NAME,
+    writes="DIR/Dockerfile, DIR/.dockerignore",
+    summary="the image that cluster.image names (docker build)",
+    files=files,
+    doc_anchor="docker-image",
+    image=True,
+    source=True,
+)

@@ -1,5 +1,5 @@
-"""``launch/NAME.sky.yaml``: a SkyPilot task (``sky launch`` for a cluster, ``sky jobs launch`` for a managed job
-that survives spot preemption).
+"""The ``skypilot`` target: ``launch/NAME.sky.yaml``, a SkyPilot task (``sky launch`` for a cluster, ``sky jobs
+launch`` for a managed job that survives spot preemption).
 
 SkyPilot syncs the generated directory (``workdir: .``: launch it from the output directory of `hf-scale
 generate`) to every node, ``setup`` installs hf_scale from it (``hf-scale-source.tar.gz``, the hf_scale that
@@ -24,15 +24,20 @@ from typing import Any
 
 import yaml
 
+from hf_scale.clusters.kubernetes import job_name
+from hf_scale.clusters.target import ClusterTarget, ManifestKind
 from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.generators import output_paths
 from hf_scale.generators.install import REQUIREMENTS_FILE, SOURCE_ARCHIVE, pip_install
-from hf_scale.generators.kubernetes import job_name
 from hf_scale.generators.launch import _check_name
+
+NAME = "skypilot"
+KIND = "SkyPilot"
 
 
 def sky_task(cfg: DistributedConfig, name: str) -> dict[str, Any]:
+    """The task as a dict (SkyPilot's own schemas accept it: hf_scale.check.manifest_schema)."""
     _check_name(name)
     cluster, sky = cfg.cluster, cfg.cluster.skypilot
     grace = cluster.termination_grace_period_s
@@ -72,3 +77,25 @@ spot: 2 minutes; GCP and Azure spot: 30 s) and SkyPilot has no field to lengthen
 lost and the recovered job resumes from the checkpoint before it."""
     comment = "".join(f"# {line}".rstrip() + "\n" for line in f"{header}\n{usage}".splitlines())
     return comment + yaml.safe_dump(sky_task(cfg, name), sort_keys=False, default_flow_style=False)
+
+
+def files(cfg: DistributedConfig, name: str, *, header: str) -> dict[str, str]:
+    """``launch/NAME.sky.yaml``."""
+    return {output_paths.launch_file(f"{name}.sky.yaml"): sky_yaml(cfg, name, header=header)}
+
+
+def is_task(data: Any) -> bool:
+    """A SkyPilot task: `run` and/or `num_nodes` (a task's own fields), no Kubernetes `kind`."""
+    return isinstance(data, dict) and "kind" not in data and ("run" in data or "num_nodes" in data)
+
+
+TARGET = ClusterTarget(
+    name=NAME,
+    writes="DIR/launch/NAME.sky.yaml",
+    summary="SkyPilot task (sky jobs launch)",
+    files=files,
+    doc_anchor="skypilot",
+    node_script=True,
+    source=True,
+    manifests=(ManifestKind(KIND, "a SkyPilot task", is_task, "resources", "run:, num_nodes:"),),
+)

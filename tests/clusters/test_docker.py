@@ -22,10 +22,11 @@ from cluster_helpers import generate_all
 from dockerfile_parse import DockerfileParser
 
 import hf_scale
+from hf_scale.clusters import docker
 from hf_scale.commands.cli import main
 from hf_scale.config.cluster_section import CONTAINER_UID
 from hf_scale.config.distributed_config import load_config
-from hf_scale.generators import dockerfile, install
+from hf_scale.generators import install
 
 
 @pytest.fixture(scope="module")
@@ -124,12 +125,12 @@ def test_the_install_step_resolves_against_the_base_images_torch(root, tmp_path)
     (step,) = _runs(root, "pip install")
     write_constraint, pip_step, clean_up = re.split(r"\s+&&\s+", step)
     assert write_constraint.startswith('python -c "import torch;')
-    assert write_constraint.endswith(f"> {dockerfile.BASE_CONSTRAINTS}")
-    assert clean_up == f"rm {dockerfile.BASE_CONSTRAINTS}"
+    assert write_constraint.endswith(f"> {docker.BASE_CONSTRAINTS}")
+    assert clean_up == f"rm {docker.BASE_CONSTRAINTS}"
     torch_version = _base_torch(root)
     constraint = tmp_path / "base-constraints.txt"
     constraint.write_text(f"torch=={torch_version}\n")
-    command = pip_step.replace(dockerfile.BASE_CONSTRAINTS, str(constraint)).replace(
+    command = pip_step.replace(docker.BASE_CONSTRAINTS, str(constraint)).replace(
         "python -m pip install", "python -m pip install --dry-run")
     env = {**{k: v for k, v in os.environ.items() if k.startswith("PIP_")},  # this machine's index settings
            "PATH": f"{venv / 'bin'}:/usr/bin:/bin", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "HOME": str(tmp_path)}
