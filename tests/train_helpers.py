@@ -334,9 +334,10 @@ def assert_live_values(output_dir: Path, config_path: Path) -> dict:
     return live
 
 
-def tiny_moe(*, seed: int = 0):
+def tiny_moe(*, seed: int = 0, **overrides):
     """A tiny Qwen3-MoE (4 experts, 2 active per token, fp32) with the embedded tokenizer's vocabulary: transformers
-    keeps its experts fused at run time and saves them per expert."""
+    keeps its experts fused at run time and saves them per expert. ``overrides`` are further config values (e.g.
+    output_router_logits=True for the router's aux loss)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from hf_scale.train.data.embedded import MAX_POSITION_EMBEDDINGS, build_tokenizer
@@ -347,14 +348,15 @@ def tiny_moe(*, seed: int = 0):
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
         num_experts_per_tok=2, max_position_embeddings=MAX_POSITION_EMBEDDINGS, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        **overrides,
     )
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config).to(torch.float32), tokenizer
 
 
-def build_tiny_moe(out_dir: Path) -> Path:
-    """`tiny_moe()` saved with its tokenizer, as a user's local model directory."""
-    model, tokenizer = tiny_moe()
+def build_tiny_moe(out_dir: Path, **overrides) -> Path:
+    """`tiny_moe(**overrides)` saved with its tokenizer, as a user's local model directory."""
+    model, tokenizer = tiny_moe(**overrides)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

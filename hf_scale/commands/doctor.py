@@ -2,8 +2,8 @@
 
 It reports the GPUs (name, memory, compute capability, bf16/fp8), the torch/CUDA/NCCL versions, whether the
 DeepSpeed ops a config needs can load (prebuilt, or a JIT build: compiler, ninja, nvcc, a
-TORCH_CUDA_ARCH_LIST DeepSpeed can parse), which attention and fused kernels are usable, which of tensor, context
-and sequence parallelism and HSDP train.py runs on this node (versions, GPUs, launcher), the NCCL/network
+TORCH_CUDA_ARCH_LIST DeepSpeed can parse), which attention and fused kernels are usable, which of tensor, context,
+sequence and expert parallelism and HSDP train.py runs on this node (versions, GPUs, launcher), the NCCL/network
 environment variables that matter, the free disk at the output directory and, with two or more GPUs, the
 all-reduce bus bandwidth against the GPU link's figure. With ``--config FILE`` (a DistributedConfig YAML, an
 accelerate YAML or a DeepSpeed JSON) it exits 1 when that config cannot run on this node and says why.

@@ -371,12 +371,17 @@ _PROVEN = {
     "cp": "train.py runs it over FSDP2 with SDPA in both loops; proven on CPU up to the ring kernel, the cp=2 run "
           "against one process is benchmarks/gpu_cp.py (2 GPUs)",
     "sp": "train.py runs it in both loops (equal to one process on CPU: test_sequence_parallel_train.py)",
+    "ep": "train.py runs it (transformers' expert-parallel plan under FSDP2, strategy fsdp with fsdp.version 2) in "
+          "both loops for a mixture-of-experts model with a base_model_ep_plan (ep=2 equal to one process on CPU: "
+          "tests/train/model/test_model_expert_parallel.py); its checkpoints resume only at the same ep and world "
+          "size (docs/moe.md)",
 }
 
 
 def node_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
-    """For `hf-scale doctor`: whether train.py can run tp, cp and sp on this node (its torch/accelerate/transformers/
-    deepspeed, and a GPU where one is needed), and why not; the same rules train.py refuses with (train_refusal)."""
+    """For `hf-scale doctor`: whether train.py can run tp, cp, sp and ep on this node (its torch/accelerate/
+    transformers/deepspeed, and a GPU where one is needed), and why not; the same rules train.py refuses with
+    (train_refusal)."""
     support = {}
     for kind in _PROVEN:
         problem = version_problem(kind)

@@ -54,7 +54,7 @@ def hsdp_support(gpu_present: bool) -> dict[str, Any]:
 
 
 def train_support(gpu_present: bool) -> dict[str, dict[str, Any]]:
-    """Per kind (tp, cp, sp, hsdp): whether train.py runs it on this node, and why (not)."""
+    """Per kind (tp, cp, sp, ep, hsdp): whether train.py runs it on this node, and why (not)."""
     support = parallelism.node_support(gpu_present)
     too_old = parallelism.version_problem("hsdp")  # when the versions allow it, the launcher and the GPU decide
     support["hsdp"] = {"usable": False, "why": too_old} if too_old else hsdp_support(gpu_present)

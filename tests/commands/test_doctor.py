@@ -36,7 +36,7 @@ def test_report_structure_on_this_node(tmp_path):
 
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     assert report["memlock_bytes"] == (None if soft == resource.RLIM_INFINITY else soft)
-    assert set(report["parallelism"]) == {"tp", "cp", "sp", "hsdp"}
+    assert set(report["parallelism"]) == {"tp", "cp", "sp", "ep", "hsdp"}
     assert report["parallelism"]["tp"]["usable"] is True  # torch 2.13, accelerate 1.15, transformers 5: TP on gloo
     if not report["gpus"]:
         assert "needs a CUDA GPU" in report["parallelism"]["cp"]["why"]
@@ -307,3 +307,19 @@ def test_the_installed_deepspeeds_changes_and_pinned_offload_against_ulimit_l(tm
                                         {})
     assert [p.split(":")[0] for p in problems] == ["amp", "scheduler.params.warmup_num_steps"]
     assert "DeepSpeed >= 0.19.7 refuses the config at start: NVIDIA Apex AMP was removed" in problems[0]
+
+
+def test_doctor_reports_expert_parallelism_from_the_versions_it_needs():
+    """ep is a row of the parallelism table: usable where transformers/torch/Python are new enough (parallelism.NEEDS),
+    and it says what train.py runs and how far it is proven."""
+    from hf_scale.config import parallelism
+    from hf_scale.doctor.parallel_support import train_support
+
+    ep = train_support(gpu_present=False)["ep"]
+    assert ep["usable"] is (parallelism.version_problem("ep") is None)
+    if ep["usable"]:
+        assert "transformers' expert-parallel plan under FSDP2" in ep["why"]
+        assert "resume only at the same ep and world size" in ep["why"]
+    if not doctor.gpus():
+        report = doctor.build_report(config=None, output_dir=".", allreduce=False)
+        assert f"ep: {'yes' if ep['usable'] else 'no'} ({ep['why']})" in doctor.format_text(report)

@@ -83,6 +83,7 @@ def check_resumable(path: Path, spec: RunSpec) -> dict:
             f"--resume_from_checkpoint={path}: saved with {saved}, resumed with {wanted}; "
             f"resume with the same strategy, {convert}"
         )
+    _check_ep(path, state, spec, convert)
     sp = max(saved_sizes.get("sp", 1), spec.layout.sp)
     if sp > 1 and loop == "trainer":
         # transformers' Trainer (_run_epoch) skips the resumed epoch's batches with accelerate's skip_first_batches
@@ -105,6 +106,26 @@ def check_resumable(path: Path, spec: RunSpec) -> dict:
     if sp > 1:
         _check_sp(path, state, spec, sp, convert)
     return state
+
+
+def _check_ep(path: Path, state: dict, spec: RunSpec, convert: str) -> None:
+    """Refuse (one line) resuming an expert-parallel checkpoint at another ep or world size, either way. Each rank's
+    shard holds whole experts (transformers' EP plan splits each layer's experts on their first dimension) and
+    FSDP2 shards them again over the ranks holding the same experts; hf_scale has proven the resume only at the same
+    ep and world size (tests/train/model/test_model_expert_parallel.py), not DCP resharding those shards. A state
+    without an ep record predates it: it is read as ep=1 and named so."""
+    sizes = state.get("parallelism", {})
+    saved_ep, ep = sizes.get("ep", 1), spec.layout.ep
+    if saved_ep == 1 and ep == 1:
+        return
+    saved = f"ep={saved_ep}" + ("" if "ep" in sizes else " (its hf_scale_state.json predates the record of ep)")
+    if saved_ep != ep or state["world_size"] != spec.world_size:
+        raise UserError(
+            f"--resume_from_checkpoint={path}: saved with {saved} by {state['world_size']} processes, resumed with "
+            f"ep={ep} by {spec.world_size}; hf_scale resumes expert-parallel checkpoints only at the same ep and "
+            f"world size (resharding the experts' shards to another split is not proven): resume with "
+            f"parallelism.ep={saved_ep} on {state['world_size']} processes, {convert}"
+        )
 
 
 _BASES = {"4bit": "a 4-bit base (--load_in_4bit)", None: "an unquantized base"}

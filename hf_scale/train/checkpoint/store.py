@@ -245,7 +245,8 @@ def write_state(path: Path, *, step: int, spec, **position) -> None:
         "seed": spec.seed,
         "data_seed": spec.data_seed,
         "loop": spec.loop,
-        "parallelism": spec.layout.sizes(),
+        # ep is no mesh factor (it splits dp_shard x tp), but a resume must know how the experts were split.
+        "parallelism": {**spec.layout.sizes(), "ep": spec.layout.ep},
         "quantization": spec.quantization,
     }
     (path / STATE).write_text(json.dumps(state, indent=2) + "\n")

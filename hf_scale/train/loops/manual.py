@@ -34,7 +34,7 @@ from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.manual_checkpoints import CheckpointSaver
 from hf_scale.train.loops.metrics import StepMetrics, real_tokens
 from hf_scale.train.loops.optimizer import optimizer_and_scheduler
-from hf_scale.train.model import context_parallel, fsdp, parallelize, sequence_parallel
+from hf_scale.train.model import context_parallel, fsdp, parallelize, router_loss, sequence_parallel
 from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.model.liger import apply_liger
 from hf_scale.train.setup import guard
@@ -247,9 +247,12 @@ class _Loop:
     schedule: evaluation.EvalSchedule | None = field(init=False, default=None)
     first_step: int = field(init=False, default=0)
     """The step the run started (or resumed) from."""
+    router_coefficient: float | None = field(init=False, default=None)
+    """The MoE router's aux-loss coefficient this loop adds per micro-batch (train/model/router_loss.py), or None."""
 
     def __post_init__(self):
         self.first_step = self.step
+        self.router_coefficient = router_loss.take_over(self.model)
         if self.eval_dataset is not None:
             self.schedule = evaluation.EvalSchedule.from_args(self.args, self.length.total_steps)
 
@@ -283,7 +286,7 @@ class _Loop:
                 if self.schedule is not None and self.schedule.strategy == "epoch":
                     self.evaluate(self.epoch_now)
                 return False
-            loss, tokens, lr, grad_norm = self._optimizer_step(window)
+            loss, tokens, lr, grad_norm, aux_loss = self._optimizer_step(window)
             self.step += 1
             batches_in_epoch += len(window)
             record = self.metrics.log_step(
@@ -294,6 +297,7 @@ class _Loop:
                 tokens=tokens,
                 epoch=self.epoch + batches_in_epoch / self.length.batches_per_epoch,
                 data_wait_s=data_wait_s,
+                aux_loss=aux_loss,
             )
             self.epoch_now = record["epoch"]
             if self.step == self.first_step + 1:  # the values the run really uses, once it has made a step
@@ -322,9 +326,9 @@ class _Loop:
             return self.dataloader.resumed(self.accelerator, skip)
         return self.accelerator.skip_first_batches(self.dataloader, skip)
 
-    def _optimizer_step(self, window: list) -> tuple[float, int, float, Any]:
+    def _optimizer_step(self, window: list) -> tuple[float, int, float, Any, float | None]:
         """One optimizer step over an accumulation window: (its loss, its real tokens on all ranks, the learning
-        rate it used, the gradient norm)."""
+        rate it used, the gradient norm, the mean router aux loss of its micro-batches or None without one)."""
         accelerator = self.accelerator
         sp = self.spec.layout.sp > 1
         # Counted as tensors where the batches are: no wait for the device per micro-batch (as the Trainer counts).
@@ -337,8 +341,11 @@ class _Loop:
         local_tokens = sum(real_tokens(b) for b in window).to(accelerator.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this update (read before the scheduler moves)
         loss_sum = torch.zeros((), device=accelerator.device)
+        aux_sum = torch.zeros((), device=accelerator.device)
         for i, batch in enumerate(window):
-            loss_sum += self._forward_backward(batch, global_targets, last=i == len(window) - 1)
+            loss, aux = self._forward_backward(batch, global_targets, last=i == len(window) - 1, window=len(window))
+            loss_sum += loss
+            aux_sum += aux
         # DeepSpeed clips inside its step and reports the norm; otherwise clip here (inf = only measure).
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
         grad_norm = (parallelize.clip_grad_norm(self.model, max_norm) if parallelize.sharded_at_load(self.spec.layout)
@@ -349,10 +356,14 @@ class _Loop:
         # Each rank's loss is its share of the whole batch's (CP and SP shares disjoint; TP's copies of one).
         step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / self.spec.layout.whole_batch_copies
         tokens = int(accelerator.reduce(local_tokens, reduction="sum").item()) // copies
-        return step_loss, tokens, lr, grad_norm
+        aux_loss = None
+        if self.router_coefficient is not None:  # the mean over every rank's micro-batches (TP copies alike)
+            aux_loss = accelerator.reduce(aux_sum, reduction="mean").item() / len(window)
+        return step_loss, tokens, lr, grad_norm, aux_loss
 
-    def _forward_backward(self, batch, global_targets, *, last: bool):
-        """One micro-batch; returns its share of the step's loss (detached)."""
+    def _forward_backward(self, batch, global_targets, *, last: bool, window: int):
+        """One micro-batch of a window of ``window``; returns its share of the step's loss and its router aux loss
+        (both detached; the aux loss 0 without one)."""
         accelerator, model = self.accelerator, self.model
         # Same mechanism as transformers' Trainer: tell accelerate (and through it DeepSpeed's
         # accumulation boundary) whether this micro-batch ends the window.
@@ -368,13 +379,16 @@ class _Loop:
             if self.spec.layout.sp > 1:
                 loss = sequence_parallel.shard_loss(model, batch, global_targets)
                 multiplier = sequence_parallel.loss_multiplier(self.spec.layout, self.spec.zero_stage)
+                outputs = None
             else:
-                loss = model(**model_inputs(batch), num_items_in_batch=global_targets).loss
+                outputs = model(**model_inputs(batch), num_items_in_batch=global_targets)
+                loss = outputs.loss
                 multiplier = context_parallel.loss_multiplier(self.spec.layout, self.spec.data_parallel_size)
-            loss = loss * multiplier
+            # The router's aux term after the multiplier: the step holds its mean over the global batch's micro-batches.
+            loss = loss * multiplier + router_loss.step_term(outputs, self.router_coefficient, window)
             backward_kwargs = {"scale_wrt_gas": False} if self.is_deepspeed else {}
             accelerator.backward(loss, **backward_kwargs)
-        return loss.detach() / multiplier
+        return loss.detach() / multiplier, router_loss.aux_value(outputs)
 
     def evaluate(self, epoch_now: float) -> None:
         result = evaluation.evaluate(

@@ -160,6 +160,7 @@ class StepMetrics:
         tokens: int,
         epoch: float,
         data_wait_s: float | None = None,
+        aux_loss: float | None = None,
     ) -> dict:
         now, cpu_now = time.perf_counter(), time.process_time()
         elapsed = max(now - self._last, 1e-9)
@@ -181,6 +182,8 @@ class StepMetrics:
         }
         if data_wait_s is not None:
             record["data_wait_s"] = data_wait_s
+        if aux_loss is not None:  # an MoE router's load-balancing loss, mean over the step's micro-batches
+            record["aux_loss"] = aux_loss
         if self.track_compilations:
             record["compilations"] = compiled_graphs()
         if self.peak_flops and self.flops_per_token:

@@ -24,7 +24,7 @@ from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
 from hf_scale.train.loops.metrics import StepMetrics, count_real_tokens
-from hf_scale.train.model import context_parallel, fsdp, parallelize, sequence_parallel
+from hf_scale.train.model import context_parallel, fsdp, parallelize, router_loss, sequence_parallel
 from hf_scale.train.model.fp8 import with_fp8
 from hf_scale.train.setup import guard
 from hf_scale.train.setup.distributed import has_gpu
@@ -44,6 +44,9 @@ class HfScaleTrainer(Trainer):
             self.loss_is_scaled_for_ga = True  # compute_loss divides by the window's targets (below)
         self.window_loss = 0.0
         self.window_tokens = 0
+        self.window_aux = 0.0
+        self.router_coefficient = router_loss.take_over(self.model)
+        """The MoE router's aux-loss coefficient compute_loss adds per micro-batch (model/router_loss.py), or None."""
         self.window_data_wait_s = 0.0
         self.live_window = live.Window()  # what this rank's training steps saw in the current optimizer step
         self.last_grad_norm = None
@@ -90,7 +93,14 @@ class HfScaleTrainer(Trainer):
             # DeepSpeed's gradient averaging divides by (sequence_parallel.loss_multiplier).
             loss = sequence_parallel.shard_loss(model, inputs, num_items_in_batch) * self._loss_multiplier
             return (loss, None) if return_outputs else loss
-        return super().compute_loss(model, model_inputs(inputs), return_outputs, num_items_in_batch)
+        if self.router_coefficient is None or not model.training:
+            return super().compute_loss(model, model_inputs(inputs), return_outputs, num_items_in_batch)
+        # The router's aux term after the Trainer's data-parallel multiplier: the step holds its mean over the
+        # global batch's micro-batches (the model's own term, zeroed by take_over, would count accumulation x ranks).
+        loss, outputs = super().compute_loss(model, model_inputs(inputs), True, num_items_in_batch)
+        loss = loss + router_loss.step_term(outputs, self.router_coefficient, self.current_gradient_accumulation_steps)
+        self.window_aux = self.window_aux + router_loss.aux_value(outputs)  # a tensor: no wait per micro-batch
+        return (loss, outputs) if return_outputs else loss
 
     def _get_num_items_in_batch(self, batch_samples, device):
         if self.spec.layout.sp <= 1:
@@ -372,10 +382,15 @@ class GuardAndMetricsCallback(TrainerCallback):
         trainer = self.trainer
         device = trainer.accelerator.device
         totals = torch.tensor(
-            [trainer.window_loss, float(trainer.window_tokens)], dtype=torch.float64, device=device
+            [trainer.window_loss, float(trainer.window_tokens), float(trainer.window_aux)], dtype=torch.float64,
+            device=device
         )
         totals[1] /= self.spec.layout.loader_copies  # each rank of a TP/CP group counted its group's batch
-        loss, tokens = trainer.accelerator.reduce(totals, reduction="sum").tolist()
+        loss, tokens, aux_sum = trainer.accelerator.reduce(totals, reduction="sum").tolist()
+        aux_loss = None
+        if trainer.router_coefficient is not None:  # the mean over every rank's micro-batches (TP copies alike)
+            micro_batches = trainer.accelerator.num_processes * trainer.current_gradient_accumulation_steps
+            aux_loss = aux_sum / micro_batches
         grad_norm = trainer.last_grad_norm
         record = self.metrics.log_step(
             step=state.global_step,
@@ -385,11 +400,13 @@ class GuardAndMetricsCallback(TrainerCallback):
             tokens=int(tokens),
             epoch=state.epoch or 0.0,
             data_wait_s=trainer.window_data_wait_s,
+            aux_loss=aux_loss,
         )
         if state.global_step >= state.max_steps:
             _finish_progress_bar(trainer)
         trainer.window_loss = 0.0
         trainer.window_tokens = 0
+        trainer.window_aux = 0.0
         if not self.live_recorded:  # the values the run really uses, once it has made a step
             self.live_recorded = True
             live.write(args.output_dir, live.read(trainer.accelerator, trainer.model_wrapped, trainer.optimizer,

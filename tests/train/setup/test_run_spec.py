@@ -88,7 +88,7 @@ def test_the_checkpoint_state_is_written_from_the_run_spec(loop, tmp_path):
     assert checkpoint.read_state(tmp_path) == {
         "step": 5, **position, "world_size": 4, "strategy": "deepspeed", "zero_stage": 2, "micro_batch_size": 2,
         "gradient_accumulation_steps": 3, "global_batch_size": 24, "precision": "no", "seed": 7, "data_seed": 9,
-        "loop": loop, "parallelism": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "cp": 1, "sp": 1},
+        "loop": loop, "parallelism": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "cp": 1, "sp": 1, "ep": 1},
         "quantization": None,  # a full-precision base: an adapter resumes only on the base it was trained on
     }
 
