@@ -14,6 +14,7 @@ no grace time). JobRequeue=0: the generated sbatch's own `--requeue` is what mak
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ from train_helpers import free_port
 DAEMONS = ("munged", "slurmctld", "slurmd")
 NODES = ("n1", "n2", "n3", "n4")
 GRACE_TIME_S = 90
+OWNER = "pytest.pid"
+"""The file, in a cluster's folder, naming the pytest process that started it."""
 CONFIG = """\
 ClusterName=hfscale{ctld_port}
 SlurmctldHost=localhost
@@ -89,9 +92,18 @@ class Cluster:
     def wait(self, job_id: str, states: set[str], timeout: float = 420) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         while (job := self.job(job_id))["JobState"] not in states:
-            assert time.monotonic() < deadline, f"job {job_id} still {job['JobState']}, not in {states}"
+            assert time.monotonic() < deadline, f"job {job_id} still {job['JobState']}, not in {states}{self.logs()}"
             time.sleep(0.5)
         return job
+
+    def logs(self, tail: int = 4000) -> str:
+        """The daemons' logs (their ends), for an assertion's message: why SLURM did what it did to a job. On a
+        failed test the cluster's folder is kept as well (see `slurm`)."""
+        parts = [f"\n--- cluster kept in {self.root} on failure"]
+        for name in ("slurmctld", *(f"slurmd-{node}" for node in NODES)):
+            with contextlib.suppress(OSError):
+                parts.append(f"--- {name}.log:\n{(self.root / f'{name}.log').read_text()[-tail:]}")
+        return "\n".join(parts)
 
     def start(self) -> None:
         ports = {"ctld_port": free_port(), **{name: free_port() for name in NODES}}
@@ -123,18 +135,14 @@ class Cluster:
         assert result.returncode == 0, f"{command}: exit {result.returncode}\n{result.stderr}"
 
     def stop(self) -> None:
-        """Cancel what is left, then end the daemons by their pid files."""
-        self.run("scancel", "--full", "--user", "root", check=False)
-        deadline = time.monotonic() + 60  # the slurmds end the jobs' processes; then nothing is left behind
-        while self.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        pid_files = [self.root / f"slurmd-{name}.pid" for name in NODES]
-        pid_files += [self.root / "slurmctld.pid", self.root / "munged.pid"]
-        for pid_file in pid_files:
-            try:
-                pid = int(pid_file.read_text())
-            except (OSError, ValueError):
-                continue
+        """Cancel what is left (while the controller runs), then end the daemons by their pid files."""
+        if self._daemon_pid("slurmctld.pid"):
+            self.run("scancel", "--full", "--user", "root", check=False)
+            deadline = time.monotonic() + 60  # the slurmds end the jobs' processes; then nothing is left behind
+            while self.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.5)
+        pid_files = [f"slurmd-{name}.pid" for name in NODES] + ["slurmctld.pid", "munged.pid"]
+        for pid in filter(None, map(self._daemon_pid, pid_files)):
             try:
                 os.kill(pid, signal.SIGTERM)
                 for _ in range(100):
@@ -143,6 +151,29 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def _daemon_pid(self, pid_file: str) -> int | None:
+        """The pid in this cluster's pid file while that process runs and is still its daemon (its command names
+        this folder; not a process that reuses the pid)."""
+        try:
+            pid = int((self.root / pid_file).read_text())
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            return None
+        return pid if str(self.root) in command else None
+
+
+def _stop_orphans() -> None:
+    """Stop the clusters that a killed pytest left running (their owner, written at start, is gone): their daemons
+    and jobs would compete with this run's for the machine's CPUs."""
+    for root in Path(tempfile.gettempdir()).glob("hf-scale-slurm-*"):
+        try:
+            owner = int((root / OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not started by this conftest, or being started
+        if not Path(f"/proc/{owner}").exists():
+            Cluster(root).stop()
+            (root / OWNER).unlink(missing_ok=True)  # folder kept: its logs may be wanted
 
 
 def _unavailable() -> str | None:
@@ -160,15 +191,19 @@ def _unavailable() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def slurm() -> Cluster:
+def slurm(request) -> Cluster:
     reason = _unavailable()
     if reason:
         pytest.skip(reason)
     # Not under pytest's base temp (0700): munged wants every folder above its socket searchable by all.
+    _stop_orphans()
     cluster = Cluster(Path(tempfile.mkdtemp(prefix="hf-scale-slurm-")))
+    (cluster.root / OWNER).write_text(str(os.getpid()))
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
-        shutil.rmtree(cluster.root, ignore_errors=True)
+        # A failed test keeps the cluster's folder (config, daemons' logs, state) to be read after the run.
+        if not request.session.testsfailed:
+            shutil.rmtree(cluster.root, ignore_errors=True)
