@@ -29,7 +29,7 @@ VARIANTS = {
     "import_torch": [sys.executable, "-c", "import torch"],
     "help": [sys.executable, str(common.TRAIN_PY), "--help"],
     "help_live_parser": [sys.executable, "-c",
-                         "from hf_scale.train.setup.parser import build_parser; build_parser().print_help()"],
+                         "from hf_scale.contract.parser import build_parser; build_parser().print_help()"],
 }
 GOAL_SECONDS = 2.0
 

@@ -45,7 +45,7 @@ class Code:
     """ERROR, WARNING or EITHER."""
     family: Family
     module: str
-    """The hf_scale.commands.check module whose check emits it."""
+    """The hf_scale.check module whose check emits it."""
     summary: str
     """One line for `check --help` (docs/check.md's row says more)."""
 

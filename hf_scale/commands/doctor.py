@@ -266,7 +266,7 @@ def _stdout_to_stderr():
 
 def run_doctor(args: argparse.Namespace) -> int:
     if args.slurm:  # the cluster, not this node: nothing here is probed
-        from hf_scale.doctor.slurm import format_slurm, slurm_report
+        from hf_scale.doctor.slurm_cluster import format_slurm, slurm_report
 
         report = slurm_report(args.slurm, args.partition)
         print(json.dumps(report, indent=2) if args.json else format_slurm(report), end="\n" if args.json else "")

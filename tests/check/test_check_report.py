@@ -50,7 +50,7 @@ def test_each_family_triggers_only_its_own_codes():
         own = {entry.code for entry in CATALOGUE if entry.module == family}
         assert emitted and emitted <= own, (family, emitted - own)
         # ...and the catalogue names the module whose checks run in CHECKS
-        assert f"hf_scale.commands.check.{family}" in {fn.__module__ for fn in check.CHECKS}, family
+        assert f"hf_scale.check.{family}" in {fn.__module__ for fn in check.CHECKS}, family
 
 
 CLEAN_CASES = {

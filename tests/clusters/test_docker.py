@@ -90,7 +90,7 @@ def test_the_source_archive_is_this_hf_scale_and_reproducible(root, tmp_path, ca
     modules = {f"{top}/hf_scale/{path.relative_to(package).as_posix()}" for path in package.rglob("*.py")
                if "__pycache__" not in path.parts}
     assert modules <= set(members)
-    assert members[f"{top}/hf_scale/cli.py"] == (package / "cli.py").read_bytes()
+    assert members[f"{top}/hf_scale/commands/cli.py"] == (package / "commands" / "cli.py").read_bytes()
     assert f"{top}/hf_scale/assets/tiny-llama/model.safetensors" in members  # the package data too
     assert not [name for name in members if "__pycache__" in name or name.endswith(".pyc")]
     pyproject = members[f"{top}/pyproject.toml"].decode()

@@ -95,7 +95,7 @@ def test_generate_past_a_file_size_limit_writes_nothing(tmp_path):
     code = (
         "import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (2500, 2500))\n"
-        "from hf_scale.cli import main\n"
+        "from hf_scale.commands.cli import main\n"
         f"sys.exit(main(['generate', '--preset', 'zero3', '--output-dir', {str(out)!r}]))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hf_scale.commands.cli import main
-from hf_scale.doctor.slurm import node_gpus, sbatch_directives, slurm_seconds
+from hf_scale.doctor.slurm_cluster import node_gpus, sbatch_directives, slurm_seconds
 
 GRES = ("finding: partition {p}: nodes n1,n2 have fewer than 1 GPUs in their GRES (Gres=(null)), job.sbatch asks "
         "--gpus-per-node=1: sbatch refuses the job; fix: GresTypes=gpu and Gres=gpu:N on the nodes in slurm.conf, "

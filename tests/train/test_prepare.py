@@ -54,7 +54,8 @@ def test_the_given_flags_are_computed_in_one_place_per_command_line():
 
 
 def test_after_the_prepare_stage_reads_it_no_function_of_train_py_takes_the_raw_argv():
-    modules = [*(PACKAGE / "train").rglob("*.py"), PACKAGE / "deepspeed_overrides.py", PACKAGE / "rules.py"]
+    modules = [*(PACKAGE / "train").rglob("*.py"), *(PACKAGE / "contract").rglob("*.py"),
+               PACKAGE / "knowledge" / "deepspeed_overrides.py", PACKAGE / "knowledge" / "rules.py"]
     taking_argv = set()
     for path in modules:
         for function in _functions(path):
