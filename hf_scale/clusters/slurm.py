@@ -106,7 +106,10 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash "$launch_dir/$accelerate_scri
   | once_per_job >&2 || status=${{PIPESTATUS[0]}}
 if [ "$status" -eq {EXIT_PREEMPTED} ]; then
   echo "hf-scale: checkpoint saved before the time limit; requeueing job $SLURM_JOB_ID" >&2
-  scontrol requeue "$SLURM_JOB_ID"
+  # A controller that does not answer must not turn the preemption's 75 into scontrol's exit code (set -e):
+  # the checkpoint is saved either way, and a new submission resumes from it.
+  scontrol requeue "$SLURM_JOB_ID" || echo "hf-scale: error: scontrol requeue $SLURM_JOB_ID failed; the checkpoint" \\
+    "is saved: submit the job again (sbatch) to resume from it" >&2
 fi
 exit "$status"
 """

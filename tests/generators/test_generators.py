@@ -733,7 +733,9 @@ SLURM_STANDINS = {
     "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
     "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show job" ]; then echo "   Command=${SBATCH_COMMAND:-}";'
     ' elif [ "$1" = show ]; then for i in $(seq 1 20000); do echo node-$i; done;'
-    ' else echo "$*" >> "$SCONTROL_LOG"; fi\n',
+    ' else echo "$*" >> "$SCONTROL_LOG";'
+    ' if [ -n "${SCONTROL_DOWN:-}" ]; then echo "scontrol: error: Unable to contact slurm controller" >&2; exit 1; fi;'
+    ' fi\n',
 }
 EXIT_75_PROBE = """\
 import os, pathlib, signal, sys, psutil
@@ -784,6 +786,19 @@ def test_sbatch_resumes_automatically_and_requeues_on_exit_75(given, tmp_path, m
     resume_default(namespace, flags_given)
     assert namespace.resume_from_checkpoint == ("runs/x/checkpoint-7" if given else "auto")
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+
+
+def test_sbatch_still_exits_75_and_says_what_to_do_when_the_requeue_fails(tmp_path):
+    """A controller that does not answer `scontrol requeue`: the job still ends with the preemption's 75 (not
+    scontrol's 1, which `set -e` would make it) and says that the checkpoint is saved and how to resume."""
+    cfg = validate_config({"strategy": "single", "precision": "no"})
+    generate_into(tmp_path, cfg, "one")
+    (tmp_path / "probe.py").write_text(EXIT_75_PROBE)
+    env = {**slurm_env(tmp_path, script_env(tmp_path), tmp_path), "SCONTROL_DOWN": "1"}
+    result = subprocess.run(["bash", str(tmp_path / "launch" / "one.sbatch")],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 75, result.stderr[-2000:]
+    assert "scontrol requeue 4242 failed; the checkpoint is saved: submit the job again" in result.stderr
 
 
 REFUSAL_PROBE = """\
