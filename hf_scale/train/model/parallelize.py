@@ -115,7 +115,8 @@ def flag_refusal(layout: Layout, *, packing: bool, attn_implementation: str, lor
 
 def model_problem(layout: Layout, model_config, where: str) -> str | None:
     """What the model's config rules out for the layout, or None: experts that ep cannot split (a dense model, no
-    expert-parallel plan in transformers, experts ep does not divide: expert_parallel.model_problem), heads that tp
+    expert-parallel plan in transformers, experts ep does not divide: expert_parallel.model_problem), a router
+    auxiliary loss under sequence parallelism (whose loss path would leave it out), heads that tp
     or sp cannot split whole (parallelism.head_problem), attention that context parallelism cannot compute
     (context_parallel.model_refusal). train.py asks before the model loads: in prepare when config.json is local,
     else once it has been read."""
@@ -128,6 +129,12 @@ def model_problem(layout: Layout, model_config, where: str) -> str | None:
         return problem
 
     config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if layout.sp > 1 and getattr(config, "output_router_logits", False):
+        # Both loops' sp path computes the token loss from the shards itself (sequence_parallel.shard_loss): the
+        # router's auxiliary loss would be left out of the gradient without a word.
+        return (f"{where}.sp={layout.sp} with a model whose router adds an auxiliary loss (output_router_logits: "
+                "true in its config): sequence parallelism would train without that loss; use sp=1 or set "
+                "output_router_logits to false")
     heads = getattr(config, "num_attention_heads", None)
     if heads and (layout.tp > 1 or layout.sp > 1):
         problem = head_problem(layout, heads, getattr(config, "num_key_value_heads", None) or heads, where=where)
