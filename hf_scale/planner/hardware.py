@@ -58,9 +58,18 @@ def architecture(name: str) -> str:
     return _data()["gpus"][name]["architecture"]
 
 
+def efficiency_architecture(arch: str) -> str:
+    """The architecture whose efficiencies ``arch`` uses: itself, or the one the data file assumes it is like (an
+    architecture no published row was fitted on)."""
+    entry = _data()["efficiency"][arch]
+    return entry if isinstance(entry, str) else arch
+
+
 def efficiencies() -> dict[str, tuple[float, float]]:
-    """(gemm, attention) efficiency per architecture, as the data file holds them."""
-    return {arch: (e["gemm"], e["attention"]) for arch, e in _data()["efficiency"].items()}
+    """(gemm, attention) efficiency per architecture, as the data file holds them (an assumed one: those it is like)."""
+    table = _data()["efficiency"]
+    return {arch: (table[efficiency_architecture(arch)]["gemm"], table[efficiency_architecture(arch)]["attention"])
+            for arch in table}
 
 
 def hardware(name: str = DEFAULT_GPU) -> Hardware:
@@ -89,8 +98,8 @@ def _profile(name: str, g: dict) -> Hardware:
         host_pcie_bps=g["host_pcie_gbps"] * _GB,
         cpu_memory_bps=g.get("cpu_memory_gbps", node["cpu_memory_gbps"]) * _GB,
         storage_write_bps=g.get("storage_write_gbps", node["storage_write_gbps"]) * _GB,
-        gemm_efficiency=g.get("gemm_efficiency", _data()["efficiency"][g["architecture"]]["gemm"]),
-        attention_efficiency=g.get("attention_efficiency", _data()["efficiency"][g["architecture"]]["attention"]),
+        gemm_efficiency=g.get("gemm_efficiency", efficiencies()[g["architecture"]][0]),
+        attention_efficiency=g.get("attention_efficiency", efficiencies()[g["architecture"]][1]),
         source=g["source"],
     )
 

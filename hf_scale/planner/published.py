@@ -16,12 +16,13 @@ import yaml
 from hf_scale.knowledge.model_shapes import ModelShapes
 from hf_scale.planner import strategies
 from hf_scale.planner.estimate import Candidate, Workload
-from hf_scale.planner.hardware import Hardware, architecture, hardware
+from hf_scale.planner.hardware import Hardware, architecture, efficiency_architecture, hardware
 from hf_scale.planner.time_model import step_time
 
 DATA = Path(__file__).with_name("data") / "published_runs.yaml"
 LAYOUTS = {
     "fsdp_full_shard": Candidate("fsdp2_full_shard", "FSDP2 full shard", "fsdp"),
+    "hsdp": Candidate("fsdp2_hybrid_multinode", "FSDP2 hybrid shard", "fsdp", hybrid=True),
     "zero3": Candidate("zero3", "ZeRO-3", "deepspeed", zero_stage=3),
 }
 """The layouts the rows use, as the planner's candidates (a row's tp/cp degrees are set on them)."""
@@ -84,8 +85,28 @@ def shapes(name: str) -> ModelShapes:
     )
 
 
+@functools.cache
+def _included() -> tuple[int, ...]:
+    """Indices (in the data file) of the rows the accuracy is measured on: all but those with an ``excluded`` reason."""
+    return tuple(i for i, r in enumerate(_data()["runs"]) if not r.get("excluded"))
+
+
 def rows() -> list[dict]:
-    return _data()["runs"]
+    """The rows the accuracy is measured on (fitted and held out); :func:`excluded` has the others."""
+    return [_data()["runs"][i] for i in _included()]
+
+
+def excluded() -> list[Comparison]:
+    """The rows kept out of the fit and of both accuracies (each with its ``excluded`` reason, docs/plan.md), predicted
+    on the data file's efficiencies: shown, never counted."""
+    left_out = [i for i in range(len(_data()["runs"])) if i not in _included()]
+    return [_predict(i, None) for i in left_out]
+
+
+def fitted_as(index: int) -> str:
+    """The architecture whose efficiencies predict row ``index`` and which it is fitted into: its GPU's, or the one
+    hardware.yaml assumes that architecture is like (Ada: Ampere), so that such rows check the assumption."""
+    return efficiency_architecture(architecture(rows()[index]["gpu"]))
 
 
 @functools.cache
@@ -98,9 +119,9 @@ def _gpu(name: str, efficiency: tuple[float, float] | None) -> Hardware:
 
 @functools.cache
 def _inputs(index: int) -> tuple[Workload, Candidate, dict]:
-    """Row ``index``'s workload, layout and step_time options (built once: :func:`fit` predicts each row hundreds of
-    times)."""
-    row = rows()[index]
+    """The workload, layout and step_time options of the data file's row ``index`` (built once: :func:`fit` predicts
+    each row hundreds of times)."""
+    row = _data()["runs"][index]
     gpus = int(row["gpus"])
     w = Workload(
         shapes=shapes(row["model"]),
@@ -109,9 +130,12 @@ def _inputs(index: int) -> tuple[Workload, Candidate, dict]:
         seq_len=int(row["seq_len"]),
         micro_batch_size=int(row["micro_batch"]),
         lora_r=row.get("lora_r"),
+        load_in_4bit=bool(row.get("qlora", False)),
     )
     # named as the strategy catalogue names the setup at these degrees (fsdp2_tp4, ...)
-    c = strategies.named(replace(LAYOUTS[row["layout"]], tp=int(row.get("tp", 1)), cp=int(row.get("cp", 1))))
+    layout = replace(LAYOUTS[row["layout"]], tp=int(row.get("tp", 1)), cp=int(row.get("cp", 1)),
+                     offload_params=bool(row.get("offload_params", False)))
+    c = strategies.named(layout)
     options = dict(
         recompute=row["recompute"],
         micro_steps=int(row["micro_steps"]),
@@ -127,12 +151,15 @@ def compare(runs: list[int] | None = None, efficiency: Efficiency | None = None)
     efficiencies or ``efficiency``."""
     out = []
     for i in range(len(rows())) if runs is None else runs:
-        row = rows()[i]
-        w, c, options = _inputs(i)
-        pair = None if efficiency is None else efficiency[architecture(row["gpu"])]
-        t = step_time(w, c, _gpu(row["gpu"], pair), **options)
-        out.append(Comparison(row, t.tokens_per_s))
+        out.append(_predict(_included()[i], None if efficiency is None else efficiency[fitted_as(i)]))
     return out
+
+
+def _predict(index: int, pair: tuple[float, float] | None) -> Comparison:
+    """The data file's row ``index`` predicted on its GPU with the efficiencies ``pair`` (None: the data file's)."""
+    row = _data()["runs"][index]
+    w, c, options = _inputs(index)
+    return Comparison(row, step_time(w, c, _gpu(row["gpu"], pair), **options).tokens_per_s)
 
 
 def accuracy(comparisons: list[Comparison]) -> tuple[float, float]:
@@ -150,8 +177,8 @@ def fit(runs: list[int]) -> Efficiency:
     a grid search over :data:`GEMM_GRID` x :data:`ATTENTION_GRID`): what hardware.yaml's ``efficiency`` holds when
     fitted to every row, and what each fold of :func:`leave_one_source_out` is fitted to."""
     out: Efficiency = {}
-    for arch in sorted({architecture(rows()[i]["gpu"]) for i in runs}):
-        mine = [i for i in runs if architecture(rows()[i]["gpu"]) == arch]
+    for arch in sorted({fitted_as(i) for i in runs}):
+        mine = [i for i in runs if fitted_as(i) == arch]
 
         def loss(pair: tuple[float, float], mine=mine, arch=arch) -> float:
             return sum(abs(math.log1p(c.error)) for c in compare(mine, {arch: pair}))
@@ -168,6 +195,6 @@ def leave_one_source_out() -> dict[str, list[Comparison]]:
         held = [i for i, r in enumerate(rows()) if r["source"] == name]
         rest = [i for i, r in enumerate(rows()) if r["source"] != name]
         efficiency = fit(rest)
-        if held and all(architecture(rows()[i]["gpu"]) in efficiency for i in held):
+        if held and all(fitted_as(i) in efficiency for i in held):
             out[name] = compare(held, efficiency)
     return out
