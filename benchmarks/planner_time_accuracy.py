@@ -15,7 +15,7 @@ from pathlib import Path
 
 from common import RESULTS_DIR, environment, format_table, write_results
 
-from hf_scale.planner.published import accuracy, compare, leave_one_source_out
+from hf_scale.planner.published import accuracy, compare, excluded, leave_one_source_out
 
 
 def main() -> int:
@@ -59,6 +59,11 @@ def main() -> int:
     for name, group in leave_one_source_out().items():
         m, share = accuracy(group)
         print(f"  {name}: {len(group)} rows, median {m:.1%}, {share:.0%} within +-25%")
+    print("\nkept out of the fit and the accuracies (published_runs.yaml 'excluded'), predicted all the same:")
+    for c in excluded():
+        r = c.row
+        print(f"  {r['model']} {r['gpus']} x {r['gpu']} {_layout(r)}: published {round(c.published)}, predicted "
+              f"{round(c.predicted)} ({c.error:+.0%}), {r['source']}: {r['excluded']}")
     write_results(
         args.output,
         {
@@ -81,8 +86,8 @@ def main() -> int:
 def _layout(row: dict) -> str:
     """The row's layout and options, e.g. fsdp_full_shard+cp2+fp8+compile, fsdp_full_shard+tp2+compile+lora16."""
     extras = [f"{k}{row[k]}" for k in ("tp", "cp") if row.get(k, 1) > 1]
-    extras += [k for k in ("fp8", "compile") if row.get(k)]
-    extras += [f"lora{row['lora_r']}"] if row.get("lora_r") else []
+    extras += [k for k in ("fp8", "compile", "offload_params") if row.get(k)]
+    extras += [f"{'qlora' if row.get('qlora') else 'lora'}{row['lora_r']}"] if row.get("lora_r") else []
     return "+".join([row["layout"], *extras])
 
 
