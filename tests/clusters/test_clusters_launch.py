@@ -31,6 +31,7 @@ from train_helpers import child_env, free_port, launcher_command, read_metrics, 
 
 from hf_scale.commands.cli import main
 from hf_scale.config.cluster_section import DEFAULT_IMAGE_HOME
+from hf_scale.contract import checkpoint_layout
 from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.train.checkpoint import store as checkpoint
 
@@ -191,7 +192,7 @@ def test_sigterm_to_a_node_checkpoints_exits_75_and_resumes_bit_identically(kind
     for code, log in results:
         assert code == EXIT_PREEMPTED, log[-4000:]
     saved = checkpoint.complete_checkpoints(output)
-    assert saved and checkpoint.step_of(saved[-1]) < 30
+    assert saved and checkpoint_layout.step_of(saved[-1]) < 30
     assert not (output / "model.safetensors").exists()  # stopped, not finished
 
     restarted = Nodes(kind, generated, volume, tmp_path)  # the recovered job / the restarted pods

@@ -26,6 +26,7 @@ import pytest
 from train_helpers import assert_live_values, child_env, free_port, path_without
 
 from hf_scale.commands.cli import main
+from hf_scale.contract import checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 
 pytestmark = pytest.mark.multiprocess
@@ -92,7 +93,7 @@ def test_a_signal_to_the_script_checkpoints_and_exits_75(preset, kind, sig, loop
     assert "hf_scale: stopped by SIGUSR1" in stderr  # the script passes both signals on as SIGUSR1
     saved = checkpoint.complete_checkpoints(out)
     assert len(saved) == 1, stderr[-4000:]
-    assert 1 <= checkpoint.step_of(saved[0]) < 500
+    assert 1 <= checkpoint_layout.step_of(saved[0]) < 500
     assert not (out / "model.safetensors").exists()  # stopped, not finished
     assert not list(tmp_path.glob("hf-scale.*"))  # the script's private status directory is gone
     live = assert_live_values(out, root / "hf_scale_configs" / "run.yaml")

@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 from train_helpers import TRAIN_PY, child_env, free_port, prebuilt_shm_comm_op, read_metrics
 
 from hf_scale.commands.cli import main
+from hf_scale.contract import checkpoint_layout
 from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.train.checkpoint import store as checkpoint
 
@@ -143,8 +144,8 @@ def _wait_for_checkpoint_after(slurm, job_id: str, submit_dir: Path, step: int, 
     deadline = time.monotonic() + timeout
     while True:
         saved = checkpoint.complete_checkpoints(out)
-        if saved and checkpoint.step_of(saved[-1]) > step:
-            return checkpoint.step_of(saved[-1])
+        if saved and checkpoint_layout.step_of(saved[-1]) > step:
+            return checkpoint_layout.step_of(saved[-1])
         job = slurm.job(job_id)
         assert job["JobState"] in {"RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED"}, (
             job, _output(submit_dir, job_id)[-6000:] + slurm.logs())
@@ -162,7 +163,7 @@ def _requeued(slurm, job_id: str, submit_dir: Path, out: Path, restarts: int, **
     # once a stop, from rank 0 (which of SLURM's signal and the script's SIGUSR1 came first does not matter)
     assert len(re.findall(r"^hf_scale: stopped by ", log, re.MULTILINE)) == restarts, log[-4000:]
     assert not (out / "model.safetensors").exists()  # stopped, not finished
-    saved = checkpoint.step_of(checkpoint.complete_checkpoints(out)[-1])
+    saved = checkpoint_layout.step_of(checkpoint.complete_checkpoints(out)[-1])
     _wait_until_gone(slurm, job_id)
     slurm.run("scontrol", "update", f"JobId={job_id}", *(f"{key}={value}" for key, value in update.items()),
               "StartTime=now")

@@ -32,6 +32,7 @@ from train_helpers import (
     training_traceback_frames,
 )
 
+from hf_scale.contract import checkpoint_layout
 from hf_scale.train.checkpoint import store as checkpoint
 
 pytestmark = pytest.mark.multiprocess
@@ -223,7 +224,7 @@ def test_a_generated_sp_cluster_node_survives_a_preemption_and_resumes(tmp_path)
     finally:
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)
-    stopped = checkpoint.step_of(checkpoint.complete_checkpoints(out)[-1])
+    stopped = checkpoint_layout.step_of(checkpoint.complete_checkpoints(out)[-1])
     assert stopped < 12 and not (out / "model.safetensors").exists()
     restarted = run(command, env={**env, "MAIN_PROCESS_PORT": str(free_port())}, timeout=600)
     assert restarted.returncode == 0, restarted.stderr[-4000:]
