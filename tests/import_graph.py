@@ -70,10 +70,9 @@ LAYERS = (
     ("hf_scale.commands", "hf_scale.train.__main__"),
     ("hf_scale.commands.cli", "hf_scale.__main__"),
 )
-"""hf_scale's packages, lowest first: how processes fail and exit; the base (the config, the knowledge of the
-libraries, train.py's contract, files); what is derived from a config (generated files, cluster targets' files, plans);
-the training
-runtime; the libraries of the commands that read a run's files (check, doctor, export); the commands (and the
+"""hf_scale's packages, lowest first: how processes fail and exit; the base (the config, the knowledge of the libraries,
+train.py's contract, files); what is derived from a config (generated files, cluster targets' files, plans); the
+training runtime; the libraries of the commands that read a run's files (check, doctor, export); the commands (and the
 `python -m` entry points); the CLI that loads them by name."""
 
 

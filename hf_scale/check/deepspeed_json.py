@@ -118,9 +118,8 @@ def check_deepspeed_schema(inp: CheckInputs) -> Iterator[Finding]:
 def check_deepspeed_changes(inp: CheckInputs) -> Iterator[Finding]:
     """`deepspeed-key-removed`, `deepspeed-warmup-refused`: what a DeepSpeed release refuses at start in a config that
     ran before (hf_scale.knowledge.deepspeed_changes): a removed key (`amp`, `elasticity`, `sparse_attention`, MiCS,
-    ...), a
-    warmup scheduler with `warmup_num_steps` 0. An error where the installed DeepSpeed refuses it, a warning where it
-    is older (the cluster's install will)."""
+    ...), a warmup scheduler with `warmup_num_steps` 0. An error where the installed DeepSpeed refuses it, a warning
+    where it is older (the cluster's install will)."""
     if inp.deepspeed is None:
         return
     file = inp.deepspeed_file or ""

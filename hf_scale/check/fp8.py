@@ -1,9 +1,8 @@
 """Checks of FP8 training: the YAML's `fp8_config` keys and values as accelerate reads them
-(hf_scale.knowledge.library_tables
-asks accelerate), the combinations accelerate refuses at start, in a hand-written accelerate YAML (the rule the
-config applies when generating, hf_scale.knowledge.precision_rules.fp8_refusal), and where fp8 will run slower than
-bf16.
-(A machine without an fp8 GPU is train.py's refusal before the model loads, and `doctor --config`'s.)
+(hf_scale.knowledge.library_tables asks accelerate), the combinations accelerate refuses at start, in a hand-written
+accelerate YAML (the rule the config applies when generating, hf_scale.knowledge.precision_rules.fp8_refusal), and where
+fp8 will run slower than bf16. (A machine without an fp8 GPU is train.py's refusal before the model loads, and `doctor
+--config`'s.)
 """
 
 from __future__ import annotations

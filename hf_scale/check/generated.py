@@ -1,8 +1,7 @@
 """Fixes for files `hf-scale generate` wrote: such a file says "do not edit" in its header (the next `generate` would
 undo an edit), so a fix that starts "In NAME, change X" is turned into one that says where the change belongs: the
-hf_scale config (or the preset and its `--set`s) it was generated from, then the command in its header regenerates
-it. The header is the one `hf_scale.commands.generate` writes at the top of every YAML and script; a JSON file has none,
-and
+hf_scale config (or the preset and its `--set`s) it was generated from, then the command in its header regenerates it.
+The header is the one `hf_scale.commands.generate` writes at the top of every YAML and script; a JSON file has none, and
 its fixes are left as they are."""
 
 from __future__ import annotations

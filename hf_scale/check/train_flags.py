@@ -1,8 +1,7 @@
 """train.py's flags read exactly as train.py reads them, for every command that hands flags to a train.py that runs
 later or elsewhere: `hf-scale check -- ARGS`, the command of a manifest (`check --manifest`), `hf-scale generate`'s
 ``cluster.train_args`` and the Ray driver (`python -m hf_scale.commands.ray_train`). A flag train.py would refuse is
-found
-before a job queues, not on the cluster.
+found before a job queues, not on the cluster.
 
 The reading is train.py's own: its parser (hf_scale.contract.parser.build_parser: every TrainingArguments flag
 plus train.py's model/data/hf_scale flags, no abbreviations, an unknown flag refused, the last of a repeated flag

@@ -153,8 +153,7 @@ def config_verdict(req: dict, gpu_list: list[dict], op_statuses: dict[str, dict]
 
 def _deepspeed_changes(ds: dict, memlock_bytes: int | None, problems: list[str], warnings: list[str]) -> None:
     """What the installed DeepSpeed refuses in a config that ran on an older one (hf_scale.knowledge.deepspeed_changes:
-    this
-    node's DeepSpeed is the one the job gets), and pinned offload against the locked-memory limit."""
+    this node's DeepSpeed is the one the job gets), and pinned offload against the locked-memory limit."""
     from hf_scale.knowledge import deepspeed_changes
 
     warmup = deepspeed_changes.warmup_refused(ds)

@@ -23,12 +23,11 @@ SIZES = (2, 4, 8)
 
 
 def candidates(w: Workload, base: list[Candidate]) -> list[Candidate]:
-    """The catalogue's entries that vary tp or cp (FSDP2 x TP, HSDP x TP, FSDP2 x CP, with and without CPU offload)
-    at each size the model's heads and the topology allow, then the EP ones (:func:`expert_candidates`); named by
+    """The catalogue's entries that vary tp or cp (FSDP2 x TP, HSDP x TP, FSDP2 x CP, with and without CPU offload) at
+    each size the model's heads and the topology allow, then the EP ones (:func:`expert_candidates`); named by
     hf_scale.config.presets.sized_name. TP stays inside a machine; HSDP x TP needs a shard group of more than one TP
-    group in
-    each of several machines. A sequence length that is no multiple of 2 x cp is no reason to drop CP: train.py pads
-    it (Workload.cp_seq_len), and the CP rows are estimated at the padded length."""
+    group in each of several machines. A sequence length that is no multiple of 2 x cp is no reason to drop CP: train.py
+    pads it (Workload.cp_seq_len), and the CP rows are estimated at the padded length."""
     s, out = w.shapes, []
     for name in ("tp", "cp"):
         for size in SIZES:

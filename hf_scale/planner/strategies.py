@@ -1,7 +1,6 @@
 """The planner's candidates are the strategy catalogue's entries (hf_scale.config.presets): what it estimates of an
-entry
-(engine, ZeRO stage, offload, sharding, degrees) is read from the entry's own config, so a preset and the candidate of
-the same setup cannot disagree, and they have one name."""
+entry (engine, ZeRO stage, offload, sharding, degrees) is read from the entry's own config, so a preset and the
+candidate of the same setup cannot disagree, and they have one name."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """hf_scale.config.expert_parallel: `parallelism.ep` in the config, its rules (transformers' mesh rules, the strategies
-that
-compose with it, EP within a machine, the model's experts and expert-parallel plan), each one line with exit 2 at
+that compose with it, EP within a machine, the model's experts and expert-parallel plan), each one line with exit 2 at
 `hf-scale generate`, and the sizes transformers' own DistributedConfig accepts."""
 
 from __future__ import annotations

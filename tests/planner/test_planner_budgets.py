@@ -44,9 +44,8 @@ def _generate(tmp_path, model: str, capsys, *hardware: str) -> tuple[dict, str, 
 
 def _ray_grace(script) -> float:
     """The preemption grace Ray Train gets from the generated script: its python -m hf_scale.commands.ray_train
-    arguments read
-    by hf_scale.commands.ray_train's own parser (with the --output_dir a user passes), turned into Ray's own
-    FailureConfig."""
+    arguments read by hf_scale.commands.ray_train's own parser (with the --output_dir a user passes), turned into Ray's
+    own FailureConfig."""
     command = script.read_text().split("exec python -m hf_scale.commands.ray_train ")[1].replace("\\\n", " ")
     argv = shlex.split(command.split('"$@"')[0].replace('"$generated_dir"', "DIR"))
     ns, _ = ray_train.build_parser().parse_known_args([*argv, "--output_dir", "/shared/run"])
