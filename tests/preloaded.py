@@ -9,10 +9,17 @@ imported them once (per pytest worker):
 - `python train.py ARGS` is train.py run by runpy in a fork of the server;
 - `torchrun ARGS` is torchrun's own `main` in a fork of the server, given its `--run-path` and
   `--start-method fork` (torchrun's documented way to run the script in its own interpreter), so the ranks are forks
-  of the preloaded agent, with the rendezvous, environment and supervision torchrun gives them.
+  of the preloaded agent, with the rendezvous, environment and supervision torchrun gives them;
+- `python -m accelerate.commands.launch ARGS` is accelerate's own argument processing and launcher in a fork of the
+  server: accelerate hands its multi-process and single-node DeepSpeed runs to torchrun's `run` with the torchrun
+  options of the same name (`_filter_args`), so the parsed arguments are given torchrun's `run_path` and
+  `start_method="fork"` and the ranks are forks again, with the environment accelerate prepared for them. A
+  one-process config (accelerate's `simple_launcher`) still starts `python train.py` as a subprocess from there.
 
-What keeps the real subprocess: other launchers (accelerate, deepspeed), any environment that differs from the
-server's (what the preloaded modules read at import, HF_DATASETS_CACHE or PATH among them, would be stale), and the
+What keeps the real subprocess: the `deepspeed` launcher (its runner and per-node `launch.py` start each rank with
+`subprocess.Popen`), any environment that differs from the
+server's in a variable read at import (HF_DATASETS_CACHE among them: the preloaded value would be stale; PATH and
+the build variables are read only when something is built, AT_BUILD), and the
 tests of a launcher's or the interpreter's own behaviour (signals, exit at interpreter shutdown, output filtering),
 which call `subprocess` themselves. HF_SCALE_TESTS_PRELOAD=0 turns it off.
 """
@@ -30,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-# What the server imports before it forks anything: train.py's runtime and torchrun.
+# What the server imports before it forks anything: train.py's runtime, torchrun and accelerate's launcher.
 PRELOAD = ["preloaded_runtime"]
 
 # Variables that may differ between the server's environment and a run's without any preloaded import reading them:
@@ -38,7 +45,13 @@ PRELOAD = ["preloaded_runtime"]
 # inductor, tensorboardX, Ray's client mode); and gloo's interface, read when a process group starts, not at import.
 PER_TEST = {"PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK", "CRC32C_SW_MODE", "RAY_CLIENT_MODE",
             "GLOO_SOCKET_IFNAME"}  # and inductor's own (TORCHINDUCTOR_*, _TORCHINDUCTOR_*), set when something compiles
+# Read when something is built or a program is looked up, never at import (checked in DeepSpeed's and
+# torch.utils.cpp_extension's module-level code): the DeepSpeed runs on a PATH without compilers may be served.
+AT_BUILD = {"PATH", "CC", "CXX", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST"}
 _server: dict = {}
+
+
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 def _kind(command: list[str], train_py: str) -> str | None:
@@ -46,6 +59,8 @@ def _kind(command: list[str], train_py: str) -> str | None:
         return "train"
     if command[:3] == TORCHRUN and train_py in command:
         return "torchrun"
+    if command[:3] == ACCELERATE_LAUNCH and train_py in command:
+        return "accelerate"
     return None
 
 
@@ -69,9 +84,9 @@ def _context(server_env: dict[str, str], env: dict[str, str]):
 
 
 def _comparable(env: dict[str, str]) -> dict[str, str]:
-    """The environment but for PER_TEST and torch inductor's variables."""
+    """The environment but for PER_TEST, AT_BUILD and torch inductor's variables."""
     return {key: value for key, value in env.items()
-            if key not in PER_TEST and not key.lstrip("_").startswith("TORCHINDUCTOR_")}
+            if key not in PER_TEST | AT_BUILD and not key.lstrip("_").startswith("TORCHINDUCTOR_")}
 
 
 def _log(how: str, command: list[str]) -> None:
@@ -100,10 +115,17 @@ def _child(kind: str, argv: list[str], cwd: str, env: dict[str, str], out: str, 
     if kind == "train":
         sys.argv = [train_py, *argv]
         runpy.run_path(train_py, run_name="__main__")
-    else:
+    elif kind == "torchrun":
         from torch.distributed.run import main
 
         main(["--run-path", "--start-method", "fork", *argv])
+    else:
+        from accelerate.commands.launch import launch_command, launch_command_parser
+
+        args = launch_command_parser().parse_args(argv)
+        # torchrun's options, which accelerate's _filter_args copies by name into the arguments it gives torchrun.
+        args.run_path, args.start_method = True, "fork"
+        launch_command(args)
     sys.exit(0)
 
 
@@ -113,6 +135,8 @@ def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: f
     The server runs in `server_env` (the tests' usual child environment)."""
     kind = _kind(command, train_py)
     if kind is None or os.environ.get("HF_SCALE_TESTS_PRELOAD") == "0":
+        if train_py in command:
+            _log("subprocess (launcher)" if kind is None else "subprocess (HF_SCALE_TESTS_PRELOAD=0)", command)
         return None
     context = _context(server_env, env)
     if context is None:
@@ -120,7 +144,7 @@ def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: f
         _log(f"subprocess ({sorted(k for k in base.keys() | given.keys() if base.get(k) != given.get(k))})", command)
         return None
     _log("preloaded", command)
-    argv = command[2:] if kind == "train" else command[3:]
+    argv = command[2:] if kind == "train" else command[3:]  # after `python train.py` or `python -m MODULE`
     with tempfile.TemporaryDirectory(prefix="preloaded-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         process = context.Process(target=_child, args=(kind, argv, str(cwd or os.getcwd()), env, out, err, train_py))
