@@ -7,6 +7,11 @@ runtime guard checks that the model's experts really are split 2 ways (guard.exp
 one line and exit 2 before anything is written: ep with --lora_r, ep on a dense model. The Trainer's final
 checkpoint of the EP run exports to a plain Hugging Face model with the trained logits.
 
+Against the same one-process reference: `accelerate launch` with the accelerate YAML `hf-scale generate` writes for the
+ep=2 config (2 processes); and ep=2 with tp=2 over dp_shard=2 (4 processes, manual loop: transformers' all-to-all
+dispatch gives each rank of a TP group a disjoint slice of the batch they share, so no token reaches an expert twice,
+and the experts are FSDP-sharded over dp_shard x tp / ep = 2 copies).
+
 The one-process run trains a global batch of 8 (micro 8); ep=2: micro 2 x accumulation 2 on each of the 2 data-parallel
 ranks (EP ranks see different data: ep splits the experts, not the batch). The router's auxiliary loss is off (the
 model's output_router_logits default), so the per-micro-batch load-balancing term is not part of this equality.
@@ -30,6 +35,8 @@ from train_helpers import (
     run_ok,
 )
 
+from hf_scale.commands.cli import main
+
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
@@ -37,6 +44,9 @@ COMMON = ["--max_steps", str(STEPS), "--learning_rate", "1e-3", "--seed", "11", 
           "--lr_scheduler_type", "linear", "--max_grad_norm", "1.0"]
 EP2 = "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 2}\nparallelism: {ep: 2}\n" \
       "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
+EP2_TP2 = "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 4}\nparallelism: {ep: 2, tp: 2}\n" \
+          "batch: {micro_batch_size: 2, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
+"""dp_shard = 4 / tp = 2: the one-process global batch of 8 again (2 data-parallel ranks x micro 2 x accumulation 2)."""
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +69,15 @@ def reference_dir(moe_dir, tmp_path_factory):
     return out
 
 
+def _assert_equals_reference(out, reference_dir):
+    got, want = read_metrics(out), read_metrics(reference_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
+    assert_saved_model_verified(out, like=reference_dir)
+
+
 @pytest.mark.parametrize("loop", ["accelerate", "trainer"])
 def test_ep2_equals_one_process(loop, moe_dir, ep_config, reference_dir, tmp_path):
     """Both loops; the one-process reference is the manual loop's (the loops train the same steps in one process:
@@ -68,12 +87,7 @@ def test_ep2_equals_one_process(loop, moe_dir, ep_config, reference_dir, tmp_pat
         "--model_name_or_path", str(moe_dir), "--hf_scale_config", str(ep_config), "--output_dir", str(out),
         "--loop", loop], env=child_env(), timeout=600)
     assert f"fsdp (dp_shard=2 (ep=2)) on 2 process(es) (torchrun), {loop} loop" in result.stderr
-    got, want = read_metrics(out), read_metrics(reference_dir)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
-    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
-    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
-    assert_saved_model_verified(out, like=reference_dir)
+    _assert_equals_reference(out, reference_dir)
     if loop == "trainer":
         # The Trainer's final checkpoint holds the EP run's FSDP2 shards (DCP): `hf-scale export` rebuilds the plain
         # Hugging Face model, with the trained logits.
@@ -81,6 +95,33 @@ def test_ep2_equals_one_process(loop, moe_dir, ep_config, reference_dir, tmp_pat
         run_ok([sys.executable, "-m", "hf_scale", "export", str(out / f"checkpoint-{STEPS}"), str(exported)],
                env=child_env(), timeout=300)
         torch.testing.assert_close(logits(exported), logits(out), rtol=1e-5, atol=1e-5)
+
+
+def test_accelerate_launch_of_the_generated_ep2_files_equals_one_process(moe_dir, ep_config, reference_dir, tmp_path):
+    """What a user runs: `hf-scale generate` of the ep=2 config, then `accelerate launch --config_file
+    accelerate_configs/ep2.yaml train.py --hf_scale_config hf_scale_configs/ep2.yaml` (2 processes)."""
+    generated = tmp_path / "generated"
+    assert main(["generate", str(ep_config), "--output-dir", str(generated)]) == 0
+    out = tmp_path / "ep2"
+    command = launcher_command("accelerate", config=generated / "accelerate_configs" / "ep2.yaml") + COMMON + [
+        "--model_name_or_path", str(moe_dir), "--hf_scale_config", str(generated / "hf_scale_configs" / "ep2.yaml"),
+        "--output_dir", str(out), "--loop", "accelerate"]
+    result = run_ok(command, env=child_env(), timeout=600)
+    assert "fsdp (dp_shard=2 (ep=2)) on 2 process(es) (accelerate), accelerate loop" in result.stderr
+    _assert_equals_reference(out, reference_dir)
+
+
+def test_ep2_with_tp2_over_dp_shard2_equals_one_process(moe_dir, reference_dir, tmp_path):
+    """4 processes: dp_shard=2 x tp=2, the experts split 2 ways (ep=2 = the TP group). The Trainer gives the same
+    numbers (checked by hand: rel < 5e-5); one loop is launched to keep the suite short."""
+    config = tmp_path / "ep2_tp2.yaml"
+    config.write_text(EP2_TP2)
+    out = tmp_path / "ep2_tp2"
+    result = run_ok(launcher_command("torchrun", nproc=4) + COMMON + [
+        "--model_name_or_path", str(moe_dir), "--hf_scale_config", str(config), "--output_dir", str(out),
+        "--loop", "accelerate"], env=child_env(), timeout=600)
+    assert "fsdp (dp_shard=2 x tp=2 (ep=2)) on 4 process(es) (torchrun), accelerate loop" in result.stderr
+    _assert_equals_reference(out, reference_dir)
 
 
 @pytest.mark.parametrize(
