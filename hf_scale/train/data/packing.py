@@ -48,9 +48,11 @@ from hf_scale.train.data.labels import IGNORE_INDEX
 PACKING_STRATEGIES = ("bfd", "bfd_split")
 SEQ_LENGTHS = "seq_lengths"
 """Column of a packed row: the lengths of the examples in it, in order (TRL's name)."""
-REAL_TOKENS = "num_real_tokens"
-"""Key of a packed micro-batch: its tokens without the padding to a fixed row length. Not a model input:
-both loops drop it before the forward pass (:func:`model_inputs`)."""
+REAL_TOKEN_MASK = "real_token_mask"
+"""Key of a packed micro-batch: 1 for its tokens, 0 for the padding to a fixed row length (``[rows, length]``). Packed
+rows carry no ``attention_mask`` (one would turn off transformers' packed-sequence detection), so this is where the
+padding is known: the token count of the metrics and the router's load-balancing loss (train/model/router_loss.py) read
+it. Not a model input: both loops drop it before the forward pass (:func:`model_inputs`)."""
 
 
 def best_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -222,7 +224,8 @@ class PackedCollator:
     - `varlen_kwargs`: also ``cu_seq_lens_q/k`` (int32, over the flattened micro-batch) and
       ``max_length_q/k`` (Python ints, computed here on the CPU so no kernel waits for a device sync),
       which transformers hands to flash-attention and hf_scale's ``torch_varlen`` attention.
-    - ``num_real_tokens``: tokens without the padding (metrics only; dropped before the forward pass).
+    - ``real_token_mask``: 1 for tokens, 0 for padding (the metrics' token count and the router's load-balancing
+      loss; dropped before the forward pass).
 
     Rows without ``seq_lengths`` (an unpacked validation set) are one example each.
     """
@@ -253,7 +256,8 @@ class PackedCollator:
             "input_ids": torch.tensor(input_ids, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
             "position_ids": torch.tensor(positions, dtype=torch.long),
-            REAL_TOKENS: torch.tensor(sum(len(row["input_ids"]) for row in rows)),
+            REAL_TOKEN_MASK: torch.tensor([[1] * len(row["input_ids"]) + [0] * (width - len(row["input_ids"]))
+                                           for row in rows], dtype=torch.long),
         }
         if self.varlen_kwargs:
             cu_seq_lens = torch.tensor([0] + segments, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -266,4 +270,4 @@ class PackedCollator:
 
 def model_inputs(batch: dict) -> dict:
     """The micro-batch without hf_scale's bookkeeping keys: what ``model(**...)`` receives."""
-    return {key: value for key, value in batch.items() if key != REAL_TOKENS}
+    return {key: value for key, value in batch.items() if key != REAL_TOKEN_MASK}

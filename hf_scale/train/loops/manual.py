@@ -247,12 +247,12 @@ class _Loop:
     schedule: evaluation.EvalSchedule | None = field(init=False, default=None)
     first_step: int = field(init=False, default=0)
     """The step the run started (or resumed) from."""
-    router_coefficient: float | None = field(init=False, default=None)
-    """The MoE router's aux-loss coefficient this loop adds per micro-batch (train/model/router_loss.py), or None."""
+    router: router_loss.Router | None = field(init=False, default=None)
+    """The MoE router's aux loss this loop adds per micro-batch (train/model/router_loss.py), or None."""
 
     def __post_init__(self):
         self.first_step = self.step
-        self.router_coefficient = router_loss.take_over(self.model)
+        self.router = router_loss.take_over(self.model)
         if self.eval_dataset is not None:
             self.schedule = evaluation.EvalSchedule.from_args(self.args, self.length.total_steps)
 
@@ -357,7 +357,7 @@ class _Loop:
         step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / self.spec.layout.whole_batch_copies
         tokens = int(accelerator.reduce(local_tokens, reduction="sum").item()) // copies
         aux_loss = None
-        if self.router_coefficient is not None:  # the mean over every rank's micro-batches (TP copies alike)
+        if self.router is not None:  # the mean over every rank's micro-batches (TP copies alike)
             aux_loss = accelerator.reduce(aux_sum, reduction="mean").item() / len(window)
         return step_loss, tokens, lr, grad_norm, aux_loss
 
@@ -384,11 +384,13 @@ class _Loop:
                 outputs = model(**model_inputs(batch), num_items_in_batch=global_targets)
                 loss = outputs.loss
                 multiplier = context_parallel.loss_multiplier(self.spec.layout, self.spec.data_parallel_size)
-            # The router's aux term after the multiplier: the step holds its mean over the global batch's micro-batches.
-            loss = loss * multiplier + router_loss.step_term(outputs, self.router_coefficient, window)
+            # The router's aux term after the multiplier: the step holds its mean over the global batch's micro-batches
+            # (over the packed rows' tokens, not their padding).
+            aux = self.router.aux_loss(outputs, batch) if self.router is not None and outputs is not None else None
+            loss = loss * multiplier + (self.router.step_term(aux, window) if aux is not None else 0.0)
             backward_kwargs = {"scale_wrt_gas": False} if self.is_deepspeed else {}
             accelerator.backward(loss, **backward_kwargs)
-        return loss.detach() / multiplier, router_loss.aux_value(outputs)
+        return loss.detach() / multiplier, router_loss.aux_value(aux)
 
     def evaluate(self, epoch_now: float) -> None:
         result = evaluation.evaluate(

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_scale.train.data.packing import REAL_TOKENS
+from hf_scale.train.data.packing import REAL_TOKEN_MASK
 from hf_scale.train.loops import torch_profiler
 from hf_scale.train.model.partitioned import full_numel
 
@@ -63,10 +63,10 @@ def flops_per_token(model_config, num_parameters: int, seq_len: float) -> float:
 
 
 def real_tokens(batch) -> torch.Tensor:
-    """Non-padding tokens of a micro-batch (a packed batch says how many, see hf_scale.train.data.packing), a 0-dim
+    """Non-padding tokens of a micro-batch (a packed batch marks them, see hf_scale.train.data.packing), a 0-dim
     tensor where the batch is, so that counting every micro-batch does not wait for the device."""
-    if REAL_TOKENS in batch:
-        return torch.as_tensor(batch[REAL_TOKENS])
+    if REAL_TOKEN_MASK in batch:
+        return batch[REAL_TOKEN_MASK].sum()
     if "attention_mask" in batch:
         return batch["attention_mask"].sum()
     return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)

@@ -45,8 +45,8 @@ class HfScaleTrainer(Trainer):
         self.window_loss = 0.0
         self.window_tokens = 0
         self.window_aux = 0.0
-        self.router_coefficient = router_loss.take_over(self.model)
-        """The MoE router's aux-loss coefficient compute_loss adds per micro-batch (model/router_loss.py), or None."""
+        self.router = router_loss.take_over(self.model)
+        """The MoE router's aux loss compute_loss adds per micro-batch (model/router_loss.py), or None."""
         self.window_data_wait_s = 0.0
         self.live_window = live.Window()  # what this rank's training steps saw in the current optimizer step
         self.last_grad_norm = None
@@ -93,13 +93,14 @@ class HfScaleTrainer(Trainer):
             # DeepSpeed's gradient averaging divides by (sequence_parallel.loss_multiplier).
             loss = sequence_parallel.shard_loss(model, inputs, num_items_in_batch) * self._loss_multiplier
             return (loss, None) if return_outputs else loss
-        if self.router_coefficient is None or not model.training:
+        if self.router is None or not model.training:
             return super().compute_loss(model, model_inputs(inputs), return_outputs, num_items_in_batch)
         # The router's aux term after the Trainer's data-parallel multiplier: the step holds its mean over the
         # global batch's micro-batches (the model's own term, zeroed by take_over, would count accumulation x ranks).
         loss, outputs = super().compute_loss(model, model_inputs(inputs), True, num_items_in_batch)
-        loss = loss + router_loss.step_term(outputs, self.router_coefficient, self.current_gradient_accumulation_steps)
-        self.window_aux = self.window_aux + router_loss.aux_value(outputs)  # a tensor: no wait per micro-batch
+        aux = self.router.aux_loss(outputs, inputs)  # over the packed rows' tokens, not their padding
+        loss = loss + self.router.step_term(aux, self.current_gradient_accumulation_steps)
+        self.window_aux = self.window_aux + router_loss.aux_value(aux)  # a tensor: no wait per micro-batch
         return (loss, outputs) if return_outputs else loss
 
     def _get_num_items_in_batch(self, batch_samples, device):
@@ -388,7 +389,7 @@ class GuardAndMetricsCallback(TrainerCallback):
         totals[1] /= self.spec.layout.loader_copies  # each rank of a TP/CP group counted its group's batch
         loss, tokens, aux_sum = trainer.accelerator.reduce(totals, reduction="sum").tolist()
         aux_loss = None
-        if trainer.router_coefficient is not None:  # the mean over every rank's micro-batches (TP copies alike)
+        if trainer.router is not None:  # the mean over every rank's micro-batches (TP copies alike)
             micro_batches = trainer.accelerator.num_processes * trainer.current_gradient_accumulation_steps
             aux_loss = aux_sum / micro_batches
         grad_norm = trainer.last_grad_norm

@@ -32,7 +32,7 @@ from hf_scale.train.data.batches import make_collator
 from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.packing import (
-    REAL_TOKENS,
+    REAL_TOKEN_MASK,
     SEQ_LENGTHS,
     PackedCollator,
     balanced_rows,
@@ -232,7 +232,8 @@ def test_collator_restarts_positions_ignores_first_labels_pads_and_counts_real_t
     # Over the flattened micro-batch; the padding of each row is one more segment.
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 11, 16] and batch["cu_seq_lens_q"].dtype == torch.int32
     assert batch["max_length_q"] == batch["max_length_k"] == 5
-    assert count_real_tokens(batch) == 8 and set(model_inputs(batch)) == set(batch) - {REAL_TOKENS}
+    assert batch[REAL_TOKEN_MASK].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
+    assert count_real_tokens(batch) == 8 and set(model_inputs(batch)) == set(batch) - {REAL_TOKEN_MASK}
     unpadded = PackedCollator(pad_token_id=0)(rows)
     assert unpadded["input_ids"].shape == (2, 5) and "cu_seq_lens_q" not in unpadded
 

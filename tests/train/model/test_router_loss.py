@@ -9,7 +9,9 @@
   same micro-batches (micro 2 x accumulation 4): losses, gradient norms, aux losses, token counts and the saved model
   (the aux loss is a per-micro-batch mean, so the reference takes the same micro-batches, not one big batch); the
   manual loop's EP checkpoint resumes bit for bit at ep=2 and exports (`hf-scale export`) to a plain Hugging Face
-  model with the trained logits.
+  model with the trained logits;
+- packing (in-process, one forward): the padding of packed rows is left out of the aux loss, which equals that of
+  the same examples packed without padding.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ from train_helpers import (
     logits,
     read_metrics,
     run_ok,
+    tiny_moe,
 )
 
-pytestmark = pytest.mark.multiprocess  # every test launches train.py (as tests/train/test_train_moe.py)
+from hf_scale.train.data.packing import SEQ_LENGTHS, PackedCollator, model_inputs
+from hf_scale.train.model import router_loss
+
+# Every test but the packing one launches train.py (as tests/train/test_train_moe.py): marked multiprocess.
 
 STEPS = 2
 COEFFICIENT = 0.5  # large beside the token loss, so a wrong weight shows in the loss and the gradient
@@ -69,6 +75,7 @@ def big_batch_dir(moe_dir, one_text, tmp_path_factory):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("loop", ["accelerate", "trainer"])
 def test_router_loss_under_accumulation_equals_one_big_batch(loop, moe_dir, one_text, big_batch_dir, tmp_path):
     out = tmp_path / "run"
@@ -105,6 +112,7 @@ def ep_runs(moe_dir, tmp_path_factory):
     return reference, ep2, command
 
 
+@pytest.mark.multiprocess
 def test_ep2_with_packing_and_router_loss_equals_one_process(ep_runs):
     reference, ep2, _ = ep_runs
     got, want = read_metrics(ep2), read_metrics(reference)
@@ -116,6 +124,7 @@ def test_ep2_with_packing_and_router_loss_equals_one_process(ep_runs):
     assert json.loads((ep2 / "checkpoint-2" / "hf_scale_state.json").read_text())["parallelism"]["ep"] == 2
 
 
+@pytest.mark.multiprocess
 def test_ep2_checkpoint_resumes_exactly_at_the_same_ep(ep_runs, tmp_path):
     """The manual loop's EP checkpoint (FSDP2 DCP shards of the expert-parallel DTensors) resumed at ep=2 on 2
     processes continues bit for bit as the uninterrupted run."""
@@ -134,9 +143,30 @@ def test_ep2_checkpoint_resumes_exactly_at_the_same_ep(ep_runs, tmp_path):
             assert record[key] == want[record["step"]][key], key
 
 
+@pytest.mark.multiprocess
 def test_the_manual_loops_ep_checkpoint_exports_to_a_plain_model_with_the_trained_logits(ep_runs, tmp_path):
     _, ep2, _ = ep_runs
     exported = tmp_path / "exported"
     run_ok([sys.executable, "-m", "hf_scale", "export", str(ep2 / f"checkpoint-{EP_STEPS}"), str(exported)],
            env=child_env(), timeout=300)
     torch.testing.assert_close(logits(exported), logits(ep2), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_padding_does_not_count_in_the_router_loss():
+    """Two examples (10 and 6 tokens) packed into one row of 16, or one per row padded to 10: the same tokens route
+    alike (positions restart per example), and the loss the loops add (router_loss.Router.aux_loss, given the
+    collator's real_token_mask) is the same; transformers' own (no attention_mask in a packed batch) counts the 4
+    padding rows as tokens and differs."""
+    model, tokenizer = tiny_moe(output_router_logits=True, router_aux_loss_coef=COEFFICIENT)
+    router = router_loss.take_over(model)
+    generator = torch.Generator().manual_seed(3)
+    first, second = (torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist() for n in (10, 6))
+    collate = PackedCollator(pad_token_id=tokenizer.pad_token_id)
+    unpadded = collate([{"input_ids": first + second, "labels": first + second, SEQ_LENGTHS: [10, 6]}])
+    padded = collate([{"input_ids": ids, "labels": ids, SEQ_LENGTHS: [len(ids)]} for ids in (first, second)])
+    assert padded["input_ids"].shape == (2, 10)  # 4 padding tokens in the second row
+    with torch.no_grad():
+        want, got = (model(**model_inputs(batch), use_cache=False) for batch in (unpadded, padded))
+    torch.testing.assert_close(router.aux_loss(got, padded), want.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(router.aux_loss(want, unpadded), want.aux_loss, rtol=0, atol=0)
+    assert abs(got.aux_loss - want.aux_loss) > 1e-3  # transformers' own, padding counted
