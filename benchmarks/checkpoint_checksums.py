@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size-mb, --files and --reps must be >= 1")
 
     sys.path.insert(0, str(common.REPO))
-    from hf_scale.train.checkpoint import store as checkpoint
+    from hf_scale.contract import checkpoint_verification
+    from hf_scale.train.checkpoint import store
 
     environment = common.environment()
     data = os.urandom(args.size_mb << 20)
@@ -82,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.reps):
         write_s.append(write_checkpoint(directory, data, args.files))
         start = time.perf_counter()
-        checkpoint.seal(directory, 1, ONE_PROCESS)
+        store.seal(directory, 1, ONE_PROCESS)
         seal_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        assert checkpoint.verify(directory, ONE_PROCESS) is None
+        assert checkpoint_verification.verify(directory, ONE_PROCESS) is None
         verify_s.append(time.perf_counter() - start)
     shutil.rmtree(args.workdir, ignore_errors=True)
 

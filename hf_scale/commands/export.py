@@ -240,8 +240,7 @@ def _checkpoint_of(path: Path, verify: bool) -> tuple[Layout, bool]:
 
 def _newest_of_run(path: Path, found: Layout, verify: bool) -> tuple[Path | None, list[str]]:
     """The checkpoint of run directory `path` to export, and the newer ones passed over ("NAME: why")."""
-    from hf_scale.contract import checkpoint_layout
-    from hf_scale.train.checkpoint import store as checkpoint
+    from hf_scale.contract import checkpoint_layout, checkpoint_verification
 
     if not verify:
         newest = found.newest
@@ -249,7 +248,7 @@ def _newest_of_run(path: Path, found: Layout, verify: bool) -> tuple[Path | None
                  if newest and checkpoint_layout.step_of(p) > checkpoint_layout.step_of(newest)]
         return newest, [f"{p.name} incomplete" for p in newer]
     started = time.perf_counter()
-    newest, skipped = checkpoint.newest_verified(path)
+    newest, skipped = checkpoint_verification.newest_verified(path)
     if newest is not None:
         _log_verified(newest, started)
     return newest, [f"{p.name}: {why}" for p, why in skipped]
@@ -258,10 +257,10 @@ def _newest_of_run(path: Path, found: Layout, verify: bool) -> tuple[Path | None
 def _verified(path: Path) -> None:
     """Every file of checkpoint `path` against its manifest's checksums (`checkpoint.verify`, as a resume), or a
     one-line refusal naming the first that differs and the newest sibling that verifies."""
-    from hf_scale.train.checkpoint import store as checkpoint
+    from hf_scale.contract import checkpoint_verification
 
     started = time.perf_counter()
-    problem = checkpoint.verify(path)
+    problem = checkpoint_verification.verify(path)
     if problem is None:
         _log_verified(path, started)
         return
@@ -278,12 +277,11 @@ def _log_verified(path: Path, started: float) -> None:
 
 def _sibling_note(path: Path) -> str:
     """The newest checkpoint of verified content beside checkpoint `path`, for a refusal."""
-    from hf_scale.contract import checkpoint_layout
-    from hf_scale.train.checkpoint import store as checkpoint
+    from hf_scale.contract import checkpoint_layout, checkpoint_verification
 
     if checkpoint_layout.step_of(path) is None:
         return "export a complete OUTPUT_DIR/checkpoint-STEP"
-    newest, _ = checkpoint.newest_verified(path.parent)
+    newest, _ = checkpoint_verification.newest_verified(path.parent)
     if newest is None:
         return "export a complete OUTPUT_DIR/checkpoint-STEP"
     return f"the newest verified one beside it is {newest}"

@@ -27,8 +27,7 @@ from hf_scale.contract.data_arguments import DEFAULT_MAX_SEQ_LENGTH, check_max_s
 from hf_scale.errors import UserError, exit_refusing
 from hf_scale.files import hub
 from hf_scale.knowledge import rules
-from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, resume
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, resume, store
 from hf_scale.train.checkpoint.save import failure_message, save_with_accelerator, verify_saved_model
 from hf_scale.train.data import sources
 from hf_scale.train.data.batches import make_collator
@@ -288,7 +287,7 @@ def _save_and_prove(run: Run, fitted: Fitted) -> tuple[dict, dict | None]:
         fitted.metrics.close()
         return summary, final_checkpoint.verify(saved, accelerator, output_dir=args.output_dir,
                                                 precision=run.spec.precision)
-    with checkpoint.write_errors_reported("the final model", args.output_dir):
+    with store.write_errors_reported("the final model", args.output_dir):
         fitted.save_model(args.output_dir)
     summary = fitted.metrics.summary()  # before the check, which resets the host peak-memory counter to measure itself
     fitted.metrics.close()
@@ -304,7 +303,7 @@ def _stop_preempted(run: Run, fitted: Fitted) -> int:
         print(f"hf_scale: stopped by {run.stop.signal_name or 'a signal on another rank'}; checkpoint saved in "
               f"{run.args.output_dir}; run again with --resume_from_checkpoint auto", file=sys.stderr, flush=True)
     distributed.shutdown()
-    return checkpoint.EXIT_PREEMPTED
+    return store.EXIT_PREEMPTED
 
 
 def _write_summary(run: Run, built: Built, summary: dict, report: dict) -> None:

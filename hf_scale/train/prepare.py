@@ -26,8 +26,7 @@ from hf_scale.errors import UserError, announce_started
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.files import hub
 from hf_scale.knowledge import deepspeed_ops, rules
-from hf_scale.train.checkpoint import final_checkpoint, launcher_watch, ownership
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import final_checkpoint, launcher_watch, ownership, store
 from hf_scale.train.data import sources
 from hf_scale.train.data.batches import default_dataloader_workers
 from hf_scale.train.data.chat_template import read_chat_template
@@ -65,7 +64,7 @@ def check_flags_alone(ns) -> None:
     train.py starts elsewhere (hf_scale.commands.ray_train: a refusal in a worker would be retried by Ray) calls it
     too."""
     _validate_flags(ns)
-    checkpoint.check_resume_path(ns.resume_from_checkpoint)
+    store.check_resume_path(ns.resume_from_checkpoint)
 
 
 def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
@@ -131,7 +130,7 @@ class Run:
     launch: Launch
     state: Any
     """accelerate's PartialState: the live process group."""
-    stop: checkpoint.StopRequest
+    stop: store.StopRequest
     resume_dir: Path | None
     chat_template: str | None
     hub_target: hub.HubTarget | None
@@ -168,7 +167,7 @@ def prepare(argv: list[str] | None) -> Run:
     if launch.overrides_warning and state.is_main_process:
         print(f"hf_scale: warning: {launch.overrides_warning}", file=sys.stderr, flush=True)
     # From here on SIGTERM/SIGUSR1 mean "checkpoint after the current optimizer step and exit 75".
-    stop = checkpoint.StopRequest()
+    stop = store.StopRequest()
     stop.install()
     launcher_watch.watch(stop, launch.request.launcher)  # and so does the death of the launcher that started this rank
     args = _training_arguments(ns)

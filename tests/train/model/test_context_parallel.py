@@ -17,8 +17,8 @@ from train_helpers import REPO, child_env, torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig
 
 from hf_scale.config.parallelism import Layout, train_refusal
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.batches import count_target_tokens, make_collator
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.packing import model_inputs
 from hf_scale.train.model import context_parallel
 from hf_scale.train.setup import guard

@@ -139,7 +139,7 @@ def test_which_layers_become_fp8_is_what_torchao_converts():
 def test_a_small_model_keeps_everything_in_bf16():
     from transformers import AutoModelForCausalLM
 
-    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 
     plan = fp8.plan(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), "torchao")
     assert not plan.converted and "lm_head" in plan.kept
@@ -195,7 +195,7 @@ def test_each_loops_accelerator_trains_fp8_with_the_filtered_recipe(loop, tmp_pa
     on CPU too; train.py refuses to train without an fp8 GPU before it gets here)."""
     from transformers import AutoModelForCausalLM, TrainingArguments
 
-    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
     from hf_scale.train.loops import manual
     from hf_scale.train.loops.trainer import HfScaleTrainer
 

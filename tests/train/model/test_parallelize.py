@@ -43,8 +43,7 @@ from train_helpers import (
 )
 from transformers import AutoModelForCausalLM
 
-from hf_scale.contract import checkpoint_layout
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
 
 pytestmark = pytest.mark.multiprocess
 
@@ -188,7 +187,7 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_keeps_the_intact_chec
     assert f"train.py: error: saving checkpoint-{failing} failed (rank " in line, line
     assert f"the newest intact checkpoint is {out / 'checkpoint-3'}" in line and "GiB free" in line, line
     assert [p.name for p in checkpoint_layout.complete_checkpoints(out)] == ["checkpoint-3"]
-    assert checkpoint.verify(out / "checkpoint-3") is None
+    assert checkpoint_verification.verify(out / "checkpoint-3") is None
 
 
 def test_export_of_a_tp2_checkpoint_loads_with_the_trained_logits(tp_dir, tmp_path):

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from train_helpers import PROBE_IDS, TRAIN_PY, child_env, generate_config, losses, run_in_process, run_ok, torchrun
 
 from hf_scale.contract.checkpoint_layout import DCP_DIR
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.train.model import quantization
 
 pytest.importorskip("bitsandbytes")  # the test extra installs it (hf-scale[qlora])

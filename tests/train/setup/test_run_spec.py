@@ -78,14 +78,15 @@ def test_zero3_init_follows_the_deepspeed_plugin_transformers_builds(tmp_path):
 def test_the_checkpoint_state_is_written_from_the_run_spec(loop, tmp_path):
     """hf_scale_state.json (both loops' savers call checkpoint.write_state with the run's spec): every batch fact
     is the spec's, and the file reads back (checkpoint.read_state, what a resume and export read)."""
-    from hf_scale.train.checkpoint import store as checkpoint
+    from hf_scale.contract import checkpoint_verification
+    from hf_scale.train.checkpoint import store
 
     args = _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, seed=7, data_seed=9)
     spec = run_spec.build(_request(strategy="deepspeed", zero_stage=2, launcher="accelerate"), args, loop=loop,
                           packing=False)
     position = {"epoch": 1, "samples_consumed_in_epoch": 16} if loop == "accelerate" else {}
-    checkpoint.write_state(tmp_path, step=5, spec=spec, **position)
-    assert checkpoint.read_state(tmp_path) == {
+    store.write_state(tmp_path, step=5, spec=spec, **position)
+    assert checkpoint_verification.read_state(tmp_path) == {
         "step": 5, **position, "world_size": 4, "strategy": "deepspeed", "zero_stage": 2, "micro_batch_size": 2,
         "gradient_accumulation_steps": 3, "global_batch_size": 24, "precision": "no", "seed": 7, "data_seed": 9,
         "loop": loop, "parallelism": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "cp": 1, "sp": 1, "ep": 1},
