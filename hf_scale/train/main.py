@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import set_seed
 
-from hf_scale.contract import checkpoint_layout, launch_values
+from hf_scale.contract import checkpoint_layout, launch_values, parallel_refusals
 from hf_scale.contract.data_arguments import DEFAULT_MAX_SEQ_LENGTH, check_max_seq_length
 from hf_scale.errors import UserError, exit_refusing
 from hf_scale.files import hub
@@ -128,9 +128,10 @@ def build(run: Run) -> Built | None:
 
         print(f"hf_scale: {quantization.describe(sharded)}", file=sys.stderr, flush=True)
     if run.spec.fp8_backend and run.state.is_main_process:  # which layers accelerate will convert: said once
-        from hf_scale.train.model import fp8
+        from hf_scale.knowledge import fp8_layers
 
-        print(f"hf_scale: {fp8.describe(fp8.plan(model, run.spec.fp8_backend))}", file=sys.stderr, flush=True)
+        line = fp8_layers.describe(fp8_layers.plan(model, run.spec.fp8_backend))
+        print(f"hf_scale: {line}", file=sys.stderr, flush=True)
     return Built(
         tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset, data_manifest=data_manifest,
         collator=collator, model=model,
@@ -153,7 +154,7 @@ def _model_and_data_choices(run: Run):
               f"{DEFAULT_MAX_SEQ_LENGTH} and the model's max_position_embeddings "
               f"{getattr(model_config, 'max_position_embeddings', None)})", file=sys.stderr)
     check_liger(run.args, zero_stage=run.spec.zero_stage)
-    problem = parallelize.model_problem(run.spec.layout, model_config, "--hf_scale_config: parallelism")
+    problem = parallel_refusals.model_problem(run.spec.layout, model_config, "--hf_scale_config: parallelism")
     if problem:  # before the model loads (a local config.json was already asked in prepare)
         raise UserError(problem)
     model_args = dataclasses.replace(model_args, attn_implementation=attention.resolve(

@@ -284,7 +284,7 @@ def test_sequence_parallelism_refuses_a_model_whose_router_adds_an_auxiliary_los
     from transformers import Qwen3MoeConfig
 
     from hf_scale.config.parallelism import Layout
-    from hf_scale.train.model.parallelize import model_problem
+    from hf_scale.contract.parallel_refusals import model_problem
 
     moe = Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2)
     assert model_problem(Layout(sp=2), moe, "parallelism") is None  # no router loss asked for

@@ -15,11 +15,11 @@ from torch.utils.data import DataLoader
 from transformers import TrainingArguments
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from hf_scale.contract.launch_request import LaunchRequest
 from hf_scale.contract.parser import build_parser
 from hf_scale.train import prepare
 from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.setup import guard, run_spec
-from hf_scale.train.setup.distributed import LaunchRequest
 from hf_scale.train.setup.run_spec import RunSpec
 
 
