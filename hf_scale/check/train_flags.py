@@ -56,11 +56,11 @@ def against_config(flags: TrainFlags, config: Any, where: str) -> TrainFlags:
     its contradictions with the flags given; ``where`` leads each contradiction (train.py writes
     ``--hf_scale_config=FILE``)."""
     from hf_scale.contract.config_flags import (
-        FIXED_BY_HF_SCALE_CONFIG,
         checkpointing_flag,
         fill_flags_from_config,
         filled,
     )
+    from hf_scale.contract.shared_values import FIXED_BY_HF_SCALE_CONFIG
 
     from_config = fill_flags_from_config(config, flags.namespace, flags.given, where)
     namespace = filled(flags.namespace, from_config.fills)

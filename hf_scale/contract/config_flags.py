@@ -1,6 +1,7 @@
 """What a DistributedConfig (`--hf_scale_config`) decides of train.py's flags, in train.py's own words: the values it
-fills (:func:`fill_flags_from_config`), the flags it fixes (FIXED_BY_HF_SCALE_CONFIG), and each rule of a launch
-against it (the message or None; ``where``: "--hf_scale_config=FILE" or the file `hf-scale check` reads).
+fills (:func:`fill_flags_from_config`, by the table of hf_scale.contract.shared_values, which also names the flags it
+fixes), and each rule of a launch against it (the message or None; ``where``: "--hf_scale_config=FILE" or the file
+`hf-scale check` reads).
 
 Pure: no launcher, no environment, no process group. train.py's start applies them (hf_scale.train.setup.reconcile),
 `hf-scale check` says them from the files (hf_scale.check.trainer_values, hf_scale.check.train_flags), `hf-scale
@@ -15,12 +16,8 @@ from collections.abc import Mapping, Set
 from typing import Any
 
 from hf_scale.config import parallelism
+from hf_scale.contract.shared_values import CONFIG_FILLS, config_value
 from hf_scale.knowledge.rules import compute_precision, precision_from_flags
-
-# Flags an --hf_scale_config fixes (apply_hf_scale_config below): the launcher's config must agree with them.
-FIXED_BY_HF_SCALE_CONFIG = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16",
-                            "fp16", "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
-"""And activation checkpointing, under the name checkpointing_flag() gives."""
 
 
 def filled(ns, fills: Mapping[str, Any]) -> argparse.Namespace:
@@ -77,20 +74,12 @@ def fill_flags_from_config(cfg, ns, given: Set[str], where: str) -> FlagFills:
     """The config's batch, clipping, activation checkpointing, optimizer values and precision as flag values
     (``ns``, train.py's parsed flags, only read; ``given``: the flags typed). Pure: no launcher, no environment,
     so that `hf-scale check` applies the same rule."""
-    batch, opt = cfg.batch, cfg.optimizer
+    batch = cfg.batch
     fills = checkpointing_spelling(ns)
     ns = filled(ns, fills)  # a view with one spelling of activation checkpointing
     contradictions: list[str] = []
-    for flag, field, value in (
-        ("per_device_train_batch_size", "batch.micro_batch_size", batch.micro_batch_size),
-        ("gradient_accumulation_steps", "batch.gradient_accumulation_steps", batch.gradient_accumulation_steps),
-        ("max_grad_norm", "gradient_clipping", cfg.gradient_clipping or 0.0),
-        ("learning_rate", "optimizer.lr", opt.lr),
-        ("adam_beta1", "optimizer.betas[0]", opt.betas[0]),
-        ("adam_beta2", "optimizer.betas[1]", opt.betas[1]),
-        ("adam_epsilon", "optimizer.eps", opt.eps),
-        ("weight_decay", "optimizer.weight_decay", opt.weight_decay),
-    ):
+    for flag, field, unset in CONFIG_FILLS:
+        value = config_value(cfg, field, unset)
         contradictions += _fill_or_match(ns, given, where, flag, field, value, fills)
     if "deepspeed" in given and ns.deepspeed and cfg.strategy != "deepspeed":
         contradictions.append(f"{where}: strategy={cfg.strategy} but --deepspeed={ns.deepspeed} asks for DeepSpeed; "

@@ -35,7 +35,6 @@ from typing import Any
 from hf_scale.config import parallelism
 from hf_scale.contract import launch_values
 from hf_scale.contract.config_flags import (
-    FIXED_BY_HF_SCALE_CONFIG,
     engine_mismatch,
     fill_flags_from_config,
     fsdp_checkpointing_mismatch,
@@ -45,6 +44,7 @@ from hf_scale.contract.config_flags import (
     zero_stage_mismatch,
 )
 from hf_scale.contract.launch_request import LaunchRequest
+from hf_scale.contract.shared_values import FIXED_BY_HF_SCALE_CONFIG
 from hf_scale.errors import UserError
 from hf_scale.train.setup.distributed import has_gpu
 
