@@ -2,7 +2,7 @@
 
 A synthetic checkpoint (`--files` files of random bytes, `--size-mb` in all, like one rank's share of the
 optimizer partitions) is written, flushed (fsync), sealed (`checkpoint.seal`: fsync + XXH3-128 of every
-file + the manifest) and verified (`checkpoint.verify`), in one process, `--reps` times; the hash functions
+file + the manifest) and verified (`checkpoint_verification.verify`), in one process, `--reps` times; the hash functions
 alone are timed on the same bytes in memory. The files are read back from the page cache (they were just
 written): on a real cluster a save reads them back the same way, while a resume reads from disk, where the
 disk's read bandwidth is the bound whatever the hash. Each rank hashes its own share of a checkpoint in

@@ -6,7 +6,8 @@ avoid; they keep the sharded checkpoint and convert it offline. The run then end
 checkpoint of its final step, written by the loop's own checkpoint writer (sealed with its manifest and checksums,
 rotated by --save_total_limit; the one saved at that step is reused, never written twice), and
 `hf_scale_verify.json` says so. Its proof is the resume's: every file of the manifest re-read (size, checksum) and
-the small state files loaded (hf_scale.train.checkpoint.store.verify). `hf-scale export` turns it into safetensors.
+the small state files loaded (hf_scale.contract.checkpoint_verification.verify). `hf-scale export` turns it into
+safetensors.
 
 This is what the transformers Trainer does in `save_model` when gathering is off (it saves the DeepSpeed
 checkpoint and says to use zero_to_fp32.py), but as a checkpoint that `--resume_from_checkpoint` and

@@ -77,7 +77,7 @@ def test_zero3_init_follows_the_deepspeed_plugin_transformers_builds(tmp_path):
 @pytest.mark.parametrize("loop", ["trainer", "accelerate"])
 def test_the_checkpoint_state_is_written_from_the_run_spec(loop, tmp_path):
     """hf_scale_state.json (both loops' savers call checkpoint.write_state with the run's spec): every batch fact
-    is the spec's, and the file reads back (checkpoint.read_state, what a resume and export read)."""
+    is the spec's, and the file reads back (checkpoint_verification.read_state, what a resume and export read)."""
     from hf_scale.contract import checkpoint_verification
     from hf_scale.train.checkpoint import store
 
