@@ -276,20 +276,3 @@ def test_the_generated_fsdp2_tp_launch_script_runs_and_equals_one_process(refere
             "batch.gradient_accumulation_steps=2", "optimizer.lr=0.001"]
     out = _run_generated(tmp_path, "tp", "fsdp2_tp", sets, COMMON + ["--loop", "trainer"])
     _assert_same_run(out, reference_dir)
-
-
-def test_sequence_parallelism_refuses_a_model_whose_router_adds_an_auxiliary_loss():
-    """sp's loss path computes the token loss from the shards: a router aux loss (output_router_logits) would be
-    dropped without a word, so the layout is refused where every other model problem is (before the model loads)."""
-    from transformers import Qwen3MoeConfig
-
-    from hf_scale.config.parallelism import Layout
-    from hf_scale.contract.parallel_refusals import model_problem
-
-    moe = Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2)
-    assert model_problem(Layout(sp=2), moe, "parallelism") is None  # no router loss asked for
-    moe.output_router_logits = True
-    assert model_problem(Layout(sp=2), moe, "parallelism") == (
-        "parallelism.sp=2 with a model whose router adds an auxiliary loss (output_router_logits: true in its "
-        "config): sequence parallelism would train without that loss; use sp=1 or set output_router_logits to false")
-    assert model_problem(Layout(dp_shard=2), moe, "parallelism") is None  # without sp the loops add it
