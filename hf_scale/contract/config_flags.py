@@ -117,7 +117,8 @@ def fill_flags_from_config(cfg, ns, given: Set[str], where: str) -> FlagFills:
 
 
 # The rules of the launch against the config, each pure (the message or None; ``where``: "--hf_scale_config=FILE"):
-# train.py refuses on them at start (above), `hf-scale check` says them from the files (hf_scale.check.trainer_values).
+# train.py refuses on them at start (hf_scale.train.setup.reconcile), `hf-scale check` says them from the files
+# (hf_scale.check.trainer_values).
 
 def world_size_mismatch(cfg, launcher: str, world_size: int, where: str) -> str | None:
     if cfg.world_size == world_size:
