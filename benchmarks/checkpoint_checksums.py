@@ -2,7 +2,7 @@
 
 A synthetic checkpoint (`--files` files of random bytes, `--size-mb` in all, like one rank's share of the
 optimizer partitions) is written, flushed (fsync), sealed (`checkpoint.seal`: fsync + XXH3-128 of every
-file + the manifest) and verified (`checkpoint.verify`), in one process, `--reps` times; the hash functions
+file + the manifest) and verified (`checkpoint_verification.verify`), in one process, `--reps` times; the hash functions
 alone are timed on the same bytes in memory. The files are read back from the page cache (they were just
 written): on a real cluster a save reads them back the same way, while a resume reads from disk, where the
 disk's read bandwidth is the bound whatever the hash. Each rank hashes its own share of a checkpoint in
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size-mb, --files and --reps must be >= 1")
 
     sys.path.insert(0, str(common.REPO))
-    from hf_scale.train.checkpoint import store as checkpoint
+    from hf_scale.contract import checkpoint_verification
+    from hf_scale.train.checkpoint import store
 
     environment = common.environment()
     data = os.urandom(args.size_mb << 20)
@@ -82,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.reps):
         write_s.append(write_checkpoint(directory, data, args.files))
         start = time.perf_counter()
-        checkpoint.seal(directory, 1, ONE_PROCESS)
+        store.seal(directory, 1, ONE_PROCESS)
         seal_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        assert checkpoint.verify(directory, ONE_PROCESS) is None
+        assert checkpoint_verification.verify(directory, ONE_PROCESS) is None
         verify_s.append(time.perf_counter() - start)
     shutil.rmtree(args.workdir, ignore_errors=True)
 

@@ -24,9 +24,10 @@ from torchao.float8 import convert_to_float8_training
 from torchao.float8.float8_linear import Float8Linear
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_scale.knowledge import fp8_layers
+from hf_scale.knowledge.partitioned import full_shape
 from hf_scale.train.loops.metrics import matmul_parameters
 from hf_scale.train.model import fp8
-from hf_scale.train.model.partitioned import full_shape
 
 # Large enough that torchao converts the MLP's up/gate projections (out_features 2048 > 1024), small enough for CPU.
 CONFIG = {"hidden_size": 64, "intermediate_size": 2048, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -58,13 +59,13 @@ def main(out: str) -> None:
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     sizes = {"full_shapes": {name: list(full_shape(param)) for name, param in model.named_parameters()},
              "matmul_parameters": matmul_parameters(model)}  # before torchao swaps the layers
-    plan = fp8.plan(model, "torchao")
+    plan = fp8_layers.plan(model, "torchao")
     convert_to_float8_training(model, module_filter_fn=fp8.recipe_handler("torchao").module_filter_func)
     result = {
         "partitioned": sorted({str(tuple(m.weight.shape)) for m in linears.values()}),
         **sizes,
         "plan": {"converted": sorted(plan.converted), "kept": plan.kept},
-        "line": fp8.describe(plan),
+        "line": fp8_layers.describe(plan),
         "converted": sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear)),
     }
     result["loss"] = {"fp8": _first_loss(model), "bf16": _first_loss(_partitioned_model())}

@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 from transformers import AutoModelForCausalLM
 
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.train.setup import guard
 
 MICRO, ACCUM = 2, 2

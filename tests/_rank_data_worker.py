@@ -18,8 +18,8 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 from transformers import AutoTokenizer
 
 from hf_scale.contract.data_arguments import DataArguments
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.batches import make_collator, make_train_dataloader
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset
 
 

@@ -163,29 +163,13 @@ def test_the_runtime_imports_no_generator_and_no_planner_module():
 
 
 ENTRY_POINTS = {"hf_scale.commands.train", "hf_scale.commands.ray_train", "hf_scale.train.__main__"}
-RUNTIME_ASKED_FOR_ITS_WORDS = {
-    # Outside the entry points, only these reach into train.py's runtime: `check`, `doctor` and `generate` ask the
-    # runtime's own refusal for its exact words. They are the next to move below it, into hf_scale.contract
-    # (issue 32); remove an edge when it is gone (the test says so).
-    ("hf_scale.check.fp8", "hf_scale.train.model.fp8"),
-    ("hf_scale.check.inputs", "hf_scale.train.data.embedded"),
-    ("hf_scale.check.parallelism", "hf_scale.train.model.parallelize"),
-    ("hf_scale.check.qlora", "hf_scale.train.model.quantization"),
-    ("hf_scale.check.train_flags", "hf_scale.train.setup.reconcile"),
-    ("hf_scale.check.trainer_values", "hf_scale.train.setup.reconcile"),
-    ("hf_scale.commands.export", "hf_scale.train.checkpoint.store"),
-    ("hf_scale.commands.generate", "hf_scale.train.model.parallelize"),
-    ("hf_scale.doctor.allreduce", "hf_scale.train.setup.distributed"),
-    ("hf_scale.doctor.parallel_support", "hf_scale.train.setup.distributed"),
-    ("hf_scale.doctor.parallel_support", "hf_scale.train.setup.guard"),
-}
 
 
 def test_only_the_entry_points_import_the_runtimes_internals():
-    """train.py's flags, its checkpoint layout and the values it shares with the launchers' files are
-    hf_scale.contract's; the commands and their libraries read those, not hf_scale.train."""
+    """train.py's flags, its checkpoint layout and verification, the values it shares with the launchers' files and
+    its refusals' words are hf_scale.contract's (or hf_scale.knowledge's); the commands and their libraries read those,
+    not hf_scale.train."""
     edges = {(source, target) for source, targets in import_graph().items()
              if not source.startswith("hf_scale.train") and source not in ENTRY_POINTS
              for target in targets if target.startswith("hf_scale.train.")}
-    assert edges - RUNTIME_ASKED_FOR_ITS_WORDS == set()
-    assert RUNTIME_ASKED_FOR_ITS_WORDS - edges == set(), "gone: remove it from RUNTIME_ASKED_FOR_ITS_WORDS"
+    assert edges == set()

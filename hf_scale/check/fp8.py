@@ -176,11 +176,11 @@ def _model_plan(inp: CheckInputs, backend: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_scale.train.model import fp8
+    from hf_scale.knowledge import fp8_layers
 
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError):
         return None  # not a causal LM transformers can build: the training would say so
-    return fp8.plan(model, backend)
+    return fp8_layers.plan(model, backend)

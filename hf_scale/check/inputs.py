@@ -84,7 +84,7 @@ def local_model_config(inp: CheckInputs):
         return None
     from transformers import AutoConfig
 
-    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 
     path = inp.training.get("model_name_or_path") or str(EMBEDDED_MODEL_DIR)
     if not (Path(path) / "config.json").is_file():

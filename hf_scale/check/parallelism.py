@@ -124,7 +124,7 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
     the files when training args are given: ep that the model's experts or its missing EP plan rule out, tp or sp
     not dividing the model's attention and key/value heads, attention context parallelism cannot compute (a local
     config.json, or the embedded model train.py defaults to), cp or sp with --packing or a kernel other than SDPA,
-    tp or ep with --lora_r (hf_scale.train.model.parallelize: model_problem, flag_refusal: train.py's words)."""
+    tp or ep with --lora_r (hf_scale.contract.parallel_refusals: model_problem, flag_refusal: train.py's words)."""
     if inp.training is None:
         return
     layout, file, key = yaml_layout(inp), inp.accelerate_file, SECTION
@@ -133,14 +133,14 @@ def check_parallelism_model(inp: CheckInputs) -> Iterator[Finding]:
         layout, file, key = cfg.layout, inp.hf_scale_config_file, "parallelism"  # ep is only ever the config's
     if layout is None or (layout.model_parallel_size == 1 and layout.ep == 1):
         return
-    from hf_scale.train.model import parallelize
+    from hf_scale.contract import parallel_refusals
 
-    problem = parallelize.flag_refusal(layout, packing=bool(inp.training.get("packing")),
-                                    attn_implementation=str(inp.training.get("attn_implementation", "auto")),
-                                    lora_r=int(inp.training.get("lora_r") or 0), where=key)
+    problem = parallel_refusals.flag_refusal(layout, packing=bool(inp.training.get("packing")),
+                                             attn_implementation=str(inp.training.get("attn_implementation", "auto")),
+                                             lora_r=int(inp.training.get("lora_r") or 0), where=key)
     config = None if problem else local_model_config(inp)
     if config is not None:
-        problem = parallelize.model_problem(layout, config, key)
+        problem = parallel_refusals.model_problem(layout, config, key)
     if problem:
         yield Finding(ERROR, "parallelism-unsupported", file, key, f"{problem} (train.py stops on it before the "
                       "model loads).", f"{in_file(file)}change `{key}` as the problem says, or the flag it names.",

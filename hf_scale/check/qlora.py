@@ -1,5 +1,5 @@
 """Checks of a QLoRA run (`--load_in_4bit` in the training args): the combinations train.py refuses before the model
-loads (hf_scale.train.model.quantization.refusal, whose words these are), said from the files."""
+loads (hf_scale.contract.qlora_refusals, whose words these are), said from the files."""
 
 from __future__ import annotations
 
@@ -20,25 +20,25 @@ def check_qlora(inp: CheckInputs) -> Iterator[Finding]:
     training = inp.training or {}
     if not training.get("load_in_4bit"):
         return
-    from hf_scale.train.model import quantization
+    from hf_scale.contract import qlora_refusals
 
     asked = {f"{TRAINING_ARGS}:--load_in_4bit": True}
     lora_r = int(training.get("lora_r") or 0)
     if lora_r <= 0:
         yield Finding(ERROR, "qlora-no-lora", TRAINING_ARGS, "--lora_r",
-                      quantization.refusal(load_in_4bit=True, lora_r=lora_r, fp8_backend=None),
+                      qlora_refusals.refusal(load_in_4bit=True, lora_r=lora_r, fp8_backend=None),
                       "Add --lora_r 16 to the training args (or drop --load_in_4bit to train all weights).",
                       {**asked, f"{TRAINING_ARGS}:--lora_r": lora_r})
     fp8 = fp8_source(inp)
     if fp8 is not None:
         file, key, backend = fp8
         yield Finding(ERROR, "qlora-fp8", file, key,
-                      quantization.refusal(load_in_4bit=True, lora_r=16, fp8_backend=backend),
+                      qlora_refusals.refusal(load_in_4bit=True, lora_r=16, fp8_backend=backend),
                       f"Set `{key}` to bf16 in {Path(file).name}, or drop --load_in_4bit.",
                       {**asked, f"{file}:{key}": "fp8"})
     if fsdp_version_of(inp) == 1:
         file = inp.accelerate_file
         yield Finding(ERROR, "qlora-fsdp1", file, FSDP_VERSION_KEY,
-                      quantization.sharding_refusal(1, {}),
+                      qlora_refusals.sharding_refusal(1, {}),
                       f"Set `fsdp_version: 2` under fsdp_config in {Path(file).name}, or drop --load_in_4bit.",
                       {**asked, f"{file}:{FSDP_VERSION_KEY}": get_path(inp.accelerate, FSDP_VERSION_KEY, None)})

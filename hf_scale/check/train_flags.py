@@ -6,7 +6,8 @@ found before a job queues, not on the cluster.
 The reading is train.py's own: its parser (hf_scale.contract.parser.build_parser: every TrainingArguments flag
 plus train.py's model/data/hf_scale flags, no abbreviations, an unknown flag refused, the last of a repeated flag
 wins), a recipe file expanded before the flags, the value ranges train.py checks first (flag_values), and a
-DistributedConfig's fills and contradictions by the function train.py applies (reconcile.fill_flags_from_config).
+DistributedConfig's fills and contradictions by the function train.py applies
+(hf_scale.contract.config_flags.fill_flags_from_config).
 TrainingArguments itself is not built (its __post_init__ touches devices).
 """
 
@@ -54,12 +55,12 @@ def against_config(flags: TrainFlags, config: Any, where: str) -> TrainFlags:
     """``flags`` with the values a DistributedConfig fills (as ``--hf_scale_config`` fills them in train.py) and
     its contradictions with the flags given; ``where`` leads each contradiction (train.py writes
     ``--hf_scale_config=FILE``)."""
-    from hf_scale.train.setup.reconcile import (
-        FIXED_BY_HF_SCALE_CONFIG,
+    from hf_scale.contract.config_flags import (
         checkpointing_flag,
         fill_flags_from_config,
         filled,
     )
+    from hf_scale.contract.shared_values import FIXED_BY_HF_SCALE_CONFIG
 
     from_config = fill_flags_from_config(config, flags.namespace, flags.given, where)
     namespace = filled(flags.namespace, from_config.fills)

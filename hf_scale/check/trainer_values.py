@@ -53,8 +53,8 @@ def check_hf_scale_config_flags(inp: CheckInputs) -> Iterator[Finding]:
     """`hf-scale-config-mismatch`: a training flag contradicts the DistributedConfig of `--hf_scale_config`
     (e.g. its batch.micro_batch_size=2 and `--per_device_train_batch_size 4`), or the accelerate YAML launches
     another world size, engine, parallelism, ZeRO stage, mixed_precision or FSDP activation checkpointing; train.py
-    stops on it with this message (its own rule: hf_scale.train.setup.reconcile). The config's values fill the
-    flags left unset (hf_scale.train.setup.reconcile.fill_flags_from_config)."""
+    stops on it with this message (its own rule: hf_scale.contract.config_flags). The config's values fill the
+    flags left unset (hf_scale.contract.config_flags.fill_flags_from_config)."""
     file = inp.hf_scale_config_file or ""
     where = f"--hf_scale_config={file}: "
     name = Path(file).name
@@ -82,10 +82,10 @@ def check_hf_scale_config_flags(inp: CheckInputs) -> Iterator[Finding]:
 
 def _launch_contradictions(inp: CheckInputs, where: str) -> Iterator[str]:
     """What train.py's apply_hf_scale_config refuses about the accelerate launch of this YAML, by its own rules
-    (hf_scale.train.setup.reconcile: one function per rule, the message or None) on what the files say: the world
+    (hf_scale.contract.config_flags: one function per rule, the message or None) on what the files say: the world
     size, an engine the YAML chooses, the parallelism_config, the ZeRO stage, mixed_precision, FSDP's activation
     checkpointing."""
-    from hf_scale.train.setup import reconcile
+    from hf_scale.contract import config_flags
 
     cfg = inp.hf_scale_config
     if cfg is None:
@@ -93,25 +93,26 @@ def _launch_contradictions(inp: CheckInputs, where: str) -> Iterator[str]:
     where = where.removesuffix(": ")
     env = inp.launch_env or {}
     world = world_size_of(inp)
-    yield from _said(reconcile.world_size_mismatch(cfg, "accelerate", world, where) if world is not None else None)
+    yield from _said(config_flags.world_size_mismatch(cfg, "accelerate", world, where) if world is not None else None)
     engine = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(inp.accelerate.get("distributed_type"))
-    yield from _said(reconcile.engine_mismatch(cfg, "accelerate", engine or "ddp", where))
+    yield from _said(config_flags.engine_mismatch(cfg, "accelerate", engine or "ddp", where))
     layout = yaml_layout(inp)
     if layout is not None:
         comm = inp.accelerate[SECTION].get(f"{parallelism.YAML_PREFIX}cp_comm_strategy")
-        yield from _said(reconcile.launched_layout_mismatch(cfg, layout, comm if layout.cp > 1 else None, where))
+        yield from _said(config_flags.launched_layout_mismatch(cfg, layout, comm if layout.cp > 1 else None, where))
     view = deepspeed_view(inp) if engine == "deepspeed" == cfg.strategy else None
     stage = get_path(view.config, "zero_optimization.stage", None if view.from_yaml else 0) if view else None
     if is_int(stage):
         source = view.file if not view.from_yaml else "the accelerate config's deepspeed_config"
-        yield from _said(reconcile.zero_stage_mismatch(cfg, stage, source, where))
+        yield from _said(config_flags.zero_stage_mismatch(cfg, stage, source, where))
     mixed = env.get("ACCELERATE_MIXED_PRECISION", inp.accelerate.get("mixed_precision"))
     if isinstance(mixed, str) and (engine != "deepspeed" or (view is not None and view.from_yaml)):
-        yield from _said(reconcile.precision_mismatch(cfg, mixed, where))
+        yield from _said(config_flags.precision_mismatch(cfg, mixed, where))
     if engine == "fsdp" == cfg.strategy and cfg.layout.tp <= 1:
         written = env.get("FSDP_ACTIVATION_CHECKPOINTING",
                           get_path(inp.accelerate, "fsdp_config.fsdp_activation_checkpointing", None))
-        yield from _said(reconcile.fsdp_checkpointing_mismatch(cfg, None if written is None else str(written), where))
+        written = None if written is None else str(written)
+        yield from _said(config_flags.fsdp_checkpointing_mismatch(cfg, written, where))
 
 
 def _said(refusal: str | None) -> Iterator[str]:

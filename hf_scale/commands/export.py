@@ -146,9 +146,10 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
            lora_flag: str | None = None, max_shard_size: str = "5GB", verify: bool = True,
            progress: bool = True) -> Path:
     """Write the Hugging Face directory for `checkpoint_dir` to `out_dir` (atomically); returns out_dir. With
-    `verify`, only a checkpoint whose content verifies (`checkpoint.verify`, as a resume) is read. `lora_flag`: the
-    flag that asked for `lora` as the user typed it (`--merge`), for the errors; default `--lora LORA`. `progress`:
-    draw the bar of the tensors read (the command: on a terminal or with --verbose, hf_scale.quiet)."""
+    `verify`, only a checkpoint whose content verifies (`checkpoint_verification.verify`, as a resume) is read.
+    `lora_flag`: the flag that asked for `lora` as the user typed it (`--merge`), for the errors; default `--lora
+    LORA`. `progress`: draw the bar of the tensors read (the command: on a terminal or with --verbose,
+    hf_scale.quiet)."""
     from hf_scale.contract.checkpoint_layout import ADAPTER_CONFIG
 
     _validate_shard_size(max_shard_size)
@@ -217,7 +218,7 @@ def export(checkpoint_dir: Path, out_dir: Path, *, dtype: str = "auto", lora: st
 def _checkpoint_of(path: Path, verify: bool) -> tuple[Layout, bool]:
     """The checkpoint to export, and whether its content is verified already: `path` itself (not yet: the caller
     verifies it after its cheap refusals), or for a training output directory (OUTPUT_DIR holding checkpoint-STEP
-    folders) its newest checkpoint of verified content (`checkpoint.newest_verified`, what
+    folders) its newest checkpoint of verified content (`checkpoint_verification.newest_verified`, what
     `--resume_from_checkpoint auto` takes; without `verify` its newest complete one), said in one line on stderr.
     Everything else is refused in one line saying what `path` is, or which file of it does not verify."""
     from hf_scale.contract import checkpoint_layout
@@ -240,8 +241,7 @@ def _checkpoint_of(path: Path, verify: bool) -> tuple[Layout, bool]:
 
 def _newest_of_run(path: Path, found: Layout, verify: bool) -> tuple[Path | None, list[str]]:
     """The checkpoint of run directory `path` to export, and the newer ones passed over ("NAME: why")."""
-    from hf_scale.contract import checkpoint_layout
-    from hf_scale.train.checkpoint import store as checkpoint
+    from hf_scale.contract import checkpoint_layout, checkpoint_verification
 
     if not verify:
         newest = found.newest
@@ -249,19 +249,19 @@ def _newest_of_run(path: Path, found: Layout, verify: bool) -> tuple[Path | None
                  if newest and checkpoint_layout.step_of(p) > checkpoint_layout.step_of(newest)]
         return newest, [f"{p.name} incomplete" for p in newer]
     started = time.perf_counter()
-    newest, skipped = checkpoint.newest_verified(path)
+    newest, skipped = checkpoint_verification.newest_verified(path)
     if newest is not None:
         _log_verified(newest, started)
     return newest, [f"{p.name}: {why}" for p, why in skipped]
 
 
 def _verified(path: Path) -> None:
-    """Every file of checkpoint `path` against its manifest's checksums (`checkpoint.verify`, as a resume), or a
-    one-line refusal naming the first that differs and the newest sibling that verifies."""
-    from hf_scale.train.checkpoint import store as checkpoint
+    """Every file of checkpoint `path` against its manifest's checksums (`checkpoint_verification.verify`, as a
+    resume), or a one-line refusal naming the first that differs and the newest sibling that verifies."""
+    from hf_scale.contract import checkpoint_verification
 
     started = time.perf_counter()
-    problem = checkpoint.verify(path)
+    problem = checkpoint_verification.verify(path)
     if problem is None:
         _log_verified(path, started)
         return
@@ -278,12 +278,11 @@ def _log_verified(path: Path, started: float) -> None:
 
 def _sibling_note(path: Path) -> str:
     """The newest checkpoint of verified content beside checkpoint `path`, for a refusal."""
-    from hf_scale.contract import checkpoint_layout
-    from hf_scale.train.checkpoint import store as checkpoint
+    from hf_scale.contract import checkpoint_layout, checkpoint_verification
 
     if checkpoint_layout.step_of(path) is None:
         return "export a complete OUTPUT_DIR/checkpoint-STEP"
-    newest, _ = checkpoint.newest_verified(path.parent)
+    newest, _ = checkpoint_verification.newest_verified(path.parent)
     if newest is None:
         return "export a complete OUTPUT_DIR/checkpoint-STEP"
     return f"the newest verified one beside it is {newest}"

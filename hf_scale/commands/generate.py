@@ -348,11 +348,12 @@ def _check_train_args(cfg: DistributedConfig, name: str) -> None:
         raise UserError(f"cluster.train_args: {problem}")
     contradictions = list(against_config(flags, cfg, "cluster.train_args").contradictions)
     if not contradictions:  # what the layout cannot run with: train.py's rule, before the process group
-        from hf_scale.train.model import parallelize
+        from hf_scale.contract import parallel_refusals
 
         ns = flags.namespace
-        refusal = parallelize.flag_refusal(cfg.layout, packing=ns.packing, attn_implementation=ns.attn_implementation,
-                                        lora_r=ns.lora_r, where="parallelism")
+        refusal = parallel_refusals.flag_refusal(cfg.layout, packing=ns.packing,
+                                                 attn_implementation=ns.attn_implementation, lora_r=ns.lora_r,
+                                                 where="parallelism")
         contradictions += [f"cluster.train_args: {refusal}"] if refusal else []
     if contradictions:
         raise UserError("; ".join(contradictions) + " (train.py would stop on this on every node)")

@@ -25,20 +25,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from hf_scale.contract.shared_values import FLAG_KEYS
 from hf_scale.knowledge import rules
 
 PRECISIONS = rules.PRECISIONS
-# (JSON key, flag) pairs the Trainer fill_match-es one to one, in transformers' order.
-FLAG_KEYS = (
-    ("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
-    ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-    ("gradient_clipping", "max_grad_norm"),
-    ("optimizer.params.lr", "learning_rate"),
-    ("optimizer.params.betas", ("adam_beta1", "adam_beta2")),
-    ("optimizer.params.eps", "adam_epsilon"),
-    ("optimizer.params.weight_decay", "weight_decay"),
-    ("scheduler.params.warmup_max_lr", "learning_rate"),
-)
 _INT_FLAGS = {"per_device_train_batch_size", "gradient_accumulation_steps", "max_steps"}
 
 

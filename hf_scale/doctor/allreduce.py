@@ -72,11 +72,11 @@ def allreduce_bandwidth(nprocs: int, *, backend: str, size_bytes: int = ALLREDUC
 
     import torch.multiprocessing as mp
 
-    from hf_scale.train.setup.distributed import _free_port
+    from hf_scale.contract.launch_request import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_allreduce_worker, args=(nprocs, _free_port(), backend, size_bytes, iters, out),
+        mp.start_processes(_allreduce_worker, args=(nprocs, free_port(), backend, size_bytes, iters, out),
                            nprocs=nprocs, start_method="spawn")
         result = json.loads(Path(out).read_text())
     busbw = size_bytes * 2 * (nprocs - 1) / nprocs / result["seconds"] / 1e9

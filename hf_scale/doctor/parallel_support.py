@@ -7,7 +7,7 @@ launcher and the GPU as well:
 
 - under `accelerate launch` (the generated launch/NAME.accelerate.sh) accelerate's FSDP builds the 2-D mesh from the
   YAML's parallelism_config, and that needs GPUs: on a node without one, train.py's runtime guard refuses it before
-  anything is built (hf_scale.train.setup.guard.refuse_before_prepare, asked here with the same request);
+  anything is built (hf_scale.contract.launch_request.refuse_before_prepare, asked here with the same request);
 - under `torchrun` or plain `python` train.py sets FSDP2 up itself, with no 2-D mesh: it refuses HSDP without TP on
   any node (hf_scale.train.setup.reconcile); with tp > 1 transformers builds the dp_replicate x dp_shard x tp mesh.
 
@@ -26,8 +26,7 @@ HSDP_X_TP = ("HSDP x TP (tp > 1: transformers builds the dp_replicate x dp_shard
 
 def accelerate_refusal(gpu_present: bool) -> str | None:
     """What train.py's runtime guard says to HSDP launched by `accelerate launch` on this node (None: it runs it)."""
-    from hf_scale.train.setup.distributed import LaunchRequest
-    from hf_scale.train.setup.guard import RuntimeGuardError, refuse_before_prepare
+    from hf_scale.contract.launch_request import LaunchRequest, RuntimeGuardError, refuse_before_prepare
 
     # What detect_launch reads from a generated hybrid_shard YAML: FSDP chosen by accelerate, not --hf_scale_config.
     request = LaunchRequest(launcher="accelerate", world_size=4, strategy="fsdp", deepspeed_config_file=None,

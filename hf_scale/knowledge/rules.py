@@ -10,6 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from hf_scale.contract.shared_values import (
+    ACCELERATE_YAML_TO_DEEPSPEED,
+    TRAINER_FILLED,
+    TRAINER_FILLED_ZERO3_ONLY,
+)
+
 
 def given_flags(argv: Sequence[str], names: Iterable[str]) -> frozenset[str]:
     """The field names among ``names`` whose flag was typed in ``argv`` (``--name`` or ``--name=value``), in any
@@ -167,20 +173,10 @@ def is_half_dtype(spelling: str) -> bool:
 # DeepSpeed keys: which the libraries fill, and the accelerate YAML <-> DeepSpeed JSON map
 # --------------------------------------------------------------------------------------------------
 
-# accelerate's DeepSpeedPlugin.__post_init__ (`plugin_to_config_mapping`, accelerate/utils/dataclasses.py):
-# the YAML's `deepspeed_config` keys and the DeepSpeed JSON paths they set. One table for both directions:
+# accelerate's DeepSpeedPlugin.__post_init__ map of the YAML's `deepspeed_config` keys to DeepSpeed JSON paths
+# (ACCELERATE_YAML_TO_DEEPSPEED, a view of hf_scale.contract.shared_values' one table):
 # :func:`deepspeed_config_from_yaml` writes with it, :func:`yaml_key_of` reads it back.
 # tests/knowledge/test_library_tables.py proves every pair against accelerate's source.
-ACCELERATE_YAML_TO_DEEPSPEED = {
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "gradient_clipping": "gradient_clipping",
-    "zero_stage": "zero_optimization.stage",
-    "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
-    "offload_param_device": "zero_optimization.offload_param.device",
-    "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
-    "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
-    "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-}
 _DEEPSPEED_TO_ACCELERATE_YAML = {path: key for key, path in ACCELERATE_YAML_TO_DEEPSPEED.items()}
 ACCELERATE_DEFAULT_ZERO_STAGE = 2
 """DeepSpeedPlugin's `zero_stage` when the YAML gives none."""
@@ -230,27 +226,8 @@ def yaml_key_of(deepspeed_path: str) -> str | None:
 # that the generated JSON writes "auto" only there.
 # Filled by accelerate's DeepSpeedPlugin.__post_init__, for both the Trainer and an Accelerator loop:
 PLUGIN_FILLED = frozenset(ACCELERATE_YAML_TO_DEEPSPEED.values())
-# transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process / _finalize:
-TRAINER_FILLED = PLUGIN_FILLED | {
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "train_batch_size",
-    "gradient_clipping",
-    "optimizer.params.lr",
-    "optimizer.params.betas",
-    "optimizer.params.eps",
-    "optimizer.params.weight_decay",
-    "scheduler.params.warmup_min_lr",
-    "scheduler.params.warmup_max_lr",
-    "scheduler.params.total_num_steps",
-    "scheduler.params.warmup_num_steps",
-    "fp16.enabled",
-    "bf16.enabled",
-    "zero_optimization.reduce_bucket_size",
-}
-TRAINER_FILLED_ZERO3_ONLY = frozenset(
-    {"zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold"}
-)
+# transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process / _finalize (with the plugin's
+# fills: TRAINER_FILLED, TRAINER_FILLED_ZERO3_ONLY) are views of hf_scale.contract.shared_values' one table.
 # accelerate/accelerator.py Accelerator._prepare_deepspeed (batch sizes from the prepared DataLoader, the
 # bucket sizes from model.config.hidden_size, optimizer lr/weight_decay from DummyOptim, scheduler values
 # from DummyScheduler) and DeepSpeedPlugin.set_mixed_precision (fp16/bf16). Betas, eps and anything else

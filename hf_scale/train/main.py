@@ -22,13 +22,12 @@ from typing import Any
 
 from transformers import set_seed
 
-from hf_scale.contract import checkpoint_layout, launch_values
+from hf_scale.contract import checkpoint_layout, launch_values, parallel_refusals
 from hf_scale.contract.data_arguments import DEFAULT_MAX_SEQ_LENGTH, check_max_seq_length
 from hf_scale.errors import UserError, exit_refusing
 from hf_scale.files import hub
 from hf_scale.knowledge import rules
-from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, resume
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, resume, store
 from hf_scale.train.checkpoint.save import failure_message, save_with_accelerator, verify_saved_model
 from hf_scale.train.data import sources
 from hf_scale.train.data.batches import make_collator
@@ -129,9 +128,10 @@ def build(run: Run) -> Built | None:
 
         print(f"hf_scale: {quantization.describe(sharded)}", file=sys.stderr, flush=True)
     if run.spec.fp8_backend and run.state.is_main_process:  # which layers accelerate will convert: said once
-        from hf_scale.train.model import fp8
+        from hf_scale.knowledge import fp8_layers
 
-        print(f"hf_scale: {fp8.describe(fp8.plan(model, run.spec.fp8_backend))}", file=sys.stderr, flush=True)
+        line = fp8_layers.describe(fp8_layers.plan(model, run.spec.fp8_backend))
+        print(f"hf_scale: {line}", file=sys.stderr, flush=True)
     return Built(
         tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset, data_manifest=data_manifest,
         collator=collator, model=model,
@@ -154,7 +154,7 @@ def _model_and_data_choices(run: Run):
               f"{DEFAULT_MAX_SEQ_LENGTH} and the model's max_position_embeddings "
               f"{getattr(model_config, 'max_position_embeddings', None)})", file=sys.stderr)
     check_liger(run.args, zero_stage=run.spec.zero_stage)
-    problem = parallelize.model_problem(run.spec.layout, model_config, "--hf_scale_config: parallelism")
+    problem = parallel_refusals.model_problem(run.spec.layout, model_config, "--hf_scale_config: parallelism")
     if problem:  # before the model loads (a local config.json was already asked in prepare)
         raise UserError(problem)
     model_args = dataclasses.replace(model_args, attn_implementation=attention.resolve(
@@ -288,7 +288,7 @@ def _save_and_prove(run: Run, fitted: Fitted) -> tuple[dict, dict | None]:
         fitted.metrics.close()
         return summary, final_checkpoint.verify(saved, accelerator, output_dir=args.output_dir,
                                                 precision=run.spec.precision)
-    with checkpoint.write_errors_reported("the final model", args.output_dir):
+    with store.write_errors_reported("the final model", args.output_dir):
         fitted.save_model(args.output_dir)
     summary = fitted.metrics.summary()  # before the check, which resets the host peak-memory counter to measure itself
     fitted.metrics.close()
@@ -304,7 +304,7 @@ def _stop_preempted(run: Run, fitted: Fitted) -> int:
         print(f"hf_scale: stopped by {run.stop.signal_name or 'a signal on another rank'}; checkpoint saved in "
               f"{run.args.output_dir}; run again with --resume_from_checkpoint auto", file=sys.stderr, flush=True)
     distributed.shutdown()
-    return checkpoint.EXIT_PREEMPTED
+    return store.EXIT_PREEMPTED
 
 
 def _write_summary(run: Run, built: Built, summary: dict, report: dict) -> None:

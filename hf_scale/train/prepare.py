@@ -18,22 +18,22 @@ from transformers import TrainingArguments
 
 from hf_scale import quiet
 from hf_scale.config import parallelism
-from hf_scale.contract import flag_values
+from hf_scale.contract import config_flags, flag_values
 from hf_scale.contract.data_arguments import DataArguments, SourceArguments
+from hf_scale.contract.launch_request import LaunchRequest, refuse_before_prepare
 from hf_scale.contract.model_arguments import ModelArguments
 from hf_scale.contract.parser import build_parser, parse_flags, resume_default
 from hf_scale.errors import UserError, announce_started
 from hf_scale.exit_codes import RESUME_DEFAULT_ENV
 from hf_scale.files import hub
 from hf_scale.knowledge import deepspeed_ops, rules
-from hf_scale.train.checkpoint import final_checkpoint, launcher_watch, ownership
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import final_checkpoint, launcher_watch, ownership, store
 from hf_scale.train.data import sources
 from hf_scale.train.data.batches import default_dataloader_workers
 from hf_scale.train.data.chat_template import read_chat_template
 from hf_scale.train.loops import evaluation
 from hf_scale.train.model.load import check_lora_flags
-from hf_scale.train.setup import distributed, guard, loop_flags, reconcile, run_spec
+from hf_scale.train.setup import distributed, loop_flags, reconcile, run_spec
 from hf_scale.train.setup.run_spec import RunSpec
 
 
@@ -65,7 +65,7 @@ def check_flags_alone(ns) -> None:
     train.py starts elsewhere (hf_scale.commands.ray_train: a refusal in a worker would be retried by Ray) calls it
     too."""
     _validate_flags(ns)
-    checkpoint.check_resume_path(ns.resume_from_checkpoint)
+    store.check_resume_path(ns.resume_from_checkpoint)
 
 
 def _checked_extras(ns) -> tuple[str | None, hub.HubTarget | None]:
@@ -109,7 +109,7 @@ def _dataclass_from(namespace, cls, **own):
 class Launch:
     """What the launcher asks for, once the flags are reconciled with it (hf_scale.train.setup.reconcile)."""
 
-    request: distributed.LaunchRequest
+    request: LaunchRequest
     deepspeed_config: dict | None
     """The DeepSpeed config that will run (None without DeepSpeed)."""
     given: set[str]
@@ -131,7 +131,7 @@ class Run:
     launch: Launch
     state: Any
     """accelerate's PartialState: the live process group."""
-    stop: checkpoint.StopRequest
+    stop: store.StopRequest
     resume_dir: Path | None
     chat_template: str | None
     hub_target: hub.HubTarget | None
@@ -146,15 +146,17 @@ def prepare(argv: list[str] | None) -> Run:
     chat_template, hub_target = _checked_extras(parsed)
     launch = _reconcile_with_launcher(parsed, given)
     if parsed.load_in_4bit:  # QLoRA: what it cannot be combined with (on any machine), before the process group
+        from hf_scale.contract import qlora_refusals
         from hf_scale.train.model import quantization
 
-        problem = (quantization.refusal(load_in_4bit=True, lora_r=parsed.lora_r, fp8_backend=launch.request.fp8_backend)
-                   or quantization.sharding_refusal(launch.request.fsdp_version, quantization.installed_versions(),
-                                                    from_hf_scale_config=launch.request.fsdp_settings is not None))
+        request = launch.request
+        problem = (qlora_refusals.refusal(load_in_4bit=True, lora_r=parsed.lora_r, fp8_backend=request.fp8_backend)
+                   or qlora_refusals.sharding_refusal(request.fsdp_version, qlora_refusals.installed_versions(),
+                                                      from_hf_scale_config=request.fsdp_settings is not None))
         if problem:
             raise UserError(problem)
         quantization.check_installed()
-    guard.refuse_before_prepare(launch.request, has_gpu=distributed.has_gpu())  # before accelerate can fail
+    refuse_before_prepare(launch.request, has_gpu=distributed.has_gpu())  # before accelerate can fail
     if launch.request.fp8_backend is not None:  # before the process group and the model: one line, exit 2
         from hf_scale.train.model import fp8
 
@@ -168,7 +170,7 @@ def prepare(argv: list[str] | None) -> Run:
     if launch.overrides_warning and state.is_main_process:
         print(f"hf_scale: warning: {launch.overrides_warning}", file=sys.stderr, flush=True)
     # From here on SIGTERM/SIGUSR1 mean "checkpoint after the current optimizer step and exit 75".
-    stop = checkpoint.StopRequest()
+    stop = store.StopRequest()
     stop.install()
     launcher_watch.watch(stop, launch.request.launcher)  # and so does the death of the launcher that started this rank
     args = _training_arguments(ns)
@@ -199,10 +201,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, frozenset[str], 
     if ns.verbose:  # e.g. from a recipe: the entry point (hf_scale.commands.train) saw only the command line
         quiet.undo()
     # One spelling of activation checkpointing from here on.
-    return reconcile.filled(ns, reconcile.checkpointing_spelling(ns)), given, recipe_path
+    return config_flags.filled(ns, config_flags.checkpointing_spelling(ns)), given, recipe_path
 
 
-def _refuse_launched_layout(request: distributed.LaunchRequest) -> None:
+def _refuse_launched_layout(request: LaunchRequest) -> None:
     """The layout rules (parallelism.layout_problems, as for a config) applied to the sizes `accelerate launch`
     exported from its YAML's parallelism_config, under the engine it launched: e.g. a MULTI_GPU (DDP) YAML with
     dp_shard=4 shards nothing, a DEEPSPEED one with dp_replicate=2 describes replicas DeepSpeed never makes; and its
@@ -240,19 +242,19 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, given: frozenset[str]) 
         given |= from_yaml.decided  # what the YAML decided counts as given for --hf_scale_config below
     if request.layout.model_parallel_size > 1 and not parsed.hf_scale_config:
         _refuse_launched_layout(request)  # what the sizes cannot be under the engine, before what this machine lacks
-        request = reconcile.apply_launched_layout(request, reconcile.filled(parsed, fills), os.environ,
+        request = reconcile.apply_launched_layout(request, config_flags.filled(parsed, fills), os.environ,
                                                   gpu_present=distributed.has_gpu())
     launched = request  # the launcher's own sizes, judged after --hf_scale_config had its say on them
     if parsed.hf_scale_config:
         from_config = reconcile.apply_hf_scale_config(parsed.hf_scale_config, request,
-                                                      reconcile.filled(parsed, fills), given)
+                                                      config_flags.filled(parsed, fills), given)
         request = from_config.request
         fills.update(from_config.fills)
     elif request.deepspeed_config_file and not parsed.deepspeed:
         # accelerate launch with a DeepSpeed YAML: the Trainer's resolver fills the JSON's "auto" values.
         fills["deepspeed"] = request.deepspeed_config_file
     _refuse_launched_layout(launched)
-    ns = reconcile.filled(parsed, fills)
+    ns = config_flags.filled(parsed, fills)
     overrides_warning = _deepspeed_overrides(ns.deepspeed, ns, given)
     # Precision, batch, clipping and optimizer values the launcher's config fixes: followed when no flag says
     # otherwise.
@@ -260,7 +262,7 @@ def _reconcile_with_launcher(parsed: argparse.Namespace, given: frozenset[str]) 
     typed = reconcile.typed_flags(ns, given)
     fills.update(reconcile.follow_launcher_config(ns, typed, request, ds_config,
                                                   num_training_steps=ns.max_steps if ns.max_steps > 0 else None))
-    ns = reconcile.filled(parsed, fills)
+    ns = config_flags.filled(parsed, fills)
     if ds_config is not None:  # before DeepSpeed loads any compiled op (on CPU the process group does)
         problems = deepspeed_ops.check_config_ops(ds_config, request.deepspeed_config_file or "--hf_scale_config",
                                                   gpu=distributed.has_gpu())

@@ -18,7 +18,7 @@ from cluster_helpers import generate_all
 from hf_scale.check.cluster import GRACE_FLOOR_S, manifest_kind, measured_save_seconds
 from hf_scale.commands.cli import main
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 
 PYTORCHJOB = """\
 apiVersion: kubeflow.org/v1
@@ -111,7 +111,7 @@ def test_the_grace_period_against_a_measured_save(tmp_path, capsys):
     saved = tmp_path / "out" / "checkpoint-5"
     saved.mkdir(parents=True)
     (saved / "model.safetensors").write_bytes(b"x" * 10)
-    checkpoint.write_manifest(saved, 5)
+    store.write_manifest(saved, 5)
     start = time.time()
     os.utime(saved / "model.safetensors", (start - 400, start - 400))  # a save that took 400 s
     assert measured_save_seconds(saved) == pytest.approx(400, abs=5)

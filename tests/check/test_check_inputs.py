@@ -189,8 +189,8 @@ def test_a_precision_flag_left_out_follows_the_deepspeed_json_as_in_train_py(mon
 
 def test_a_flag_contradicting_the_hf_scale_config_is_an_error_with_train_py_message(monkeypatch, capsys):
     from hf_scale.config.distributed_config import load_config
+    from hf_scale.contract.config_flags import fill_flags_from_config
     from hf_scale.contract.parser import build_parser
-    from hf_scale.train.setup.reconcile import fill_flags_from_config
 
     flags = ["--hf_scale_config", "hf_scale_configs/zero3.yaml", "--per_device_train_batch_size", "4"]
     code, payload = _check_repo(monkeypatch, capsys, "zero3", flags)
@@ -229,9 +229,9 @@ LAUNCH_CONTRADICTIONS = {
 def test_a_launch_the_hf_scale_config_refuses_is_an_error_with_train_py_message(pair, monkeypatch, capsys):
     """World size, engine and ZeRO stage of the accelerate YAML against --hf_scale_config: train.py stops, so does
     check, with the sentence train.py says."""
+    from hf_scale.contract.launch_request import LaunchRequest
     from hf_scale.contract.parser import build_parser
     from hf_scale.errors import UserError
-    from hf_scale.train.setup.distributed import LaunchRequest
     from hf_scale.train.setup.reconcile import apply_hf_scale_config
 
     yaml_name, config_name = pair

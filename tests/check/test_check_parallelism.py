@@ -95,7 +95,7 @@ TRIGGERS = {
         merged(FSDP4, block(dp_shard=2, cp=2)), None, ["--output_dir", "out", "--packing"], None, [],
         "parallelism-unsupported", "error",
     ),
-    # (the same rule as train.py's start: hf_scale.train.model.parallelize.flag_refusal)
+    # (the same rule as train.py's start: hf_scale.contract.parallel_refusals.flag_refusal)
     "tp-with-lora": (
         merged(FSDP4, block(dp_shard=2, tp=2)), None, ["--output_dir", "out", "--lora_r", "4"], None, [],
         "parallelism-unsupported", "error",

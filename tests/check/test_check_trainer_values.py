@@ -264,7 +264,7 @@ def test_a_resolved_lr_against_a_typed_learning_rate_is_an_error_naming_both(tmp
 def test_a_parallelism_config_other_than_the_hf_scale_configs_is_train_pys_refusal_in_its_words(tmp_path, monkeypatch,
                                                                                                  capsys):
     """`check accelerate_configs/fsdp2_tp.yaml` with hf_scale_configs/fsdp2_full_shard.yaml said ok; train.py then
-    refused at start. Now one function (reconcile.launched_layout_mismatch) says it for both."""
+    refused at start. Now one function (hf_scale.contract.config_flags.launched_layout_mismatch) says it for both."""
     yaml_cfg, _, train, *_ = TRIGGERS["hf-scale-config-vs-parallelism-config"]
     _, payload = check_json(tmp_path, monkeypatch, capsys, yaml_cfg, None, train)
     found = [f for f in payload["findings"] if f["code"] == "hf-scale-config-mismatch"]
@@ -274,8 +274,8 @@ def test_a_parallelism_config_other_than_the_hf_scale_configs_is_train_pys_refus
 
 
 def test_deepspeed_with_a_config_whose_strategy_is_not_deepspeed_is_train_pys_refusal(tmp_path, monkeypatch, capsys):
-    """`--deepspeed ds.json` with a ddp hf_scale config: train.py stops at start (reconcile.fill_flags_from_config, the
-    rule generate applies to cluster.train_args too); check says it."""
+    """`--deepspeed ds.json` with a ddp hf_scale config: train.py stops at start (config_flags.fill_flags_from_config,
+    the rule generate applies to cluster.train_args too); check says it."""
     (tmp_path / "ds.json").write_text(json.dumps(DS_JSON))
     _, payload = check_json(tmp_path, monkeypatch, capsys, DS_YAML, None,
                             ["--hf_scale_config", str(REPO / "hf_scale_configs" / "ddp.yaml"),

@@ -25,11 +25,11 @@ from paths import REPO, TEST_DATA
 from hf_scale.commands import check
 from hf_scale.commands.cli import main
 from hf_scale.contract import inline_deepspeed
+from hf_scale.contract.config_flags import filled
 from hf_scale.contract.parser import build_parser
 from hf_scale.errors import UserError
 from hf_scale.knowledge.rules import given_flags
 from hf_scale.train.setup import distributed
-from hf_scale.train.setup.reconcile import filled
 
 CORPUS = TEST_DATA / "peer_configs"
 CASES = yaml.safe_load((CORPUS / "index.yaml").read_text())["cases"]

@@ -33,7 +33,7 @@ from hf_scale.commands.cli import main
 from hf_scale.config.cluster_section import DEFAULT_IMAGE_HOME
 from hf_scale.contract import checkpoint_layout
 from hf_scale.exit_codes import EXIT_PREEMPTED
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 
 pytestmark = pytest.mark.multiprocess
 
@@ -177,7 +177,7 @@ def test_sigterm_to_a_node_checkpoints_exits_75_and_resumes_bit_identically(kind
     nodes = Nodes(kind, generated, volume, tmp_path)
     deadline = time.monotonic() + 300
     try:
-        while not checkpoint.complete_checkpoints(output):
+        while not store.complete_checkpoints(output):
             assert nodes.running(), [log.read_text()[-3000:] for log in nodes.logs]
             assert time.monotonic() < deadline, "no checkpoint in time"
             nodes.sample()
@@ -191,7 +191,7 @@ def test_sigterm_to_a_node_checkpoints_exits_75_and_resumes_bit_identically(kind
         pytest.fail("the run finished before the stop request; nothing was resumed")
     for code, log in results:
         assert code == EXIT_PREEMPTED, log[-4000:]
-    saved = checkpoint.complete_checkpoints(output)
+    saved = store.complete_checkpoints(output)
     assert saved and checkpoint_layout.step_of(saved[-1]) < 30
     assert not (output / "model.safetensors").exists()  # stopped, not finished
 

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from hf_scale.commands.cli import main
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 
 ASSETS = Path(__file__).resolve().parents[2] / "hf_scale" / "assets" / "tiny-llama"
 TINY_CONFIG = json.loads((ASSETS / "config.json").read_text())
@@ -718,8 +718,8 @@ def materialize(root: Path, files: dict[str, object]) -> None:
         else:
             path.write_text(content)
     for name in checkpoints:
-        (root / name / checkpoint.MANIFEST).unlink(missing_ok=True)
-        checkpoint.write_manifest(root / name, 1)
+        (root / name / store.MANIFEST).unlink(missing_ok=True)
+        store.write_manifest(root / name, 1)
 
 
 def snapshot(root: Path) -> dict[str, str]:

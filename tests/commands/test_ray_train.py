@@ -26,7 +26,7 @@ from train_helpers import child_env, free_port, launcher_command, read_metrics, 
 from hf_scale.commands import ray_train
 from hf_scale.commands.cli import main
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 
 TRAIN = ["--max_steps", "30", "--save_steps", "5", "--seed", "7", "--learning_rate", "1e-3", "--warmup_ratio", "0",
          "--loop", "accelerate"]
@@ -231,7 +231,7 @@ def test_two_ray_workers_train_like_torchrun_and_survive_a_killed_worker(tmp_pat
     )
     try:
         deadline = time.monotonic() + 300
-        while not checkpoint.complete_checkpoints(output):
+        while not store.complete_checkpoints(output):
             assert driver.poll() is None, driver.communicate()[0][-4000:]
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(0.05)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from hf_scale.contract import checkpoint_layout as layout
+from hf_scale.contract import checkpoint_verification
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 
 
 def _checkpoint(root: Path, step: int, files: dict[str, str], *, state: dict | None = None, sealed=True) -> Path:
@@ -22,7 +23,7 @@ def _checkpoint(root: Path, step: int, files: dict[str, str], *, state: dict | N
     if state is not None:
         (path / layout.STATE).write_text(json.dumps(state))
     if sealed:
-        checkpoint.write_manifest(path, step)
+        store.write_manifest(path, step)
     return path
 
 
@@ -85,11 +86,12 @@ def test_a_file_the_manifest_leaves_out_makes_the_checkpoint_not_intact_for_resu
     why = f"{first} is not listed in {layout.MANIFEST}: nothing vouches for its content"
     found = layout.detect_layout(path)
     assert (found.kind, found.problem, found.newest) == (layout.INCOMPLETE, why, tmp_path / "checkpoint-1")
-    assert checkpoint.verify(path) == why
-    assert checkpoint.newest_verified(tmp_path) == (tmp_path / "checkpoint-1", [(path, why)])  # auto, messages
+    assert checkpoint_verification.verify(path) == why
+    # what --resume_from_checkpoint auto takes, and its messages
+    assert checkpoint_verification.newest_verified(tmp_path) == (tmp_path / "checkpoint-1", [(path, why)])
     assert layout.detect_layout(tmp_path).newest == tmp_path / "checkpoint-1"
     with pytest.raises(UserError, match=f"^--resume_from_checkpoint={path}: {why}; it was left as it is"):
-        checkpoint.resolve_resume(str(path), str(tmp_path), checkpoint._ONE_PROCESS)
+        store.resolve_resume(str(path), str(tmp_path), checkpoint_verification.ONE_PROCESS)
     assert _export_error(path, tmp_path).startswith(f"CHECKPOINT_DIR {path}: ")
     assert why in _export_error(path, tmp_path)
 
@@ -112,7 +114,8 @@ def test_a_bad_manifest_is_a_one_line_refusal_not_an_exception(tmp_path, content
     assert found.kind == layout.INCOMPLETE and not layout.is_complete(path)
     assert found.problem.startswith(f"{layout.MANIFEST} is unreadable (not a manifest written by hf_scale")
     assert "\n" not in found.problem
-    assert checkpoint.verify(path, checkpoint._ONE_PROCESS) == found.problem  # the resume says the same
+    # the resume says the same
+    assert checkpoint_verification.verify(path, checkpoint_verification.ONE_PROCESS) == found.problem
 
 
 def test_a_size_only_manifest_of_an_older_hf_scale_is_still_read(tmp_path):
@@ -166,7 +169,7 @@ def test_a_directory_holding_a_manifest_is_a_checkpoint_whatever_its_name(tmp_pa
     path = tmp_path / "exported-by-hand"
     path.mkdir()
     (path / "model.safetensors").write_text("w")
-    checkpoint.write_manifest(path, 3)
+    store.write_manifest(path, 3)
     assert layout.detect_layout(path).kind == layout.CHECKPOINT
 
 
@@ -184,16 +187,16 @@ def test_the_names_agree_with_the_libraries_that_write_them():
 
 def test_startup_removes_exactly_the_staging_directories(tmp_path):
     for label in (5, "universal-2", "replaced-4"):
-        checkpoint.make_staging(tmp_path, label)
+        store.make_staging(tmp_path, label)
     kept = _checkpoint(tmp_path, 1, {"a": "x"}, sealed=False)
     users = layout.staging_dir(tmp_path, 9)  # named like hf_scale's, without its marker: the user's
     users.mkdir()
     (users / "notes").write_text("mine")
     layout.staging_dir(tmp_path, 6).mkdir()  # a save killed between its mkdir and its marker: empty, nothing lost
-    assert sorted(p.name for p in checkpoint.remove_interrupted(tmp_path)) == [
+    assert sorted(p.name for p in store.remove_interrupted(tmp_path)) == [
         ".tmp-checkpoint-5", ".tmp-checkpoint-6", ".tmp-checkpoint-replaced-4", ".tmp-checkpoint-universal-2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [users.name, kept.name]
-    assert checkpoint.remove_interrupted(tmp_path, foreign_too=True) == [users]  # --overwrite_output_dir
+    assert store.remove_interrupted(tmp_path, foreign_too=True) == [users]  # --overwrite_output_dir
     assert [p.name for p in tmp_path.iterdir()] == [kept.name]
 
 

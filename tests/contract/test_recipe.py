@@ -15,11 +15,11 @@ import yaml
 
 from hf_scale.commands.cli import main as cli_main
 from hf_scale.config.presets import load_preset
+from hf_scale.contract.config_flags import checkpointing_flag
 from hf_scale.contract.parser import build_parser
 from hf_scale.contract.recipe import expand_recipe
 from hf_scale.errors import UserError
 from hf_scale.train.main import main as train_main
-from hf_scale.train.setup.reconcile import checkpointing_flag
 
 
 def _write(path, data) -> str:

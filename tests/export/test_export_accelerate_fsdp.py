@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.commands import cli
 from hf_scale.contract import checkpoint_layout
-from hf_scale.train.checkpoint import store as checkpoint
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
+from hf_scale.train.checkpoint import store
 from hf_scale.train.setup.run_spec import RunSpec
 
 STEP = 4
@@ -82,13 +82,13 @@ def _checkpoint(root, model, write_weights, accelerator, loop: str):
     path = checkpoint_layout.checkpoint_dir(root, STEP)
     path.mkdir(parents=True)
     write_weights(model, path, accelerator)
-    checkpoint.write_model_files(path, model, AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR))
+    store.write_model_files(path, model, AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR))
     spec = RunSpec(launcher="accelerate", strategy="fsdp", world_size=2, loop=loop, micro_batch_size=1,
                    gradient_accumulation_steps=1, global_batch_size=2, precision="no", seed=42, data_seed=42,
                    packing=False)
     position = {"epoch": 0, "samples_consumed_in_epoch": 8} if loop == "accelerate" else {}
-    checkpoint.write_state(path, step=STEP, spec=spec, **position)
-    checkpoint.write_manifest(path, STEP)
+    store.write_state(path, step=STEP, spec=spec, **position)
+    store.write_manifest(path, STEP)
     return path
 
 

@@ -14,9 +14,9 @@ from train_helpers import run, run_in_process, tree
 from transformers import AutoModelForCausalLM
 
 from hf_scale.commands.export import export
-from hf_scale.contract import checkpoint_layout
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 
 CORRUPT = "model.safetensors is corrupt (its xxh3_128 checksum differs from the one in hf_scale_complete.json)"
 
@@ -56,9 +56,9 @@ def test_a_checkpoint_with_one_changed_byte_is_refused_and_the_verified_one_is_n
     assert tree(newest) == damaged
 
     # The run directory: its newest checkpoint of verified content, which the messages of a failed save name too.
-    assert checkpoint.newest_verified(out) == (out / "checkpoint-1", [(newest, CORRUPT)])
-    assert checkpoint.intact_note(out).startswith(f"the newest intact checkpoint is {out / 'checkpoint-1'} ")
-    assert checkpoint.intact_note(out, trusted={newest.resolve()}).startswith(  # what this run wrote itself
+    assert checkpoint_verification.newest_verified(out) == (out / "checkpoint-1", [(newest, CORRUPT)])
+    assert store.intact_note(out).startswith(f"the newest intact checkpoint is {out / 'checkpoint-1'} ")
+    assert store.intact_note(out, trusted={newest.resolve()}).startswith(  # what this run wrote itself
         f"the newest intact checkpoint is {newest} ")
     export(out, tmp_path / "exported")
     err = capfd.readouterr().err

@@ -18,7 +18,7 @@ from train_helpers import TRAIN_PY, child_env, run, run_ok
 from transformers import AutoTokenizer
 
 from hf_scale.commands.cli import main as cli_main
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 
 TEMPLATE = (
     "{# hf_scale test template #}{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hf_scale.commands.cli import main
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 
 ASSETS = Path(__file__).resolve().parents[2] / "hf_scale" / "assets" / "tiny-llama"
 
@@ -106,7 +106,7 @@ def test_generate_past_a_file_size_limit_writes_nothing(tmp_path):
 
 def _tiny_checkpoint(path: Path) -> Path:
     shutil.copytree(ASSETS, path)
-    checkpoint.write_manifest(path, 1)
+    store.write_manifest(path, 1)
     return path
 
 

@@ -39,9 +39,9 @@ from safetensors.torch import load_file
 from train_helpers import TRAIN_PY, child_env, free_port, prebuilt_shm_comm_op, read_metrics
 
 from hf_scale.commands.cli import main
-from hf_scale.contract import checkpoint_layout
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
 from hf_scale.exit_codes import EXIT_PREEMPTED
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
@@ -143,7 +143,7 @@ def _wait_for_checkpoint_after(slurm, job_id: str, submit_dir: Path, step: int, 
     out = submit_dir / "out"
     deadline = time.monotonic() + timeout
     while True:
-        saved = checkpoint.complete_checkpoints(out)
+        saved = store.complete_checkpoints(out)
         if saved and checkpoint_layout.step_of(saved[-1]) > step:
             return checkpoint_layout.step_of(saved[-1])
         job = slurm.job(job_id)
@@ -163,7 +163,7 @@ def _requeued(slurm, job_id: str, submit_dir: Path, out: Path, restarts: int, **
     # once a stop, from rank 0 (which of SLURM's signal and the script's SIGUSR1 came first does not matter)
     assert len(re.findall(r"^hf_scale: stopped by ", log, re.MULTILINE)) == restarts, log[-4000:]
     assert not (out / "model.safetensors").exists()  # stopped, not finished
-    saved = checkpoint_layout.step_of(checkpoint.complete_checkpoints(out)[-1])
+    saved = checkpoint_layout.step_of(store.complete_checkpoints(out)[-1])
     _wait_until_gone(slurm, job_id)
     slurm.run("scontrol", "update", f"JobId={job_id}", *(f"{key}={value}" for key, value in update.items()),
               "StartTime=now")
@@ -254,8 +254,8 @@ def test_a_two_node_job_stopped_five_ways_resumes_bit_identically(slurm, generat
         job, _output(stopped_dir, stopped)[-4000:] + slurm.logs())
     _wait_until_gone(slurm, stopped)  # the step's processes end with it (bounded by the same wait)
     log = _output(stopped_dir, stopped)  # its five starts, the fifth's resume line included
-    newest, skipped = checkpoint.newest_verified(out)
-    assert newest == checkpoint.complete_checkpoints(out)[-1] and not skipped, (newest, skipped)
+    newest, skipped = checkpoint_verification.newest_verified(out)
+    assert newest == store.complete_checkpoints(out)[-1] and not skipped, (newest, skipped)
     # Submitted again, it resumes from that checkpoint and finishes.
     again = _submit(slurm, generated, stopped_dir, args=[*TRAIN, "--output_dir", "out"])
     _finished(slurm, again, stopped_dir)

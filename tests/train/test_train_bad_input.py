@@ -25,9 +25,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 from train_helpers import REPO, TRAIN_PY, run, run_in_process, tree
 
-from hf_scale.train.checkpoint import output_lock
-from hf_scale.train.checkpoint import store as checkpoint
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
+from hf_scale.train.checkpoint import output_lock, store
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
 
@@ -122,7 +121,7 @@ def ckpt(loop: str, *mutations, reseal: bool = False):
         for mutate in mutations:
             mutate(path)
         if reseal:
-            checkpoint.seal(path, 1, ONE_PROCESS)
+            store.seal(path, 1, ONE_PROCESS)
 
     return prepare
 
@@ -141,9 +140,9 @@ def torch_object(name: str, obj):
 
 def edit_manifest(change):
     def mutate(path: Path):
-        manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+        manifest = json.loads((path / store.MANIFEST).read_text())
         change(manifest)
-        (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+        (path / store.MANIFEST).write_text(json.dumps(manifest))
     return mutate
 
 
@@ -483,11 +482,11 @@ CASES: dict[str, Case] = {
     "resume-missing": Case(["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], "no such directory"),
     "resume-a-file": Case(["--resume_from_checkpoint", "{d}/f"], "no such directory", files={"f": "x"}),
     "resume-without-manifest": Case(["--resume_from_checkpoint", CKPT], "no hf_scale_complete.json",
-                                    prepare=ckpt("accelerate", remove(checkpoint.MANIFEST))),
+                                    prepare=ckpt("accelerate", remove(store.MANIFEST))),
     "resume-foreign-partial": Case(["--resume_from_checkpoint", "{d}/checkpoint-3"], "no hf_scale_complete.json",
                                    files={"checkpoint-3/optimizer.bin": "partial"}),
     "resume-manifest-garbage": Case(["--resume_from_checkpoint", CKPT], "hf_scale_complete.json is unreadable",
-                                    prepare=ckpt("accelerate", write(checkpoint.MANIFEST, "{"))),
+                                    prepare=ckpt("accelerate", write(store.MANIFEST, "{"))),
     "resume-manifest-escapes": Case(["--resume_from_checkpoint", CKPT], "hf_scale_complete.json is unreadable",
                                     prepare=ckpt("accelerate", edit_manifest(
                                         lambda m: m["files"].update({"../../etc/passwd": 1})))),
@@ -504,7 +503,7 @@ CASES: dict[str, Case] = {
     "resume-scheduler-flipped": Case(["--resume_from_checkpoint", CKPT], "scheduler.bin is corrupt",
                                      prepare=ckpt("accelerate", flip("scheduler.bin"))),
     "resume-state-flipped": Case(["--resume_from_checkpoint", CKPT], "hf_scale_state.json is corrupt",
-                                 prepare=ckpt("accelerate", flip(checkpoint.STATE))),
+                                 prepare=ckpt("accelerate", flip(store.STATE))),
     "resume-trainer-state-flipped": Case(["--resume_from_checkpoint", CKPT], "trainer_state.json is corrupt",
                                          prepare=ckpt("trainer", flip("trainer_state.json"))),
     "resume-trainer-rng-flipped": Case(["--resume_from_checkpoint", CKPT], "rng_state.pth is corrupt",
@@ -524,10 +523,10 @@ CASES: dict[str, Case] = {
                                        prepare=ckpt("accelerate", write("scheduler.bin", garbage(64)), reseal=True)),
     "resealed-state-garbage": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
                                    "hf_scale_state.json is not valid JSON",
-                                   prepare=ckpt("accelerate", write(checkpoint.STATE, "{,"), reseal=True)),
+                                   prepare=ckpt("accelerate", write(store.STATE, "{,"), reseal=True)),
     "resealed-state-wrong-types": Case(["--resume_from_checkpoint", CKPT, "--loop", "accelerate"],
                                        "lacks a valid step",
-                                       prepare=ckpt("accelerate", write(checkpoint.STATE, json.dumps(
+                                       prepare=ckpt("accelerate", write(store.STATE, json.dumps(
                                            {"step": "one", "world_size": 1, "strategy": "single", "epoch": 0,
                                             "samples_consumed_in_epoch": 0})), reseal=True)),
     "resealed-trainer-state-garbage": Case(["--resume_from_checkpoint", CKPT], "trainer_state.json is not valid JSON",

@@ -61,7 +61,7 @@ def test_max_seq_length_defaults_to_the_model_limit_said_once(tmp_path):
     """A model with max_position_embeddings 256 trains with the default (min(2048, 256)); above it is an error."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 
     config = AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR)
     config.max_position_embeddings = 256

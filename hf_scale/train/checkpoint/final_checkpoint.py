@@ -6,7 +6,8 @@ avoid; they keep the sharded checkpoint and convert it offline. The run then end
 checkpoint of its final step, written by the loop's own checkpoint writer (sealed with its manifest and checksums,
 rotated by --save_total_limit; the one saved at that step is reused, never written twice), and
 `hf_scale_verify.json` says so. Its proof is the resume's: every file of the manifest re-read (size, checksum) and
-the small state files loaded (hf_scale.train.checkpoint.store.verify). `hf-scale export` turns it into safetensors.
+the small state files loaded (hf_scale.contract.checkpoint_verification.verify). `hf-scale export` turns it into
+safetensors.
 
 This is what the transformers Trainer does in `save_model` when gathering is off (it saves the DeepSpeed
 checkpoint and says to use zero_to_fp32.py), but as a checkpoint that `--resume_from_checkpoint` and
@@ -21,10 +22,10 @@ import shlex
 import time
 from pathlib import Path
 
-from hf_scale.contract import checkpoint_layout
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
 from hf_scale.errors import UserError
 from hf_scale.knowledge import rules
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 from hf_scale.train.checkpoint.save import REPORT_FILE
 
 WHAT = "checkpoint"
@@ -68,7 +69,7 @@ def verify(path: Path, state, *, output_dir: str, precision: str) -> dict | None
     The main process writes REPORT_FILE into `output_dir` and returns the report; the other ranks return None."""
     started = time.perf_counter()
     step = checkpoint_layout.step_of(path)
-    found = checkpoint.verify(path, state)
+    found = checkpoint_verification.verify(path, state)
     if not state.is_main_process:
         return None
     layout = checkpoint_layout.detect_layout(path)
@@ -99,7 +100,7 @@ def _content_problem(path: Path, layout: checkpoint_layout.Layout, step: int) ->
     if layout.weights is None:
         return f"no model weights in it ({layout.describe()})"
     try:
-        saved_step = checkpoint.read_state(path)["step"]
+        saved_step = checkpoint_verification.read_state(path)["step"]
     except UserError as error:
         return str(error)
     return None if saved_step == step else f"{checkpoint_layout.STATE} records step {saved_step}, not {step}"
@@ -127,4 +128,4 @@ def saved_clause(report: dict) -> str:
 def failure_message(report: dict, output_dir: str) -> str:
     """The one-line error for a report that is not ok."""
     return (f"the final checkpoint {report['checkpoint']} does not verify: {report['problems']['checkpoint'][0]}; "
-            f"{checkpoint.intact_note(output_dir)}")
+            f"{store.intact_note(output_dir)}")

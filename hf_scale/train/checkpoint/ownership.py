@@ -18,8 +18,7 @@ from pathlib import Path
 from hf_scale.contract import checkpoint_integrity, checkpoint_layout
 from hf_scale.errors import UserError
 from hf_scale.files import hub
-from hf_scale.train.checkpoint import output_lock, reshard
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import output_lock, reshard, store
 from hf_scale.train.checkpoint.save import REPORT_FILE
 
 RUN_FILES = (checkpoint_layout.MODEL_CONFIG, "generation_config.json", "*.safetensors", "*.safetensors.index.json",
@@ -36,7 +35,7 @@ def foreign(output_dir: str | Path) -> list[str]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [p.name for p in checkpoint.temporary_dirs(root) if not checkpoint_layout.is_removable_temporary(p)]
+    found = [p.name for p in store.temporary_dirs(root) if not checkpoint_layout.is_removable_temporary(p)]
     if not checkpoint_layout.is_ours(root):
         found += sorted(p.name for p in root.iterdir()
                         if any(fnmatch.fnmatchcase(p.name, pattern) for pattern in RUN_FILES))
@@ -63,12 +62,12 @@ def claim(args, spec, state, hub_target, *, overwrite: bool) -> Path | None:
     if refusal:
         raise UserError(refusal)
     if state.is_main_process:
-        for path in checkpoint.remove_interrupted(args.output_dir, foreign_too=overwrite):
+        for path in store.remove_interrupted(args.output_dir, foreign_too=overwrite):
             print(f"hf_scale: removed interrupted save {path}", file=sys.stderr)
         if hub_target is not None:  # as the Trainer does: a refused token stops the run before training
             hub.create_repo(hub_target, "--push_to_hub")
     state.wait_for_everyone()
-    resume_dir = checkpoint.resolve_resume(args.resume_from_checkpoint, args.output_dir, state)
+    resume_dir = store.resolve_resume(args.resume_from_checkpoint, args.output_dir, state)
     if resume_dir is not None:  # refuse what cannot resume (reshard.check_resumable)
         reshard.check_resumable(resume_dir, spec)
         if state.is_main_process:

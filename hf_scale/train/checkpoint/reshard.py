@@ -39,9 +39,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from hf_scale.contract import checkpoint_verification
 from hf_scale.contract.checkpoint_layout import DEEPSPEED_LATEST, DEEPSPEED_TAG, MANIFEST, staging_dir, step_of
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 from hf_scale.train.setup.run_spec import RunSpec
 
 _FULL_STATES = {"single": "full states (DDP / one process)", "ddp": "full states (DDP / one process)"}
@@ -62,7 +63,7 @@ def check_resumable(path: Path, spec: RunSpec) -> dict:
 
     Runs before the model is built, so a refusal costs nothing.
     """
-    state = checkpoint.read_state(path)
+    state = checkpoint_verification.read_state(path)
     convert = (
         f"or convert it with `hf-scale export {path} EXPORT_DIR` and start a new run from it "
         "(--model_name_or_path EXPORT_DIR; the optimizer state starts fresh)"
@@ -234,7 +235,7 @@ def deepspeed_universal(path: Path, accelerator, engine, work_root: Path) -> Ite
     error = None
     if accelerator.is_main_process:
         try:
-            checkpoint.make_staging(work_root, f"universal-{step_of(path)}")
+            store.make_staging(work_root, f"universal-{step_of(path)}")
             _convert(path, view, accelerator.num_processes)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below, instead of a hang at the barrier
             error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
@@ -244,7 +245,7 @@ def deepspeed_universal(path: Path, accelerator, engine, work_root: Path) -> Ite
     if error:
         raise UserError(
             f"--resume_from_checkpoint={path}: DeepSpeed's universal-checkpoint conversion failed ({error}); "
-            f"resume with {checkpoint.read_state(path)['world_size']} processes"
+            f"resume with {checkpoint_verification.read_state(path)['world_size']} processes"
         )
     # The config key "checkpoint": {"load_universal": true} becomes this attribute; DeepSpeed reads it only
     # while loading, so setting it now is the same as having it in the JSON from the start.

@@ -22,9 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from hf_scale.contract import checkpoint_integrity, launch_values
+from hf_scale.contract import checkpoint_integrity, checkpoint_verification, launch_values
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import REPORT_FILE
 from hf_scale.train.setup import reconcile
 
@@ -48,7 +47,7 @@ def finished(run, train_rows: int) -> bool:
     one-line UserError when it is past it. Collective (the main process reads the checkpoint's step)."""
     resume_dir, args, state = run.resume_dir, run.args, run.state
     total = total_steps(run, train_rows)
-    saved_step = checkpoint.read_state(resume_dir)["step"] if state.is_main_process else None
+    saved_step = checkpoint_verification.read_state(resume_dir)["step"] if state.is_main_process else None
     step = checkpoint_integrity.broadcast(state, saved_step)
     if step > total:
         raise UserError(

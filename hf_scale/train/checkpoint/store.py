@@ -1,8 +1,9 @@
 """Checkpoints that appear complete or not at all, are verified before a resume, and the stop request that
 triggers one.
 
-The layout (names, manifest, what a directory is) belongs to `layout.py`; this module writes,
-seals, publishes, rotates and verifies. Both loops write a checkpoint into a temporary directory of
+The layout (names, manifest, what a directory is) belongs to hf_scale.contract.checkpoint_layout, whether a checkpoint
+verifies to hf_scale.contract.checkpoint_verification (`hf-scale export` asks it too); this module writes, seals,
+publishes, rotates and resolves a resume. Both loops write a checkpoint into a temporary directory of
 hf_scale's own (`OUTPUT_DIR/.tmp-checkpoint-STEP/checkpoint-STEP`, the container marked as hf_scale's), add
 `hf_scale_state.json` (step, epoch, position in the epoch, world size, strategy; the manual loop also the model
 config and tokenizer), flush every file and record its size and checksum in the manifest
@@ -24,14 +25,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import sys
 import threading
 from collections.abc import Collection
 from pathlib import Path
-from types import SimpleNamespace
 
 from hf_scale.contract import checkpoint_integrity
 from hf_scale.contract.checkpoint_layout import (
@@ -41,24 +40,14 @@ from hf_scale.contract.checkpoint_layout import (
     TMP_PREFIX,
     checkpoint_dir,
     checkpoint_files,
-    checkpoint_folders,
     complete_checkpoints,
-    files_problem,
     is_removable_temporary,
     manifest_text,
-    read_manifest,
     staging_dir,
 )
+from hf_scale.contract.checkpoint_verification import ONE_PROCESS, first_line, newest_verified, verify
 from hf_scale.errors import UserError
-from hf_scale.exit_codes import EXIT_PREEMPTED  # noqa: F401 (checkpoint.EXIT_PREEMPTED: train.py's exit code)
-
-_ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
-# Small state files every resume loads; a garbage one must stop the resume, not be skipped (accelerate
-# ignores an unloadable RNG file) or surface as a traceback.
-_STATE_FILES = re.compile(r"^(random_states_\d+\.pkl|rng_state(_\d+)?\.pth|scheduler(_\d+)?\.(bin|pt)|"
-                          r"sampler(_\d+)?\.bin|scaler\.pt)$")
-_RNG_KEYS = {"random_states_": {"random_state", "numpy_random_seed", "torch_manual_seed"},
-             "rng_state": {"python", "numpy", "cpu"}}
+from hf_scale.exit_codes import EXIT_PREEMPTED  # noqa: F401 (store.EXIT_PREEMPTED: train.py's exit code)
 
 
 def make_staging(output_dir: str | Path, label: int | str) -> Path:
@@ -92,62 +81,6 @@ def remove_interrupted(output_dir: str | Path, *, foreign_too: bool = False) -> 
     return removed
 
 
-def verify(path: Path, state=_ONE_PROCESS) -> str | None:
-    """The first reason `path` cannot be resumed from, or None: None means verified content. Collective
-    (`state`: PartialState/Accelerator; by this process alone by default).
-
-    Manifest and sizes (main process), then every file's checksum (each rank hashes a share; a manifest without
-    checksums does not verify), then the small state files and `hf_scale_state.json` must load (main process).
-    """
-    found, entries = None, None
-    if state.is_main_process:
-        entries, found = read_manifest(path)
-        found = found or files_problem(path, entries)
-    found, entries = checkpoint_integrity.broadcast(state, (found, entries))
-    if found:
-        return found
-    unsummed = sorted(name for name, entry in entries.items() if checkpoint_integrity.HASH_NAME not in entry)
-    if unsummed:  # an older hf_scale's manifest, or one edited to that form: sizes prove nothing about content
-        return (f"{MANIFEST} records no {checkpoint_integrity.HASH_NAME} checksum for {unsummed[0]} "
-                "(a size-only manifest); its content cannot be verified")
-    actual = checkpoint_integrity.digests(path, {name: entry["size"] for name, entry in entries.items()}, state)
-    for name in sorted(entries):
-        if actual[name] != entries[name][checkpoint_integrity.HASH_NAME]:
-            return (f"{name} is corrupt (its {checkpoint_integrity.HASH_NAME} checksum differs from the one in "
-                    f"{MANIFEST})")
-    return checkpoint_integrity.broadcast(state, _unloadable(path) if state.is_main_process else None)
-
-
-def _unloadable(path: Path) -> str | None:
-    """The first small state file of `path` that does not load (or lacks what a resume reads), or None."""
-    from accelerate.utils import load  # torch.load with the numpy types RNG states hold, weights_only
-
-    for file in sorted(p for p in path.iterdir() if p.is_file()):
-        if file.suffix == ".json":
-            try:
-                json.loads(file.read_text())
-            except (ValueError, UnicodeDecodeError) as error:
-                return f"{file.name} is not valid JSON ({_first_line(error)})"
-        elif _STATE_FILES.match(file.name):
-            try:
-                loaded = load(file, map_location="cpu")
-            except Exception as error:  # noqa: BLE001 - any failure to unpickle is the same fact: garbage
-                return f"{file.name} cannot be loaded ({type(error).__name__}: {_first_line(error)})"
-            keys = next((k for prefix, k in _RNG_KEYS.items() if file.name.startswith(prefix)), set())
-            if not isinstance(loaded, dict) or not keys <= set(loaded):
-                return f"{file.name} does not hold the states a resume restores"
-    if (path / STATE).is_file():
-        try:
-            read_state(path)
-        except UserError as error:
-            return str(error).removeprefix(f"{path}: ")
-    return None
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0][:200]
-
-
 def check_resume_path(value: str | None) -> None:
     """An explicit `--resume_from_checkpoint PATH` must be a directory (UserError, one line): decidable from the flag
     alone, before a process group (train.py's prepare stage) or a cluster (the Ray driver) starts."""
@@ -179,51 +112,6 @@ def _newest_resumable(root: Path, state) -> Path | None:
         for path, problem in skipped:
             print(f"hf_scale: skipping {path}: {problem}; left as it is", file=sys.stderr, flush=True)
     return found
-
-
-def newest_verified(output_dir: str | Path, state=_ONE_PROCESS, *, trusted: Collection[Path] = frozenset()
-                    ) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest `checkpoint-STEP` of `output_dir` whose content verifies (`verify`), and the newer ones skipped
-    with why: what `--resume_from_checkpoint auto` resumes, a failure message names and `hf-scale export
-    OUTPUT_DIR` exports. `trusted`: checkpoints this run wrote or verified itself (a Publisher's `verified`), not
-    read again. Collective with a process group's `state`; by this process alone by default.
-
-    Cost: every file of each checkpoint tried is read (a 70B checkpoint is ~1 TB: with one process, the disk's
-    read bandwidth sets the time; a run's ranks share it); the newest is usually the one taken."""
-    candidates = None
-    if state.is_main_process:  # listed once: every rank then verifies the same directories
-        candidates = checkpoint_folders(output_dir)[::-1]
-    skipped = []
-    for path in checkpoint_integrity.broadcast(state, candidates):
-        found = None if path.resolve() in trusted else verify(path, state)
-        if found is None:
-            return path, skipped
-        skipped.append((path, found))
-    return None, skipped
-
-
-_STATE_FIELDS = {"step": int, "world_size": int, "strategy": str}
-_POSITION_FIELDS = {"epoch": int, "samples_consumed_in_epoch": int}
-
-
-def read_state(path: Path) -> dict:
-    """`hf_scale_state.json` of checkpoint `path`, checked; a one-line UserError when it is not usable."""
-    file = path / STATE
-    try:
-        state = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: no {STATE}; not a checkpoint written by hf_scale") from None
-    except (ValueError, UnicodeDecodeError, OSError) as error:
-        raise UserError(f"{path}: {STATE} cannot be read ({_first_line(error)})") from None
-    fields = dict(_STATE_FIELDS)
-    if isinstance(state, dict) and state.get("loop", "accelerate") == "accelerate":
-        fields.update(_POSITION_FIELDS)
-    bad = [name for name, kind in fields.items()
-           if not isinstance(state, dict) or type(state.get(name)) is not kind
-           or (kind is int and state[name] < 0)]
-    if bad:
-        raise UserError(f"{path}: {STATE} lacks a valid {', '.join(bad)}")
-    return state
 
 
 def write_state(path: Path, *, step: int, spec, **position) -> None:
@@ -293,7 +181,7 @@ def seal(directory: Path, step: int, state) -> None:
 
 def write_manifest(path: Path, step: int) -> None:
     """`seal` by this process alone, outside any process group (tools and tests that build a checkpoint)."""
-    seal(path, step, _ONE_PROCESS)
+    seal(path, step, ONE_PROCESS)
 
 
 class Publisher:
@@ -415,7 +303,7 @@ def write_failure(error: BaseException) -> str | None:
         return None
     io_failure = isinstance(error, OSError) or type(error).__name__ == "SafetensorError" or (
         isinstance(error, RuntimeError) and any(k in str(error) for k in ("inline_container", "PytorchStreamWriter")))
-    return f"{type(error).__name__}: {_first_line(error)}" if io_failure else None
+    return f"{type(error).__name__}: {first_line(error)}" if io_failure else None
 
 
 @contextlib.contextmanager
@@ -454,7 +342,7 @@ def load_errors_reported(path: Path):
         if isinstance(error, (torch.distributed.DistError, MemoryError, torch.OutOfMemoryError)):
             raise
         raise UserError(f"--resume_from_checkpoint={path}: loading it failed ({type(error).__name__}: "
-                        f"{_first_line(error)}); resume from another checkpoint or start afresh") from None
+                        f"{first_line(error)}); resume from another checkpoint or start afresh") from None
 
 
 class StopRequest:

@@ -1,7 +1,7 @@
 """The embedded default: a tiny Llama-style model and a sample SFT dataset shipped inside the package.
 
-With no model or data arguments, train.py fine-tunes :data:`EMBEDDED_MODEL_DIR` on
-:data:`EMBEDDED_DATA_FILE` on CPU in seconds, fully offline. Both are *generated* by this module,
+With no model or data arguments, train.py fine-tunes EMBEDDED_MODEL_DIR on EMBEDDED_DATA_FILE (their paths:
+hf_scale.contract.embedded_assets) on CPU in seconds, fully offline. Both are *generated* by this module,
 deterministically, so the shipped files can be checked for drift (tests/train/data/test_embedded.py) and
 regenerated with::
 
@@ -20,9 +20,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
-EMBEDDED_MODEL_DIR: Path = ASSETS_DIR / "tiny-llama"
-EMBEDDED_DATA_FILE: Path = ASSETS_DIR / "sample_sft.jsonl"
+from hf_scale.contract.embedded_assets import ASSETS_DIR, EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
 
 WEIGHTS_SEED = 0
 DATA_SEED = 0

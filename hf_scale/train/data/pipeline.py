@@ -28,10 +28,10 @@ import jinja2
 
 from hf_scale import quiet
 from hf_scale.contract.data_arguments import DataArguments
+from hf_scale.contract.embedded_assets import EMBEDDED_DATA_FILE
 from hf_scale.errors import UserError
 from hf_scale.files.reading import not_a_regular_file
 from hf_scale.train.data import json_rows
-from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE
 from hf_scale.train.data.formats import (
     ResolvedFormat,
     check_tokenizer,

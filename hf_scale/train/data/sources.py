@@ -30,8 +30,8 @@ from typing import Any
 import datasets
 
 from hf_scale.contract.data_arguments import DataArguments, SourceArguments
+from hf_scale.contract.embedded_assets import EMBEDDED_DATA_FILE
 from hf_scale.errors import UserError
-from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE
 from hf_scale.train.data.pipeline import _load_file, load_raw_datasets, tokenize_dataset
 
 SOURCE_COLUMN = "__hf_scale_source"

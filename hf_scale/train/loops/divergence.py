@@ -15,7 +15,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import store
 
 
 def check_step(step: int, loss: float, grad_norm: float | None, *, loss_scaling: bool,
@@ -28,6 +28,6 @@ def check_step(step: int, loss: float, grad_norm: float | None, *, loss_scaling:
     if bad:
         raise UserError(
             f"step {step}: {' and '.join(bad)}; training stopped before saving anything of this step; "
-            f"{checkpoint.intact_note(output_dir, trusted)}. Lower --learning_rate, check the data and the model's "
+            f"{store.intact_note(output_dir, trusted)}. Lower --learning_rate, check the data and the model's "
             "weights, or go back to an earlier checkpoint"
         )

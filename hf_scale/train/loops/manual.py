@@ -26,8 +26,7 @@ from accelerate.utils import DataLoaderConfiguration
 from transformers import TrainingArguments
 
 from hf_scale.contract import checkpoint_layout
-from hf_scale.train.checkpoint import ownership, resume
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import ownership, resume, store
 from hf_scale.train.data.batches import make_train_dataloader, micro_batch_per_rank, target_tokens
 from hf_scale.train.data.packing import model_inputs
 from hf_scale.train.loops import divergence, evaluation, live
@@ -76,7 +75,7 @@ def run(
     flops_per_token: float | None,
     report_config: dict,
     resume_dir: Path | None = None,
-    stop: checkpoint.StopRequest | None = None,
+    stop: store.StopRequest | None = None,
     eval_dataset=None,
 ) -> LoopResult:
     """Train `spec` with `args`; save `checkpoint-STEP` every --save_steps and at the end; resume from `resume_dir`.
@@ -234,7 +233,7 @@ class _Loop:
     saver: CheckpointSaver
     metrics: StepMetrics
     length: _Length
-    stop: checkpoint.StopRequest | None
+    stop: store.StopRequest | None
     eval_dataset: Any
     is_deepspeed: bool
     shard_ourselves: bool

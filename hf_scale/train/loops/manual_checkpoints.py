@@ -7,10 +7,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from hf_scale.contract import checkpoint_layout
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import reshard
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import reshard, store
 from hf_scale.train.model import fsdp
 from hf_scale.train.setup.run_spec import RunSpec
 
@@ -29,7 +28,7 @@ class CheckpointSaver:
         self.tokenizer = tokenizer
         self.shard_ourselves = shard_ourselves
         self.interval = _save_interval(args)
-        self.publisher = checkpoint.Publisher(args.output_dir, accelerator)
+        self.publisher = store.Publisher(args.output_dir, accelerator)
 
     def due(self, step: int, total_steps: int) -> bool:
         if step == total_steps and self.spec.final_save_is_checkpoint:
@@ -40,7 +39,7 @@ class CheckpointSaver:
         return step % interval == 0 or step == total_steps
 
     def save(self, step: int, epoch: int, batches_in_epoch: int) -> Path:
-        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), self.args.output_dir,
+        with store.write_errors_reported(checkpoint_layout.checkpoint_name(step), self.args.output_dir,
                                               self.publisher.verified):
             return self._save(step, epoch, batches_in_epoch)
 
@@ -48,7 +47,7 @@ class CheckpointSaver:
         accelerator, args = self.accelerator, self.args
         tmp = checkpoint_layout.checkpoint_dir(checkpoint_layout.staging_dir(args.output_dir, step), step)
         if accelerator.is_main_process:
-            checkpoint.make_staging(args.output_dir, step)
+            store.make_staging(args.output_dir, step)
             tmp.mkdir()
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
@@ -56,16 +55,16 @@ class CheckpointSaver:
             fsdp.save_sharded(self.model, self.optimizer, tmp / checkpoint_layout.DCP_DIR)
         if accelerator.is_main_process:
             samples_per_batch_row = self.spec.micro_batch_size * self.spec.data_parallel_size
-            checkpoint.write_state(
+            store.write_state(
                 tmp,
                 step=step,
                 spec=self.spec,
                 epoch=epoch,
                 samples_consumed_in_epoch=batches_in_epoch * samples_per_batch_row,
             )
-            checkpoint.write_model_files(tmp, accelerator.unwrap_model(self.model), self.tokenizer)
+            store.write_model_files(tmp, accelerator.unwrap_model(self.model), self.tokenizer)
         accelerator.wait_for_everyone()
-        checkpoint.seal(tmp, step, accelerator)
+        store.seal(tmp, step, accelerator)
         final = self.publisher.publish(tmp, step)
         self.publisher.rotate(args.save_total_limit)
         accelerator.wait_for_everyone()
@@ -74,7 +73,7 @@ class CheckpointSaver:
     def load(self, path: Path) -> tuple[int, int, int]:
         """Restore everything, also at another world size (hf_scale.train.checkpoint.reshard; main.py has already
         refused what cannot resume); returns (step, epoch, micro-batches per rank to skip in that epoch)."""
-        state = checkpoint.read_state(path)
+        state = checkpoint_verification.read_state(path)
         world = self.spec.world_size
         samples_per_batch_row = self.spec.micro_batch_size * self.spec.data_parallel_size
         if state["samples_consumed_in_epoch"] % samples_per_batch_row:
@@ -84,7 +83,7 @@ class CheckpointSaver:
                 f"{self.spec.micro_batch_size} x {self.spec.data_parallel_size} data-parallel processes"
             )
         self.publisher.verified.add(path.resolve())  # verified before the resume (checkpoint.resolve_resume)
-        with checkpoint.load_errors_reported(path):
+        with store.load_errors_reported(path):
             if state["world_size"] != world and self.spec.strategy == "deepspeed":
                 work_root = Path(self.args.output_dir)
                 with reshard.deepspeed_universal(path, self.accelerator, self.model, work_root) as view:

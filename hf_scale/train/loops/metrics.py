@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_scale.knowledge.partitioned import full_numel
 from hf_scale.train.data.packing import REAL_TOKEN_MASK
 from hf_scale.train.loops import torch_profiler
-from hf_scale.train.model.partitioned import full_numel
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity), by substring of torch.cuda.get_device_name().
 _PEAK_FLOPS_BY_DEVICE = {

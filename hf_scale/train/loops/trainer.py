@@ -17,8 +17,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from hf_scale.contract import checkpoint_integrity, checkpoint_layout
-from hf_scale.train.checkpoint import ownership, resume
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import ownership, resume, store
 from hf_scale.train.checkpoint.save import save_with_accelerator
 from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.data.packing import SEQ_LENGTHS, model_inputs
@@ -55,7 +54,7 @@ class HfScaleTrainer(Trainer):
         self._finalizing = False
         self.last_saved_step: int | None = None
         """The step of the last checkpoint this run published."""
-        self.publisher = checkpoint.Publisher(self.args.output_dir, self.accelerator)
+        self.publisher = store.Publisher(self.args.output_dir, self.accelerator)
 
     def _build_accelerator_args(self, **kwargs):
         # FP8: accelerate's fp8 mode with hf_scale's recipe (train/model/fp8.py); TrainingArguments knows only bf16.
@@ -199,7 +198,7 @@ class HfScaleTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial):
         step, output_dir = self.state.global_step, self.args.output_dir
-        with checkpoint.write_errors_reported(checkpoint_layout.checkpoint_name(step), output_dir,
+        with store.write_errors_reported(checkpoint_layout.checkpoint_name(step), output_dir,
                                               self.publisher.verified):
             self._write_sealed_checkpoint(model, trial, step, Path(output_dir))
 
@@ -208,7 +207,7 @@ class HfScaleTrainer(Trainer):
         staging = checkpoint_layout.staging_dir(output_dir, step)
         written = checkpoint_layout.checkpoint_dir(staging, step)  # the Trainer appends checkpoint-STEP
         if is_main:
-            checkpoint.make_staging(output_dir, step)
+            store.make_staging(output_dir, step)
         accelerator.wait_for_everyone()
         self._saving_step = step
         try:
@@ -218,16 +217,16 @@ class HfScaleTrainer(Trainer):
         accelerator.wait_for_everyone()  # every rank's shards are on disk
         final = checkpoint_layout.checkpoint_dir(output_dir, step)
         if is_main:
-            checkpoint.write_state(written, step=step, spec=self.spec)
+            store.write_state(written, step=step, spec=self.spec)
             if not (written / checkpoint_layout.MODEL_CONFIG).is_file():
                 # The Trainer saves no config or tokenizer with FSDP's SHARDED_STATE_DICT (its save_model
                 # writes only a full state dict); `hf-scale export` needs them beside the shards.
-                checkpoint.write_model_files(written, accelerator.unwrap_model(model), self.processing_class)
+                store.write_model_files(written, accelerator.unwrap_model(model), self.processing_class)
         if self.state.best_model_checkpoint == str(written):  # the Trainer recorded the temporary name (every
             self.state.best_model_checkpoint = str(final)     # rank: each loads the best model at the end)
             if is_main:
                 self.state.save_to_json(str(written / checkpoint_layout.TRAINER_STATE))
-        checkpoint.seal(written, step, accelerator)
+        store.seal(written, step, accelerator)
         self.publisher.publish(written, step)
         self.publisher.rotate(self.args.save_total_limit, protect=self.state.best_model_checkpoint)
         accelerator.wait_for_everyone()
@@ -246,7 +245,7 @@ class HfScaleTrainer(Trainer):
             # the adapter instead: no fallback, nothing written twice.)
             if self.args.should_save:
                 Path(output_dir).mkdir(parents=True, exist_ok=True)
-                checkpoint.write_model_files(Path(output_dir), self.accelerator.unwrap_model(self.model),
+                store.write_model_files(Path(output_dir), self.accelerator.unwrap_model(self.model),
                                              self.processing_class)
                 torch.save(self.args, Path(output_dir, TRAINING_ARGS_NAME))
             return
@@ -293,19 +292,19 @@ class HfScaleTrainer(Trainer):
         if not parallelize.sharded_at_load(self.spec.layout):
             return super()._load_best_model()
         # --load_best_model_at_end: the Trainer would read the best checkpoint's safetensors into the DTensors.
-        with checkpoint.load_errors_reported(Path(self.state.best_model_checkpoint)):
+        with store.load_errors_reported(Path(self.state.best_model_checkpoint)):
             fsdp.load_sharded_model(self.model, Path(self.state.best_model_checkpoint) / checkpoint_layout.DCP_DIR)
 
     # A checkpoint that verified but does not load is one line, not a traceback (private hooks, transformers 5).
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         if parallelize.sharded_at_load(self.spec.layout):
             return  # the DCP shards hold the weights too; loaded with the optimizer (below), once it exists
-        with checkpoint.load_errors_reported(Path(resume_from_checkpoint)):
+        with store.load_errors_reported(Path(resume_from_checkpoint)):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir):
         # Called after every kind of load (DeepSpeed's engine loads its states before): the schedule is this run's.
-        with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
+        with store.load_errors_reported(Path(checkpoint_dir or "")):
             if checkpoint_dir is not None and parallelize.sharded_at_load(self.spec.layout):
                 fsdp.load_sharded(self.model, self.optimizer, Path(checkpoint_dir) / checkpoint_layout.DCP_DIR)
                 self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint_dir) / SCHEDULER_NAME, weights_only=True))
@@ -317,7 +316,7 @@ class HfScaleTrainer(Trainer):
                                      announce=self.accelerator.is_main_process)
 
     def _load_rng_state(self, checkpoint_dir):
-        with checkpoint.load_errors_reported(Path(checkpoint_dir or "")):
+        with store.load_errors_reported(Path(checkpoint_dir or "")):
             super()._load_rng_state(checkpoint_dir)
 
 
@@ -427,7 +426,7 @@ class CheckpointCallback(TrainerCallback):
     """A checkpoint at the end of the run (the full state, not only the final model), and stop-on-signal.
     (The manifest and the atomic rename are HfScaleTrainer._save_checkpoint's.)"""
 
-    def __init__(self, trainer: HfScaleTrainer, stop: checkpoint.StopRequest):
+    def __init__(self, trainer: HfScaleTrainer, stop: store.StopRequest):
         self.trainer = trainer
         self.stop = stop
         self.preempted = False

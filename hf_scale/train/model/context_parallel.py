@@ -31,43 +31,11 @@ import contextlib
 
 import torch
 
-from hf_scale.config.parallelism import CP_ATTENTION, Layout
+from hf_scale.config.parallelism import Layout
 from hf_scale.train.data.labels import IGNORE_INDEX
 
 BUFFER_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")
 """The batch's tensors with a sequence dimension (1) that are sharded with it, in this order."""
-
-
-def flag_refusal(layout: Layout, *, packing: bool, attn_implementation: str, where: str) -> str | None:
-    """Why train.py's flags cannot run with context parallelism, or None (checked before the process group)."""
-    if layout.cp <= 1:
-        return None
-    cp = f"{where}.cp={layout.cp}"
-    if packing:
-        return (f"{cp} with --packing: ring attention takes no document mask, so packed examples would attend to each "
-                "other; drop --packing or set cp to 1")
-    if attn_implementation not in ("auto", *CP_ATTENTION):
-        return (f"{cp} with --attn_implementation {attn_implementation}: context parallelism shards only SDPA "
-                f"attention; use --attn_implementation {' or '.join(CP_ATTENTION)} (or auto)")
-    return None
-
-
-def model_refusal(layout: Layout, model_config, where: str) -> str | None:
-    """Why this model cannot run with context parallelism, or None (checked before the model loads): attention
-    stricter than causal (sliding-window, chunked), which accelerate's hooks would silently train as full causal
-    attention (accelerate refuses it too, after the model is built)."""
-    if layout.cp <= 1:
-        return None
-    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        strict = sorted({kind for kind in layer_types if kind != "full_attention"})
-    else:
-        strict = ["sliding_attention"] if getattr(config, "sliding_window", None) else []
-    if strict:
-        return (f"{where}.cp={layout.cp}: the model has {', '.join(strict)} layers; context parallelism computes full "
-                "causal attention only; set cp to 1")
-    return None
 
 
 def accelerate_config(layout: Layout, cp_comm_strategy: str = "allgather"):

@@ -31,7 +31,7 @@ def load_dtype(spelling: str):
 
 
 def resolve_model_path(model_args: ModelArguments) -> str:
-    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 
     return model_args.model_name_or_path or str(EMBEDDED_MODEL_DIR)
 

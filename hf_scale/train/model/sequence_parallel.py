@@ -46,7 +46,7 @@ def accelerate_config(layout: Layout):
 
 def collator(inner, layout: Layout, tokenizer, *, pad_to: int | None) -> Collator:
     """The sp collator around the run's, or a one-line refusal of a tokenizer Ulysses cannot run with (the flags
-    it cannot run with are refused at start: hf_scale.train.model.parallelize.flag_refusal)."""
+    it cannot run with are refused at start: hf_scale.contract.parallel_refusals.flag_refusal)."""
     from hf_scale.errors import UserError
 
     where = f"parallelism.sp={layout.sp}"

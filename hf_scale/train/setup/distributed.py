@@ -2,9 +2,9 @@
 
 train.py is started by `python`, `torchrun`, `accelerate launch` or `deepspeed`. Each launcher says
 what it wants in a different place (environment variables, `--deepspeed`, an accelerate YAML turned
-into `ACCELERATE_*` variables). :func:`detect_launch` reads all of them into one
-:class:`LaunchRequest`; :func:`init_process_state` then creates accelerate's `PartialState` so that
-the requested engine really runs — on a machine without GPUs that needs the gloo backend, which
+into `ACCELERATE_*` variables). :func:`detect_launch` reads all of them into one LaunchRequest
+(hf_scale.contract.launch_request); :func:`init_process_state` then creates accelerate's `PartialState` so that the
+requested engine really runs — on a machine without GPUs that needs the gloo backend, which
 accelerate does not pick by itself (without it each of N processes silently trains alone, which
 `guard.py` would then stop).
 """
@@ -16,20 +16,17 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from hf_scale.config import parallelism
-from hf_scale.contract.inline_deepspeed import InlineDeepSpeed, is_inline, plugin_for
+from hf_scale.contract.inline_deepspeed import is_inline, plugin_for
+from hf_scale.contract.launch_request import LaunchRequest, Strategy, free_port
 from hf_scale.errors import UserError
 from hf_scale.files.reading import not_a_regular_file
 from hf_scale.knowledge import rules
-
-Strategy = Literal["single", "ddp", "deepspeed", "fsdp"]
 
 
 def _env_true(name: str) -> bool:
@@ -38,51 +35,6 @@ def _env_true(name: str) -> bool:
 
 def has_gpu() -> bool:
     return torch.cuda.is_available()
-
-
-@dataclass(frozen=True)
-class LaunchRequest:
-    """The strategy and sizes the launcher (and the flags) ask for, before anything is initialised."""
-
-    launcher: str
-    """Which launcher started this process, for messages: python | torchrun | accelerate | deepspeed."""
-    world_size: int
-    """`WORLD_SIZE` set by the launcher (1 when started with plain `python`)."""
-    strategy: Strategy
-    deepspeed_config_file: str | None
-    """DeepSpeed JSON from `--deepspeed` or from the accelerate YAML's `deepspeed_config_file`."""
-    zero_stage: int | None
-    """`zero_optimization.stage` of that JSON (0 when the JSON has no zero section)."""
-    mixed_precision: str | None
-    """accelerate's `mixed_precision` from the YAML (`ACCELERATE_MIXED_PRECISION`), None if not launched by it."""
-    fsdp_settings: dict | None = None
-    """The `fsdp` section of a `--hf_scale_config` when it (not accelerate's YAML) asks for FSDP."""
-    deepspeed_inline: InlineDeepSpeed | None = None
-    """DeepSpeed from an accelerate YAML's inline `deepspeed_config` (no JSON file): see inline_deepspeed."""
-    layout: parallelism.Layout = parallelism.Layout()
-    """The mesh sizes (tp, dp_shard, ...): `accelerate launch`'s parallelism_config, then the `--hf_scale_config`'s
-    (which must agree); one data-parallel dimension otherwise."""
-    cp_comm_strategy: str | None = None
-    """How context-parallel ranks exchange keys/values: `accelerate launch`'s parallelism_config (None: not given),
-    then the `--hf_scale_config`'s (which must agree)."""
-    sp_attn_implementation: str | None = None
-    """The kernel `accelerate launch`'s parallelism_config asks Ulysses to run around (None: not launched with sp)."""
-    fp8_backend: str | None = None
-    """FP8 training's backend (torchao | te | msamp: the config's fp8.backend) when the YAML's mixed_precision or
-    the --hf_scale_config asks for fp8; None otherwise."""
-    accelerate_fsdp_version: int | None = None
-    """`accelerate launch`'s FSDP_VERSION for a YAML with distributed_type FSDP (its fsdp_version, default 1)."""
-
-    @property
-    def fsdp_version(self) -> int | None:
-        """The FSDP this run shards with: the --hf_scale_config's fsdp.version when hf_scale sets FSDP up
-        (fsdp_settings: torch's fully_shard on CPU, version 2 only; accelerate's plugin with that version on GPUs;
-        hf_scale.train.model.fsdp), else accelerate's plugin for the YAML's FSDP; None without FSDP."""
-        if self.strategy != "fsdp":
-            return None
-        if self.fsdp_settings is not None:
-            return self.fsdp_settings["version"]
-        return self.accelerate_fsdp_version or 1
 
 
 def _read_deepspeed_json(path: str, flag: str) -> dict:
@@ -215,7 +167,7 @@ def init_process_state(request: LaunchRequest, *, ddp_timeout_s: int, ddp_backen
         # single-process rendezvous a launcher would have set (what the HF docs do in notebooks), as
         # `torchrun --nproc_per_node 1` would. Without it fully_shard dies in its own traceback (RANK not set).
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     kwargs: dict = {"timeout": timedelta(seconds=ddp_timeout_s)}
     if not has_gpu():
         # FSDP from --hf_scale_config is sharded by torch's fully_shard on CPU (train/fsdp.py); accelerate
@@ -298,14 +250,6 @@ def lost_peer(error: BaseException) -> PeerLost | None:
                      for r in dead)
     return PeerLost(f"rank {me}: rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died during the run, "
                     f"so this rank's collective failed (gloo: {found.group(0)}); {logs}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def shutdown(*, barrier: bool = True) -> None:

@@ -13,12 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hf_scale.errors import UserError
+from hf_scale.contract.launch_request import RuntimeGuardError
 from hf_scale.knowledge import rules
-
-
-class RuntimeGuardError(UserError):
-    """What runs is not what was requested."""
 
 
 @dataclass(frozen=True)
@@ -253,20 +249,6 @@ def find_problems(expected: Expected, observed: Observed) -> list[str]:
                 f"accelerate runs mixed_precision={observed.mixed_precision} but the flags ask for {expected.precision}"
             )
     return problems
-
-
-def refuse_before_prepare(request, *, has_gpu: bool) -> None:
-    """What the guard would find after accelerate's prepare, known before anything is built: FSDP from an accelerate
-    YAML on a machine without GPUs. accelerate cannot shard there (it runs DistributedType.NO or DDP), and with
-    `fsdp_sync_module_states: true` it dies in its own traceback before the guard could speak. ``request``: the
-    launch request (hf_scale.train.setup.distributed.LaunchRequest); its fsdp_settings are set when FSDP comes from
-    --hf_scale_config."""
-    if request.strategy == "fsdp" and request.fsdp_settings is None and not has_gpu:
-        raise RuntimeGuardError(
-            "runtime guard: FSDP was requested by the accelerate config (distributed_type: FSDP) but this machine "
-            "has no GPU: FSDP through accelerate needs GPUs; run on GPUs, or ask for FSDP with --hf_scale_config "
-            "(sharded by torch's fully_shard, which runs on CPU)"
-        )
 
 
 def verify_runtime(expected: Expected, observed: Observed) -> None:

@@ -31,10 +31,9 @@ from train_helpers import (
     tree,
 )
 
-from hf_scale.contract import checkpoint_integrity, checkpoint_layout
+from hf_scale.contract import checkpoint_integrity, checkpoint_layout, checkpoint_verification
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import output_lock
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import output_lock, store
 from hf_scale.train.loops.metrics import continue_metrics_file
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
@@ -109,10 +108,10 @@ def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_and_drops_what_cam
 
 def _sealed(output_dir: Path, step: int, content: bytes) -> Path:
     """A checkpoint written and sealed the way the savers do, in its staging directory."""
-    written = checkpoint_layout.checkpoint_dir(checkpoint.make_staging(output_dir, step), step)
+    written = checkpoint_layout.checkpoint_dir(store.make_staging(output_dir, step), step)
     written.mkdir()
     (written / "model.safetensors").write_bytes(content)
-    checkpoint.seal(written, step, ONE_PROCESS)
+    store.seal(written, step, ONE_PROCESS)
     return written
 
 
@@ -126,17 +125,17 @@ def test_publishing_over_a_foreign_directory_moves_it_aside_intact(tmp_path, cap
     foreign = tmp_path / "checkpoint-3"
     foreign.mkdir()
     (foreign / "weights.bin").write_bytes(b"someone else's")
-    checkpoint.Publisher(tmp_path, ONE_PROCESS).publish(_sealed(tmp_path, 3, b"ours"), 3)
+    store.Publisher(tmp_path, ONE_PROCESS).publish(_sealed(tmp_path, 3, b"ours"), 3)
     assert (tmp_path / "checkpoint-3.kept-1" / "weights.bin").read_bytes() == b"someone else's"
     assert "not a checkpoint of verified content (no hf_scale_complete.json" in capfd.readouterr().err
-    assert checkpoint.verify(tmp_path / "checkpoint-3", ONE_PROCESS) is None
+    assert checkpoint_verification.verify(tmp_path / "checkpoint-3", ONE_PROCESS) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-3.kept-1"]  # no staging left
 
 
 @pytest.mark.parametrize("damage", ["one bit flipped", "size-only manifest"])
 def test_a_checkpoint_whose_content_does_not_verify_is_never_replaced_nor_rotated_away(damage, tmp_path, capfd):
-    publisher = checkpoint.Publisher(tmp_path, ONE_PROCESS)
-    old = checkpoint.Publisher(tmp_path, ONE_PROCESS).publish(_sealed(tmp_path, 3, b"an earlier run's"), 3)
+    publisher = store.Publisher(tmp_path, ONE_PROCESS)
+    old = store.Publisher(tmp_path, ONE_PROCESS).publish(_sealed(tmp_path, 3, b"an earlier run's"), 3)
     if damage == "one bit flipped":
         _flip_a_bit(old / "model.safetensors")
     else:  # edited to an older hf_scale's form: sizes only, which a changed byte keeps
@@ -145,7 +144,7 @@ def test_a_checkpoint_whose_content_does_not_verify_is_never_replaced_nor_rotate
         (old / checkpoint_layout.MANIFEST).write_text(json.dumps(manifest))
         _flip_a_bit(old / "model.safetensors")
     assert checkpoint_layout.is_complete(old)  # by sizes; but not verified content:
-    found = checkpoint.verify(old, ONE_PROCESS)
+    found = checkpoint_verification.verify(old, ONE_PROCESS)
     assert found == ("model.safetensors is corrupt (its xxh3_128 checksum differs from the one in "
                      "hf_scale_complete.json)" if damage == "one bit flipped" else
                      "hf_scale_complete.json records no xxh3_128 checksum for model.safetensors (a size-only "
@@ -208,7 +207,7 @@ def test_a_run_killed_with_sigkill_does_not_block_the_next(tmp_path):
 def test_startup_removes_only_hf_scales_own_temporary_directories(tmp_path, capfd):
     out = tmp_path / "out"
     for label in (5, "universal-2"):
-        staging = checkpoint.make_staging(out, label)
+        staging = store.make_staging(out, label)
         (staging / "pytorch_model").mkdir(parents=True)
         (staging / "pytorch_model" / "shard.pt").write_bytes(b"partial")
     (out / "checkpoint-7").mkdir()  # another tool's checkpoint (no hf_scale manifest)
@@ -251,7 +250,7 @@ def test_auto_skips_a_damaged_checkpoint_and_continues_the_metrics(loop, damage,
     assert tree(out / "checkpoint-2.kept-1") == damaged_files
     saved = checkpoint_layout.complete_checkpoints(out)
     assert [p.name for p in saved] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
-    assert all(checkpoint.verify(p, ONE_PROCESS) is None for p in checkpoint_layout.complete_checkpoints(out))
+    assert all(checkpoint_verification.verify(p, ONE_PROCESS) is None for p in saved)
     assert _steps(out) == [1, 2, 3]  # each step once; the history before the resume kept as it was
     assert read_metrics(out)[:1] == history
 
@@ -313,7 +312,7 @@ def test_a_sharded_save_that_cannot_write_is_one_line_not_a_checkpoint_exception
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
     try:
-        with pytest.raises(UserError) as refused, checkpoint.write_errors_reported("checkpoint-2", tmp_path):
+        with pytest.raises(UserError) as refused, store.write_errors_reported("checkpoint-2", tmp_path):
             dcp.save({"weight": torch.zeros(100_000)}, checkpoint_id=str(tmp_path / "shards"))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -388,9 +387,9 @@ def test_checksums_are_in_every_manifest_of_both_loops(two_step_runs):
         manifest = json.loads((two_step_runs[loop] / "checkpoint-2" / checkpoint_layout.MANIFEST).read_text())
         assert manifest["files"]
         assert all(checkpoint_integrity.HASH_NAME in entry for entry in manifest["files"].values())
-        assert checkpoint.verify(two_step_runs[loop] / "checkpoint-2", ONE_PROCESS) is None
+        assert checkpoint_verification.verify(two_step_runs[loop] / "checkpoint-2", ONE_PROCESS) is None
         # Both savers write hf_scale_state.json from the run spec (one process, train.py's default batch flags).
-        state = checkpoint.read_state(two_step_runs[loop] / "checkpoint-2")
+        state = checkpoint_verification.read_state(two_step_runs[loop] / "checkpoint-2")
         assert {k: state[k] for k in ("step", "loop", "world_size", "micro_batch_size", "gradient_accumulation_steps",
                                       "global_batch_size", "precision", "seed", "data_seed")} == {
             "step": 2, "loop": loop, "world_size": 1, "micro_batch_size": 8, "gradient_accumulation_steps": 1,

@@ -8,8 +8,8 @@ import datasets
 import pytest
 from train_helpers import run_in_process, tree
 
-from hf_scale.contract import checkpoint_layout
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
+from hf_scale.train.checkpoint import store
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,11 +25,11 @@ def _damaged(output_dir, name: str):
     final = output_dir / name
     final.mkdir()
     (final / checkpoint_layout.MODEL_WEIGHTS).write_bytes(b"an earlier run's weights")
-    checkpoint.write_manifest(final, 7)
+    store.write_manifest(final, 7)
     data = bytearray((final / checkpoint_layout.MODEL_WEIGHTS).read_bytes())
     data[3] ^= 0x01
     (final / checkpoint_layout.MODEL_WEIGHTS).write_bytes(bytes(data))
-    assert checkpoint_layout.is_complete(final) and checkpoint.verify(final) is not None
+    assert checkpoint_layout.is_complete(final) and checkpoint_verification.verify(final) is not None
     return final
 
 
@@ -52,6 +52,6 @@ def test_the_end_of_training_deletes_only_verified_checkpoints_of_its_own(tmp_pa
     survivors = sorted(p.name for p in out.iterdir() if p.name.startswith(checkpoint_layout.PREFIX))
     ours = [name for name in survivors if name not in ("checkpoint-99", "checkpoint-7", "checkpoint-2.kept-1")]
     assert len(ours) == 1, survivors  # the best one: every other checkpoint of this run was deleted
-    assert checkpoint.verify(out / ours[0]) is None
+    assert checkpoint_verification.verify(out / ours[0]) is None
     assert {path: tree(path) for path in (foreign, damaged, kept)} == before  # untouched, byte for byte
     assert any(str(damaged) in line for line in left)

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 from train_helpers import child_env, launcher_command
 
-from hf_scale.contract import checkpoint_layout
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
 from hf_scale.train.checkpoint import output_lock
-from hf_scale.train.checkpoint import store as checkpoint
 
 STOPPED_WITHIN_S = 60
 
@@ -89,7 +88,7 @@ def test_ranks_stop_with_a_checkpoint_and_release_the_lock_when_the_launcher_is_
     # defect): every rank stopping in time is what the loop above holds.
     assert "the exit of its launcher" in text and "checkpoint saved in" in text, text[-3000:]
     saved = checkpoint_layout.complete_checkpoints(out)
-    assert len(saved) == 1 and checkpoint.verify(saved[0]) is None, (saved, text[-3000:])
+    assert len(saved) == 1 and checkpoint_verification.verify(saved[0]) is None, (saved, text[-3000:])
     lock = output_lock.OutputDirLock(out)  # not refused "another run is using it"
     lock.acquire()
     lock.release()

@@ -9,8 +9,7 @@ import pytest
 from train_helpers import run_in_process, tree
 
 from hf_scale.contract import checkpoint_layout
-from hf_scale.train.checkpoint import ownership
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import ownership, store
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -31,7 +30,7 @@ def _users_files(out):
 
 def test_what_a_run_would_replace_is_foreign_unless_hf_scale_marked_it(tmp_path):
     _users_files(tmp_path)
-    checkpoint.make_staging(tmp_path, 5)  # an interrupted save of hf_scale's
+    store.make_staging(tmp_path, 5)  # an interrupted save of hf_scale's
     (tmp_path / ".tmp-checkpoint-6").mkdir()  # one killed before its marker was written: empty, nothing to lose
     assert ownership.foreign(tmp_path) == [".tmp-checkpoint-9", "config.json", "model.safetensors"]
     (tmp_path / checkpoint_layout.MARKER).write_text("")  # a directory hf_scale writes: its files are its own

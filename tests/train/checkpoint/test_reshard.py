@@ -20,8 +20,7 @@ from train_helpers import TRAIN_PY, launcher_command, read_metrics, run, run_ok,
 from hf_scale.config.parallelism import Layout
 from hf_scale.contract import checkpoint_layout
 from hf_scale.errors import UserError
-from hf_scale.train.checkpoint import reshard
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.train.checkpoint import reshard, store
 from hf_scale.train.setup.run_spec import RunSpec
 
 
@@ -122,7 +121,7 @@ def test_which_sequence_parallel_positions_resume_at_another_layout(case, tmp_pa
     size (DeepSpeed's converter reads the sp group as tensor parallelism)."""
     (world, sp, micro, batches), resumed_as, refusal = SP_CASES[case]
     saved = _spec("accelerate", world, sp, micro)
-    checkpoint.write_state(tmp_path, step=batches, spec=saved, epoch=0,
+    store.write_state(tmp_path, step=batches, spec=saved, epoch=0,
                            samples_consumed_in_epoch=batches * micro * saved.data_parallel_size)
     resumed = _spec("accelerate", *resumed_as)
     if refusal is None:
@@ -138,7 +137,7 @@ def test_which_sequence_parallel_positions_resume_at_another_layout(case, tmp_pa
 
 @pytest.mark.parametrize(("saved_sp", "resumed_sp"), [(2, 2), (2, 1), (1, 2)])
 def test_the_trainer_path_refuses_sequence_parallel_checkpoints_either_way(saved_sp, resumed_sp, tmp_path):
-    checkpoint.write_state(tmp_path, step=2, spec=_spec("trainer", 2, saved_sp, 2))
+    store.write_state(tmp_path, step=2, spec=_spec("trainer", 2, saved_sp, 2))
     with pytest.raises(UserError, match="^--resume_from_checkpoint=.*: sp=2: the Trainer path does not resume "
                                         "sequence-parallel runs .*; train them with --loop accelerate"):
         reshard.check_resumable(tmp_path, _spec("trainer", 2, resumed_sp, 2))
@@ -154,7 +153,7 @@ def test_an_adapter_resumes_only_on_the_base_quantization_it_was_trained_on(save
     """A QLoRA checkpoint resumed without --load_in_4bit would continue its adapter on a full-precision base without
     a word: hf_scale_state.json records the base's quantization, and another one is refused before anything loads."""
     spec = _spec("accelerate", 2, 1, 2)
-    checkpoint.write_state(tmp_path, step=2, spec=replace(spec, quantization=saved), epoch=0,
+    store.write_state(tmp_path, step=2, spec=replace(spec, quantization=saved), epoch=0,
                            samples_consumed_in_epoch=8)
     if refusal is None:
         assert reshard.check_resumable(tmp_path, replace(spec, quantization=resumed))["quantization"] == saved
@@ -168,7 +167,7 @@ def test_an_adapter_resumes_only_on_the_base_quantization_it_was_trained_on(save
 def _written_before_quantization_was_recorded(path, spec, config: dict | None, adapter: bool = False) -> None:
     """A checkpoint as hf_scale wrote it before hf_scale_state.json recorded the base's quantization: the state
     without it, the saved config.json (`config`, None: none) and, for LoRA, the adapter config."""
-    checkpoint.write_state(path, step=2, spec=spec, epoch=0, samples_consumed_in_epoch=8)
+    store.write_state(path, step=2, spec=spec, epoch=0, samples_consumed_in_epoch=8)
     state = json.loads((path / "hf_scale_state.json").read_text())
     del state["quantization"]
     (path / "hf_scale_state.json").write_text(json.dumps(state))
@@ -226,7 +225,7 @@ def _ep_spec(world: int, ep: int) -> RunSpec:
 ])
 def test_an_expert_parallel_checkpoint_resumes_only_at_its_ep_and_world_size(saved, resumed, recorded, tmp_path):
     """hf_scale_state.json records ep; another ep or world size than an EP run's is refused in one line, either way."""
-    checkpoint.write_state(tmp_path, step=2, spec=_ep_spec(*saved), epoch=0, samples_consumed_in_epoch=8)
+    store.write_state(tmp_path, step=2, spec=_ep_spec(*saved), epoch=0, samples_consumed_in_epoch=8)
     state = json.loads((tmp_path / "hf_scale_state.json").read_text())
     assert state["parallelism"]["ep"] == saved[1]
     if not recorded:

@@ -18,10 +18,9 @@ from safetensors.torch import load_file, save_file
 from train_helpers import REPO, generate_config, logits, run, run_ok, tiny_moe
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_scale.contract import checkpoint_layout
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
 from hf_scale.knowledge import rules
 from hf_scale.train.checkpoint import final_checkpoint
-from hf_scale.train.checkpoint import store as checkpoint
 from hf_scale.train.checkpoint.save import (
     ADAPTER_FILE,
     MODEL_FILE,
@@ -257,8 +256,8 @@ def test_zero3_without_gathering_ends_with_the_final_checkpoint_which_exports_to
     layout = checkpoint_layout.detect_layout(final)
     assert (layout.kind, layout.weights, layout.loop) == (checkpoint_layout.CHECKPOINT, checkpoint_layout.DEEPSPEED,
                                                           loop)
-    assert checkpoint.verify(final, ONE_PROCESS) is None  # what --resume_from_checkpoint checks
-    assert checkpoint.read_state(final)["step"] == 3
+    assert checkpoint_verification.verify(final, ONE_PROCESS) is None  # what --resume_from_checkpoint checks
+    assert checkpoint_verification.read_state(final)["step"] == 3
     # No Hugging Face weights, and no DeepSpeed checkpoint outside checkpoint-3 (transformers' own fallback).
     assert not list(out.rglob("*.safetensors")) and not (out / "latest").exists()
 

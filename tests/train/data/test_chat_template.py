@@ -13,9 +13,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_scale.contract.data_arguments import DataArguments
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.errors import UserError
 from hf_scale.train.data.chat_template import read_chat_template
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.sources import SourceArguments, prepare_datasets
 from hf_scale.train.main import main as train_main

@@ -19,9 +19,9 @@ from paths import REPO
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainingArguments
 
 from hf_scale.contract.data_arguments import DataArguments, check_max_seq_length
+from hf_scale.contract.embedded_assets import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
 from hf_scale.errors import UserError
 from hf_scale.train.data.batches import count_target_tokens, make_collator, make_train_dataloader
-from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
 from hf_scale.train.data.formats import detect_format
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.pipeline import load_raw_datasets, tokenize_dataset

@@ -16,8 +16,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_scale.contract.data_arguments import DataArguments, SourceArguments
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.errors import UserError
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.sources import data_sources, describe, prepare_datasets
 

@@ -10,12 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_scale.train.data.embedded import (
-    EMBEDDED_DATA_FILE,
-    EMBEDDED_MODEL_DIR,
-    build_tiny_llama,
-    write_sample_data,
-)
+from hf_scale.contract.embedded_assets import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
+from hf_scale.train.data.embedded import build_tiny_llama, write_sample_data
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.contract.data_arguments import DataArguments
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.errors import UserError
 from hf_scale.train.data.batches import make_collator
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.labels import IGNORE_INDEX
 from hf_scale.train.data.packing import (
     REAL_TOKEN_MASK,

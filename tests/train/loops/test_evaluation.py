@@ -20,8 +20,8 @@ from train_helpers import TRAIN_PY, read_eval_metrics, read_metrics, run_ok
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.contract.data_arguments import DataArguments, SourceArguments
+from hf_scale.contract.embedded_assets import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
 from hf_scale.train.data.batches import make_collator
-from hf_scale.train.data.embedded import EMBEDDED_DATA_FILE, EMBEDDED_MODEL_DIR
 from hf_scale.train.data.sources import prepare_datasets
 from hf_scale.train.loops.evaluation import EvalSchedule, evaluate, rank_batches
 from hf_scale.train.main import main as train_main

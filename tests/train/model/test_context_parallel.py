@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from train_helpers import REPO, child_env, torchrun
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.config.parallelism import Layout, train_refusal
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.batches import count_target_tokens, make_collator
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.data.packing import model_inputs
 from hf_scale.train.model import context_parallel
 from hf_scale.train.setup import guard
@@ -89,24 +89,6 @@ def test_left_padding_is_refused_in_one_line(tokenizer):
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR, padding_side="left")
     with pytest.raises(UserError, match=r"parallelism.cp=2: the tokenizer pads on the left; .* must be on the right"):
         context_parallel.collator(make_collator(tokenizer, packing=False), CP2, tokenizer)
-
-
-@pytest.mark.parametrize(("flags", "fragment"), [
-    ({"packing": True, "attn_implementation": "auto"}, "cp=2 with --packing: ring attention takes no document mask"),
-    ({"packing": False, "attn_implementation": "flash_attention_2"}, "shards only SDPA attention"),
-])
-def test_flags_context_parallelism_cannot_run_are_refused(flags, fragment):
-    assert fragment in context_parallel.flag_refusal(CP2, where="parallelism", **flags)
-    assert context_parallel.flag_refusal(CP2, packing=False, attn_implementation="auto", where="p") is None
-    assert context_parallel.flag_refusal(Layout(dp_shard=2), packing=True, attn_implementation="eager",
-                                         where="p") is None
-
-
-def test_attention_stricter_than_causal_is_refused_before_the_model_loads():
-    assert "sliding_attention" in context_parallel.model_refusal(CP2, MistralConfig(sliding_window=4096), "p")
-    assert context_parallel.model_refusal(CP2, MistralConfig(sliding_window=None), "p") is None
-    assert context_parallel.model_refusal(CP2, LlamaConfig(), "p") is None
-    assert context_parallel.model_refusal(Layout(dp_shard=2), MistralConfig(sliding_window=4096), "p") is None
 
 
 def test_without_a_gpu_cp_is_refused_with_torchs_reason_and_with_one_it_runs():

@@ -14,7 +14,7 @@ from hf_scale.config.distributed_config import config_warnings, validate_config
 from hf_scale.contract.deepspeed_json import deepspeed_config
 from hf_scale.errors import UserError
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
-from hf_scale.knowledge import precision_rules
+from hf_scale.knowledge import fp8_layers, precision_rules
 from hf_scale.train.model import fp8
 
 torchao = pytest.importorskip("torchao")  # the test extra installs it; the kernels are never run here
@@ -109,42 +109,6 @@ def test_offload_is_warned():
     assert not precision_rules.fp8_config_warnings(_cfg())
 
 
-def _llama(**sizes):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(num_hidden_layers=1, vocab_size=128256, **sizes)
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        return LlamaForCausalLM(config)
-
-
-def test_which_layers_become_fp8_is_what_torchao_converts():
-    from torchao.float8 import convert_to_float8_training
-    from torchao.float8.float8_linear import Float8Linear
-
-    model = _llama(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
-    plan = fp8.plan(model, "torchao")
-    layer = "model.layers.0"
-    assert sorted(plan.converted) == sorted(
-        f"{layer}.{name}" for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                                       "mlp.down_proj"))
-    assert plan.kept == {"lm_head": "output head", f"{layer}.self_attn.k_proj": "below the backend's size threshold",
-                         f"{layer}.self_attn.v_proj": "below the backend's size threshold"}
-    convert_to_float8_training(model, module_filter_fn=fp8.module_filter())
-    assert sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear)) == sorted(plan.converted)
-    line = fp8.describe(plan)
-    assert line == ("fp8 (torchao): 5 of 8 linear layers in fp8; kept in bf16: below the backend's size threshold: 2 "
-                    "(model.layers.0.self_attn.k_proj, ...); output head: 1 (lm_head)")
-
-
-def test_a_small_model_keeps_everything_in_bf16():
-    from transformers import AutoModelForCausalLM
-
-    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
-
-    plan = fp8.plan(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), "torchao")
-    assert not plan.converted and "lm_head" in plan.kept
-
-
 def _spec(fp8_backend, loop="trainer"):
     from hf_scale.train.setup.run_spec import RunSpec
 
@@ -195,7 +159,7 @@ def test_each_loops_accelerator_trains_fp8_with_the_filtered_recipe(loop, tmp_pa
     on CPU too; train.py refuses to train without an fp8 GPU before it gets here)."""
     from transformers import AutoModelForCausalLM, TrainingArguments
 
-    from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+    from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
     from hf_scale.train.loops import manual
     from hf_scale.train.loops.trainer import HfScaleTrainer
 
@@ -272,15 +236,15 @@ def test_zero3_partitioned_model_is_planned_and_converted_as_the_whole_one(tmp_p
     assert found["partitioned"] == ["(0,)"]  # what torchao's filter would have unpacked
     with torch.device("meta"):
         whole_model = LlamaForCausalLM(LlamaConfig(**CONFIG))
-        whole = fp8.plan(whole_model, "torchao")
-    # The partitions' full sizes (hf_scale.train.model.partitioned) are the whole model's: its shapes, and the matmul
+        whole = fp8_layers.plan(whole_model, "torchao")
+    # The partitions' full sizes (hf_scale.knowledge.partitioned) are the whole model's: its shapes, and the matmul
     # parameter count the MFU is computed from.
     assert found["full_shapes"] == {name: list(param.shape) for name, param in whole_model.named_parameters()}
     assert found["matmul_parameters"] == matmul_parameters(whole_model) > 0
     assert found["plan"] == {"converted": sorted(whole.converted), "kept": whole.kept}
     assert found["converted"] == sorted(whole.converted) == ["model.layers.0.mlp.gate_proj",
                                                              "model.layers.0.mlp.up_proj"]
-    assert found["line"] == fp8.describe(whole)
+    assert found["line"] == fp8_layers.describe(whole)
     # fp8 rounding (e4m3: 3 mantissa bits) in 2 of 8 matmuls moves the first loss (observed 1.2e-4 relative), and
     # by far less than 1%: the converted layers ran, with the weights ZeRO-3 gathered.
     fp8_loss, bf16_loss = found["loss"]["fp8"], found["loss"]["bf16"]

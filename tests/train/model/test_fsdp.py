@@ -22,8 +22,8 @@ from train_helpers import free_port
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_scale.config.distributed_config import validate_config
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.generators.accelerate_yaml import accelerate_yaml
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
 from hf_scale.train.model import fsdp
 
 VARIANTS = [(2, "full_shard"), (2, "shard_grad_op"), (2, "hybrid_shard"),

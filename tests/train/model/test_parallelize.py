@@ -43,8 +43,7 @@ from train_helpers import (
 )
 from transformers import AutoModelForCausalLM
 
-from hf_scale.contract import checkpoint_layout
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
 
 pytestmark = pytest.mark.multiprocess
 
@@ -188,7 +187,7 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_keeps_the_intact_chec
     assert f"train.py: error: saving checkpoint-{failing} failed (rank " in line, line
     assert f"the newest intact checkpoint is {out / 'checkpoint-3'}" in line and "GiB free" in line, line
     assert [p.name for p in checkpoint_layout.complete_checkpoints(out)] == ["checkpoint-3"]
-    assert checkpoint.verify(out / "checkpoint-3") is None
+    assert checkpoint_verification.verify(out / "checkpoint-3") is None
 
 
 def test_export_of_a_tp2_checkpoint_loads_with_the_trained_logits(tp_dir, tmp_path):
@@ -277,20 +276,3 @@ def test_the_generated_fsdp2_tp_launch_script_runs_and_equals_one_process(refere
             "batch.gradient_accumulation_steps=2", "optimizer.lr=0.001"]
     out = _run_generated(tmp_path, "tp", "fsdp2_tp", sets, COMMON + ["--loop", "trainer"])
     _assert_same_run(out, reference_dir)
-
-
-def test_sequence_parallelism_refuses_a_model_whose_router_adds_an_auxiliary_loss():
-    """sp's loss path computes the token loss from the shards: a router aux loss (output_router_logits) would be
-    dropped without a word, so the layout is refused where every other model problem is (before the model loads)."""
-    from transformers import Qwen3MoeConfig
-
-    from hf_scale.config.parallelism import Layout
-    from hf_scale.train.model.parallelize import model_problem
-
-    moe = Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2)
-    assert model_problem(Layout(sp=2), moe, "parallelism") is None  # no router loss asked for
-    moe.output_router_logits = True
-    assert model_problem(Layout(sp=2), moe, "parallelism") == (
-        "parallelism.sp=2 with a model whose router adds an auxiliary loss (output_router_logits: true in its "
-        "config): sequence parallelism would train without that loss; use sp=1 or set output_router_logits to false")
-    assert model_problem(Layout(dp_shard=2), moe, "parallelism") is None  # without sp the loops add it

@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import PROBE_IDS, TRAIN_PY, child_env, generate_config, losses, run_in_process, run_ok, torchrun
 
+from hf_scale.contract import qlora_refusals
 from hf_scale.contract.checkpoint_layout import DCP_DIR
-from hf_scale.train.data.embedded import EMBEDDED_MODEL_DIR
+from hf_scale.contract.embedded_assets import EMBEDDED_MODEL_DIR
 from hf_scale.train.model import quantization
 
 pytest.importorskip("bitsandbytes")  # the test extra installs it (hf-scale[qlora])
@@ -29,40 +30,6 @@ STEPS = 3
 COMMON = ["--load_in_4bit", "--lora_r", "4", "--max_steps", str(STEPS), "--bf16", "--learning_rate", "1e-3",
           "--seed", "11", "--lr_scheduler_type", "constant", "--save_steps", str(STEPS)]
 LOSS_RTOL = 2e-4  # see the module docstring
-
-
-def test_refusals_name_the_combination():
-    assert quantization.refusal(load_in_4bit=False, lora_r=0, fp8_backend=None) is None
-    assert quantization.refusal(load_in_4bit=True, lora_r=8, fp8_backend=None) is None
-    no_lora = quantization.refusal(load_in_4bit=True, lora_r=0, fp8_backend=None)
-    assert "--lora_r=0" in no_lora and "cannot be fully fine-tuned" in no_lora
-    assert "fp8" in quantization.refusal(load_in_4bit=True, lora_r=8, fp8_backend="torchao")
-
-
-NEW = {"accelerate": "1.15.0", "peft": "0.21.2"}
-
-
-@pytest.mark.parametrize(("fsdp_version", "installed", "expected"), [
-    (None, {}, None),  # DDP, ZeRO-3, one process: no FSDP
-    (2, NEW, None),
-    (2, {"accelerate": "1.14.0", "peft": "0.19.0"}, None),
-    (2, {**NEW, "accelerate": "1.13.2"}, "needs accelerate >= 1.14 (installed: 1.13.2)"),
-    (2, {**NEW, "peft": "0.18.1"}, "needs peft >= 0.19 (installed: 0.18.1)"),
-    (2, {"accelerate": "1.6.0"}, "needs accelerate >= 1.14 (installed: 1.6.0) and peft >= 0.19 (installed: none)"),
-    (1, NEW, "--load_in_4bit with FSDP version 1"),
-], ids=["no-fsdp", "fsdp2", "fsdp2-first-releases", "fsdp2-old-accelerate", "fsdp2-old-peft", "fsdp2-both-old",
-        "fsdp1"])
-def test_sharding_refusal_names_fsdp1_and_the_versions_fsdp2_needs(fsdp_version, installed, expected):
-    problem = quantization.sharding_refusal(fsdp_version, installed)
-    assert problem is None if expected is None else expected in problem and "\n" not in problem
-    if expected and fsdp_version == 2:
-        assert "pip install -U 'accelerate>=1.14' 'peft>=0.19'" in problem
-
-
-def test_sharding_refusal_names_the_hf_scale_configs_fsdp_version_when_it_set_fsdp1():
-    problem = quantization.sharding_refusal(1, NEW, from_hf_scale_config=True)
-    assert "(the --hf_scale_config's fsdp.version)" in problem and "set fsdp.version: 2" in problem
-    assert "accelerate config" not in problem
 
 
 def test_fsdp1_is_refused_by_train_py_before_anything_loads(tmp_path):
@@ -79,7 +46,7 @@ def test_fsdp1_is_refused_by_train_py_before_anything_loads(tmp_path):
     result = run([*launcher_command("accelerate", config=launch), "--load_in_4bit", "--lora_r", "4",
                   "--output_dir", str(out), "--max_steps", "1"], timeout=300)
     errors = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
-    assert errors == [f"train.py: error: {quantization.sharding_refusal(1, {})}"], result.stderr[-3000:]
+    assert errors == [f"train.py: error: {qlora_refusals.sharding_refusal(1, {})}"], result.stderr[-3000:]
     assert "(exitcode: 2)" in result.stderr and not training_traceback_frames(result.stderr)  # accelerate's torchrun
     assert not out.exists()
 

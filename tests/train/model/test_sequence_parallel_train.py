@@ -32,8 +32,8 @@ from train_helpers import (
     training_traceback_frames,
 )
 
-from hf_scale.contract import checkpoint_layout
-from hf_scale.train.checkpoint import store as checkpoint
+from hf_scale.contract import checkpoint_layout, checkpoint_verification
+from hf_scale.train.checkpoint import store
 
 pytestmark = pytest.mark.multiprocess
 
@@ -130,7 +130,7 @@ def test_an_sp2_checkpoint_in_the_next_epoch_inside_an_adapter_round_resumes_exa
     run_ok(command("sp2.yaml") + ["--output_dir", str(full)], env=child_env(), timeout=600)
     want = read_metrics(full)
     assert want[17]["epoch"] == 1.0  # step 18's short window ends the epoch
-    state = checkpoint.read_state(full / "checkpoint-21")
+    state = checkpoint_verification.read_state(full / "checkpoint-21")
     assert (state["epoch"], state["samples_consumed_in_epoch"]) == (1, 9 * 4)  # not epoch 0 going on
     assert len({r["tokens"] for r in want[19:]}) == 4  # every step other rows
 
@@ -215,7 +215,7 @@ def test_a_generated_sp_cluster_node_survives_a_preemption_and_resumes(tmp_path)
         node = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 400
-        while not checkpoint.complete_checkpoints(out):
+        while not store.complete_checkpoints(out):
             assert node.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(0.05)
@@ -224,7 +224,7 @@ def test_a_generated_sp_cluster_node_survives_a_preemption_and_resumes(tmp_path)
     finally:
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)
-    stopped = checkpoint_layout.step_of(checkpoint.complete_checkpoints(out)[-1])
+    stopped = checkpoint_layout.step_of(store.complete_checkpoints(out)[-1])
     assert stopped < 12 and not (out / "model.safetensors").exists()
     restarted = run(command, env={**env, "MAIN_PROCESS_PORT": str(free_port())}, timeout=600)
     assert restarted.returncode == 0, restarted.stderr[-4000:]

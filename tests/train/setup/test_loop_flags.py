@@ -24,7 +24,7 @@ NOT_ON_THE_PATH = {
     "hf_scale.train.loops.trainer": "the Trainer's path (main imports it for --loop trainer only)",
     "hf_scale.train.setup.loop_flags": "the table itself",
     # They compare the flags with the launcher's configs and fill them; they apply no flag themselves.
-    "hf_scale.train.setup.reconcile": "", "hf_scale.contract.launch_values": "",
+    "hf_scale.train.setup.reconcile": "", "hf_scale.contract.config_flags": "", "hf_scale.contract.launch_values": "",
     "hf_scale.contract.inline_deepspeed": "", "hf_scale.knowledge.deepspeed_overrides": "",
     "hf_scale.config.distributed_config": "", "hf_scale.contract.deepspeed_json": "",
     "hf_scale.contract.flag_values": "checks each flag's range (both loops); applies none",

@@ -11,11 +11,12 @@ import re
 import pytest
 import yaml
 
+from hf_scale.contract.config_flags import checkpointing_flag, checkpointing_spelling, filled
+from hf_scale.contract.launch_request import LaunchRequest
 from hf_scale.contract.parser import build_parser
 from hf_scale.errors import UserError
 from hf_scale.knowledge.rules import given_flags
-from hf_scale.train.setup.distributed import LaunchRequest
-from hf_scale.train.setup.reconcile import apply_hf_scale_config, checkpointing_flag, filled, typed_flags
+from hf_scale.train.setup.reconcile import apply_hf_scale_config, typed_flags
 
 # Non-default values everywhere (the defaults would hide a field that is never applied).
 CONFIG = {
@@ -256,7 +257,7 @@ def test_reconciling_returns_fills_and_never_changes_the_parsed_namespace(tmp_pa
     it is (hf_scale.train.setup.reconcile is pure), the filled flags are a new namespace."""
     import copy
 
-    from hf_scale.train.setup.reconcile import checkpointing_spelling, follow_launcher_config
+    from hf_scale.train.setup.reconcile import follow_launcher_config
 
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({**CONFIG, "strategy": "deepspeed", "deepspeed": {"zero_stage": 2}}))
@@ -365,7 +366,7 @@ SP2 = {"strategy": "deepspeed", "precision": "no", "topology": {"processes_per_m
 )
 def test_flags_a_layout_cannot_run_with_are_refused_before_the_process_group(config, flags, error, tmp_path):
     """tp with LoRA and sp with packing or a kernel other than SDPA: refused with the config, not after the model
-    loaded (the rule `hf-scale check` applies too: hf_scale.train.model.parallelize.flag_refusal)."""
+    loaded (the rule `hf-scale check` applies too: hf_scale.contract.parallel_refusals.flag_refusal)."""
     with pytest.raises(UserError) as refused:
         _apply(tmp_path, flags, config, _request(4))
     assert str(refused.value).startswith(error.format(path=tmp_path / "run.yaml"))

@@ -15,11 +15,11 @@ from torch.utils.data import DataLoader
 from transformers import TrainingArguments
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from hf_scale.contract.launch_request import LaunchRequest
 from hf_scale.contract.parser import build_parser
 from hf_scale.train import prepare
 from hf_scale.train.data.batches import micro_batch_per_rank
 from hf_scale.train.setup import guard, run_spec
-from hf_scale.train.setup.distributed import LaunchRequest
 from hf_scale.train.setup.run_spec import RunSpec
 
 
@@ -77,15 +77,16 @@ def test_zero3_init_follows_the_deepspeed_plugin_transformers_builds(tmp_path):
 @pytest.mark.parametrize("loop", ["trainer", "accelerate"])
 def test_the_checkpoint_state_is_written_from_the_run_spec(loop, tmp_path):
     """hf_scale_state.json (both loops' savers call checkpoint.write_state with the run's spec): every batch fact
-    is the spec's, and the file reads back (checkpoint.read_state, what a resume and export read)."""
-    from hf_scale.train.checkpoint import store as checkpoint
+    is the spec's, and the file reads back (checkpoint_verification.read_state, what a resume and export read)."""
+    from hf_scale.contract import checkpoint_verification
+    from hf_scale.train.checkpoint import store
 
     args = _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, seed=7, data_seed=9)
     spec = run_spec.build(_request(strategy="deepspeed", zero_stage=2, launcher="accelerate"), args, loop=loop,
                           packing=False)
     position = {"epoch": 1, "samples_consumed_in_epoch": 16} if loop == "accelerate" else {}
-    checkpoint.write_state(tmp_path, step=5, spec=spec, **position)
-    assert checkpoint.read_state(tmp_path) == {
+    store.write_state(tmp_path, step=5, spec=spec, **position)
+    assert checkpoint_verification.read_state(tmp_path) == {
         "step": 5, **position, "world_size": 4, "strategy": "deepspeed", "zero_stage": 2, "micro_batch_size": 2,
         "gradient_accumulation_steps": 3, "global_batch_size": 24, "precision": "no", "seed": 7, "data_seed": 9,
         "loop": loop, "parallelism": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "cp": 1, "sp": 1, "ep": 1},
