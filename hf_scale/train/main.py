@@ -25,6 +25,7 @@ from transformers import set_seed
 from hf_scale.contract import checkpoint_layout, launch_values, parallel_refusals
 from hf_scale.contract.data_arguments import DEFAULT_MAX_SEQ_LENGTH, check_max_seq_length
 from hf_scale.errors import UserError, exit_refusing
+from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.files import hub
 from hf_scale.knowledge import rules
 from hf_scale.train.checkpoint import final_checkpoint, output_lock, preemption, resume, store
@@ -304,7 +305,7 @@ def _stop_preempted(run: Run, fitted: Fitted) -> int:
         print(f"hf_scale: stopped by {run.stop.signal_name or 'a signal on another rank'}; checkpoint saved in "
               f"{run.args.output_dir}; run again with --resume_from_checkpoint auto", file=sys.stderr, flush=True)
     distributed.shutdown()
-    return store.EXIT_PREEMPTED
+    return EXIT_PREEMPTED
 
 
 def _write_summary(run: Run, built: Built, summary: dict, report: dict) -> None:

@@ -27,6 +27,7 @@ from train_helpers import assert_live_values, child_env, free_port, path_without
 
 from hf_scale.commands.cli import main
 from hf_scale.contract import checkpoint_layout
+from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.train.checkpoint import store
 
 pytestmark = pytest.mark.multiprocess
@@ -89,7 +90,7 @@ def test_a_signal_to_the_script_checkpoints_and_exits_75(preset, kind, sig, loop
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == store.EXIT_PREEMPTED, stderr[-4000:]
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-4000:]
     assert "hf_scale: stopped by SIGUSR1" in stderr  # the script passes both signals on as SIGUSR1
     saved = store.complete_checkpoints(out)
     assert len(saved) == 1, stderr[-4000:]

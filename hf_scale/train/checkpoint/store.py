@@ -47,7 +47,6 @@ from hf_scale.contract.checkpoint_layout import (
 )
 from hf_scale.contract.checkpoint_verification import ONE_PROCESS, first_line, newest_verified, verify
 from hf_scale.errors import UserError
-from hf_scale.exit_codes import EXIT_PREEMPTED  # noqa: F401 (store.EXIT_PREEMPTED: train.py's exit code)
 
 
 def make_staging(output_dir: str | Path, label: int | str) -> Path:

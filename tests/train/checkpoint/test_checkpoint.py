@@ -25,7 +25,7 @@ from train_helpers import (
 )
 
 from hf_scale.contract import checkpoint_layout, checkpoint_verification
-from hf_scale.train.checkpoint import store
+from hf_scale.exit_codes import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.multiprocess
 
@@ -104,7 +104,7 @@ def test_signal_saves_a_checkpoint_exits_75_and_resumes_exactly(sig, tmp_path):
     _wait_for_steps(out, 3, proc)
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == store.EXIT_PREEMPTED, stderr[-3000:]
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert f"stopped by {sig.name}" in stderr
     saved = checkpoint_layout.complete_checkpoints(out)
     assert len(saved) == 1
@@ -132,7 +132,7 @@ def test_signal_to_one_rank_stops_all_ranks_with_a_checkpoint(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "exitcode: 75" in stderr or proc.returncode == store.EXIT_PREEMPTED, stderr[-3000:]
+    assert "exitcode: 75" in stderr or proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
     saved = checkpoint_layout.complete_checkpoints(out)
     assert len(saved) == 1
     assert json.loads((saved[0] / checkpoint_layout.STATE).read_text())["world_size"] == 2
@@ -159,7 +159,7 @@ def test_a_repeated_stop_signal_does_not_change_the_exit_code(loop, first, again
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == store.EXIT_PREEMPTED, stderr[-3000:]
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert repeats >= 3 and f"stopped by {first.name}" in stderr  # the first signal says why it stopped
     (saved,) = checkpoint_layout.complete_checkpoints(out)
     assert checkpoint_verification.verify(saved, checkpoint_verification.ONE_PROCESS) is None
