@@ -20,11 +20,11 @@ model's output_router_logits default), so the per-micro-batch load-balancing ter
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 import pytest
 import torch
+from checkpoint_runs import resumed
 from train_helpers import (
     TRAIN_PY,
     assert_saved_model_verified,
@@ -120,14 +120,8 @@ def test_the_trainers_ep2_checkpoint_resumes_exactly_at_the_same_ep(ep2_run, tmp
     hf_scale writes for a mesh-built model) resumed at ep=2 continues bit for bit as the uninterrupted run (the
     manual loop's: tests/train/model/test_router_loss.py)."""
     uninterrupted, _, command = ep2_run("trainer")
-    out = tmp_path / "resumed"
-    out.mkdir()
-    shutil.copytree(uninterrupted / "checkpoint-2", out / "checkpoint-2")
-    result = run_ok(command + ["--output_dir", str(out), "--resume_from_checkpoint", "auto"], env=child_env(),
-                    timeout=600)
-    assert f"resuming from {out / 'checkpoint-2'}" in result.stderr
+    got = resumed(uninterrupted, 2, tmp_path / "resumed", command, env=child_env(), timeout=600)
     want = {r["step"]: r for r in read_metrics(uninterrupted)}
-    got = read_metrics(out)
     assert [r["step"] for r in got] == [STEPS]
     for record in got:
         for key in ("loss", "grad_norm", "tokens"):

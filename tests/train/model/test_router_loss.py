@@ -17,11 +17,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 
 import pytest
 import torch
+from checkpoint_runs import resumed
 from train_helpers import (
     TRAIN_PY,
     assert_saved_model_verified,
@@ -129,14 +129,8 @@ def test_ep2_checkpoint_resumes_exactly_at_the_same_ep(ep_runs, tmp_path):
     """The manual loop's EP checkpoint (FSDP2 DCP shards of the expert-parallel DTensors) resumed at ep=2 on 2
     processes continues bit for bit as the uninterrupted run."""
     _, ep2, command = ep_runs
-    out = tmp_path / "resumed"
-    out.mkdir()
-    shutil.copytree(ep2 / "checkpoint-2", out / "checkpoint-2")
-    result = run_ok(command + ["--output_dir", str(out), "--resume_from_checkpoint", "auto"], env=child_env(),
-                    timeout=600)
-    assert f"resuming from {out / 'checkpoint-2'}" in result.stderr
+    got = resumed(ep2, 2, tmp_path / "resumed", command, env=child_env(), timeout=600)
     want = {r["step"]: r for r in read_metrics(ep2)}
-    got = read_metrics(out)
     assert [r["step"] for r in got] == [3, 4]
     for record in got:
         for key in ("loss", "grad_norm", "aux_loss", "tokens"):
