@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 # What the server imports before it forks anything: train.py's runtime, torchrun and accelerate's launcher.
 PRELOAD = ["preloaded_runtime"]
 
@@ -49,9 +50,6 @@ PER_TEST = {"PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK", "CRC32C_SW_M
 # torch.utils.cpp_extension's module-level code): the DeepSpeed runs on a PATH without compilers may be served.
 AT_BUILD = {"PATH", "CC", "CXX", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST"}
 _server: dict = {}
-
-
-ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 def _kind(command: list[str], train_py: str) -> str | None:

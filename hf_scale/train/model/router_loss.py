@@ -20,7 +20,6 @@ so the model's own aux loss counts the padding rows as tokens routed to experts.
 attention mask) from the router logits the model returned, the padding left out.
 """
 
-
 from __future__ import annotations
 
 import sys
