@@ -62,14 +62,21 @@ def _kind(command: list[str], train_py: str) -> str | None:
     return None
 
 
-def _context(server_env: dict[str, str], env: dict[str, str]):
-    """The fork server's context (started in `server_env` by the first run), where `env` is the server's."""
+def server_context(server_env: dict[str, str], env: dict[str, str] | None = None):
+    """The fork server's context (started in `server_env` by the first call), where `env` (default: `server_env`)
+    is the server's; None where it is not."""
+    env = server_env if env is None else env
     if not _server:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
         saved = dict(os.environ)
         os.environ.clear()
-        os.environ.update(server_env)
+        # Python 3.11's forkserver.main takes the parent's sys.path but does not apply it before the preload (3.12
+        # does), and a failed preload is an ImportError it passes over in silence: the server would import nothing
+        # and every run would import everything again. PYTHONPATH puts this folder on the server's own sys.path;
+        # each run gets the test process's sys.path from multiprocessing, and its own environment (_child).
+        os.environ.update(server_env, PYTHONPATH=os.pathsep.join(
+            filter(None, [os.path.dirname(os.path.abspath(__file__)), server_env.get("PYTHONPATH")])))
         try:
             from multiprocessing import forkserver
 
@@ -127,6 +134,12 @@ def _child(kind: str, argv: list[str], cwd: str, env: dict[str, str], out: str, 
     sys.exit(0)
 
 
+def preload_state() -> int:
+    """In a fork of the server: exit 0 if the server imported PRELOAD, 3 if it did not (multiprocessing's forkserver
+    passes over a preload's ImportError in silence)."""
+    sys.exit(0 if all(name in sys.modules for name in PRELOAD) else 3)
+
+
 def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: float, train_py: str,
         server_env: dict[str, str]):
     """The CompletedProcess of `command` run from the preloaded server, or None where it must be a subprocess.
@@ -136,7 +149,7 @@ def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: f
         if train_py in command:
             _log("subprocess (launcher)" if kind is None else "subprocess (HF_SCALE_TESTS_PRELOAD=0)", command)
         return None
-    context = _context(server_env, env)
+    context = server_context(server_env, env)
     if context is None:
         base, given = _comparable(_server["env"]), _comparable(env)
         _log(f"subprocess ({sorted(k for k in base.keys() | given.keys() if base.get(k) != given.get(k))})", command)

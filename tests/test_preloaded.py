@@ -33,3 +33,11 @@ def test_a_preloaded_refusal_is_the_same_line_and_exit_code(tmp_path):
     fresh, forked = _both(["--bf16", "--fp16"], tmp_path)
     lines = [[line for line in r.stderr.splitlines() if line.startswith("train.py: error:")] for r in (fresh, forked)]
     assert fresh.returncode == forked.returncode == 2 and len(lines[0]) == 1 and lines[0] == lines[1], lines
+
+
+def test_the_server_has_imported_the_runtime_before_it_forks():
+    context = preloaded.server_context(child_env())
+    process = context.Process(target=preloaded.preload_state)
+    process.start()
+    process.join(LAUNCH_TIMEOUT_S)
+    assert process.exitcode == 0, "the fork server did not import tests/preloaded_runtime.py: every run imports again"
