@@ -2,7 +2,8 @@
 :data:`TARGETS`. `hf-scale generate` (its --targets choices, its help, the files it writes), `hf-scale check
 --manifest` (which manifests it recognises) and the docs read this registry; no other module names a target.
 
-Adding a target: one module here with its ``TARGET``, an entry in :data:`TARGETS`, its test
+Adding a target: one module here with its ``TARGET`` (whose ``ManifestKind``s say how `hf-scale check --manifest`
+reads and validates its manifests: hf_scale.check names no kind), an entry in :data:`TARGETS`, its test
 (tests/clusters/test_NAME.py) and its section in docs/launch.md (CONTRIBUTING.md).
 """
 
