@@ -37,7 +37,6 @@ from hf_scale.check.batch import deepspeed_accepts_batch
 from hf_scale.check.findings import ERROR, WARNING, Finding
 from hf_scale.check.manifest_facts import (
     HF_SCALE_CONFIG_FLAGS,
-    NODES,
     Facts,
     TrainCommand,
     manifest_facts,
@@ -46,7 +45,7 @@ from hf_scale.check.manifest_facts import (
     train_command,
 )
 from hf_scale.clusters import recognised_manifest
-from hf_scale.clusters.target import ManifestKind, ManifestNote
+from hf_scale.clusters.target import NODES, ManifestKind, ManifestNote
 from hf_scale.config.cluster_section import image_problem
 from hf_scale.errors import UserError
 from hf_scale.generators import output_paths

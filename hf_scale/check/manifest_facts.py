@@ -7,7 +7,7 @@ found on this machine where they can be (hf_scale.check.cluster compares them).
 Processes per node: a count the command's launcher is given (``torchrun --nproc_per_node``, ``accelerate launch
 --num_processes`` / ``--num_machines``, ``deepspeed --num_gpus``) is what runs; else the manifest's own
 (numProcPerNode, nprocPerNode: the operator hands it to torchrun as PET_NPROC_PER_NODE). ``$VAR`` values are read
-from the manifest's env; the variables each engine sets on every node (:data:`PLATFORM_VARIABLES`: SkyPilot's
+from the manifest's env; the variables each engine sets on every node (hf_scale.clusters.PLATFORM_VARIABLES: SkyPilot's
 SKYPILOT_NUM_NODES, Kubeflow's PET_NNODES, SLURM's SLURM_NNODES, ...) and torchrun's ``gpu``/``auto`` are the
 platform's own count (the manifest's field and the GPU check cover them).
 """
@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from hf_scale.check.train_flags import last_value
-from hf_scale.clusters.target import ManifestKind
+from hf_scale.clusters import PLATFORM_VARIABLES
+from hf_scale.clusters.target import NODES, PER_NODE, ManifestKind
 from hf_scale.config.cluster_section import DEFAULT_IMAGE_HOME
 from hf_scale.generators import output_paths
 
@@ -28,18 +29,6 @@ FROM_PLATFORM = "from the platform"
 """A launcher count the platform fills in ($SKYPILOT_NUM_GPUS_PER_NODE, $PET_NNODES, torchrun's `gpu`/`auto`:
 one process per GPU): it agrees with the manifest's own count by construction."""
 _VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))$")
-NODES, PER_NODE = "nodes", "processes per node"
-PLATFORM_VARIABLES = {
-    "SKYPILOT_NUM_NODES": ("SkyPilot", NODES),
-    "SKYPILOT_NUM_GPUS_PER_NODE": ("SkyPilot", PER_NODE),
-    "PET_NNODES": ("Kubeflow Trainer (TrainJob), Training Operator (PyTorchJob)", NODES),
-    "PET_NPROC_PER_NODE": ("Kubeflow Trainer (TrainJob), Training Operator (PyTorchJob)", PER_NODE),
-    "SLURM_NNODES": ("SLURM", NODES),
-    "SLURM_JOB_NUM_NODES": ("SLURM", NODES),
-    "SLURM_GPUS_ON_NODE": ("SLURM", PER_NODE),
-}
-"""The counts each engine sets on every node of the job it starts (variable: (engine, what it counts)): a launcher
-given one of them runs the manifest's own count by construction (docs/check.md lists them)."""
 _GPU_VARIABLES = {name for name, (_, counts) in PLATFORM_VARIABLES.items() if counts == PER_NODE}
 _NODE_VARIABLES = {name for name, (_, counts) in PLATFORM_VARIABLES.items() if counts == NODES}
 _NODE_SCRIPT = re.compile(r"(?:^|/)launch/(?P<name>[A-Za-z0-9_.-]+)\.node\.sh$")

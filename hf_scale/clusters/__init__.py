@@ -27,6 +27,22 @@ MANIFEST_KINDS: tuple[ManifestKind, ...] = tuple(kind for target in TARGETS for 
 """Every job manifest `hf-scale check --manifest` reads."""
 
 
+def _platform_variables() -> dict[str, tuple[str, str]]:
+    engines: dict[str, list[str]] = {}
+    counts: dict[str, str] = {}
+    for each in TARGETS:
+        for variable, what in each.node_variables:
+            engines.setdefault(variable, []).append(each.engine)
+            counts[variable] = what
+    return {variable: (", ".join(names), counts[variable]) for variable, names in engines.items()}
+
+
+PLATFORM_VARIABLES: dict[str, tuple[str, str]] = _platform_variables()
+"""The counts each engine sets on every node of the job it starts (variable: (engines, what it counts: NODES or
+PER_NODE)), from the targets' node_variables: a launcher given one of them runs the manifest's own count by
+construction (hf_scale.check.manifest_facts; docs/check.md lists them)."""
+
+
 def target(name: str) -> ClusterTarget:
     """The registered target of that name."""
     return next(t for t in TARGETS if t.name == name)

@@ -15,6 +15,7 @@ from typing import Any
 
 from hf_scale.clusters.kubernetes import (
     MANAGER,
+    NODE_VARIABLES,
     REFUSED_BY,
     SECRET_VIA,
     gpus,
@@ -158,6 +159,8 @@ TARGET = ClusterTarget(
     node_script=True,
     image=True,
     source=True,
+    engine="Kubeflow Trainer (TrainJob)",
+    node_variables=NODE_VARIABLES,
     manifests=(ManifestKind(KIND, "a TrainJob", lambda data: isinstance(data, dict) and data.get("kind") == KIND,
                             "spec.trainer", "kind:", trainjob_fields, trainjob_problem, REFUSED_BY, SECRET_VIA,
                             missing_image=missing_image),),

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from hf_scale.clusters.target import ManifestFields, env_values, shell_words
+from hf_scale.clusters.target import NODES, PER_NODE, ManifestFields, env_values, shell_words
 from hf_scale.config.cluster_section import CONTAINER_UID, DEFAULT_IMAGE_HOME
 from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.errors import UserError
@@ -41,6 +41,8 @@ SECRET_VIA = "a Kubernetes Secret (env valueFrom.secretKeyRef)"
 """How a Kubernetes job passes a credential instead of a plain env value (ManifestKind.secret_via)."""
 DEFAULT_GRACE_S = 30
 """Kubernetes' terminationGracePeriodSeconds when a pod sets none."""
+NODE_VARIABLES = (("PET_NNODES", NODES), ("PET_NPROC_PER_NODE", PER_NODE))
+"""The counts both Kubeflow operators set on every pod (torchrun's PET_* settings: ClusterTarget.node_variables)."""
 
 
 def job_name(name: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from hf_scale.clusters.kubernetes import (
     MANAGER,
+    NODE_VARIABLES,
     REFUSED_BY,
     SECRET_VIA,
     containers_of,
@@ -204,6 +205,8 @@ TARGET = ClusterTarget(
     node_script=True,
     image=True,
     source=True,
+    engine="Training Operator (PyTorchJob)",
+    node_variables=NODE_VARIABLES,
     manifests=(ManifestKind(KIND, "a PyTorchJob", lambda data: isinstance(data, dict) and data.get("kind") == KIND,
                             "spec", "kind:", pytorchjob_fields, pytorchjob_problem, REFUSED_BY, SECRET_VIA,
                             missing_image=missing_image, restart_notes=restart_notes),),

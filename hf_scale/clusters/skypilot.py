@@ -38,7 +38,15 @@ from typing import Any
 import yaml
 
 from hf_scale.clusters.kubernetes import job_name
-from hf_scale.clusters.target import ClusterTarget, ManifestFields, ManifestKind, env_values, shell_words
+from hf_scale.clusters.target import (
+    NODES,
+    PER_NODE,
+    ClusterTarget,
+    ManifestFields,
+    ManifestKind,
+    env_values,
+    shell_words,
+)
 from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.errors import UserError
 from hf_scale.exit_codes import EXIT_PREEMPTED
@@ -241,6 +249,8 @@ TARGET = ClusterTarget(
     doc_anchor="skypilot",
     node_script=True,
     source=True,
+    engine="SkyPilot",
+    node_variables=(("SKYPILOT_NUM_NODES", NODES), ("SKYPILOT_NUM_GPUS_PER_NODE", PER_NODE)),
     manifests=(ManifestKind(KIND, "a SkyPilot task", is_task, "resources", "run:, num_nodes:", task_fields,
                             skypilot_problem, "sky launch", "SkyPilot's `secrets:` (sky launch --secret {name})"),),
 )

@@ -13,6 +13,8 @@ from typing import Any
 
 from hf_scale.config.distributed_config import DistributedConfig
 
+NODES, PER_NODE = "nodes", "processes per node"
+"""What a count counts: a platform's variable (:attr:`ClusterTarget.node_variables`), a launcher's flag."""
 FileWriter = Callable[..., dict[str, str]]
 """``writer(cfg, name, *, header=...)`` -> relative path (under generate's output directory) -> file text."""
 
@@ -136,6 +138,12 @@ class ClusterTarget:
     """Its nodes install this hf_scale from the generated source archive (hf_scale.generators.install)."""
     manifests: tuple[ManifestKind, ...] = ()
     """The job manifests of it that `hf-scale check --manifest` reads."""
+    engine: str = ""
+    """How check's docs name what runs its jobs ("SLURM", "Kubeflow Trainer (TrainJob)")."""
+    node_variables: tuple[tuple[str, str], ...] = ()
+    """The counts its engine sets on every node of the job it starts: (variable, :data:`NODES` or
+    :data:`PER_NODE`). A launcher given one runs the manifest's own count by construction
+    (hf_scale.clusters.PLATFORM_VARIABLES)."""
 
     def write(self, cfg: DistributedConfig, name: str, *, header: str) -> dict[str, str]:
         """Its own files for a config: relative path -> text."""

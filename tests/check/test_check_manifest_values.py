@@ -13,8 +13,8 @@ import pytest
 import yaml
 from check_cases import run_cli
 
-from hf_scale.check.manifest_facts import PLATFORM_VARIABLES, manifest_facts
-from hf_scale.clusters import MANIFEST_KINDS
+from hf_scale.check.manifest_facts import manifest_facts
+from hf_scale.clusters import MANIFEST_KINDS, PLATFORM_VARIABLES
 
 KINDS = {kind.kind: kind for kind in MANIFEST_KINDS}
 

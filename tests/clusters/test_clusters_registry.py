@@ -14,7 +14,8 @@ from test_docs import github_slug
 
 import hf_scale
 from hf_scale import clusters
-from hf_scale.clusters import CHOSEN, MANIFEST_KINDS, TARGETS
+from hf_scale.clusters import CHOSEN, MANIFEST_KINDS, PLATFORM_VARIABLES, TARGETS
+from hf_scale.clusters.target import NODES, PER_NODE
 
 PACKAGE = Path(hf_scale.__file__).parent
 ROOT = PACKAGE.parent
@@ -121,6 +122,21 @@ def test_docs_launch_has_a_section_per_target():
     assert missing == [], "each target has its section in docs/launch.md (its doc_anchor)"
     listed = re.search(r"--targets ([a-z,]+)", text)[1].split(",")
     assert listed == list(CHOSEN)
+
+
+def test_docs_check_lists_the_node_variables_of_every_engine():
+    """docs/check.md's table of the counts each engine sets on every node is the registry's PLATFORM_VARIABLES (each
+    target's node_variables), row by row in the registry's order."""
+    text = (ROOT / "docs" / "check.md").read_text()
+    table = text[text.index("| engine | nodes | processes (GPUs) per node |"):].split("\n\n")[0].splitlines()[2:]
+    documented = {}
+    for row in table:
+        engine, nodes, per_node = (cell.strip() for cell in row.strip("|").split("|"))
+        for counts, cell in ((NODES, nodes), (PER_NODE, per_node)):
+            documented.update({variable: (engine, counts) for variable in re.findall(r"`(\w+)`", cell)})
+    assert documented == PLATFORM_VARIABLES
+    engines = [row.split("|")[1].strip() for row in table]
+    assert engines == list(dict.fromkeys(engine for engine, _ in PLATFORM_VARIABLES.values()))
 
 
 def test_generate_offers_every_chosen_target_and_lists_every_target_in_its_help(capsys):
