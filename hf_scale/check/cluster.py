@@ -1,12 +1,15 @@
-"""`hf-scale check --manifest FILE`: a TrainJob, PyTorchJob or SkyPilot task (generated or hand-written, recognized
-by its content) against the configs of the run it starts, and against what a restartable job needs.
+"""`hf-scale check --manifest FILE`: a job manifest of a cluster target (generated or hand-written, recognized by
+its content: hf_scale.clusters.recognised_manifest) against the configs of the run it starts, and against what a
+restartable job needs. Everything that differs between kinds is the kind's own (its target's
+hf_scale.clusters.target.ManifestKind: how its fields read, what its platform refuses, how a secret is passed, its
+own image and restart rules); nothing here names a kind.
 
 The configs: the accelerate YAML and the hf_scale config given to check, and the files the manifest's command names
 where they can be found here (``accelerate launch --config_file``, ``--hf_scale_config``, a DeepSpeed JSON, a
 generated ``launch/NAME.node.sh``'s hf_scale config: hf_scale.check.manifest_facts); each is compared.
 
 `manifest-invalid`: the platform's own definitions refuse the manifest (Kubeflow's API models, SkyPilot's schemas:
-hf_scale.check.manifest_schema). `manifest-nodes`, `manifest-processes`: node count vs num_machines /
+the kind's ``problem``). `manifest-nodes`, `manifest-processes`: node count vs num_machines /
 topology.num_machines, processes per node (the command's launcher count, else numProcPerNode / nprocPerNode; an
 ``accelerate launch --num_processes`` total split by the num_machines of the accelerate config it launches) vs
 num_processes / num_machines or topology.processes_per_machine. `manifest-gpus`: GPUs per node (the GPU resource,
@@ -34,7 +37,6 @@ from hf_scale.check.batch import deepspeed_accepts_batch
 from hf_scale.check.findings import ERROR, WARNING, Finding
 from hf_scale.check.manifest_facts import (
     HF_SCALE_CONFIG_FLAGS,
-    NODES,
     Facts,
     TrainCommand,
     manifest_facts,
@@ -42,8 +44,8 @@ from hf_scale.check.manifest_facts import (
     output_dir,
     train_command,
 )
-from hf_scale.check.manifest_schema import manifest_problem
-from hf_scale.clusters import MANIFEST_KINDS, pytorchjob, recognised_manifest, skypilot
+from hf_scale.clusters import recognised_manifest
+from hf_scale.clusters.target import NODES, ManifestKind, ManifestNote
 from hf_scale.config.cluster_section import image_problem
 from hf_scale.errors import UserError
 from hf_scale.generators import output_paths
@@ -56,8 +58,8 @@ GRACE_MARGIN = 2.0
 
 
 def manifest_kind(data: Any) -> str:
-    """The kind of job manifest a YAML document is (TrainJob, PyTorchJob, SkyPilot: hf_scale.clusters'
-    MANIFEST_KINDS); a UserError naming every kind when it is none."""
+    """The name of the kind of job manifest a YAML document is (one of hf_scale.clusters.MANIFEST_KINDS); a
+    UserError naming every kind when it is none."""
     return recognised_manifest(data).kind
 
 
@@ -120,9 +122,9 @@ def _deepspeed_batch(path: str, kind: str, facts: Facts, deepspeed: dict, label:
                   {f"{path}:world_size": world, "deepspeed:train_batch_size": batch})
 
 
-def _size_findings(path: str, kind: str, facts: Facts, ref: Reference) -> Iterator[Finding]:
+def _size_findings(path: str, manifest: ManifestKind, facts: Facts, ref: Reference) -> Iterator[Finding]:
     """`manifest-nodes`, `manifest-processes`, `manifest-gpus` against one config."""
-    where = next(each.gpus_at for each in MANIFEST_KINDS if each.kind == kind)
+    kind, where = manifest.kind, manifest.gpus_at
     per_machine = ref.per_node
     nodes = [count for count in (_count(facts.nodes), facts.launcher_nodes) if count is not None]
     wrong = next((count for count in nodes if count != ref.nodes), None) if ref.nodes is not None else None
@@ -276,13 +278,14 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
     module docstring. ``references``: the configs given to check; ``given_files`` their paths (a file the command
     names too is compared once); ``hf_scale_config``: the hf_scale config given (its path and DistributedConfig),
     compared with train.py's arguments when the command passes train.py one that cannot be found here."""
-    kind = manifest_kind(data)
-    problem = manifest_problem(kind, data)
+    manifest = recognised_manifest(data)
+    kind = manifest.kind
+    problem = manifest.problem(data)
     if problem:
-        fix = "kubectl would refuse it" if kind != skypilot.KIND else "sky launch would refuse it"
-        yield Finding(ERROR, "manifest-invalid", path, kind, problem, f"fix the {kind} ({fix})")
+        yield Finding(ERROR, "manifest-invalid", path, kind, problem,
+                      f"fix the {kind} ({manifest.refused_by} would refuse it)")
     try:
-        facts = manifest_facts(kind, data)
+        facts = manifest_facts(manifest, data)
     except (AttributeError, TypeError, ValueError):
         if problem:  # a structure the platform refuses (reported above) has nothing more to compare
             return
@@ -306,12 +309,13 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
         sizes = (reference.nodes, reference.per_node, reference.cpu)
         if sizes not in compared:  # configs that agree (a generated YAML and its hf_scale config): one finding
             compared.add(sizes)
-            yield from _size_findings(path, kind, facts, reference)
-    yield from _image_findings(path, kind, data, facts, runs_hf_scale)
-    yield from _secret_findings(path, kind, facts)
+            yield from _size_findings(path, manifest, facts, reference)
+    yield from _image_findings(path, manifest, data, facts, runs_hf_scale)
+    yield from _secret_findings(path, manifest, facts)
     if not runs_hf_scale:
         return
-    yield from _restart_findings(path, kind, data)
+    for note in manifest.restart_notes(data, Path(path).name):
+        yield _noted("manifest-restart-policy", path, note)
     output = output_dir(facts)
     on_volume = output is not None and any(
         mount and (output == mount or output.startswith(mount.rstrip("/") + "/")) for mount in facts.mounts)
@@ -332,56 +336,35 @@ def check_manifest(path: str, data: Any, references: list[Reference], *, save_se
                           f"{basis}", f"set terminationGracePeriodSeconds >= {need:.0f}")
 
 
-def _image_findings(path: str, kind: str, data: dict, facts: Facts, runs_hf_scale: bool) -> Iterator[Finding]:
-    """`manifest-image`: a pinned tag (not `latest`, not none). A TrainJob may leave spec.trainer.image out: its
-    training runtime supplies the image, which check cannot see (whether it has hf_scale is the point: said when
-    the command runs hf_scale)."""
-    if kind == skypilot.KIND:
-        return
+def _noted(code: str, path: str, note: ManifestNote, fix: str = "") -> Finding:
+    """The finding a kind's own rule noted (``fix``: the code's own, for a note that has none)."""
+    return Finding(WARNING if note.warning else ERROR, code, path, note.key, note.problem,
+                   note.fix if note.fix is not None else fix)
+
+
+def _image_findings(path: str, manifest: ManifestKind, data: dict, facts: Facts,
+                    runs_hf_scale: bool) -> Iterator[Finding]:
+    """`manifest-image`: a pinned tag (not `latest`, not none); a manifest without an image is what its kind says
+    (``missing_image``: a container Kubernetes refuses, a runtime that supplies one, nothing to check)."""
     fix = "use a pinned image, e.g. registry.example.com/team/hf-scale:0.1.0"
     if facts.image:
         issue = image_problem(facts.image)
         if issue:
             yield Finding(ERROR, "manifest-image", path, "image", f"image {facts.image!r} {issue}", fix)
-    elif kind == pytorchjob.KIND:
-        yield Finding(ERROR, "manifest-image", path, "image", "image '' is missing (Kubernetes refuses a container "
-                      "without one)", fix)
-    elif runs_hf_scale:
-        runtime = ((data.get("spec") or {}).get("runtimeRef") or {}).get("name")
-        yield Finding(WARNING, "manifest-image", path, "spec.trainer.image",
-                      f"no spec.trainer.image: the training runtime {runtime!r} supplies the image, and the command "
-                      "runs hf_scale, which that image must have installed (check cannot see the runtime's image)",
-                      f"set spec.trainer.image in {Path(path).name} to a pinned image with hf_scale (hf-scale "
-                      "generate writes its Dockerfile), or make sure the runtime's image has it")
+        return
+    note = manifest.missing_image(data, runs_hf_scale, Path(path).name)
+    if note is not None:
+        yield _noted("manifest-image", path, note, fix)
 
 
-def _secret_findings(path: str, kind: str, facts: Facts) -> Iterator[Finding]:
+def _secret_findings(path: str, manifest: ManifestKind, facts: Facts) -> Iterator[Finding]:
     """`manifest-secret` (warning): a credential written in plain text in the manifest's env (anyone who can read
     the job, `kubectl get -o yaml`, `sky status`, reads it); a `$VAR` or a Secret reference is fine. What a
-    credential is: the rule `cluster.env` is refused by (rules.is_secret_setting)."""
+    credential is: the rule `cluster.env` is refused by (rules.is_secret_setting); how to pass one instead: the
+    kind's ``secret_via``."""
     for name, value in facts.env.items():
         if value and not str(value).startswith("$") and is_secret_setting(name, value):
-            how = ("SkyPilot's `secrets:` (sky launch --secret " + name + ")" if kind == skypilot.KIND else
-                   "a Kubernetes Secret (env valueFrom.secretKeyRef)")
             yield Finding(WARNING, "manifest-secret", path, f"env.{name}",
-                          f"{name} is written in plain text in the {kind}'s env: whoever can read the job reads it",
-                          f"remove the value from {Path(path).name} and pass {name} through {how}")
-
-
-RESTARTING_POLICIES = ("OnFailure", "Always")
-"""The PyTorchJob restart policies that restart a pod that exits 75 (train.py's preemption exit): `Never` does not,
-`ExitCode` restarts only on exit codes 128-255 (1-127 are permanent)."""
-
-
-def _restart_findings(path: str, kind: str, data: dict) -> Iterator[Finding]:
-    """`manifest-restart-policy`: a PyTorchJob replica whose restartPolicy makes train.py's preemption exit (75:
-    saved, restart me) final, so a preempted job is lost instead of resumed."""
-    if kind != pytorchjob.KIND:
-        return
-    for role, replica in ((data.get("spec") or {}).get("pytorchReplicaSpecs") or {}).items():
-        policy = replica.get("restartPolicy") if isinstance(replica, dict) else None
-        if policy in ("Never", "ExitCode"):
-            yield Finding(ERROR, "manifest-restart-policy", path, f"spec.pytorchReplicaSpecs.{role}.restartPolicy",
-                          f"restartPolicy {policy}: train.py exits 75 on preemption (checkpoint saved, restart "
-                          "me), which this policy makes final: a preempted job is lost, not resumed",
-                          f"set restartPolicy: OnFailure for {role} in {Path(path).name}")
+                          f"{name} is written in plain text in the {manifest.kind}'s env: whoever can read the job "
+                          "reads it", f"remove the value from {Path(path).name} and pass {name} through "
+                          f"{manifest.secret_via.format(name=name)}")

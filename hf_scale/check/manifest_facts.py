@@ -1,13 +1,13 @@
-"""What a job manifest (TrainJob, PyTorchJob, SkyPilot task) says about the run it starts, read from its fields and
-from the command its nodes run: nodes, processes and GPUs per node, image, grace period, writable persistent
-mounts, and the files the command names (``accelerate launch --config_file``, ``--hf_scale_config``, a DeepSpeed
-JSON, a generated ``launch/NAME.node.sh``), found on this machine where they can be (hf_scale.check.cluster
-compares them).
+"""What a job manifest says about the run it starts, read from its fields (by its kind's reader,
+hf_scale.clusters.target.ManifestKind.fields: each target knows its own) and from the command its nodes run:
+nodes, processes and GPUs per node, image, grace period, writable persistent mounts, and the files the command names
+(``accelerate launch --config_file``, ``--hf_scale_config``, a DeepSpeed JSON, a generated ``launch/NAME.node.sh``),
+found on this machine where they can be (hf_scale.check.cluster compares them).
 
 Processes per node: a count the command's launcher is given (``torchrun --nproc_per_node``, ``accelerate launch
 --num_processes`` / ``--num_machines``, ``deepspeed --num_gpus``) is what runs; else the manifest's own
 (numProcPerNode, nprocPerNode: the operator hands it to torchrun as PET_NPROC_PER_NODE). ``$VAR`` values are read
-from the manifest's env; the variables each engine sets on every node (:data:`PLATFORM_VARIABLES`: SkyPilot's
+from the manifest's env; the variables each engine sets on every node (hf_scale.clusters.PLATFORM_VARIABLES: SkyPilot's
 SKYPILOT_NUM_NODES, Kubeflow's PET_NNODES, SLURM's SLURM_NNODES, ...) and torchrun's ``gpu``/``auto`` are the
 platform's own count (the manifest's field and the GPU check cover them).
 """
@@ -15,33 +15,20 @@ platform's own count (the manifest's field and the GPU check cover them).
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hf_scale.check.train_flags import last_value
-from hf_scale.clusters import kubeflow, pytorchjob, skypilot
+from hf_scale.clusters import PLATFORM_VARIABLES
+from hf_scale.clusters.target import NODES, PER_NODE, ManifestKind
 from hf_scale.config.cluster_section import DEFAULT_IMAGE_HOME
 from hf_scale.generators import output_paths
 
-KUBERNETES_DEFAULT_GRACE_S = 30
 FROM_PLATFORM = "from the platform"
 """A launcher count the platform fills in ($SKYPILOT_NUM_GPUS_PER_NODE, $PET_NNODES, torchrun's `gpu`/`auto`:
 one process per GPU): it agrees with the manifest's own count by construction."""
 _VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))$")
-NODES, PER_NODE = "nodes", "processes per node"
-PLATFORM_VARIABLES = {
-    "SKYPILOT_NUM_NODES": ("SkyPilot", NODES),
-    "SKYPILOT_NUM_GPUS_PER_NODE": ("SkyPilot", PER_NODE),
-    "PET_NNODES": ("Kubeflow Trainer (TrainJob), Training Operator (PyTorchJob)", NODES),
-    "PET_NPROC_PER_NODE": ("Kubeflow Trainer (TrainJob), Training Operator (PyTorchJob)", PER_NODE),
-    "SLURM_NNODES": ("SLURM", NODES),
-    "SLURM_JOB_NUM_NODES": ("SLURM", NODES),
-    "SLURM_GPUS_ON_NODE": ("SLURM", PER_NODE),
-}
-"""The counts each engine sets on every node of the job it starts (variable: (engine, what it counts)): a launcher
-given one of them runs the manifest's own count by construction (docs/check.md lists them)."""
 _GPU_VARIABLES = {name for name, (_, counts) in PLATFORM_VARIABLES.items() if counts == PER_NODE}
 _NODE_VARIABLES = {name for name, (_, counts) in PLATFORM_VARIABLES.items() if counts == NODES}
 _NODE_SCRIPT = re.compile(r"(?:^|/)launch/(?P<name>[A-Za-z0-9_.-]+)\.node\.sh$")
@@ -72,15 +59,6 @@ class Facts:
 
 HF_SCALE_CONFIG_FLAGS = ("--hf_scale_config", "--hf-scale-config")
 """train.py's spellings of the flag (its parser takes both, as every dashed flag of HfArgumentParser)."""
-
-
-def _words(command: str) -> list[str]:
-    """A shell command's words (SkyPilot's `run`): continuations joined, comments dropped."""
-    text = command.replace("\\\n", " ")
-    try:
-        return shlex.split(text, comments=True)
-    except ValueError:  # unbalanced quotes: SkyPilot's bash would refuse it too; read what can be read
-        return text.split()
 
 
 def _count(value: str | None, env: dict[str, str], platform: set[str]) -> int | str | None:
@@ -151,86 +129,20 @@ def accelerate_overrides(args: list[str]) -> frozenset[str]:
     return frozenset()
 
 
-def _gpu_count(accelerators: Any) -> int | None:
-    """SkyPilot's accelerators: "H100:8", "H100" (one), {H100: 8}, or a list/set of alternatives (the first)."""
-    if isinstance(accelerators, dict):
-        accelerators = next(iter(accelerators.items()), None)
-        return int(accelerators[1]) if accelerators and str(accelerators[1]).isdigit() else (
-            1 if accelerators else None)
-    if isinstance(accelerators, list) and accelerators:
-        return _gpu_count(accelerators[0])
-    if isinstance(accelerators, str) and accelerators:
-        name, _, count = accelerators.partition(":")
-        return int(count) if count.isdigit() else (1 if name and not count else None)
-    return None
-
-
-def _pods(kind: str, spec: dict) -> list[dict]:
-    if kind == pytorchjob.KIND:
-        return [(replica.get("template") or {}).get("spec") or {} for replica in
-                (spec.get("pytorchReplicaSpecs") or {}).values() if isinstance(replica, dict)]
-    pods = []
-    for patch in spec.get("runtimePatches") or []:
-        jobset = ((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {}
-        for job in jobset.get("replicatedJobs") or []:
-            pod = (((job.get("template") or {}).get("spec") or {}).get("template") or {}).get("spec")
-            if pod:
-                pods.append(pod)
-    return pods
-
-
-def _env(items: Any) -> dict[str, str]:
-    if isinstance(items, dict):  # SkyPilot envs
-        return {str(k): str(v) for k, v in items.items() if v is not None}
-    return {str(item.get("name")): str(item["value"]) for item in items or []
-            if isinstance(item, dict) and "value" in item}
-
-
-def manifest_facts(kind: str, data: dict) -> Facts:
-    spec = data.get("spec") or {}
-    if kind == skypilot.KIND:
-        resources = data.get("resources") or {}
-        resources = resources if isinstance(resources, dict) else {}
-        mounts = [path for path, mount in (data.get("file_mounts") or {}).items()
-                  if isinstance(mount, dict) and str(mount.get("mode", "MOUNT")).upper() in ("MOUNT", "MOUNT_CACHED")]
-        env = _env(data.get("envs"))
-        args = _words(str(data.get("run") or ""))
-        procs, launcher_nodes, launcher = launcher_counts(args, env)
-        workdir = data.get("workdir") if isinstance(data.get("workdir"), str) else None
-        return Facts(data.get("num_nodes", 1), procs if isinstance(procs, int) else None,
-                     f"the run command's {launcher}", _gpu_count(resources.get("accelerators", resources.get("gpus"))),
-                     None, args, None, mounts, launcher_nodes if isinstance(launcher_nodes, int) else None, env,
-                     workdir, accelerate_total(args, env), accelerate_overrides(args))
-    pods = _pods(kind, spec)
-    containers = [c for pod in pods for c in pod.get("containers") or []]
-    if kind == kubeflow.KIND:
-        container = spec.get("trainer") or {}
-        nodes, procs, where = container.get("numNodes"), container.get("numProcPerNode"), "spec.trainer.numProcPerNode"
-        resources = container.get("resourcesPerNode") or {}
+def manifest_facts(kind: ManifestKind, data: dict) -> Facts:
+    """What a manifest of that kind says: its fields as its kind reads them, and the counts its command's launcher
+    is given (a launcher's processes per node count over the manifest's own field: it is what runs). Raises
+    AttributeError, TypeError or ValueError on a structure that cannot be read."""
+    fields = kind.fields(data)
+    procs, launcher_nodes, launcher = launcher_counts(fields.args, fields.env)
+    if not isinstance(procs, int) and fields.procs_at is not None:
+        procs, where = fields.procs, fields.procs_at
     else:
-        replicas = [r for r in (spec.get("pytorchReplicaSpecs") or {}).values() if isinstance(r, dict)]
-        nodes = sum(int(replica.get("replicas", 1)) for replica in replicas)
-        procs, where = spec.get("nprocPerNode"), "spec.nprocPerNode"
-        container = containers[0] if containers else {}
-        resources = container.get("resources") or {}
-    env = _env(container.get("env"))
-    args = [str(arg) for arg in [*(container.get("command") or []), *(container.get("args") or [])]]
-    if len(args) >= 3 and args[0].rsplit("/", 1)[-1] in ("bash", "sh") and args[1] == "-c":
-        args = [*args[:2], *_words(args[2]), *args[3:]]  # a shell command line: its words
-    command_procs, launcher_nodes, launcher = launcher_counts(args, env)
-    if isinstance(command_procs, int):
-        procs, where = command_procs, f"the container command's {launcher}"
-    gpu_counts = [int(str(v)) for k, v in (resources.get("limits") or resources.get("requests") or {}).items()
-                  if "gpu" in k.lower() and str(v).isdigit()]
-    claims = {v.get("name") for pod in pods for v in pod.get("volumes") or [] if v.get("persistentVolumeClaim")}
-    mounts = [m.get("mountPath") for c in containers for m in c.get("volumeMounts") or []
-              if m.get("name") in claims and not m.get("readOnly")]
-    graces = [pod.get("terminationGracePeriodSeconds") for pod in pods]
-    return Facts(nodes, int(procs) if str(procs).isdigit() else None, where, gpu_counts[0] if gpu_counts else None,
-                 container.get("image"), args,
-                 min((g for g in graces if isinstance(g, int)), default=KUBERNETES_DEFAULT_GRACE_S), mounts,
-                 launcher_nodes if isinstance(launcher_nodes, int) else None, env,
-                 launcher_total=accelerate_total(args, env), overrides=accelerate_overrides(args))
+        where = f"{fields.command} {launcher}"
+    return Facts(fields.nodes, int(procs) if str(procs).isdigit() else None, where, fields.gpus, fields.image,
+                 fields.args, fields.grace, fields.mounts, launcher_nodes if isinstance(launcher_nodes, int) else None,
+                 fields.env, fields.workdir, accelerate_total(fields.args, fields.env),
+                 accelerate_overrides(fields.args))
 
 
 OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir")

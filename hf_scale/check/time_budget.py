@@ -57,15 +57,15 @@ def manifest_budgets(paths: list[str]) -> list[tuple[str, int | None, dict[str, 
     """(manifest, terminationGracePeriodSeconds or None for a SkyPilot task, its environment) of each job given (the
     smallest grace of its pods; Kubernetes' default where none is written). Files check_manifest refuses or cannot
     read are skipped here: it reports them."""
-    from hf_scale.check.cluster import manifest_kind
     from hf_scale.check.manifest_facts import manifest_facts
+    from hf_scale.clusters import recognised_manifest
     from hf_scale.files.reading import load_yaml_documents
 
     out = []
     for path in paths:
         for data in load_yaml_documents(read_text(Path(path), "--manifest"), f"--manifest {path}"):
             try:
-                facts = manifest_facts(manifest_kind(data), data)
+                facts = manifest_facts(recognised_manifest(data), data)
             except (AttributeError, TypeError, ValueError, UserError):
                 continue
             out.append((path, facts.grace, dict(facts.env)))

@@ -2,7 +2,8 @@
 :data:`TARGETS`. `hf-scale generate` (its --targets choices, its help, the files it writes), `hf-scale check
 --manifest` (which manifests it recognises) and the docs read this registry; no other module names a target.
 
-Adding a target: one module here with its ``TARGET``, an entry in :data:`TARGETS`, its test
+Adding a target: one module here with its ``TARGET`` (whose ``ManifestKind``s say how `hf-scale check --manifest`
+reads and validates its manifests: hf_scale.check names no kind), an entry in :data:`TARGETS`, its test
 (tests/clusters/test_NAME.py) and its section in docs/launch.md (CONTRIBUTING.md).
 """
 
@@ -24,6 +25,22 @@ CHOSEN = tuple(target.name for target in TARGETS if not target.always)
 
 MANIFEST_KINDS: tuple[ManifestKind, ...] = tuple(kind for target in TARGETS for kind in target.manifests)
 """Every job manifest `hf-scale check --manifest` reads."""
+
+
+def _platform_variables() -> dict[str, tuple[str, str]]:
+    engines: dict[str, list[str]] = {}
+    counts: dict[str, str] = {}
+    for each in TARGETS:
+        for variable, what in each.node_variables:
+            engines.setdefault(variable, []).append(each.engine)
+            counts[variable] = what
+    return {variable: (", ".join(names), counts[variable]) for variable, names in engines.items()}
+
+
+PLATFORM_VARIABLES: dict[str, tuple[str, str]] = _platform_variables()
+"""The counts each engine sets on every node of the job it starts (variable: (engines, what it counts: NODES or
+PER_NODE)), from the targets' node_variables: a launcher given one of them runs the manifest's own count by
+construction (hf_scale.check.manifest_facts; docs/check.md lists them)."""
 
 
 def target(name: str) -> ClusterTarget:

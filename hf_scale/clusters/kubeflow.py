@@ -3,6 +3,10 @@ runtime (hf_scale.clusters.kubernetes has what it shares with the PyTorchJob).
 
 A TrainJob cannot say whether it is restarted: that is its runtime's (the ClusterTrainingRuntime's JobSet
 ``failurePolicy.maxRestarts``), and runtimePatches reach only the pods. The header says so, and what to do.
+
+`hf-scale check --manifest` reads a TrainJob's fields with :func:`manifest_fields` (the trainer's command, the pods
+of its runtimePatches) and validates it with :func:`manifest_problem` (kubeflow_trainer_api's TrainJob model, then
+the CRD's rules); a TrainJob may leave spec.trainer.image out (:func:`missing_image`: its runtime supplies one).
 """
 
 from __future__ import annotations
@@ -11,16 +15,22 @@ from typing import Any
 
 from hf_scale.clusters.kubernetes import (
     MANAGER,
+    NODE_VARIABLES,
+    REFUSED_BY,
+    SECRET_VIA,
     gpus,
     job_name,
+    manifest_fields,
     manifest_text,
+    model_problem,
     mounts,
     node_command,
     node_env,
+    object_problem,
     pod_spec_extras,
     require_image,
 )
-from hf_scale.clusters.target import ClusterTarget, ManifestKind
+from hf_scale.clusters.target import ClusterTarget, ManifestFields, ManifestKind, ManifestNote
 from hf_scale.config.cluster_section import TRAINJOB_CONTAINER
 from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.generators import output_paths
@@ -82,6 +92,64 @@ def files(cfg: DistributedConfig, name: str, *, header: str) -> dict[str, str]:
     return {output_paths.launch_file(f"{name}.trainjob.yaml"): trainjob_yaml(cfg, name, header=header)}
 
 
+def _pods(spec: dict) -> list[dict]:
+    """The pod specs of the TrainJob's runtimePatches (what it sets of its runtime's pods)."""
+    pods = []
+    for patch in spec.get("runtimePatches") or []:
+        jobset = ((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {}
+        for job in jobset.get("replicatedJobs") or []:
+            pod = (((job.get("template") or {}).get("spec") or {}).get("template") or {}).get("spec")
+            if pod:
+                pods.append(pod)
+    return pods
+
+
+def trainjob_fields(data: dict) -> ManifestFields:
+    """What a TrainJob says: spec.trainer runs the command (numNodes, numProcPerNode, resourcesPerNode, image,
+    command, args, env); its runtimePatches' pods have the volumes and grace periods."""
+    spec = data.get("spec") or {}
+    pods = _pods(spec)
+    trainer = spec.get("trainer") or {}
+    return manifest_fields(pods, trainer, nodes=trainer.get("numNodes"), procs=trainer.get("numProcPerNode"),
+                           procs_at="spec.trainer.numProcPerNode", resources=trainer.get("resourcesPerNode") or {})
+
+
+def _read_back(data: dict) -> dict:
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+    return TrainerV1alpha1TrainJob.from_dict(data).to_dict()
+
+
+def _rule_problem(data: dict) -> str | None:
+    """Any Kubeflow object's rules (hf_scale.clusters.kubernetes.object_problem), then the TrainJob's own:
+    spec.runtimeRef is required (TrainJobSpec), so a TrainJob without a spec runs nothing."""
+    problem = object_problem(KIND, TRAINJOB_API, data)
+    if problem:
+        return problem
+    spec = data.get("spec")
+    if not isinstance(spec, dict) or not spec.get("runtimeRef"):
+        return "spec.runtimeRef is missing: the TrainJob names no training runtime (a spec with runtimeRef.name)"
+    return None
+
+
+def trainjob_problem(data: dict) -> str | None:
+    """What Kubeflow Trainer refuses in a TrainJob: kubeflow_trainer_api's TrainJob model, then the CRD's rules."""
+    return model_problem(KIND, data, _read_back, _rule_problem)
+
+
+def missing_image(data: dict, runs_hf_scale: bool, file: str) -> ManifestNote | None:
+    """A TrainJob may leave spec.trainer.image out: its training runtime supplies the image, which check cannot
+    see; whether it has hf_scale is the point, said (a warning) when the command runs hf_scale."""
+    if not runs_hf_scale:
+        return None
+    runtime = ((data.get("spec") or {}).get("runtimeRef") or {}).get("name")
+    return ManifestNote("spec.trainer.image",
+                        f"no spec.trainer.image: the training runtime {runtime!r} supplies the image, and the command "
+                        "runs hf_scale, which that image must have installed (check cannot see the runtime's image)",
+                        f"set spec.trainer.image in {file} to a pinned image with hf_scale (hf-scale generate writes "
+                        "its Dockerfile), or make sure the runtime's image has it", warning=True)
+
+
 TARGET = ClusterTarget(
     name=NAME,
     writes="DIR/launch/NAME.trainjob.yaml",
@@ -91,6 +159,9 @@ TARGET = ClusterTarget(
     node_script=True,
     image=True,
     source=True,
+    engine="Kubeflow Trainer (TrainJob)",
+    node_variables=NODE_VARIABLES,
     manifests=(ManifestKind(KIND, "a TrainJob", lambda data: isinstance(data, dict) and data.get("kind") == KIND,
-                            "spec.trainer", "kind:"),),
+                            "spec.trainer", "kind:", trainjob_fields, trainjob_problem, REFUSED_BY, SECRET_VIA,
+                            missing_image=missing_image),),
 )

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from hf_scale.clusters.target import ClusterTarget
+from hf_scale.clusters.target import NODES, PER_NODE, ClusterTarget
 from hf_scale.config.distributed_config import DistributedConfig
 from hf_scale.exit_codes import EXIT_BAD_INPUT, EXIT_PREEMPTED, RESUME_DEFAULT_ENV
 from hf_scale.generators import output_paths
@@ -128,4 +128,6 @@ TARGET = ClusterTarget(
     files=files,
     doc_anchor="slurm",
     always=True,
+    engine="SLURM",
+    node_variables=(("SLURM_NNODES", NODES), ("SLURM_JOB_NUM_NODES", NODES), ("SLURM_GPUS_ON_NODE", PER_NODE)),
 )

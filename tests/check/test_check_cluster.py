@@ -16,6 +16,7 @@ import yaml
 from cluster_helpers import generate_all
 
 from hf_scale.check.cluster import GRACE_FLOOR_S, manifest_kind, measured_save_seconds
+from hf_scale.clusters import TARGETS
 from hf_scale.commands.cli import main
 from hf_scale.errors import UserError
 from hf_scale.train.checkpoint import store
@@ -66,9 +67,12 @@ def _check(capsys, yaml_path, *manifests, extra=()) -> tuple[int, list[dict]]:
 
 @pytest.mark.parametrize("name", ["one", "multi"])
 def test_generated_manifests_are_clean(name, tmp_path, capsys):
-    root = generate_all(tmp_path, name, "kubeflow,pytorchjob,skypilot")
-    code, findings = _check(capsys, root / "accelerate_configs" / f"{name}.yaml",
-                            *(root / "launch" / f"{name}.{kind}.yaml" for kind in ("trainjob", "pytorchjob", "sky")))
+    """The generated manifest of every target with a manifest kind (read from the registry) passes check."""
+    with_manifests = [target.name for target in TARGETS if target.manifests]
+    root = generate_all(tmp_path, name, ",".join(with_manifests))
+    manifests = sorted((root / "launch").glob(f"{name}.*.yaml"))
+    assert len(manifests) == len(with_manifests)
+    code, findings = _check(capsys, root / "accelerate_configs" / f"{name}.yaml", *manifests)
     assert findings == []
 
 

@@ -13,7 +13,10 @@ import pytest
 import yaml
 from check_cases import run_cli
 
-from hf_scale.check.manifest_facts import PLATFORM_VARIABLES, manifest_facts
+from hf_scale.check.manifest_facts import manifest_facts
+from hf_scale.clusters import MANIFEST_KINDS, PLATFORM_VARIABLES
+
+KINDS = {kind.kind: kind for kind in MANIFEST_KINDS}
 
 PYTORCHJOB = """\
 apiVersion: kubeflow.org/v1
@@ -182,7 +185,8 @@ def test_the_engines_node_count_variables_are_the_manifests_own_count(tmp_path, 
     assert _findings(tmp_path, capsys, volume, str(tmp_path / "acc.yaml")) == (0, [])
     for variable, (engine, counts) in PLATFORM_VARIABLES.items():
         flag = "--nnodes" if counts == "nodes" else "--nproc_per_node"
-        facts = manifest_facts("SkyPilot", {"run": f"torchrun {flag} ${variable} train.py", "num_nodes": 2})
+        facts = manifest_facts(KINDS["SkyPilot"], {"run": f"torchrun {flag} ${variable} train.py",
+                                                   "num_nodes": 2})
         assert engine and facts.launcher_nodes is None and facts.procs is None, variable
 
 

@@ -15,6 +15,9 @@ from hf_scale.check.manifest_facts import (
     output_dir,
     train_command,
 )
+from hf_scale.clusters import MANIFEST_KINDS
+
+KINDS = {kind.kind: kind for kind in MANIFEST_KINDS}
 
 SKY_RUN = """\
 cd ~/sky_workdir
@@ -45,8 +48,9 @@ def test_launcher_counts(command, env, want):
 
 
 def test_a_skypilot_run_script_is_read_as_bash_reads_it():
-    facts = manifest_facts("SkyPilot", {"num_nodes": 2, "resources": {"accelerators": {"H100": 4}}, "run": SKY_RUN,
-                                        "file_mounts": {"/ckpt": {"name": "b", "mode": "MOUNT"}}})
+    task = {"num_nodes": 2, "resources": {"accelerators": {"H100": 4}}, "run": SKY_RUN,
+            "file_mounts": {"/ckpt": {"name": "b", "mode": "MOUNT"}}}
+    facts = manifest_facts(KINDS["SkyPilot"], task)
     assert (facts.nodes, facts.procs, facts.gpus, facts.mounts) == (2, 8, 4, ["/ckpt"])
     assert "the run command's torchrun" in facts.procs_where
     assert facts.args[facts.args.index("--output_dir") + 1] == "/ckpt/run1"
@@ -56,10 +60,10 @@ def test_a_container_command_overrides_the_operators_count():
     job = {"spec": {"nprocPerNode": "4", "pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": {
         "containers": [{"name": "pytorch", "image": "x:1", "command": ["bash", "-c"],
                         "args": ["torchrun --nproc_per_node=$N train.py"], "env": [{"name": "N", "value": "2"}]}]}}}}}}
-    facts = manifest_facts("PyTorchJob", job)
+    facts = manifest_facts(KINDS["PyTorchJob"], job)
     assert facts.procs == 2 and "container command" in facts.procs_where
     job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["args"] = ["python train.py"]
-    assert manifest_facts("PyTorchJob", job).procs == 4  # no launcher count: the operator's nprocPerNode
+    assert manifest_facts(KINDS["PyTorchJob"], job).procs == 4  # no launcher count: the operator's nprocPerNode
 
 
 def test_generated_manifests_name_their_hf_scale_config(tmp_path):
@@ -68,13 +72,13 @@ def test_generated_manifests_name_their_hf_scale_config(tmp_path):
     root = generate_all(tmp_path, "one", "kubeflow,skypilot")
     for manifest, kind in (("one.trainjob.yaml", "TrainJob"), ("one.sky.yaml", "SkyPilot")):
         data = yaml.safe_load((root / "launch" / manifest).read_text())
-        found = named_files(manifest_facts(kind, data), root / "launch" / manifest)
+        found = named_files(manifest_facts(KINDS[kind], data), root / "launch" / manifest)
         assert found["hf_scale"][1] == root / "hf_scale_configs" / "one.yaml"
 
 
 def test_named_files_that_do_not_exist_here_are_left_out(tmp_path):
-    facts = manifest_facts("SkyPilot", {"run": "accelerate launch --config_file nowhere.yaml train.py "
-                                               "--hf_scale_config /nowhere/x.yaml"})
+    facts = manifest_facts(KINDS["SkyPilot"], {"run": "accelerate launch --config_file nowhere.yaml train.py "
+                                                      "--hf_scale_config /nowhere/x.yaml"})
     assert named_files(facts, tmp_path / "task.yaml") == {}
 
 
@@ -90,7 +94,7 @@ def test_named_files_that_do_not_exist_here_are_left_out(tmp_path):
     ],
 )
 def test_train_py_arguments_and_the_output_dir_train_py_reads(run, args, output):
-    facts = manifest_facts("SkyPilot", {"run": run, "envs": {"OUT": "/env"}})
+    facts = manifest_facts(KINDS["SkyPilot"], {"run": run, "envs": {"OUT": "/env"}})
     command = train_command(facts)
     assert (command.args if command else None) == args
     assert output_dir(facts) == output

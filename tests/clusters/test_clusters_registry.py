@@ -9,11 +9,13 @@ import re
 from pathlib import Path
 
 import pytest
+from import_graph import import_graph
 from test_docs import github_slug
 
 import hf_scale
 from hf_scale import clusters
-from hf_scale.clusters import CHOSEN, MANIFEST_KINDS, TARGETS
+from hf_scale.clusters import CHOSEN, MANIFEST_KINDS, PLATFORM_VARIABLES, TARGETS
+from hf_scale.clusters.target import NODES, PER_NODE
 
 PACKAGE = Path(hf_scale.__file__).parent
 ROOT = PACKAGE.parent
@@ -69,6 +71,32 @@ def test_the_scans_see_a_target_and_a_kind_written_out():
     assert targets_named('"pip install \'hf-scale[ray]\'"\n"ray start --head"\n', "m.py") == []
     assert kinds_compared('if kind == "SkyPilot": pass\n', "m.py") == ["m.py:1"]
     assert kinds_compared("if kind == skypilot.KIND: pass\n", "m.py") == []
+    assert kind_constants("from hf_scale.clusters.skypilot import KIND\nif kind == KIND: pass\n", "m.py") == [
+        "m.py:2"]
+
+
+REGISTRY = {"hf_scale.clusters", "hf_scale.clusters.target"}
+"""What hf_scale.check may import of hf_scale.clusters: the registry and the record of a target and its manifests."""
+
+
+def kind_constants(source: str, path: str) -> list[str]:
+    """Where a module uses a target's manifest kind constant (``skypilot.KIND``, an imported ``KIND``)."""
+    return [f"{path}:{node.lineno}" for node in ast.walk(ast.parse(source))
+            if (isinstance(node, ast.Attribute) and node.attr == "KIND") or (isinstance(node, ast.Name)
+                                                                             and node.id == "KIND")]
+
+
+def test_check_reads_a_manifest_only_through_the_kind_the_registry_recognised():
+    """hf_scale.check imports no target's module (lazily neither: the import graph has every import) and uses no
+    kind's constant: what differs between manifest kinds (their fields, their schema, the refusing tool, how a
+    secret is passed, their image and restart rules) is the kind's ManifestKind, so a target with a new kind of
+    manifest changes nothing in check."""
+    found = [f"{module} imports {imported}" for module, imports in sorted(import_graph().items())
+             if module.startswith("hf_scale.check") for imported in sorted(imports)
+             if imported.startswith("hf_scale.clusters") and imported not in REGISTRY]
+    found += [hit for path in sorted((PACKAGE / "check").rglob("*.py"))
+              for hit in kind_constants(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == [], "ask the ManifestKind (hf_scale.clusters.recognised_manifest) instead"
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=NAMES)
@@ -94,6 +122,21 @@ def test_docs_launch_has_a_section_per_target():
     assert missing == [], "each target has its section in docs/launch.md (its doc_anchor)"
     listed = re.search(r"--targets ([a-z,]+)", text)[1].split(",")
     assert listed == list(CHOSEN)
+
+
+def test_docs_check_lists_the_node_variables_of_every_engine():
+    """docs/check.md's table of the counts each engine sets on every node is the registry's PLATFORM_VARIABLES (each
+    target's node_variables), row by row in the registry's order."""
+    text = (ROOT / "docs" / "check.md").read_text()
+    table = text[text.index("| engine | nodes | processes (GPUs) per node |"):].split("\n\n")[0].splitlines()[2:]
+    documented = {}
+    for row in table:
+        engine, nodes, per_node = (cell.strip() for cell in row.strip("|").split("|"))
+        for counts, cell in ((NODES, nodes), (PER_NODE, per_node)):
+            documented.update({variable: (engine, counts) for variable in re.findall(r"`(\w+)`", cell)})
+    assert documented == PLATFORM_VARIABLES
+    engines = [row.split("|")[1].strip() for row in table]
+    assert engines == list(dict.fromkeys(engine for engine, _ in PLATFORM_VARIABLES.values()))
 
 
 def test_generate_offers_every_chosen_target_and_lists_every_target_in_its_help(capsys):

@@ -2,9 +2,9 @@
 
 SkyPilot cannot be installed next to hf_scale (skypilot 0.14 pins click<8.2, huggingface-hub 2.x needs
 click>=8.4.2), so every task is validated against SkyPilot's own JSON schemas as sky.Task.from_yaml applies them
-(hf_scale.check.manifest_schema, which `hf-scale check` uses too; the shipped copy is compared with skypilot's
-own in tests/check/test_manifest_schema.py); with HF_SCALE_SKYPILOT_PYTHON pointing at an interpreter that has
-skypilot (CI: .ci/run), sky.Task.from_yaml itself loads every generated task too."""
+(hf_scale.clusters.skypilot.skypilot_problem, which `hf-scale check` uses too; the shipped copy is compared with
+skypilot's own in tests/clusters/test_skypilot_schema.py); with HF_SCALE_SKYPILOT_PYTHON pointing at an interpreter
+that has skypilot (CI: .ci/run), sky.Task.from_yaml itself loads every generated task too."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from cluster_helpers import CONFIGS, generate_all
 
-from hf_scale.check.manifest_schema import skypilot_problem
+from hf_scale.clusters.skypilot import skypilot_problem
 from hf_scale.config.distributed_config import load_config
 from hf_scale.exit_codes import EXIT_PREEMPTED
 from hf_scale.generators import install

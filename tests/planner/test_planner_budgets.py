@@ -12,7 +12,7 @@ import shlex
 
 import yaml
 
-from hf_scale.check.manifest_schema import skypilot_problem
+from hf_scale.clusters.skypilot import skypilot_problem
 from hf_scale.commands import ray_train
 from hf_scale.commands.cli import main
 from hf_scale.config.cluster_section import DEFAULT_GRACE_PERIOD_S, DEFAULT_SIGNAL_LEAD_S

@@ -1,6 +1,7 @@
-"""hf_scale.check.manifest_schema's SkyPilot half: SkyPilot's own schemas (shipped in hf_scale/assets), applied as
-sky.Task.from_yaml applies them. With HF_SCALE_SKYPILOT_PYTHON naming an interpreter that has skypilot (CI has one:
-.ci/run), the shipped copy is compared with that skypilot's schemas and every verdict here with sky.Task's own."""
+"""hf_scale.clusters.skypilot.skypilot_problem (what `hf-scale check --manifest` refuses in a SkyPilot task):
+SkyPilot's own schemas (shipped in hf_scale/assets), applied as sky.Task.from_yaml applies them. With
+HF_SCALE_SKYPILOT_PYTHON naming an interpreter that has skypilot (CI has one: .ci/run), the shipped copy is compared
+with that skypilot's schemas and every verdict here with sky.Task's own."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 
 import pytest
 
-from hf_scale.check.manifest_schema import SKYPILOT_SCHEMA_VERSION, skypilot_problem, skypilot_schemas
+from hf_scale.clusters.skypilot import SKYPILOT_SCHEMA_VERSION, skypilot_problem, skypilot_schemas
 
 SKY_PYTHON = os.environ.get("HF_SCALE_SKYPILOT_PYTHON")
 GOOD = {"name": "mine", "num_nodes": 2, "resources": {"accelerators": "H100:4", "use_spot": True,
