@@ -162,19 +162,38 @@ def _holders(path: str) -> list[int] | None:
     return found
 
 
-def stale_build_lock(name: str, now: float | None = None) -> str | None:
-    """Why torch's JIT build of the op ``name`` would wait forever here (None when it would not): its build folder's
-    ``lock`` (torch.utils.cpp_extension's FileBaton: created with O_EXCL by the building process, which holds it open
-    and removes it when done; every other loader polls until it is gone, without a word) exists and no process on this
-    machine holds it: a run killed while building left it."""
-    root = _extensions_root()
-    lock = os.path.join(root, name, "lock") if root else None
+LOCK_SETTLE_S = 1.0
+"""How long a lock nobody holds must stay before it is called stale (see :func:`stale_build_lock`)."""
+
+
+def _unheld_lock(lock: str) -> os.stat_result | None:
+    """The lock file's stat when it exists and no process here holds it open; None otherwise (or without /proc)."""
     try:
-        since = os.stat(lock).st_mtime if lock else None
+        found = os.stat(lock)
     except OSError:
         return None
-    if since is None or _holders(lock) != []:  # a build in progress (or no /proc): torch's wait is right
+    return found if _holders(lock) == [] else None
+
+
+def stale_build_lock(name: str, now: float | None = None) -> str | None:
+    """Why torch's JIT build of the op ``name`` would wait forever here (None when it would not): its build folder's
+    ``lock`` (torch.utils.cpp_extension's FileBaton: created with O_EXCL by the process that builds or checks a cached
+    build, which holds it open and removes it when done; every other loader polls until it is gone, without a word)
+    exists and no process on this machine holds it: a run killed while building left it.
+
+    Looked at twice, LOCK_SETTLE_S apart: torch's release closes the file before it removes it, so the ranks of one
+    run, each loading the op in turn, leave moments where a live lock is held by nobody (seen on 4 ranks of 2 cores).
+    A lock is stale only when the same file is still there, still unheld."""
+    root = _extensions_root()
+    lock = os.path.join(root, name, "lock") if root else None
+    first = _unheld_lock(lock) if lock else None
+    if first is None:  # no lock, a build in progress (or no /proc): torch's wait is right
         return None
+    time.sleep(LOCK_SETTLE_S)
+    again = _unheld_lock(lock)
+    if again is None or (again.st_ino, again.st_mtime_ns) != (first.st_ino, first.st_mtime_ns):
+        return None
+    since = first.st_mtime
     age_s = max(0, int((time.time() if now is None else now) - since))
     stamp = datetime.datetime.fromtimestamp(since, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return (f"torch's JIT-build lock {lock} exists since {stamp} ({age_s // 3600} h {age_s % 3600 // 60} min ago) and "

@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 from train_helpers import stale_lock
 
-from hf_scale.knowledge.deepspeed_ops import arch_list_problem, check_config_ops, op_status, required_ops
+from hf_scale.knowledge.deepspeed_ops import (
+    LOCK_SETTLE_S,
+    arch_list_problem,
+    check_config_ops,
+    op_status,
+    required_ops,
+    stale_build_lock,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,3 +104,20 @@ def test_a_stale_jit_build_lock_is_named_and_a_held_one_is_waited_for(tmp_path, 
         assert op_status("cpu_adam").stale_lock is None
     finally:
         os.close(held)
+
+
+def test_a_lock_nobody_holds_for_a_moment_is_not_stale(tmp_path, monkeypatch):
+    """torch's FileBaton.release closes the lock before it removes it: while the ranks of one run load the op in
+    turn, a live lock is held by nobody for a moment. A lock gone (or replaced) within LOCK_SETTLE_S is no stale lock;
+    one still there and unheld is."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "jit"))
+    lock = stale_lock(tmp_path / "jit", op="deepspeed_shm_comm", age_s=0)
+    remover = threading.Timer(LOCK_SETTLE_S / 10, lock.unlink)  # the releasing rank's os.remove, just after close
+    remover.start()
+    try:
+        assert stale_build_lock("deepspeed_shm_comm") is None
+    finally:
+        remover.join()
+    stale_lock(tmp_path / "jit2", op="deepspeed_shm_comm", age_s=0)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "jit2"))
+    assert "and no process on this machine holds it" in stale_build_lock("deepspeed_shm_comm")
