@@ -6,7 +6,8 @@ process, the steps of the tiny model a few. Every `python train.py` and every ra
 a test starts through `train_helpers.run` paid them again; here they start from a multiprocessing fork server that
 imported them once (per pytest worker):
 
-- `python train.py ARGS` is train.py run by runpy in a fork of the server;
+- `python train.py ARGS` is train.py run by runpy in a fork of the server (and so is `python WORKER ARGS`, a
+  worker script of the tests, a .py file under tests/: `torchrun` of one too);
 - `torchrun ARGS` is torchrun's own `main` in a fork of the server, given its `--run-path` and
   `--start-method fork` (torchrun's documented way to run the script in its own interpreter), so the ranks are forks
   of the preloaded agent, with the rendezvous, environment and supervision torchrun gives them;
@@ -52,10 +53,18 @@ AT_BUILD = {"PATH", "CC", "CXX", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST"}
 _server: dict = {}
 
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _script(path: str, train_py: str) -> bool:
+    """train.py, or a worker script of the tests (a .py file under tests/): what the server may run."""
+    return path == train_py or (path.endswith(".py") and os.path.abspath(path).startswith(TESTS + os.sep))
+
+
 def _kind(command: list[str], train_py: str) -> str | None:
-    if command[:2] == [sys.executable, train_py]:
-        return "train"
-    if command[:3] == TORCHRUN and train_py in command:
+    if len(command) >= 2 and command[0] == sys.executable and _script(command[1], train_py):
+        return "python"
+    if command[:3] == TORCHRUN and any(_script(word, train_py) for word in command[3:]):
         return "torchrun"
     if command[:3] == ACCELERATE_LAUNCH and train_py in command:
         return "accelerate"
@@ -101,9 +110,10 @@ def _log(how: str, command: list[str]) -> None:
             out.write(f"{how}\t{os.environ.get('PYTEST_CURRENT_TEST', '')}\t{' '.join(command)[:200]}\n")
 
 
-def _child(kind: str, argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, train_py: str) -> None:
+def _child(kind: str, argv: list[str], script: str, cwd: str, env: dict[str, str], out: str, err: str) -> None:
     """In the fork: what `subprocess` would have given the command (its own session, directory, environment,
-    standard streams and the interpreter's default signal dispositions), then the command."""
+    standard streams, the interpreter's default signal dispositions, and the script's folder first on sys.path as
+    `python SCRIPT` puts it), then the command (`argv` after `python` or `python -m MODULE`)."""
     os.setsid()  # one process group: a timeout kills the ranks with it
     for fd, path in ((1, out), (2, err)):  # first: whatever fails next is in the run's output
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -117,9 +127,10 @@ def _child(kind: str, argv: list[str], cwd: str, env: dict[str, str], out: str, 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
-    if kind == "train":
-        sys.argv = [train_py, *argv]
-        runpy.run_path(train_py, run_name="__main__")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if kind == "python":
+        sys.argv = argv
+        runpy.run_path(script, run_name="__main__")
     elif kind == "torchrun":
         from torch.distributed.run import main
 
@@ -155,10 +166,11 @@ def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: f
         _log(f"subprocess ({sorted(k for k in base.keys() | given.keys() if base.get(k) != given.get(k))})", command)
         return None
     _log("preloaded", command)
-    argv = command[2:] if kind == "train" else command[3:]  # after `python train.py` or `python -m MODULE`
+    argv = command[1:] if kind == "python" else command[3:]  # after `python` or `python -m MODULE`
+    script = next(word for word in command if _script(word, train_py))
     with tempfile.TemporaryDirectory(prefix="preloaded-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        process = context.Process(target=_child, args=(kind, argv, str(cwd or os.getcwd()), env, out, err, train_py))
+        process = context.Process(target=_child, args=(kind, argv, script, str(cwd or os.getcwd()), env, out, err))
         process.start()
         process.join(timeout)
         timed_out = process.exitcode is None

@@ -137,8 +137,9 @@ def launcher_command(launcher: str, nproc: int = 2, *, config: Path | None = Non
 def run(
     command: list[str], *, cwd: Path = REPO, env: dict | None = None, timeout: int = LAUNCH_TIMEOUT_S
 ) -> subprocess.CompletedProcess:
-    """`command` to its end: `python train.py` and `torchrun ... train.py` start from the preloaded fork server
-    (tests/preloaded.py) where they can, everything else as a subprocess."""
+    """`command` to its end: `python train.py`, `torchrun ... train.py`, `accelerate launch ... train.py` and the
+    same of a worker script under tests/ start from the preloaded fork server (tests/preloaded.py) where they can,
+    everything else as a subprocess."""
     env = env or child_env()
     preloaded_result = preloaded.run(command, cwd=cwd, env=env, timeout=timeout, train_py=TRAIN_PY,
                                      server_env=child_env())

@@ -6,11 +6,10 @@ tests/_planner_ds_worker.py documents exactly which tensors are summed."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from paths import TESTS, TINY_LLAMA
-from train_helpers import child_env, torchrun
+from train_helpers import child_env, run, torchrun
 
 from hf_scale.planner import Candidate, Workload, estimate, model_shapes
 
@@ -24,9 +23,7 @@ TINY = TINY_LLAMA
 def test_model_states_equal_what_the_deepspeed_engine_holds_on_each_rank(stage, tmp_path):
     shapes = model_shapes(str(TINY))
     threshold = 10 * shapes.hidden_size  # what "auto" resolves to under the HF Trainer: norms stay whole
-    done = subprocess.run(
-        torchrun(WORKER, stage, threshold, tmp_path), env=child_env(), capture_output=True, text=True, timeout=300
-    )
+    done = run(torchrun(WORKER, stage, threshold, tmp_path), env=child_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
     workload = Workload(shapes, gpus_per_machine=2, num_machines=1, seq_len=16, micro_batch_size=1, precision="no")

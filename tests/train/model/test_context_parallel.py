@@ -8,12 +8,11 @@ gradients against one process. The cp=2 train.py run against one process is benc
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import REPO, child_env, torchrun
+from train_helpers import child_env, run, torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.config.parallelism import Layout, train_refusal
@@ -111,8 +110,7 @@ def test_the_runtime_guard_refuses_an_accelerator_without_the_cp_size():
 @pytest.mark.parametrize("nproc", [2, 4], ids=["cp2", "dp_shard2_x_cp2"])
 def test_accelerate_shards_each_cp_groups_batch_and_the_loss_rule_gives_one_process_gradients(nproc, tmp_path):
     output = tmp_path / "cp.json"
-    result = subprocess.run(torchrun(WORKER, EMBEDDED_MODEL_DIR, output, nproc=nproc), cwd=REPO, capture_output=True,
-                            text=True, timeout=300, env=child_env())
+    result = run(torchrun(WORKER, EMBEDDED_MODEL_DIR, output, nproc=nproc), timeout=300, env=child_env())
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(output.read_text())
     data_ranks = nproc // 2

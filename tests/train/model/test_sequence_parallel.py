@@ -6,11 +6,10 @@ drives the same pieces through accelerate (test_sequence_parallel_train.py).
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from train_helpers import REPO, child_env, torchrun
+from train_helpers import child_env, run, torchrun
 
 from hf_scale.config import parallelism
 from hf_scale.train.data.embedded import build_tiny_llama
@@ -22,8 +21,7 @@ WORKER = Path(__file__).with_name("ulysses_sp_worker.py")
 
 
 def _run(model_dir: Path, output: Path, nproc: int, *worker_args) -> dict:
-    result = subprocess.run(torchrun(WORKER, model_dir, output, *worker_args, nproc=nproc), cwd=REPO,
-                            capture_output=True, text=True, timeout=300, env=child_env())
+    result = run(torchrun(WORKER, model_dir, output, *worker_args, nproc=nproc), timeout=300, env=child_env())
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(output.read_text())
 
