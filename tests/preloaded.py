@@ -11,6 +11,8 @@ imported them once (per pytest worker):
 - `torchrun ARGS` is torchrun's own `main` in a fork of the server, given its `--run-path` and
   `--start-method fork` (torchrun's documented way to run the script in its own interpreter), so the ranks are forks
   of the preloaded agent, with the rendezvous, environment and supervision torchrun gives them;
+- `python -m hf_scale ARGS` (the `hf-scale` commands: export, demo, ...) is the package's `__main__` run by runpy
+  in a fork of the server, as `-m` runs it;
 - `python -m accelerate.commands.launch ARGS` is accelerate's own argument processing and launcher in a fork of the
   server: accelerate hands its multi-process and single-node DeepSpeed runs to torchrun's `run` with the torchrun
   options of the same name (`_filter_args`), so the parsed arguments are given torchrun's `run_path` and
@@ -39,6 +41,7 @@ from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+HF_SCALE = [sys.executable, "-m", "hf_scale"]
 # What the server imports before it forks anything: train.py's runtime, torchrun and accelerate's launcher.
 PRELOAD = ["preloaded_runtime"]
 
@@ -68,6 +71,8 @@ def _kind(command: list[str], train_py: str) -> str | None:
         return "torchrun"
     if command[:3] == ACCELERATE_LAUNCH and train_py in command:
         return "accelerate"
+    if command[:3] == HF_SCALE:
+        return "hf_scale"
     return None
 
 
@@ -110,10 +115,11 @@ def _log(how: str, command: list[str]) -> None:
             out.write(f"{how}\t{os.environ.get('PYTEST_CURRENT_TEST', '')}\t{' '.join(command)[:200]}\n")
 
 
-def _child(kind: str, argv: list[str], script: str, cwd: str, env: dict[str, str], out: str, err: str) -> None:
+def _child(kind: str, argv: list[str], first: str, cwd: str, env: dict[str, str], out: str, err: str) -> None:
     """In the fork: what `subprocess` would have given the command (its own session, directory, environment,
-    standard streams, the interpreter's default signal dispositions, and the script's folder first on sys.path as
-    `python SCRIPT` puts it), then the command (`argv` after `python` or `python -m MODULE`)."""
+    standard streams, the interpreter's default signal dispositions, and `first` first on sys.path: the script's
+    folder as `python SCRIPT` puts it, the directory as `python -m` does), then the command (`argv` after `python`
+    or `python -m MODULE`)."""
     os.setsid()  # one process group: a timeout kills the ranks with it
     for fd, path in ((1, out), (2, err)):  # first: whatever fails next is in the run's output
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -127,10 +133,13 @@ def _child(kind: str, argv: list[str], script: str, cwd: str, env: dict[str, str
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, first)
     if kind == "python":
         sys.argv = argv
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(argv[0], run_name="__main__")
+    elif kind == "hf_scale":
+        sys.argv = [sys.argv[0], *argv]  # run_module replaces sys.argv[0] with hf_scale/__main__.py, as -m does
+        runpy.run_module("hf_scale", run_name="__main__", alter_sys=True)
     elif kind == "torchrun":
         from torch.distributed.run import main
 
@@ -167,10 +176,12 @@ def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: f
         return None
     _log("preloaded", command)
     argv = command[1:] if kind == "python" else command[3:]  # after `python` or `python -m MODULE`
-    script = next(word for word in command if _script(word, train_py))
+    directory = str(cwd or os.getcwd())
+    first = directory if kind == "hf_scale" else os.path.dirname(os.path.abspath(
+        next(word for word in command if _script(word, train_py))))
     with tempfile.TemporaryDirectory(prefix="preloaded-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        process = context.Process(target=_child, args=(kind, argv, script, str(cwd or os.getcwd()), env, out, err))
+        process = context.Process(target=_child, args=(kind, argv, first, directory, env, out, err))
         process.start()
         process.join(timeout)
         timed_out = process.exitcode is None
