@@ -54,9 +54,8 @@ PER_TEST = {"PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK", "CRC32C_SW_M
 # torch.utils.cpp_extension's module-level code): the DeepSpeed runs on a PATH without compilers may be served.
 AT_BUILD = {"PATH", "CC", "CXX", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST"}
 _server: dict = {}
-
-
 TESTS = os.path.dirname(os.path.abspath(__file__))
+"""This folder: the worker scripts under it may be run from the server (and the server imports PRELOAD from it)."""
 
 
 def _script(path: str, train_py: str) -> bool:
@@ -90,7 +89,7 @@ def server_context(server_env: dict[str, str], env: dict[str, str] | None = None
         # and every run would import everything again. PYTHONPATH puts this folder on the server's own sys.path;
         # each run gets the test process's sys.path from multiprocessing, and its own environment (_child).
         os.environ.update(server_env, PYTHONPATH=os.pathsep.join(
-            filter(None, [os.path.dirname(os.path.abspath(__file__)), server_env.get("PYTHONPATH")])))
+            filter(None, [TESTS, server_env.get("PYTHONPATH")])))
         try:
             from multiprocessing import forkserver
 
@@ -154,7 +153,7 @@ def _child(kind: str, argv: list[str], first: str, cwd: str, env: dict[str, str]
     sys.exit(0)
 
 
-def preload_state() -> int:
+def preload_state() -> None:
     """In a fork of the server: exit 0 if the server imported PRELOAD, 3 if it did not (multiprocessing's forkserver
     passes over a preload's ImportError in silence)."""
     sys.exit(0 if all(name in sys.modules for name in PRELOAD) else 3)
