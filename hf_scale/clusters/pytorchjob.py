@@ -98,10 +98,9 @@ def pytorchjob_fields(data: dict) -> ManifestFields:
     """What a PyTorchJob says: the nodes are its replicas (Master and Workers), nprocPerNode the processes per node,
     its first container runs the command (image, command, args, env, GPU resources)."""
     spec = data.get("spec") or {}
-    pods = [(replica.get("template") or {}).get("spec") or {} for replica in
-            (spec.get("pytorchReplicaSpecs") or {}).values() if isinstance(replica, dict)]
-    containers = containers_of(pods)
     replicas = [r for r in (spec.get("pytorchReplicaSpecs") or {}).values() if isinstance(r, dict)]
+    pods = [(replica.get("template") or {}).get("spec") or {} for replica in replicas]
+    containers = containers_of(pods)
     nodes = sum(int(replica.get("replicas", 1)) for replica in replicas)
     container = containers[0] if containers else {}
     return manifest_fields(pods, container, nodes=nodes, procs=spec.get("nprocPerNode"), procs_at="spec.nprocPerNode",
