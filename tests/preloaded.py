@@ -63,15 +63,17 @@ def _script(path: str, train_py: str) -> bool:
     return path == train_py or (path.endswith(".py") and os.path.abspath(path).startswith(TESTS + os.sep))
 
 
-def _kind(command: list[str], train_py: str) -> str | None:
+def _kind(command: list[str], train_py: str) -> tuple[str, str | None] | None:
+    """How the server runs `command`, and the script it runs (None for `python -m hf_scale`); None where it cannot."""
     if len(command) >= 2 and command[0] == sys.executable and _script(command[1], train_py):
-        return "python"
-    if command[:3] == TORCHRUN and any(_script(word, train_py) for word in command[3:]):
-        return "torchrun"
+        return "python", command[1]
+    if command[:3] == TORCHRUN:
+        script = next((word for word in command[3:] if _script(word, train_py)), None)
+        return ("torchrun", script) if script else None
     if command[:3] == ACCELERATE_LAUNCH and train_py in command:
-        return "accelerate"
+        return "accelerate", train_py
     if command[:3] == HF_SCALE:
-        return "hf_scale"
+        return "hf_scale", None
     return None
 
 
@@ -163,11 +165,12 @@ def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: f
         server_env: dict[str, str]):
     """The CompletedProcess of `command` run from the preloaded server, or None where it must be a subprocess.
     The server runs in `server_env` (the tests' usual child environment)."""
-    kind = _kind(command, train_py)
-    if kind is None or os.environ.get("HF_SCALE_TESTS_PRELOAD") == "0":
+    how = _kind(command, train_py)
+    if how is None or os.environ.get("HF_SCALE_TESTS_PRELOAD") == "0":
         if train_py in command:
-            _log("subprocess (launcher)" if kind is None else "subprocess (HF_SCALE_TESTS_PRELOAD=0)", command)
+            _log("subprocess (launcher)" if how is None else "subprocess (HF_SCALE_TESTS_PRELOAD=0)", command)
         return None
+    kind, script = how
     context = server_context(server_env, env)
     if context is None:
         base, given = _comparable(_server["env"]), _comparable(env)
@@ -176,8 +179,7 @@ def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: f
     _log("preloaded", command)
     argv = command[1:] if kind == "python" else command[3:]  # after `python` or `python -m MODULE`
     directory = str(cwd or os.getcwd())
-    first = directory if kind == "hf_scale" else os.path.dirname(os.path.abspath(
-        next(word for word in command if _script(word, train_py))))
+    first = directory if script is None else os.path.dirname(os.path.abspath(script))
     with tempfile.TemporaryDirectory(prefix="preloaded-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         process = context.Process(target=_child, args=(kind, argv, first, directory, env, out, err))
