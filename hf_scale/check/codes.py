@@ -11,6 +11,8 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
+from hf_scale.clusters import manifest_kinds_text
+
 ERROR, WARNING = "error", "warning"
 EITHER = "error or warning"
 """The severity of a code whose findings are errors or warnings depending on the case (e.g. a misspelled key is an
@@ -30,7 +32,7 @@ class Family:
 
 FILES = Family("files", "the config files (accelerate YAML, DeepSpeed JSON, hf_scale config) and the training args",
                "what-it-checks")
-MANIFEST = Family("manifest", "with --manifest JOB.yaml (a TrainJob, PyTorchJob or SkyPilot task)",
+MANIFEST = Family("manifest", f"with --manifest JOB.yaml ({manifest_kinds_text(how=False)})",
                   "job-manifests-from-other-projects")
 PLAN = Family("plan", "with --plan PLAN.json (`hf-scale plan --json`) and --sbatch", "time-budgets-check---plan")
 FAMILIES = (FILES, MANIFEST, PLAN)

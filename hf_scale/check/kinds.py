@@ -5,7 +5,8 @@
   writes first; accelerate's loader needs them);
 - a DeepSpeed config: a mapping with a top-level key DeepSpeed's own parser reads (asked from DeepSpeedConfig);
 - an hf_scale config: a mapping whose keys are all DistributedConfig fields, one of them not a DeepSpeed key;
-- a job manifest (`--manifest`): a TrainJob, PyTorchJob or SkyPilot task (hf_scale.check.cluster.manifest_kind).
+- a job manifest (`--manifest`): a kind of the clusters registry (hf_scale.clusters.MANIFEST_KINDS, read by
+  hf_scale.check.cluster.manifest_kind).
 
 A train.py recipe (a mapping whose keys are all train.py flags, as `hf-scale generate --recipe` writes) is none of
 these, though `bf16` and `gradient_accumulation_steps` are DeepSpeed keys too: it is told apart, and refused in one
