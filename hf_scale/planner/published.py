@@ -23,6 +23,7 @@ DATA = Path(__file__).with_name("data") / "published_runs.yaml"
 LAYOUTS = {
     "fsdp_full_shard": Candidate("fsdp2_full_shard", "FSDP2 full shard", "fsdp"),
     "hsdp": Candidate("fsdp2_hybrid_multinode", "FSDP2 hybrid shard", "fsdp", hybrid=True),
+    "zero2": Candidate("zero2", "ZeRO-2", "deepspeed", zero_stage=2),
     "zero3": Candidate("zero3", "ZeRO-3", "deepspeed", zero_stage=3),
 }
 """The layouts the rows use, as the planner's candidates (a row's tp/cp degrees are set on them)."""

@@ -55,8 +55,11 @@ written, the 16-bit copy written."""
 OVERLAP = {"ddp": 0.8, "deepspeed": 0.6, "fsdp": 0.85}
 """Share of the communication during forward/backward each engine hides behind compute (DDP buckets the gradient
 all-reduce into backward; FSDP2 prefetches the next layer's all-gather; ZeRO's overlap_comm is less complete).
-Unconfirmed by any published row (docs/plan.md, "Why FSDP2 ranks above ZeRO-2/ZeRO-3"): they decide FSDP2 vs ZeRO-2/3
-where compute is equal."""
+They decide FSDP2 vs ZeRO-2/3 where compute is equal. Bounded by published runs, not fitted (docs/plan.md, "Why FSDP2
+ranks above ZeRO-2/ZeRO-3"): ms-swift's Qwen2.5-14B on 8 A800 (kept out of the accuracy) runs ZeRO-2 2.3% faster than
+ZeRO-3 on the same data, an order the model keeps while DeepSpeed's share is at most 0.75 (at 0.6: 0.8% faster);
+FlagPerf's ZeRO-3 Llama 2 7B on 8 A800 without checkpointing is predicted +8.6% at 0.6. Both lean towards ~0.3, too
+few rows to move it. DDP's share no published row checks."""
 COLLECTIVE_LATENCY_S = 30e-6
 """Fixed cost of one NCCL collective (launch and synchronisation), whatever its size: what makes per-layer gathers
 dearer than a few bucketed all-reduces for small models."""
