@@ -373,8 +373,8 @@ _PROVEN = {
     "sp": "train.py runs it in both loops (equal to one process on CPU: test_sequence_parallel_train.py)",
     "ep": "train.py runs it (transformers' expert-parallel plan under FSDP2, strategy fsdp with fsdp.version 2) in "
           "both loops for a mixture-of-experts model with a base_model_ep_plan (ep=2 equal to one process on CPU: "
-          "tests/train/model/test_model_expert_parallel.py); its checkpoints resume only at the same ep and world "
-          "size (docs/moe.md)",
+          "tests/train/model/test_model_expert_parallel.py); its checkpoints resume at another ep or world size in "
+          "the manual loop, at the same ep in the Trainer (docs/moe.md)",
 }
 
 

@@ -17,6 +17,9 @@ The manual loop (`--loop accelerate`) resumes at any world size; every part of t
   temporary directory is removed afterwards (or, after a crash, at the next start like any
   interrupted save).
 - **FSDP2.** torch.distributed.checkpoint reshards natively on load.
+- **Expert parallelism (FSDP2 + transformers' EP plan).** Also another ep, either way (ep=2 on 2 processes -> one
+  process and back: tests/train/model/test_model_expert_parallel.py). The experts are DTensors like every other
+  parameter (`_check_ep` says what DCP writes for them), so FSDP2's resharding carries them.
 - **Sequence parallelism (DeepSpeed Ulysses).** The position counts the adapter's micro-batches (each a whole
   batch of rows); the loop skips them on the loader under the adapter (`sequence_parallel.Batches.resumed`).
   Another sp, data-parallel size or micro batch takes it up where it is a prefix of the epoch's order
@@ -26,8 +29,8 @@ The manual loop (`--loop accelerate`) resumes at any world size; every part of t
 
 Refused before training starts, with what to do instead: the Trainer path at another world size (the
 Trainer skips whole steps of the new run's batches, so its data position would be wrong, and it loads
-DeepSpeed partitions rigidly) or with sp > 1 on either side, an sp position inside an adapter round at another
-layout, and a checkpoint of another loop or strategy.
+DeepSpeed partitions rigidly), at another ep, or with sp > 1 on either side, an sp position inside an adapter round
+at another layout, and a checkpoint of another loop or strategy.
 """
 
 from __future__ import annotations
@@ -84,7 +87,6 @@ def check_resumable(path: Path, spec: RunSpec) -> dict:
             f"--resume_from_checkpoint={path}: saved with {saved}, resumed with {wanted}; "
             f"resume with the same strategy, {convert}"
         )
-    _check_ep(path, state, spec, convert)
     sp = max(saved_sizes.get("sp", 1), spec.layout.sp)
     if sp > 1 and loop == "trainer":
         # transformers' Trainer (_run_epoch) skips the resumed epoch's batches with accelerate's skip_first_batches
@@ -104,29 +106,38 @@ def check_resumable(path: Path, spec: RunSpec) -> dict:
             f"{spec.world_size}; the Trainer path resumes only at the same world size: launch "
             f"{state['world_size']} processes, train with --loop accelerate (resumes at any world size), {convert}"
         )
+    _check_ep(path, state, spec, convert)
     if sp > 1:
         _check_sp(path, state, spec, sp, convert)
     return state
 
 
 def _check_ep(path: Path, state: dict, spec: RunSpec, convert: str) -> None:
-    """Refuse (one line) resuming an expert-parallel checkpoint at another ep or world size, either way. Each rank's
-    shard holds whole experts (transformers' EP plan splits each layer's experts on their first dimension) and
-    FSDP2 shards them again over the ranks holding the same experts; hf_scale has proven the resume only at the same
-    ep and world size (tests/train/model/test_model_expert_parallel.py), not DCP resharding those shards. A state
-    without an ep record predates it: it is read as ep=1 and named so."""
+    """Refuse (one line) the Trainer path resuming an expert-parallel checkpoint at another ep; the manual loop resumes
+    at any ep and world size.
+
+    transformers' EP plan leaves each layer's fused experts (`experts.gate_up_proj`, `experts.down_proj`: [experts,
+    ...]) as DTensors on its (efsdp, ep) mesh, placements (_StridedShard(0), Shard(0)): each rank holds whole experts.
+    DCP (fsdp.save_sharded, get_state_dict) writes them, and their Adam moments, as one tensor of the global shape
+    whose chunks are the ranks' experts at their global offsets (observed in the .metadata: ep=2 over dp_shard=2 and
+    4, ep=4, ep=2 x tp=2; loaded whole by one process, every tensor equal to the model's), and loads those chunks
+    into whatever placement the new mesh gives the experts. Proven end to end in the manual loop (ep=2 on 2 processes
+    -> one process -> ep=2, the steps of the uninterrupted run: tests/train/model/test_model_expert_parallel.py).
+    The Trainer's another world size is refused before (check_resumable); its another ep at the same world size is
+    not proven. A state without an ep record predates it: it is read as ep=1 and named so."""
+    if spec.loop != "trainer":
+        return
     sizes = state.get("parallelism", {})
     saved_ep, ep = sizes.get("ep", 1), spec.layout.ep
-    if saved_ep == 1 and ep == 1:
+    if saved_ep == ep:
         return
     saved = f"ep={saved_ep}" + ("" if "ep" in sizes else " (its hf_scale_state.json predates the record of ep)")
-    if saved_ep != ep or state["world_size"] != spec.world_size:
-        raise UserError(
-            f"--resume_from_checkpoint={path}: saved with {saved} by {state['world_size']} processes, resumed with "
-            f"ep={ep} by {spec.world_size}; hf_scale resumes expert-parallel checkpoints only at the same ep and "
-            f"world size (resharding the experts' shards to another split is not proven): resume with "
-            f"parallelism.ep={saved_ep} on {state['world_size']} processes, {convert}"
-        )
+    raise UserError(
+        f"--resume_from_checkpoint={path}: saved with {saved}, resumed with ep={ep}; the Trainer path resumes "
+        f"expert-parallel checkpoints only at the ep that saved them (resharding the experts is proven in the manual "
+        f"loop only): resume with parallelism.ep={saved_ep}, train with --loop accelerate (resumes at another ep or "
+        f"world size), {convert}"
+    )
 
 
 _BASES = {"4bit": "a 4-bit base (--load_in_4bit)", None: "an unquantized base"}

@@ -211,8 +211,8 @@ def test_a_checkpoint_written_before_quantization_was_recorded_is_judged_by_its_
 
 
 
-def _ep_spec(world: int, ep: int) -> RunSpec:
-    return RunSpec(launcher="torchrun", strategy="fsdp", world_size=world, loop="accelerate", micro_batch_size=2,
+def _ep_spec(world: int, ep: int, loop: str = "accelerate") -> RunSpec:
+    return RunSpec(launcher="torchrun", strategy="fsdp", world_size=world, loop=loop, micro_batch_size=2,
                    gradient_accumulation_steps=1, global_batch_size=2 * world, precision="no", seed=11,
                    data_seed=11, packing=False, zero_stage=None, layout=Layout(dp_shard=world, ep=ep))
 
@@ -220,26 +220,38 @@ def _ep_spec(world: int, ep: int) -> RunSpec:
 @pytest.mark.parametrize(("saved", "resumed", "recorded"), [
     ((2, 2), (2, 2), True), ((2, 1), (2, 1), True),       # the same split resumes
     ((4, 2), (4, 4), True), ((4, 4), (4, 1), True),       # another ep
-    ((2, 2), (4, 2), True),                               # the same ep, another world size
+    ((2, 2), (4, 2), True), ((2, 2), (1, 1), True),       # another world size (and ep)
     ((2, 1), (2, 2), False),                              # a state from before ep was recorded
 ])
-def test_an_expert_parallel_checkpoint_resumes_only_at_its_ep_and_world_size(saved, resumed, recorded, tmp_path):
-    """hf_scale_state.json records ep; another ep or world size than an EP run's is refused in one line, either way."""
+def test_an_expert_parallel_checkpoint_resumes_at_another_ep_only_in_the_manual_loop(saved, resumed, recorded,
+                                                                                     tmp_path):
+    """hf_scale_state.json records ep; the manual loop resumes an EP checkpoint at any ep and world size (run in
+    tests/train/model/test_model_expert_parallel.py); the Trainer path refuses another ep in one line, and another
+    world size with its own line for every strategy."""
     store.write_state(tmp_path, step=2, spec=_ep_spec(*saved), epoch=0, samples_consumed_in_epoch=8)
     state = json.loads((tmp_path / "hf_scale_state.json").read_text())
     assert state["parallelism"]["ep"] == saved[1]
     if not recorded:
         del state["parallelism"]["ep"]
         (tmp_path / "hf_scale_state.json").write_text(json.dumps(state))
+    assert reshard.check_resumable(tmp_path, _ep_spec(*resumed))["step"] == 2
+    (tmp_path / "hf_scale_state.json").write_text(json.dumps({**state, "loop": "trainer"}))
     if saved == resumed:
-        assert reshard.check_resumable(tmp_path, _ep_spec(*resumed))["parallelism"]["ep"] == saved[1]
+        assert reshard.check_resumable(tmp_path, _ep_spec(*resumed, loop="trainer"))["step"] == 2
         return
     with pytest.raises(UserError) as error:
-        reshard.check_resumable(tmp_path, _ep_spec(*resumed))
+        reshard.check_resumable(tmp_path, _ep_spec(*resumed, loop="trainer"))
+    convert = (f"or convert it with `hf-scale export {tmp_path} EXPORT_DIR` and start a new run from it "
+               "(--model_name_or_path EXPORT_DIR; the optimizer state starts fresh)")
+    if saved[0] != resumed[0]:
+        assert str(error.value) == (
+            f"--resume_from_checkpoint={tmp_path}: saved by {saved[0]} processes, resumed with {resumed[0]}; the "
+            f"Trainer path resumes only at the same world size: launch {saved[0]} processes, train with --loop "
+            f"accelerate (resumes at any world size), {convert}")
+        return
     predates = "" if recorded else " (its hf_scale_state.json predates the record of ep)"
     assert str(error.value) == (
-        f"--resume_from_checkpoint={tmp_path}: saved with ep={saved[1]}{predates} by {saved[0]} processes, resumed "
-        f"with ep={resumed[1]} by {resumed[0]}; hf_scale resumes expert-parallel checkpoints only at the same ep and "
-        f"world size (resharding the experts' shards to another split is not proven): resume with "
-        f"parallelism.ep={saved[1]} on {saved[0]} processes, or convert it with `hf-scale export {tmp_path} "
-        "EXPORT_DIR` and start a new run from it (--model_name_or_path EXPORT_DIR; the optimizer state starts fresh)")
+        f"--resume_from_checkpoint={tmp_path}: saved with ep={saved[1]}{predates}, resumed with ep={resumed[1]}; the "
+        f"Trainer path resumes expert-parallel checkpoints only at the ep that saved them (resharding the experts is "
+        f"proven in the manual loop only): resume with parallelism.ep={saved[1]}, train with --loop accelerate "
+        f"(resumes at another ep or world size), {convert}")

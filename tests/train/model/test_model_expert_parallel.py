@@ -6,7 +6,9 @@ all-to-all) trains as one process does, in both loops: the same per-step losses,
 runtime guard checks that the model's experts really are split 2 ways (guard.expert_split). Its refusals at start,
 one line and exit 2 before anything is written: ep with --lora_r, ep on a dense model. The Trainer's final
 checkpoint of the EP run exports to a plain Hugging Face model with the trained logits, and its checkpoint at step 2
-resumes at ep=2 bit for bit.
+resumes at ep=2 bit for bit. The manual loop's checkpoint at step 2 resumes at another ep and world size, both ways:
+in one process (ep=1), whose checkpoint at step 3 resumes at ep=2 on 2 processes again, each continuing the
+uninterrupted run.
 
 Against the same one-process reference: `accelerate launch` with the accelerate YAML `hf-scale generate` writes for the
 ep=2 config (2 processes); and ep=2 with tp=2 over dp_shard=2 (4 processes, manual loop: transformers' all-to-all
@@ -41,7 +43,7 @@ from hf_scale.commands.cli import main
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 3
+STEPS = 4
 COMMON = ["--max_steps", str(STEPS), "--learning_rate", "1e-3", "--seed", "11", "--warmup_ratio", "0",
           "--lr_scheduler_type", "linear", "--max_grad_norm", "1.0"]
 EP2 = "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 2}\nparallelism: {ep: 2}\n" \
@@ -83,7 +85,7 @@ def _assert_equals_reference(out, reference_dir):
 @pytest.fixture(scope="module")
 def ep2_run(moe_dir, ep_config, tmp_path_factory):
     """The ep=2 torchrun run of a loop, launched once per loop and shared: (its output directory, its stderr, its
-    command without --output_dir). It keeps its checkpoints at steps 2 and 3 (the resume below starts from 2)."""
+    command without --output_dir). It keeps its checkpoints at steps 2 and 4 (the resumes below start from 2)."""
     runs = {}
 
     def get(loop: str):
@@ -122,10 +124,39 @@ def test_the_trainers_ep2_checkpoint_resumes_exactly_at_the_same_ep(ep2_run, tmp
     uninterrupted, _, command = ep2_run("trainer")
     got = resumed(uninterrupted, 2, tmp_path / "resumed", command, env=child_env(), timeout=600)
     want = {r["step"]: r for r in read_metrics(uninterrupted)}
-    assert [r["step"] for r in got] == [STEPS]
+    assert [r["step"] for r in got] == [3, 4]
     for record in got:
         for key in ("loss", "grad_norm", "tokens"):
             assert record[key] == want[record["step"]][key], key
+
+
+ONE_PROCESS = "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 1}\n" \
+              "batch: {micro_batch_size: 2, gradient_accumulation_steps: 4}\noptimizer: {lr: 0.001}\n"
+"""FSDP2 in one process (ep=1): the ep=2 run's global batch of 8 again (micro 2 x accumulation 4)."""
+
+
+def test_the_manual_loops_ep2_checkpoint_resumes_in_one_process_and_back_at_ep2(moe_dir, ep2_run, tmp_path):
+    """Another ep and world size, both ways (reshard._check_ep: DCP holds each expert tensor at its global shape and
+    reshards it like any FSDP2 parameter): checkpoint-2 of the ep=2 run on 2 processes, resumed by one process at
+    ep=1, trains steps 3 and 4 as the uninterrupted run; that run's checkpoint-3, resumed at ep=2 on 2 processes,
+    trains step 4 as it too and saves its model (the same logits). rel 1e-6 (observed up to 2.6e-7): the reduction
+    order differs."""
+    uninterrupted, _, ep2_command = ep2_run("accelerate")
+    config = tmp_path / "one.yaml"
+    config.write_text(ONE_PROCESS)
+    one_process = launcher_command("torchrun", nproc=1) + COMMON + [
+        "--save_steps", "1", "--model_name_or_path", str(moe_dir), "--hf_scale_config", str(config),
+        "--loop", "accelerate"]
+    in_one = resumed(uninterrupted, 2, tmp_path / "one", one_process, env=child_env(), timeout=600)
+    back_at_ep2 = resumed(tmp_path / "one", 3, tmp_path / "ep2", ep2_command, env=child_env(), timeout=600)
+    want = {r["step"]: r for r in read_metrics(uninterrupted)}
+    assert [r["step"] for r in in_one] == [3, 4]
+    assert [r["step"] for r in back_at_ep2] == [4]
+    for record in in_one + back_at_ep2:
+        for key in ("loss", "grad_norm", "lr"):
+            assert record[key] == pytest.approx(want[record["step"]][key], rel=1e-6), key
+        assert record["tokens"] == want[record["step"]]["tokens"]  # the same samples: the data position is right
+    torch.testing.assert_close(logits(tmp_path / "ep2"), logits(uninterrupted), rtol=1e-5, atol=1e-5)
 
 
 def test_accelerate_launch_of_the_generated_ep2_files_equals_one_process(moe_dir, ep_config, reference_dir, tmp_path):
