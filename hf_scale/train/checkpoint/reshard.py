@@ -18,8 +18,8 @@ The manual loop (`--loop accelerate`) resumes at any world size; every part of t
   interrupted save).
 - **FSDP2.** torch.distributed.checkpoint reshards natively on load.
 - **Expert parallelism (FSDP2 + transformers' EP plan).** Also another ep, either way (ep=2 on 2 processes -> one
-  process and back: tests/train/model/test_model_expert_parallel.py). The experts are DTensors like every other
-  parameter (`_check_ep` says what DCP writes for them), so FSDP2's resharding carries them.
+  process -> ep=2 over dp_shard=4: tests/train/model/test_model_expert_parallel.py). The experts are DTensors like
+  every other parameter (`_check_ep` says what DCP writes for them), so FSDP2's resharding carries them.
 - **Sequence parallelism (DeepSpeed Ulysses).** The position counts the adapter's micro-batches (each a whole
   batch of rows); the loop skips them on the loader under the adapter (`sequence_parallel.Batches.resumed`).
   Another sp, data-parallel size or micro batch takes it up where it is a prefix of the epoch's order
@@ -122,7 +122,8 @@ def _check_ep(path: Path, state: dict, spec: RunSpec, convert: str) -> None:
     whose chunks are the ranks' experts at their global offsets (observed in the .metadata: ep=2 over dp_shard=2 and
     4, ep=4, ep=2 x tp=2; loaded whole by one process, every tensor equal to the model's), and loads those chunks
     into whatever placement the new mesh gives the experts. Proven end to end in the manual loop (ep=2 on 2 processes
-    -> one process -> ep=2, the steps of the uninterrupted run: tests/train/model/test_model_expert_parallel.py).
+    -> one process -> ep=2 over dp_shard=4, the steps of the uninterrupted run: tests/train/model/
+    test_model_expert_parallel.py).
     The Trainer's another world size is refused before (check_resumable); its another ep at the same world size is
     not proven. A state without an ep record predates it: it is read as ep=1 and named so."""
     if spec.loop != "trainer":

@@ -7,8 +7,8 @@ runtime guard checks that the model's experts really are split 2 ways (guard.exp
 one line and exit 2 before anything is written: ep with --lora_r, ep on a dense model. The Trainer's final
 checkpoint of the EP run exports to a plain Hugging Face model with the trained logits, and its checkpoint at step 2
 resumes at ep=2 bit for bit. The manual loop's checkpoint at step 2 resumes at another ep and world size, both ways:
-in one process (ep=1), whose checkpoint at step 3 resumes at ep=2 on 2 processes again, each continuing the
-uninterrupted run.
+in one process (ep=1), whose checkpoint at step 3 resumes at ep=2 over dp_shard=4 (4 processes), each continuing
+the uninterrupted run.
 
 Against the same one-process reference: `accelerate launch` with the accelerate YAML `hf-scale generate` writes for the
 ep=2 config (2 processes); and ep=2 with tp=2 over dp_shard=2 (4 processes, manual loop: transformers' all-to-all
@@ -133,30 +133,36 @@ def test_the_trainers_ep2_checkpoint_resumes_exactly_at_the_same_ep(ep2_run, tmp
 ONE_PROCESS = "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 1}\n" \
               "batch: {micro_batch_size: 2, gradient_accumulation_steps: 4}\noptimizer: {lr: 0.001}\n"
 """FSDP2 in one process (ep=1): the ep=2 run's global batch of 8 again (micro 2 x accumulation 4)."""
+EP2_DS4 = "strategy: fsdp\nprecision: 'no'\ntopology: {processes_per_machine: 4}\nparallelism: {ep: 2}\n" \
+          "batch: {micro_batch_size: 1, gradient_accumulation_steps: 2}\noptimizer: {lr: 0.001}\n"
+"""dp_shard = 4, the experts of 2 EP groups of different batches FSDP-sharded over 2 copies: 4 x micro 1 x 2 = 8."""
 
 
-def test_the_manual_loops_ep2_checkpoint_resumes_in_one_process_and_back_at_ep2(moe_dir, ep2_run, tmp_path):
+def test_the_manual_loops_ep2_checkpoint_resumes_in_one_process_and_at_ep2_over_dp_shard4(moe_dir, ep2_run, tmp_path):
     """Another ep and world size, both ways (reshard._check_ep: DCP holds each expert tensor at its global shape and
     reshards it like any FSDP2 parameter): checkpoint-2 of the ep=2 run on 2 processes, resumed by one process at
-    ep=1, trains steps 3 and 4 as the uninterrupted run; that run's checkpoint-3, resumed at ep=2 on 2 processes,
-    trains step 4 as it too and saves its model (the same logits). rel 1e-6 (observed up to 2.6e-7): the reduction
-    order differs."""
+    ep=1, trains steps 3 and 4 as the uninterrupted run; that run's checkpoint-3, resumed on 4 processes at ep=2 over
+    dp_shard=4 (each expert FSDP-sharded over the 2 ranks holding it, the 2 EP groups on different batches: micro 1 x
+    accumulation 2 x 4 = the global batch of 8), trains step 4 as it too and saves its model (the same logits).
+    rel 1e-6 (observed up to 2.6e-7): the reduction order differs."""
     uninterrupted, _, ep2_command = ep2_run("accelerate")
-    config = tmp_path / "one.yaml"
-    config.write_text(ONE_PROCESS)
-    one_process = launcher_command("torchrun", nproc=1) + COMMON + [
-        "--save_steps", "1", "--model_name_or_path", str(moe_dir), "--hf_scale_config", str(config),
-        "--loop", "accelerate"]
+    one_config, ds4_config = tmp_path / "one.yaml", tmp_path / "ep2_ds4.yaml"
+    one_config.write_text(ONE_PROCESS)
+    ds4_config.write_text(EP2_DS4)
+    train = COMMON + ["--model_name_or_path", str(moe_dir), "--loop", "accelerate"]
+    one_process = launcher_command("torchrun", nproc=1) + train + ["--save_steps", "1", "--hf_scale_config",
+                                                                   str(one_config)]
     in_one = resumed(uninterrupted, 2, tmp_path / "one", one_process, env=child_env(), timeout=600)
-    back_at_ep2 = resumed(tmp_path / "one", 3, tmp_path / "ep2", ep2_command, env=child_env(), timeout=600)
+    over_ds4 = launcher_command("torchrun", nproc=4) + train + ["--hf_scale_config", str(ds4_config)]
+    at_ds4 = resumed(tmp_path / "one", 3, tmp_path / "ds4", over_ds4, env=child_env(), timeout=600)
     want = {r["step"]: r for r in read_metrics(uninterrupted)}
     assert [r["step"] for r in in_one] == [3, 4]
-    assert [r["step"] for r in back_at_ep2] == [4]
-    for record in in_one + back_at_ep2:
+    assert [r["step"] for r in at_ds4] == [4]
+    for record in in_one + at_ds4:
         for key in ("loss", "grad_norm", "lr"):
             assert record[key] == pytest.approx(want[record["step"]][key], rel=1e-6), key
         assert record["tokens"] == want[record["step"]]["tokens"]  # the same samples: the data position is right
-    torch.testing.assert_close(logits(tmp_path / "ep2"), logits(uninterrupted), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(tmp_path / "ds4"), logits(uninterrupted), rtol=1e-5, atol=1e-5)
 
 
 def test_accelerate_launch_of_the_generated_ep2_files_equals_one_process(moe_dir, ep_config, reference_dir, tmp_path):
@@ -175,8 +181,8 @@ def test_accelerate_launch_of_the_generated_ep2_files_equals_one_process(moe_dir
 
 def test_ep2_with_tp2_over_dp_shard2_equals_one_process(moe_dir, reference_dir, tmp_path):
     """4 processes, manual loop: the experts split 2 ways over each TP group (ep = the TP group, which shares a
-    batch). The Trainer gave the same numbers by hand (rel < 5e-5), and so did dp_shard=4 x ep=2 (tp=1, rel < 2e-7):
-    each is one more 4-process launch (80 to 130 s on 2 cores), left out of the suite."""
+    batch). The Trainer gave the same numbers by hand (rel < 5e-5): one more 4-process launch (80 to 130 s on 2
+    cores), left out of the suite. ep=2 over dp_shard=4 (tp=1) trains a resumed step in the test above."""
     config = tmp_path / "ep2_tp2.yaml"
     config.write_text(EP2_TP2)
     out = tmp_path / "ep2"
