@@ -7,12 +7,13 @@ a test starts through `train_helpers.run` paid them again; here they start from 
 imported them once (per pytest worker):
 
 - `python train.py ARGS` is train.py run by runpy in a fork of the server (and so is `python WORKER ARGS`, a
-  worker script of the tests, a .py file under tests/: `torchrun` of one too);
+  worker script of the tests, a .py file under tests/: `torchrun` of one too; and `python benchmarks/SCRIPT ARGS`,
+  whose variants stay its own subprocesses);
 - `torchrun ARGS` is torchrun's own `main` in a fork of the server, given its `--run-path` and
   `--start-method fork` (torchrun's documented way to run the script in its own interpreter), so the ranks are forks
   of the preloaded agent, with the rendezvous, environment and supervision torchrun gives them;
 - `python -m hf_scale ARGS` (the `hf-scale` commands: export, demo, ...) is the package's `__main__` run by runpy
-  in a fork of the server, as `-m` runs it;
+  in a fork of the server, as `-m` runs it, and so is `python -m hf_scale.MODULE ARGS` (ray_train's driver);
 - `python -m accelerate.commands.launch ARGS` is accelerate's own argument processing and launcher in a fork of the
   server: accelerate hands its multi-process and single-node DeepSpeed runs to torchrun's `run` with the torchrun
   options of the same name (`_filter_args`), so the parsed arguments are given torchrun's `run_path` and
@@ -20,11 +21,11 @@ imported them once (per pytest worker):
   one-process config (accelerate's `simple_launcher`) still starts `python train.py` as a subprocess from there.
 
 What keeps the real subprocess: the `deepspeed` launcher (its runner and per-node `launch.py` start each rank with
-`subprocess.Popen`), any environment that differs from the
-server's in a variable read at import (HF_DATASETS_CACHE among them: the preloaded value would be stale; PATH and
-the build variables are read only when something is built, AT_BUILD), and the
-tests of a launcher's or the interpreter's own behaviour (signals, exit at interpreter shutdown, output filtering),
-which call `subprocess` themselves. HF_SCALE_TESTS_PRELOAD=0 turns it off.
+`subprocess.Popen`), any environment that differs from the server's in a variable read at import (HF_DATASETS_CACHE
+among them: the preloaded value would be stale; PATH and the build variables are read only when something is built,
+AT_BUILD, a launcher's variables when the run starts, AT_START), and the tests of a launcher's or the interpreter's
+own behaviour (signals, exit at interpreter shutdown, output filtering), which call `subprocess` themselves.
+HF_SCALE_TESTS_PRELOAD=0 turns it off.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
-HF_SCALE = [sys.executable, "-m", "hf_scale"]
+PYTHON_M = [sys.executable, "-m"]
 # What the server imports before it forks anything: train.py's runtime, torchrun and accelerate's launcher.
 PRELOAD = ["preloaded_runtime"]
 
@@ -53,18 +54,29 @@ PER_TEST = {"PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK", "CRC32C_SW_M
 # Read when something is built or a program is looked up, never at import (checked in DeepSpeed's and
 # torch.utils.cpp_extension's module-level code): the DeepSpeed runs on a PATH without compilers may be served.
 AT_BUILD = {"PATH", "CC", "CXX", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST"}
+# What a launcher sets for its ranks, read when the run starts (torch.distributed's process group, accelerate's
+# PartialState and Accelerator, CUDA's initialisation: a CPU build has none), never at import: no module-level read of
+# them in torch.distributed, accelerate (its one is USE_TORCH_XLA), DeepSpeed, transformers, peft or hf_scale
+# (checked by grep). A test that runs train.py under a launcher's environment by hand may be served.
+AT_START = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "CUDA_VISIBLE_DEVICES"}
+AT_START_PREFIXES = ("ACCELERATE_", "PARALLELISM_CONFIG_")
 _server: dict = {}
 TESTS = os.path.dirname(os.path.abspath(__file__))
 """This folder: the worker scripts under it may be run from the server (and the server imports PRELOAD from it)."""
+BENCHMARKS = os.path.join(os.path.dirname(TESTS), "benchmarks")
+"""The benchmark scripts, which the smoke tests run end to end (the variants they start are their own subprocesses)."""
 
 
 def _script(path: str, train_py: str) -> bool:
-    """train.py, or a worker script of the tests (a .py file under tests/): what the server may run."""
-    return path == train_py or (path.endswith(".py") and os.path.abspath(path).startswith(TESTS + os.sep))
+    """train.py, a worker script of the tests (a .py file under tests/) or a benchmark script: what the server may
+    run."""
+    return path == train_py or (path.endswith(".py") and any(
+        os.path.abspath(path).startswith(folder + os.sep) for folder in (TESTS, BENCHMARKS)))
 
 
 def _kind(command: list[str], train_py: str) -> tuple[str, str | None] | None:
-    """How the server runs `command`, and the script it runs (None for `python -m hf_scale`); None where it cannot."""
+    """How the server runs `command`, and the script it runs (None for `python -m MODULE`); None where it cannot."""
     if len(command) >= 2 and command[0] == sys.executable and _script(command[1], train_py):
         return "python", command[1]
     if command[:3] == TORCHRUN:
@@ -72,8 +84,8 @@ def _kind(command: list[str], train_py: str) -> tuple[str, str | None] | None:
         return ("torchrun", script) if script else None
     if command[:3] == ACCELERATE_LAUNCH and train_py in command:
         return "accelerate", train_py
-    if command[:3] == HF_SCALE:
-        return "hf_scale", None
+    if command[:2] == PYTHON_M and len(command) > 2 and command[2].split(".")[0] == "hf_scale":
+        return "module", None  # python -m hf_scale (the hf-scale commands) or -m hf_scale.commands.ray_train, ...
     return None
 
 
@@ -104,9 +116,10 @@ def server_context(server_env: dict[str, str], env: dict[str, str] | None = None
 
 
 def _comparable(env: dict[str, str]) -> dict[str, str]:
-    """The environment but for PER_TEST, AT_BUILD and torch inductor's variables."""
+    """The environment but for PER_TEST, AT_BUILD, AT_START and torch inductor's variables."""
     return {key: value for key, value in env.items()
-            if key not in PER_TEST | AT_BUILD and not key.lstrip("_").startswith("TORCHINDUCTOR_")}
+            if key not in PER_TEST | AT_BUILD | AT_START and not key.startswith(AT_START_PREFIXES)
+            and not key.lstrip("_").startswith("TORCHINDUCTOR_")}
 
 
 def _log(how: str, command: list[str]) -> None:
@@ -116,11 +129,19 @@ def _log(how: str, command: list[str]) -> None:
             out.write(f"{how}\t{os.environ.get('PYTEST_CURRENT_TEST', '')}\t{' '.join(command)[:200]}\n")
 
 
-def _child(kind: str, argv: list[str], first: str, cwd: str, env: dict[str, str], out: str, err: str) -> None:
+def limit_file_size(limit: int) -> None:
+    """RLIMIT_FSIZE of this process and what it starts (the hard limit kept)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def _child(kind: str, argv: list[str], first: str, cwd: str, env: dict[str, str], out: str, err: str,
+           file_size_limit: int | None = None) -> None:
     """In the fork: what `subprocess` would have given the command (its own session, directory, environment,
-    standard streams, the interpreter's default signal dispositions, and `first` first on sys.path: the script's
-    folder as `python SCRIPT` puts it, the directory as `python -m` does), then the command (`argv` after `python`
-    or `python -m MODULE`)."""
+    standard streams, the interpreter's default signal dispositions, `file_size_limit` as its RLIMIT_FSIZE, and
+    `first` first on sys.path: the script's folder as `python SCRIPT` puts it, the directory as `python -m` does),
+    then the command (`argv` after `python` or `python -m MODULE`)."""
     os.setsid()  # one process group: a timeout kills the ranks with it
     for fd, path in ((1, out), (2, err)):  # first: whatever fails next is in the run's output
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -131,6 +152,8 @@ def _child(kind: str, argv: list[str], first: str, cwd: str, env: dict[str, str]
     os.environ.update(env)
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
+    if file_size_limit is not None:
+        limit_file_size(file_size_limit)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
@@ -138,9 +161,9 @@ def _child(kind: str, argv: list[str], first: str, cwd: str, env: dict[str, str]
     if kind == "python":
         sys.argv = argv
         runpy.run_path(argv[0], run_name="__main__")
-    elif kind == "hf_scale":
-        sys.argv = [sys.argv[0], *argv]  # run_module replaces sys.argv[0] with hf_scale/__main__.py, as -m does
-        runpy.run_module("hf_scale", run_name="__main__", alter_sys=True)
+    elif kind == "module":
+        sys.argv = [sys.argv[0], *argv[1:]]  # run_module replaces sys.argv[0] with the module's file, as -m does
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     elif kind == "torchrun":
         from torch.distributed.run import main
 
@@ -162,7 +185,7 @@ def preload_state() -> None:
 
 
 def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: float, train_py: str,
-        server_env: dict[str, str]):
+        server_env: dict[str, str], file_size_limit: int | None = None):
     """The CompletedProcess of `command` run from the preloaded server, or None where it must be a subprocess.
     The server runs in `server_env` (the tests' usual child environment)."""
     how = _kind(command, train_py)
@@ -177,12 +200,14 @@ def run(command: list[str], *, cwd: Path | None, env: dict[str, str], timeout: f
         _log(f"subprocess ({sorted(k for k in base.keys() | given.keys() if base.get(k) != given.get(k))})", command)
         return None
     _log("preloaded", command)
-    argv = command[1:] if kind == "python" else command[3:]  # after `python` or `python -m MODULE`
+    # After `python`, `python -m` (the module and its arguments) or `python -m MODULE` (a launcher's arguments).
+    argv = command[1:] if kind == "python" else command[2:] if kind == "module" else command[3:]
     directory = str(cwd or os.getcwd())
     first = directory if script is None else os.path.dirname(os.path.abspath(script))
     with tempfile.TemporaryDirectory(prefix="preloaded-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        process = context.Process(target=_child, args=(kind, argv, first, directory, env, out, err))
+        process = context.Process(target=_child, args=(kind, argv, first, directory, env, out, err,
+                                                                  file_size_limit))
         process.start()
         process.join(timeout)
         timed_out = process.exitcode is None

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import child_env, run
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -22,9 +23,9 @@ ENVIRONMENT_KEYS = {"date", "torch", "transformers", "accelerate", "deepspeed", 
 
 
 def _bench(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(BENCH / script), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
+    """The benchmark script run as `python benchmarks/SCRIPT ARGS` (from the tests' preloaded fork server: the
+    variants it starts are its own subprocesses, as anywhere)."""
+    return run([sys.executable, str(BENCH / script), *args], cwd=REPO, env=child_env(), timeout=timeout)
 
 
 def _ok(script: str, tmp_path: Path, *args: str) -> dict:

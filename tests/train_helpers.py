@@ -135,17 +135,21 @@ def launcher_command(launcher: str, nproc: int = 2, *, config: Path | None = Non
 
 
 def run(
-    command: list[str], *, cwd: Path = REPO, env: dict | None = None, timeout: int = LAUNCH_TIMEOUT_S
+    command: list[str], *, cwd: Path = REPO, env: dict | None = None, timeout: int = LAUNCH_TIMEOUT_S,
+    file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`command` to its end: `python train.py`, `torchrun ... train.py`, `accelerate launch ... train.py` and the
     same of a worker script under tests/ start from the preloaded fork server (tests/preloaded.py) where they can,
-    everything else as a subprocess."""
+    everything else as a subprocess. `file_size_limit` (bytes): RLIMIT_FSIZE of the command and everything it starts,
+    a real limit standing in for a full disk (the kernel refuses a bigger file: EFBIG; Python ignores SIGXFSZ)."""
     env = env or child_env()
     preloaded_result = preloaded.run(command, cwd=cwd, env=env, timeout=timeout, train_py=TRAIN_PY,
-                                     server_env=child_env())
+                                     server_env=child_env(), file_size_limit=file_size_limit)
     if preloaded_result is not None:
         return preloaded_result
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=None if file_size_limit is None else lambda: preloaded.limit_file_size(
+                              file_size_limit))
 
 
 def run_ok(command: list[str], **kwargs) -> subprocess.CompletedProcess:

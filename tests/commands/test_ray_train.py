@@ -21,7 +21,7 @@ import pytest
 import torch
 from cluster_helpers import LOOPBACK_ENV, Connections
 from safetensors.torch import load_file
-from train_helpers import child_env, free_port, launcher_command, read_metrics, run_ok
+from train_helpers import child_env, free_port, launcher_command, read_metrics, run, run_ok
 
 from hf_scale.commands import ray_train
 from hf_scale.commands.cli import main
@@ -128,9 +128,9 @@ def _refusal(root: Path, *argv: str, config: str = "ray") -> str:
     starts (the timeout stands for the hang there was: Ray waiting forever for workers it cannot place)."""
     env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("RAY_ADDRESS", None)
-    result = subprocess.run([sys.executable, "-m", "hf_scale.commands.ray_train", "--hf_scale_config",
-                             str(root / "hf_scale_configs" / f"{config}.yaml"), "--output_dir", str(root / "out"),
-                             *argv], capture_output=True, text=True, timeout=180, env=env, cwd=root)
+    result = run([sys.executable, "-m", "hf_scale.commands.ray_train", "--hf_scale_config",
+                  str(root / "hf_scale_configs" / f"{config}.yaml"), "--output_dir", str(root / "out"), *argv],
+                 timeout=180, env=env, cwd=root)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"{ray_train.PROG}: error: "), result.stderr
     assert not (root / "out").exists()  # nothing started, nothing written

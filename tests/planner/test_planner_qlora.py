@@ -6,11 +6,11 @@ choice to train.py's flags."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import yaml
+from train_helpers import run_ok
 from transformers import LlamaConfig
 
 from hf_scale.planner import Workload, make_plan, model_shapes
@@ -70,14 +70,12 @@ def test_plan_json_and_generate_carry_qlora_to_train_flags(tmp_path):
     model = tmp_path / "llama70b"
     LlamaConfig(**LLAMA_31_70B).save_pretrained(model)
     flags = ["--gpus-per-machine", "2", "--gpu-memory", "80GiB", "--cpu-memory", "128GiB", "--seq-len", str(SEQ)]
-    planned = subprocess.run([sys.executable, "-m", "hf_scale", "plan", str(model), *flags, "--json"],
-                             capture_output=True, text=True, check=True)
+    planned = run_ok([sys.executable, "-m", "hf_scale", "plan", str(model), *flags, "--json"])
     data = json.loads(planned.stdout)
     assert data["workload"]["load_in_4bit"] is True and data["qlora_because"]
     assert data["train_flags"] == {"max_seq_length": SEQ, "lora_r": 16, "load_in_4bit": True}
-    subprocess.run([sys.executable, "-m", "hf_scale", "generate", "--strategy", "auto", "--model", str(model),
-                    *flags, "--recipe", "--name", "q", "--output-dir", str(tmp_path / "out")],
-                   capture_output=True, text=True, check=True)
+    run_ok([sys.executable, "-m", "hf_scale", "generate", "--strategy", "auto", "--model", str(model), *flags,
+            "--recipe", "--name", "q", "--output-dir", str(tmp_path / "out")])
     recipe = yaml.safe_load((tmp_path / "out" / "recipes" / "q.yaml").read_text())
     assert recipe["lora_r"] == 16 and recipe["load_in_4bit"] is True and recipe["max_seq_length"] == SEQ
     # train.py reads the recipe as it does at start (its recipe expansion and parser)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from train_helpers import (
     logits,
     read_eval_metrics,
     read_metrics,
+    run,
     run_ok,
     training_traceback_frames,
 )
@@ -151,11 +151,10 @@ def test_tp2_checkpoint_resumes_exactly_and_at_dp_shard2(tp_dir, tmp_path):
         assert record["tokens"] == want[record["step"]]["tokens"]
 
 
-def _full_disk() -> None:
-    """In the launcher before it starts (inherited by every rank): a file may grow to 600 kB, the kernel refuses
-    more (EFBIG; Python ignores SIGXFSZ) — a real limit standing in for a full disk. The model's files fit; each
-    rank's DCP shard of the model and its Adam state does not."""
-    resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+FULL_DISK = 600_000
+"""The launcher's RLIMIT_FSIZE (inherited by every rank): a file may grow to 600 kB, the kernel refuses more (EFBIG;
+Python ignores SIGXFSZ) — a real limit standing in for a full disk. The model's files fit; each rank's DCP shard of
+the model and its Adam state does not."""
 
 
 @pytest.mark.parametrize(("config", "loop", "saved", "failing"), [
@@ -175,9 +174,9 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_keeps_the_intact_chec
     shutil.copytree(request.getfixturevalue(saved) / "checkpoint-3", out / "checkpoint-3")
     path = tmp_path / "config.yaml"
     path.write_text(config)
-    result = subprocess.run(launcher_command("torchrun") + COMMON + [
+    result = run(launcher_command("torchrun") + COMMON + [
         "--hf_scale_config", str(path), "--resume_from_checkpoint", "auto", "--save_steps", "1", "--loop", loop,
-        "--output_dir", str(out)], env=child_env(), capture_output=True, text=True, timeout=600, preexec_fn=_full_disk)
+        "--output_dir", str(out)], env=child_env(), timeout=600, file_size_limit=FULL_DISK)
     assert result.returncode != 0, result.stderr[-3000:]
     assert training_traceback_frames(result.stderr) == [] and "CheckpointException" not in result.stderr, \
         result.stderr[-4000:]

@@ -107,7 +107,7 @@ def test_a_qlora_checkpoint_resumed_without_load_in_4bit_is_refused_in_one_line(
 def test_ddp_manual_loop_equals_one_process(one_process, tmp_path):
     out = tmp_path / "ddp"
     run_ok(torchrun(TRAIN_PY, *COMMON, "--per_device_train_batch_size", "4",
-                    "--loop", "accelerate", "--output_dir", out), env=child_env(tmp_path / "cache"))
+                    "--loop", "accelerate", "--output_dir", out), env=child_env())
     torch.testing.assert_close(losses(out), losses(one_process), rtol=LOSS_RTOL, atol=0)
     assert json.loads((out / "hf_scale_verify.json").read_text())["ok"]
 
@@ -121,7 +121,7 @@ def test_zero3_trainer_equals_one_process(one_process, tmp_path):
         "batch.gradient_accumulation_steps=1", "optimizer.lr=1e-3"])
     out = tmp_path / "z3"
     result = run_ok(torchrun(TRAIN_PY, *COMMON, "--per_device_train_batch_size", "4", "--output_dir", out,
-                             "--deepspeed", configs / "ds_configs" / "z3.json"), env=child_env(tmp_path / "cache"))
+                             "--deepspeed", configs / "ds_configs" / "z3.json"), env=child_env())
     assert "stored as bfloat16" in result.stderr
     torch.testing.assert_close(losses(out), losses(one_process), rtol=LOSS_RTOL, atol=0)
     adapter = load_file(out / "adapter_model.safetensors")  # ZeRO-3's classic failure: an empty adapter
@@ -140,7 +140,7 @@ def test_fsdp2_manual_loop_equals_one_process(one_process, tmp_path):
                       "batch: {micro_batch_size: 4, gradient_accumulation_steps: 1}\noptimizer: {lr: 0.001}\n")
     out = tmp_path / "fsdp2"
     result = run_ok(torchrun(TRAIN_PY, *COMMON, "--per_device_train_batch_size", "4", "--loop", "accelerate",
-                             "--hf_scale_config", config, "--output_dir", out), env=child_env(tmp_path / "cache"))
+                             "--hf_scale_config", config, "--output_dir", out), env=child_env())
     assert "stored as bfloat16" in result.stderr
     torch.testing.assert_close(losses(out), losses(one_process), rtol=LOSS_RTOL, atol=0)
     stored = FileSystemReader(str(out / f"checkpoint-{STEPS}" / DCP_DIR)).read_metadata().state_dict_metadata
