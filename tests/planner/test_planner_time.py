@@ -226,6 +226,41 @@ def test_plan_takes_a_gpu_and_a_token_budget(tmp_path, capsys):
     assert "on A100 SXM 40GB" in out and "tokens: " in out and "GPU-hours, cost " in out
 
 
+@pytest.mark.parametrize(("model", "gpus", "seq_len"), [
+    ("8b", 8, 8192), ("70b", 8, 8192), ("70b", 16, 8192), ("70b", 64, 8192), ("70b", 64, 32768),
+])  # fmt: skip
+def test_the_issues_scenarios_name_a_recommendation_its_time_and_why_the_others_lose(model, gpus, seq_len, tmp_path,
+                                                                                      capsys):
+    """Llama-3.1-8B on 8 x H100 at 8k, Llama-3.1-70B on 8/16/64 H100 at 8k and 32k: the plan names the fastest layout
+    that fits with its predicted step, tokens/s, MFU and wall-clock; every faster layout it rejects, with the memory it
+    needs; every slower one that fits, with the term its step spends most on."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", **LLAMA[model]}))
+    argv = ["plan", str(config), "--gpu", "h100-sxm", "--gpus-per-machine", "8", "--num-machines", str(gpus // 8),
+            "--seq-len", str(seq_len), "--tokens", "1e9"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = {c["key"]: c for c in data["candidates"]}
+    best = names[data["recommended"]]
+    assert best["fits"] and best["time"]["step_s"] > 0 and best["time"]["run"]["hours"] > 0
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"({best['key']}):" in next(line for line in out.splitlines() if line.startswith("recommended: "))
+    predicted = next(line for line in out.splitlines() if line.strip().startswith("predicted:"))
+    assert all(word in predicted for word in ("s/step", "tokens/s per GPU", "MFU", "wall-clock")), predicted
+    speed = best["time"]["tokens_per_s_per_gpu"]
+    faster = [c for c in data["candidates"] if c["time"]["tokens_per_s_per_gpu"] > speed]
+    assert faster and all(not c["fits"] for c in faster)  # the recommendation is the fastest that fits
+    rejected = out.split("faster candidates rejected:\n")[1].split("slower candidates")[0].split("pass to")[0]
+    lines = [line for line in rejected.splitlines() if line.startswith("  ")]
+    assert len(lines) == len(faster) and all(" needs " in line and " GiB per GPU > " in line for line in lines), out
+    if any(c["fits"] and c["key"] != best["key"] for c in data["candidates"]):
+        why = out.split("slower candidates that fit (what their step spends most on):\n")[1]
+        first = why.splitlines()[0]
+        assert "tokens/s per GPU" in first and any(f", {term} (" in first for term in (
+            "compute", "communication", "offload", "optimizer")), first
+
+
 @pytest.mark.parametrize(("flags", "fragment"), [
     (["--gpu", "h300"], "--gpu 'h300' is not a known GPU: allowed h100-sxm, "),
     (["--tokens", "-5"], "--tokens -5 is invalid: allowed a positive number"),
