@@ -152,7 +152,7 @@ def _child(kind: str, argv: list[str], first: str, cwd: str, env: dict[str, str]
     os.environ.update(env)
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
-    if file_size_limit is not None:
+    if file_size_limit is not None:  # the captured output files too: a run under a limit must print less than it
         limit_file_size(file_size_limit)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
