@@ -240,8 +240,7 @@ def test_the_issues_scenarios_name_a_recommendation_its_time_and_why_the_others_
             "--seq-len", str(seq_len), "--tokens", "1e9"]
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    names = {c["key"]: c for c in data["candidates"]}
-    best = names[data["recommended"]]
+    best = next(c for c in data["candidates"] if c["key"] == data["recommended"])
     assert best["fits"] and best["time"]["step_s"] > 0 and best["time"]["run"]["hours"] > 0
     assert main(argv) == 0
     out = capsys.readouterr().out
